@@ -1,0 +1,122 @@
+"""Array operations and device facts for Edge0's core logic.
+
+Core modules (routing, executors, engine) call these names instead of importing mlx, so the
+backend stays behind one narrow interface.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+
+import mlx.core as mx
+import numpy as np
+
+Array = mx.array
+
+# Ops used by routing; they are mlx's own so results stay bit-identical to mlx-lm.
+softmax = mx.softmax
+sigmoid = mx.sigmoid
+argpartition = mx.argpartition
+take_along_axis = mx.take_along_axis
+put_along_axis = mx.put_along_axis
+topk = mx.topk
+unflatten = mx.unflatten
+flatten = mx.flatten
+stop_gradient = mx.stop_gradient
+compile = mx.compile
+float32 = mx.float32
+uint32 = mx.uint32
+eval = mx.eval
+argmax = mx.argmax
+concatenate = mx.concatenate
+
+_DTYPES = {
+    "float32": mx.float32,
+    "float16": mx.float16,
+    "bfloat16": mx.bfloat16,
+    "uint32": mx.uint32,
+    "uint8": mx.uint8,
+    "int32": mx.int32,
+    "int64": mx.int64,
+}
+# safetensors dtype labels
+ST_DTYPES = {
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "U32": "uint32",
+    "U8": "uint8",
+    "I32": "int32",
+    "I64": "int64",
+}
+
+
+def dtype(name: str):
+    """The backend dtype for a name like 'float32' (or the dtype itself)."""
+    if not isinstance(name, str):
+        return name
+    if name not in _DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; use one of {', '.join(_DTYPES)}")
+    return _DTYPES[name]
+
+
+def dtype_name(dt) -> str:
+    return str(dt).split(".")[-1]
+
+
+def array(x, dt=None) -> mx.array:
+    return mx.array(x, dtype=dtype(dt) if dt is not None else None)
+
+
+def from_raw(buf: np.ndarray, st_dtype: str, shape) -> mx.array:
+    """Build a device array from raw little-endian bytes of safetensors dtype `st_dtype`."""
+    name = ST_DTYPES[st_dtype]
+    if name == "bfloat16":
+        return mx.array(buf.view(np.uint16).reshape(shape)).view(mx.bfloat16)
+    return mx.array(buf.view(np.dtype(name)).reshape(shape))
+
+
+def to_numpy(a: mx.array) -> np.ndarray:
+    """Copy an array to the host (a sync point)."""
+    return np.array(a, copy=True)
+
+
+def default_device() -> str:
+    return "gpu" if mx.default_device() == mx.gpu else "cpu"
+
+
+def pick_compute_dtype(requested: str | None, checkpoint_dtype: str) -> str:
+    """Choose the compute dtype: `requested` if given, else float32 on CPU (quantized matmuls are
+    9-30x slower in bf16/fp16 there, see docs/dtype.md) and the checkpoint's dtype on a GPU."""
+    if requested not in (None, "auto"):
+        dtype(requested)
+        return requested
+    return "float32" if default_device() == "cpu" else checkpoint_dtype
+
+
+def peak_memory() -> int:
+    """MLX allocator peak in bytes since the last reset."""
+    return mx.get_peak_memory()
+
+
+def reset_peak_memory() -> None:
+    mx.reset_peak_memory()
+
+
+def active_memory() -> int:
+    return mx.get_active_memory()
+
+
+def clear_cache() -> None:
+    mx.clear_cache()
+
+
+def peak_rss() -> int:
+    """Process peak resident set size in bytes."""
+    r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return r if sys.platform == "darwin" else r * 1024
+
+
+def seed(s: int) -> None:
+    mx.random.seed(s)

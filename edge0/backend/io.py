@@ -1,0 +1,82 @@
+"""Model construction from a config, lazy safetensors access and tokenizers (via mlx-lm)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+from mlx_lm.utils import _get_classes, load_config, load_tokenizer, save_config
+
+from edge0.errors import Edge0Error
+
+__all__ = ["load_config", "load_tokenizer", "save_config", "TokenizerWrapper"]
+
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+ST_DTYPE = {mx.float32: "F32", mx.float16: "F16", mx.bfloat16: "BF16", mx.uint32: "U32",
+            mx.uint8: "U8", mx.int32: "I32", mx.int64: "I64"}
+
+
+def model_classes(config: dict, where: Path):
+    try:
+        return _get_classes(config)
+    except ValueError:
+        raise Edge0Error(
+            f"{where / 'config.json'}: model_type {config.get('model_type')!r} is not supported "
+            "by the installed mlx-lm; upgrade mlx-lm (pip install -U mlx-lm)"
+        ) from None
+
+
+def build_model(config: dict, where: Path) -> nn.Module:
+    """An mlx-lm model for `config` with lazily initialised (never evaluated) parameters."""
+    model_class, args_class = model_classes(config, where)
+    return model_class(args_class.from_dict(config))
+
+
+def expert_modules(model: nn.Module, where: Path) -> list[tuple[str, int]]:
+    """(path, layer index) of every SwitchGLU/SwitchMLP module: the routed experts."""
+    found = []
+    for path, m in model.named_modules():
+        if isinstance(m, (SwitchGLU, SwitchMLP)):
+            layer = _LAYER.search(path + ".")
+            if layer is None:
+                raise Edge0Error(f"{where / 'config.json'}: expert module {path} is not inside a layers list")
+            found.append((path, int(layer.group(1))))
+    if not found:
+        raise Edge0Error(
+            f"{where / 'config.json'}: model_type {getattr(model, 'model_type', '?')!r} "
+            "has no MoE block with routed experts (no SwitchGLU/SwitchMLP layers); edge0 runs "
+            "MoE models only, use mlx-lm for dense models"
+        )
+    return sorted(found, key=lambda p: p[1])
+
+
+def lazy_load(files) -> dict:
+    """Tensors of safetensors files, read from disk only when evaluated."""
+    weights = {}
+    for f in files:
+        weights.update(mx.load(str(f)))
+    return weights
+
+
+def flat_parameters(model: nn.Module) -> dict:
+    return dict(tree_flatten(model.parameters()))
+
+
+def materialize(arrays: list) -> None:
+    mx.eval(*arrays)
+
+
+def raw_bytes(a: mx.array) -> memoryview:
+    """The little-endian bytes of an evaluated array."""
+    if a.dtype == mx.bfloat16:
+        a = a.view(mx.uint16)
+    return memoryview(a).cast("B")
+
+
+def st_dtype(a: mx.array) -> str:
+    return ST_DTYPE[a.dtype]

@@ -1,0 +1,154 @@
+"""Streaming modules that stand in for mlx-lm's expert layers, model assembly from a store, and
+the forward/sampling calls the engine uses."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.sample_utils import make_sampler
+
+from edge0.backend import io as bio
+from edge0.routing import route
+
+__all__ = ["make_prompt_cache", "make_sampler"]
+
+
+class StreamingExperts(nn.Module):
+    """Stands in for an mlx-lm SwitchGLU/SwitchMLP whose stacked expert tensors stay on disk.
+
+    Per call, `executor(indices)` returns the tensors of the experts the route needs and the
+    route's indices mapped into them; the original mlx-lm module then runs its own math on them.
+    """
+
+    def __init__(self, inner: nn.Module, executor):
+        super().__init__()
+        # Plain attributes, not children: the experts' tensors must not count as resident.
+        object.__setattr__(self, "inner", inner)
+        object.__setattr__(self, "executor", executor)
+
+    def __call__(self, x, indices):
+        params, local = self.executor(indices)
+        self.inner.update(params)
+        return self.inner(x, local)
+
+
+class SpecMoEBlock(nn.Module):
+    """A spec'd family's MoE block with Edge0's routing: router -> top-k -> experts -> weighted
+    sum (+ shared experts). Keeps the original block's children so weight names are unchanged."""
+
+    def __init__(self, block: nn.Module, spec, k: int):
+        super().__init__()
+        for name, child in block.items():
+            self[name] = child
+        object.__setattr__(self, "spec", spec)
+        self.k = k
+
+    def _lookup(self, path: str):
+        obj = self
+        for part in path.split("."):
+            obj = obj[part]
+        return obj
+
+    def router_logits(self, x):
+        router = self._lookup(self.spec.router)
+        return router(x) if isinstance(router, nn.Module) else x @ router.T
+
+    def __call__(self, x):
+        # T tokens, E experts, K active, D hidden
+        spec = self.spec
+        bias = self._lookup(spec.router_bias) if spec.router_bias else None
+        inds, scores = route(self.router_logits(x), spec.routing, self.k, bias)  # [.., T, K]
+        y = self[spec.experts](x, inds)  # [.., T, K, D]
+        y = (y * scores[..., None]).sum(axis=-2).astype(y.dtype)  # [.., T, D]
+        shared = spec.shared
+        if shared.kind == "plain":
+            y = y + self[shared.module](x)
+        elif shared.kind == "gated":
+            y = y + mx.sigmoid(self[shared.gate](x)) * self[shared.module](x)
+        return y
+
+
+def _get(root: nn.Module, path: str):
+    obj = root
+    for part in path.split("."):
+        obj = obj[int(part)] if isinstance(obj, list) else obj[part]
+    return obj
+
+
+def _set(root: nn.Module, path: str, value) -> None:
+    parent, name = path.rsplit(".", 1)
+    _get(root, parent)[name] = value
+
+
+def assemble(root: Path, manifest: dict, config: dict, spec, k: int | None, compute_dtype: str, make_executor):
+    """Build the model of a store: resident weights loaded and evaluated, each expert module
+    replaced by a StreamingExperts fed by `make_executor(layer)`, and, for spec'd families, each
+    MoE block replaced by a SpecMoEBlock serving width `k`."""
+    model = bio.build_model(config, root)
+    resident = bio.lazy_load([root / "model.safetensors"])
+    names = set(resident)
+    for layer in manifest["expert_layers"]:
+        names.update(f"{layer['module']}.{t}" for t in layer["tensors"])
+    q = config.get("quantization")
+    if q:
+        def predicate(p, m):
+            if p in q:
+                return q[p]
+            return hasattr(m, "to_quantized") and f"{p}.scales" in names
+
+        nn.quantize(model, q["group_size"], q["bits"], mode=q.get("mode", "affine"), class_predicate=predicate)
+
+    dt = getattr(mx, compute_dtype)
+    for layer in manifest["expert_layers"]:
+        path = layer["module"]
+        _set(model, path, StreamingExperts(_get(model, path), make_executor(layer["layer"])))
+        if spec is not None:
+            block_path = path[: -len(spec.experts) - 1]
+            _set(model, block_path, SpecMoEBlock(_get(model, block_path), spec, k))
+
+    cast = getattr(model, "cast_predicate", lambda _: True)
+    weights = [
+        (n, w.astype(dt) if mx.issubdtype(w.dtype, mx.floating) and cast(n) else w)
+        for n, w in resident.items()
+    ]
+    model.eval()
+    model.load_weights(weights, strict=True)
+    mx.eval(model.parameters())
+    return model
+
+
+def moe_blocks(model: nn.Module) -> list[SpecMoEBlock]:
+    return [m for _, m in model.named_modules() if isinstance(m, SpecMoEBlock)]
+
+
+def resident_bytes(model: nn.Module) -> int:
+    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+
+
+def forward(model, tokens: list[int], cache) -> mx.array:
+    """Run tokens through the model (updating `cache`); returns last-position log-probs [V]."""
+    logits = model(mx.array(tokens)[None], cache=cache)[:, -1, :]
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
+def prefill(model, tokens: list[int], cache, step: int = 2048) -> None:
+    """Fill `cache` with `tokens` in chunks, as mlx-lm does before the first decode step."""
+    for i in range(0, len(tokens), step):
+        model(mx.array(tokens[i : i + step])[None], cache=cache)
+        mx.eval([c.state for c in cache])
+
+
+def full_logits(model, tokens: list[int]):
+    """Logits of every position for one prompt, without a cache (float32 numpy [T, V])."""
+    import numpy as np
+
+    out = model(mx.array(tokens)[None])[0].astype(mx.float32)
+    return np.array(out)
+
+
+def sample(sampler, logprobs) -> int:
+    return sampler(logprobs[None]).item()

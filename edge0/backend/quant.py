@@ -1,0 +1,54 @@
+"""Quantization as `mlx_lm convert -q --q-bits 4 --q-group-size 64` does it, kept lazy so the
+converter can evaluate and write one tensor at a time."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+from pathlib import Path
+
+import mlx.core as mx
+from mlx.utils import tree_map, tree_map_with_path
+from mlx_lm.convert import MODEL_CONVERSION_DTYPES
+from mlx_lm.utils import load as mlx_lm_load
+from mlx_lm.utils import quantize_model
+
+from edge0.backend import io as bio
+
+
+def quantize_hf(src: Path, bits: int = 4, group_size: int = 64, dtype: str | None = None):
+    """Lazily load an unquantized checkpoint and quantize it exactly like mlx-lm's converter.
+
+    Returns (weights: name -> lazy array, config, tokenizer, expert module paths).
+    """
+    with contextlib.redirect_stdout(io.StringIO()):
+        model, tokenizer, config = mlx_lm_load(str(src), lazy=True, return_config=True)
+    experts = bio.expert_modules(model, src)
+    if dtype is None:
+        dtype = config.get("torch_dtype") or config.get("text_config", {}).get("dtype")
+    if dtype in MODEL_CONVERSION_DTYPES:
+        dt = getattr(mx, dtype)
+        cast = getattr(model, "cast_predicate", lambda _: True)
+        model.update(
+            tree_map_with_path(
+                lambda k, v: v.astype(dt) if cast(k) and mx.issubdtype(v.dtype, mx.floating) else v,
+                model.parameters(),
+            )
+        )
+    with contextlib.redirect_stdout(io.StringIO()):
+        model, config = quantize_model(model, config, group_size, bits)
+    weights = bio.flat_parameters(model)
+    # Drop the model's references so each tensor is freed once written.
+    model.update(tree_map(lambda _: mx.array([]), model.parameters()))
+    return weights, config, tokenizer, experts
+
+
+def index_quantized(src: Path):
+    """An mlx-lm checkpoint that is already quantized and stacked: its tensors as they are."""
+    config = bio.load_config(src)
+    files = sorted(src.glob("model*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{src}: no model*.safetensors files")
+    weights = bio.lazy_load(files)
+    experts = bio.expert_modules(bio.build_model(config, src), src)
+    return weights, config, bio.load_tokenizer(src), experts

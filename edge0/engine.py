@@ -1,0 +1,201 @@
+"""The engine: load a store, prefill and decode with streamed experts, sampling, stats."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from edge0.backend import core as B
+from edge0.backend import io as bio
+from edge0.backend import nn as bnn
+from edge0.errors import Edge0Error
+from edge0.spec import MoESpec
+from edge0.store import ExpertStore, open_manifest
+from edge0.streaming.exact import ExactExecutor, ExecutorStats
+from edge0.stopstrings import StopMatcher
+
+
+@dataclass
+class Step:
+    token: int
+    text: str
+    finish_reason: str | None = None
+    stats: dict | None = None
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    tokens: list[int]
+    finish_reason: str
+    stats: dict = field(default_factory=dict)
+
+
+def load(path=None, *, dtype: str | None = None, top_k: int | None = None, verify: bool = False, **unused) -> "Engine":
+    """Open an edge0 store and assemble its model. See docs/engine-api.md."""
+    from edge0.models import resolve_model
+
+    root = resolve_model(path)
+    manifest = open_manifest(root, verify=verify)
+    config = bio.load_config(root)
+    spec = MoESpec.from_dict(manifest["spec"]) if manifest.get("spec") else None
+    if top_k is not None and spec is None:
+        raise Edge0Error(f"--top-k: {manifest['model_type']} has no MoESpec (universal level); the serving width can only be changed for spec'd families")
+    k = spec.serving_k(top_k) if spec else None
+    ckpt_dtype = next((t["dtype"] for l in manifest["expert_layers"] for n, t in l["tensors"].items() if n.endswith("scales")), "F32")
+    compute = B.pick_compute_dtype(dtype, B.ST_DTYPES.get(ckpt_dtype, "float32"))
+    store = ExpertStore(root, manifest)
+    stats = ExecutorStats()
+    model = bnn.assemble(root, manifest, config, spec, k, compute, lambda layer: ExactExecutor(store, layer, compute, stats))
+    return Engine(root, model, bio.load_tokenizer(root), store, stats, spec, k, compute)
+
+
+class Engine:
+    """A loaded model. generate / stream_generate / chat; see docs/engine-api.md."""
+
+    def __init__(self, root: Path, model, tokenizer, store, executor_stats, spec, k, compute_dtype):
+        self.root = Path(root)
+        self.model_id = self.root.name
+        self.model = model
+        self.tokenizer = tokenizer
+        self.store = store
+        self.executor_stats = executor_stats
+        self.spec, self.k, self.compute_dtype = spec, k, compute_dtype
+        self.resident_bytes = bnn.resident_bytes(model)
+        self._cache = None
+        self._cache_tokens: list[int] = []
+
+    # -- prompts -------------------------------------------------------------------------------
+    def encode(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        tokens = [int(t) for t in prompt]
+        if not tokens:
+            raise Edge0Error("prompt is empty; pass some text or token ids")
+        return tokens
+
+    def chat_prompt(self, messages, tools=None) -> list[int]:
+        """Token ids of `messages` rendered with the tokenizer's chat template."""
+        kwargs = {"tools": tools} if tools else {}
+        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs))
+
+    def chat(self, messages, tools=None, **kwargs) -> GenerationResult:
+        return self.generate(self.chat_prompt(messages, tools), **kwargs)
+
+    def logits(self, prompt):
+        """Float32 logits of every prompt position [T, V] (no cache; for checks and evaluation)."""
+        return bnn.full_logits(self.model, self.encode(prompt))
+
+    # -- generation ----------------------------------------------------------------------------
+    def reset_cache(self) -> None:
+        self._cache, self._cache_tokens = None, []
+
+    def _prepare_cache(self, tokens: list[int], reuse: bool) -> int:
+        """Make a cache holding a prefix of `tokens`; returns that prefix's length."""
+        if reuse and self._cache is not None:
+            common = 0
+            for a, b in zip(self._cache_tokens, tokens[:-1]):
+                if a != b:
+                    break
+                common += 1
+            drop = len(self._cache_tokens) - common
+            if drop == 0:
+                return common
+            if common > 0 and all(c.is_trimmable() for c in self._cache):
+                for c in self._cache:
+                    c.trim(drop)
+                self._cache_tokens = self._cache_tokens[:common]
+                return common
+        self._cache = bnn.make_prompt_cache(self.model)
+        self._cache_tokens = []
+        return 0
+
+    def stream_generate(self, prompt, max_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
+                        seed: int | None = None, stop=None, reuse_cache: bool = False, ignore_eos: bool = False):
+        """Yield one Step per generated token; the last Step carries finish_reason and stats."""
+        tokens = self.encode(prompt)
+        if max_tokens < 1:
+            raise Edge0Error(f"max_tokens must be >= 1 (got {max_tokens})")
+        if seed is not None:
+            B.seed(seed)
+        sampler = bnn.make_sampler(temp=temperature, top_p=top_p)
+        eos = set(self.tokenizer.eos_token_ids) if not ignore_eos else set()
+        before = self.executor_stats.totals()
+        B.reset_peak_memory()
+        t0 = time.perf_counter()
+
+        cached = self._prepare_cache(tokens, reuse_cache)
+        new = tokens[cached:]
+        bnn.prefill(self.model, new[:-1], self._cache)
+        logprobs = bnn.forward(self.model, new[-1:], self._cache)
+        y = bnn.sample(sampler, logprobs)
+        self._cache_tokens = list(tokens)
+        t_prefill = time.perf_counter() - t0
+
+        detok = self.tokenizer.detokenizer
+        detok.reset()
+        stopper = StopMatcher(stop or [])
+        generated: list[int] = []
+        t1 = time.perf_counter()
+        finish = None
+        while True:
+            generated.append(y)
+            if y in eos:
+                finish = "stop"
+                detok.finalize()
+                text = stopper.flush(detok.last_segment)
+            else:
+                detok.add_token(y)
+                text, hit = stopper.feed(detok.last_segment)
+                if hit:
+                    finish = "stop"
+                elif len(generated) >= max_tokens:
+                    finish = "length"
+                    detok.finalize()
+                    text += stopper.flush(detok.last_segment)
+            if finish:
+                stats = self._call_stats(len(tokens), len(new), len(generated), t_prefill, time.perf_counter() - t1, before)
+                yield Step(y, text, finish, stats)
+                return
+            yield Step(y, text)
+            logprobs = bnn.forward(self.model, [y], self._cache)
+            self._cache_tokens.append(y)
+            y = bnn.sample(sampler, logprobs)
+
+    def generate(self, prompt, max_tokens: int = 256, **kwargs) -> GenerationResult:
+        """Run to completion; returns text, generated token ids, finish_reason and stats."""
+        parts, tokens, last = [], [], None
+        for last in self.stream_generate(prompt, max_tokens, **kwargs):
+            parts.append(last.text)
+            tokens.append(last.token)
+        return GenerationResult("".join(parts), tokens, last.finish_reason, last.stats)
+
+    # -- stats ---------------------------------------------------------------------------------
+    def _call_stats(self, n_prompt, n_prefill, n_gen, t_prefill, t_decode, before) -> dict:
+        after = self.executor_stats.totals()
+        return {
+            "prompt_tokens": n_prompt,
+            "prefill_tokens": n_prefill,
+            "generation_tokens": n_gen,
+            "prefill_tps": n_prefill / t_prefill if t_prefill > 0 else 0.0,
+            "decode_tps": (n_gen - 1) / t_decode if n_gen > 1 and t_decode > 0 else 0.0,
+            "peak_memory_bytes": B.peak_memory(),
+            "peak_rss_bytes": B.peak_rss(),
+            "expert_bytes_read": after["bytes_read"] - before["bytes_read"],
+            "expert_hit_rate": None,
+            "host_syncs": after["host_syncs"] - before["host_syncs"],
+        }
+
+    def stats(self) -> dict:
+        """Cumulative engine statistics, with a per-layer breakdown."""
+        return {
+            "model": self.model_id,
+            "compute_dtype": self.compute_dtype,
+            "serving_top_k": self.k,
+            "resident_bytes": self.resident_bytes,
+            "executor": "exact",
+            "totals": self.executor_stats.totals(),
+            "layers": {n: vars(s) for n, s in sorted(self.executor_stats.layers.items())},
+            "peak_rss_bytes": B.peak_rss(),
+        }

@@ -1,0 +1,19 @@
+"""Spec'd families: one small module each, registered here by mlx-lm model_type.
+
+A family module defines MODEL_TYPES and `build_spec(config) -> MoESpec`. Models of any other
+mlx-lm family whose MoE block uses SwitchGLU/SwitchMLP still stream (the universal level) with
+their own mlx-lm routing code; see docs/adding-a-model.md.
+"""
+
+from __future__ import annotations
+
+from edge0.families import bailing_moe, deepseek_v3, mixtral, qwen3_5_moe, qwen3_moe
+from edge0.spec import MoESpec
+
+FAMILIES = {t: m for m in (qwen3_moe, qwen3_5_moe, deepseek_v3, mixtral, bailing_moe) for t in m.MODEL_TYPES}
+
+
+def spec_for(config: dict) -> MoESpec | None:
+    """The MoESpec of a spec'd family, or None for a family served at the universal level."""
+    family = FAMILIES.get(config.get("model_type"))
+    return family.build_spec(config) if family else None

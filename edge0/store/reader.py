@@ -1,0 +1,60 @@
+"""mmap reader for layer-stacked expert tensors: expert e of a tensor is the byte range
+[offset + e * expert_nbytes, offset + (e + 1) * expert_nbytes) of its layer file."""
+
+from __future__ import annotations
+
+import mmap
+import threading
+from pathlib import Path
+
+import numpy as np
+
+
+class ExpertStore:
+    """Byte-range access to every MoE layer's experts. Thread-safe; counts bytes read."""
+
+    def __init__(self, root, manifest: dict):
+        self.root = Path(root)
+        self.layers = {int(l["layer"]): l for l in manifest["expert_layers"]}
+        self._maps: dict[str, mmap.mmap] = {}
+        self._lock = threading.Lock()
+        self.bytes_read = 0
+
+    def _map(self, rel: str) -> mmap.mmap:
+        with self._lock:
+            if rel not in self._maps:
+                with open(self.root / rel, "rb") as fh:
+                    self._maps[rel] = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+            return self._maps[rel]
+
+    def expert_nbytes(self, layer: int) -> int:
+        """Bytes of one expert of `layer` (all its tensors)."""
+        return sum(t["expert_nbytes"] for t in self.layers[layer]["tensors"].values())
+
+    def read(self, layer: int, ids) -> dict[str, tuple[np.ndarray, str, tuple]]:
+        """Copy experts `ids` of `layer` out of the file.
+
+        Returns {tensor name: (uint8 bytes [len(ids), expert_nbytes], safetensors dtype,
+        per-expert shape)}; tensor names are relative to the layer's expert module
+        (e.g. "gate_proj.scales").
+        """
+        info = self.layers[layer]
+        mm = self._map(info["file"])
+        out, total = {}, 0
+        for name, t in info["tensors"].items():
+            n = t["expert_nbytes"]
+            buf = np.empty((len(ids), n), dtype=np.uint8)
+            for i, e in enumerate(ids):
+                start = t["offset"] + int(e) * n
+                buf[i] = np.frombuffer(mm, dtype=np.uint8, count=n, offset=start)
+            out[name] = (buf, t["dtype"], tuple(t["shape"][1:]))
+            total += buf.nbytes
+        with self._lock:
+            self.bytes_read += total
+        return out
+
+    def close(self) -> None:
+        with self._lock:
+            for m in self._maps.values():
+                m.close()
+            self._maps.clear()

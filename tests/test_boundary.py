@@ -1,0 +1,32 @@
+"""Only edge0/backend/ may import mlx or mlx_lm."""
+
+import ast
+from pathlib import Path
+
+PKG = Path(__file__).resolve().parents[1] / "edge0"
+
+
+def _imports(path: Path):
+    tree = ast.parse(path.read_text(), filename=str(path))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            yield from (a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            yield node.module
+
+
+def test_only_backend_imports_mlx():
+    offenders = []
+    files = [p for p in PKG.rglob("*.py") if "backend" not in p.relative_to(PKG).parts]
+    assert len(files) > 10  # the walk really sees the package
+    for path in files:
+        for name in _imports(path):
+            if name.split(".")[0] in ("mlx", "mlx_lm"):
+                offenders.append(f"{path.relative_to(PKG.parent)} imports {name}")
+    assert offenders == []
+
+
+def test_boundary_check_catches_an_import(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("import os\nfrom mlx_lm.models import cache\n")
+    assert "mlx_lm.models" in list(_imports(bad))

@@ -70,6 +70,7 @@ def convert(hf_path: str, out: str | os.PathLike, *, dtype: str | None = None, q
         raise Edge0Error(f"{src}: no config.json; pass a Hugging Face or mlx-lm model directory")
     t0 = time.perf_counter()
     config = bio.load_config(src)
+    bio.expert_modules(bio.build_model(config, src), src)  # fail early on a dense model
     # mlx-lm writes a "quantization" entry; such checkpoints are indexed, not re-quantized.
     already = "quantization" in config
     if already:

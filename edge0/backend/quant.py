@@ -14,6 +14,7 @@ from mlx_lm.utils import load as mlx_lm_load
 from mlx_lm.utils import quantize_model
 
 from edge0.backend import io as bio
+from edge0.errors import Edge0Error
 
 
 def quantize_hf(src: Path, bits: int = 4, group_size: int = 64, dtype: str | None = None):
@@ -21,8 +22,12 @@ def quantize_hf(src: Path, bits: int = 4, group_size: int = 64, dtype: str | Non
 
     Returns (weights: name -> lazy array, config, tokenizer, expert module paths).
     """
-    with contextlib.redirect_stdout(io.StringIO()):
-        model, tokenizer, config = mlx_lm_load(str(src), lazy=True, return_config=True)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            model, tokenizer, config = mlx_lm_load(str(src), lazy=True, return_config=True)
+    except (ValueError, KeyError, FileNotFoundError) as e:
+        raise Edge0Error(f"{src}: mlx-lm cannot load this checkpoint ({e}); check that the "
+                         "directory holds a complete model (config.json, *.safetensors, tokenizer)") from None
     experts = bio.expert_modules(model, src)
     if dtype is None:
         dtype = config.get("torch_dtype") or config.get("text_config", {}).get("dtype")

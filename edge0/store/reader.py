@@ -10,6 +10,16 @@ from pathlib import Path
 import numpy as np
 
 
+_PAGE = mmap.PAGESIZE
+
+
+def _release(mm: mmap.mmap, start: int, n: int) -> None:
+    """Unmap pages we copied from, so touched file pages do not pile up in this process's RSS
+    (they stay in the OS page cache, where the kernel can reclaim them)."""
+    lo = start - start % _PAGE
+    mm.madvise(mmap.MADV_DONTNEED, lo, start + n - lo)
+
+
 class ExpertStore:
     """Byte-range access to every MoE layer's experts. Thread-safe; counts bytes read."""
 
@@ -47,6 +57,7 @@ class ExpertStore:
             for i, e in enumerate(ids):
                 start = t["offset"] + int(e) * n
                 buf[i] = np.frombuffer(mm, dtype=np.uint8, count=n, offset=start)
+                _release(mm, start, n)
             out[name] = (buf, t["dtype"], tuple(t["shape"][1:]))
             total += buf.nbytes
         with self._lock:

@@ -46,11 +46,13 @@ class SafetensorsWriter:
 
     def write(self, name: str, data: memoryview | bytes) -> None:
         """Append the raw bytes of the next tensor."""
-        expected = self._order.pop(0)
+        expected = self._order[0] if self._order else None
         if name != expected:
             raise ValueError(f"tensor {name!r} written out of order (expected {expected!r})")
-        if len(memoryview(data).cast("B")) != self.sizes[name]:
-            raise ValueError(f"tensor {name!r}: {len(data)} bytes, header says {self.sizes[name]}")
+        n = len(memoryview(data).cast("B"))
+        if n != self.sizes[name]:
+            raise ValueError(f"tensor {name!r}: {n} bytes, header says {self.sizes[name]}")
+        self._order.pop(0)
         self._put(data)
 
     def close(self) -> dict:

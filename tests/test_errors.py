@@ -1,0 +1,82 @@
+"""Expected failures: one line naming the file and the fix, exit code 2, no traceback."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from tests.fixtures.make import fixture_dir, write_safetensors_shards  # noqa: F401
+
+
+def run_cli(*args):
+    p = subprocess.run([sys.executable, "-m", "edge0.cli", *args], capture_output=True, text=True, timeout=120)
+    return p.returncode, p.stderr.strip()
+
+
+def assert_one_line_error(code, err, *needles):
+    assert code == 2, err
+    assert "Traceback" not in err
+    lines = err.splitlines()
+    assert len(lines) == 1, err
+    for n in needles:
+        assert n in lines[0], lines[0]
+
+
+@pytest.fixture
+def store_copy(store_for, tmp_path):
+    dst = tmp_path / "store"
+    shutil.copytree(store_for("qwen3_moe"), dst)
+    return dst
+
+
+def test_not_a_store(tmp_path):
+    src = fixture_dir("qwen3_moe")
+    code, err = run_cli("generate", "--model", str(src), "--prompt", "hi")
+    assert_one_line_error(code, err, str(src), "not an edge0 store", "edge0 convert")
+
+
+def test_other_format_version(store_copy):
+    m = store_copy / "edge0-manifest.json"
+    data = json.loads(m.read_text())
+    data["version"] = 99
+    m.write_text(json.dumps(data))
+    code, err = run_cli("generate", "--model", str(store_copy), "--prompt", "hi")
+    assert_one_line_error(code, err, "edge0-manifest.json", "version 99", "edge0 convert")
+
+
+def test_truncated_expert_file(store_copy):
+    f = store_copy / "experts" / "layer-001.safetensors"
+    f.write_bytes(f.read_bytes()[:-100])
+    code, err = run_cli("generate", "--model", str(store_copy), "--prompt", "hi")
+    assert_one_line_error(code, err, "layer-001.safetensors", "truncated", "edge0 convert")
+
+
+def test_wrong_checksum(store_copy):
+    f = store_copy / "experts" / "layer-000.safetensors"
+    raw = bytearray(f.read_bytes())
+    raw[-1] ^= 0xFF
+    f.write_bytes(bytes(raw))
+    code, err = run_cli("verify", str(store_copy))
+    assert_one_line_error(code, err, "layer-000.safetensors", "checksum", "edge0 convert")
+    code, err = run_cli("generate", "--model", str(store_copy), "--prompt", "hi", "--verify")
+    assert_one_line_error(code, err, "layer-000.safetensors", "checksum")
+
+
+def test_config_without_moe_block(tmp_path):
+    src = tmp_path / "dense"
+    shutil.copytree(fixture_dir("qwen3_moe"), src)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["num_experts"] = 0  # qwen3_moe with no experts builds dense MLPs only
+    (src / "config.json").write_text(json.dumps(cfg))
+    code, err = run_cli("convert", "--hf-path", str(src), "-o", str(tmp_path / "out"))
+    assert_one_line_error(code, err, "config.json", "no MoE block")
+    assert not (tmp_path / "out").exists()
+
+
+def test_usage_error_exit_2():
+    code, err = run_cli("generate")
+    assert code == 2 and "Traceback" not in err and "--prompt" in err
+    code, err = run_cli("frobnicate")
+    assert code == 2 and "unknown verb" in err

@@ -1,0 +1,85 @@
+"""Store format: streaming writer, mmap reader byte ranges, manifest checks, atomic convert."""
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from edge0.convert import convert
+from edge0.errors import Edge0Error
+from edge0.store import ExpertStore, open_manifest
+from edge0.store.writer import SafetensorsWriter
+from tests.fixtures.make import fixture_dir
+
+
+def test_streaming_writer_is_read_back_by_safetensors(tmp_path):
+    a = np.arange(24, dtype=np.float32).reshape(2, 3, 4)
+    b = np.arange(5, dtype=np.uint32)
+    w = SafetensorsWriter(tmp_path / "t.safetensors", [("a", "F32", a.shape), ("b", "U32", b.shape)], {"format": "mlx"})
+    w.write("a", a.tobytes())
+    w.write("b", b.tobytes())
+    info = w.close()
+    assert info["size"] == (tmp_path / "t.safetensors").stat().st_size
+    back = load_file(tmp_path / "t.safetensors")
+    np.testing.assert_array_equal(back["a"], a)
+    np.testing.assert_array_equal(back["b"], b)
+    raw = (tmp_path / "t.safetensors").read_bytes()
+    assert raw[w.offsets["b"]: w.offsets["b"] + 20] == b.tobytes()
+
+
+def test_writer_rejects_out_of_order_and_short_tensors(tmp_path):
+    w = SafetensorsWriter(tmp_path / "t.safetensors", [("a", "F32", (2,)), ("b", "F32", (2,))])
+    with pytest.raises(ValueError, match="out of order"):
+        w.write("b", b"\0" * 8)
+    with pytest.raises(ValueError, match="bytes"):
+        w.write("a", b"\0" * 4)
+
+
+def test_reader_returns_exact_expert_byte_ranges(store_for):
+    root = store_for("qwen3_moe")
+    manifest = open_manifest(root)
+    store = ExpertStore(root, manifest)
+    layer = manifest["expert_layers"][0]
+    stacked = mx.load(str(root / layer["file"]))
+    got = store.read(layer["layer"], [5, 2])
+    for name, (buf, st_dtype, shape) in got.items():
+        full = np.array(stacked[f"{layer['module']}.{name}"].view(mx.uint8) if st_dtype != "BF16" else stacked[f"{layer['module']}.{name}"].view(mx.uint16))
+        full = full.reshape(full.shape[0], -1).view(np.uint8)
+        assert buf.shape == (2, full.shape[1])
+        np.testing.assert_array_equal(buf[0], full[5])
+        np.testing.assert_array_equal(buf[1], full[2])
+    assert store.bytes_read == sum(b.nbytes for b, _, _ in got.values())
+
+
+def test_manifest_records_format_spec_and_checksums(store_for):
+    root = store_for("deepseek_v3")
+    m = json.loads((root / "edge0-manifest.json").read_text())
+    assert (m["format"], m["version"]) == ("edge0-store", 1)
+    assert m["spec"]["routing"]["kind"] == "grouped"
+    assert set(m["files"]) == {"model.safetensors", *(l["file"] for l in m["expert_layers"])}
+    assert all(len(f["sha256"]) == 64 for f in m["files"].values())
+    t = m["expert_layers"][0]["tensors"]["gate_proj.weight"]
+    assert t["dtype"] == "U32" and t["shape"][-1] * 8 == 64  # int4 packed 8 per uint32
+    open_manifest(root, verify=True)
+
+
+def test_interrupted_convert_leaves_nothing_that_loads(tmp_path, monkeypatch):
+    calls = {"n": 0}
+    real = SafetensorsWriter.write
+
+    def flaky(self, name, data):
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise KeyboardInterrupt
+        return real(self, name, data)
+
+    monkeypatch.setattr(SafetensorsWriter, "write", flaky)
+    out = tmp_path / "store"
+    with pytest.raises(KeyboardInterrupt):
+        convert(str(fixture_dir("qwen3_moe")), out, quiet=True)
+    assert not out.exists()
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(Edge0Error, match="no such directory"):
+        open_manifest(out)

@@ -196,6 +196,9 @@ class Engine:
             "resident_bytes": self.resident_bytes,
             "executor": "exact",
             "totals": self.executor_stats.totals(),
-            "layers": {n: vars(s) for n, s in sorted(self.executor_stats.layers.items())},
+            "layers": {
+                n: {**{k: v for k, v in vars(s).items() if k != "distinct_experts"}, "distinct_experts": len(s.distinct_experts)}
+                for n, s in sorted(self.executor_stats.layers.items())
+            },
             "peak_rss_bytes": B.peak_rss(),
         }

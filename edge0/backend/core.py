@@ -113,7 +113,15 @@ def clear_cache() -> None:
 
 
 def peak_rss() -> int:
-    """Process peak resident set size in bytes."""
+    """Process peak resident set size in bytes (Linux: VmHWM, which unlike ru_maxrss is not
+    inherited from the parent across fork/exec)."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return r if sys.platform == "darwin" else r * 1024
 

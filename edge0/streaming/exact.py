@@ -17,6 +17,7 @@ class LayerStats:
     host_syncs: int = 0
     experts_loaded: int = 0
     bytes_read: int = 0
+    distinct_experts: set = field(default_factory=set)
 
 
 @dataclass
@@ -28,7 +29,9 @@ class ExecutorStats:
 
     def totals(self) -> dict:
         keys = ("calls", "host_syncs", "experts_loaded", "bytes_read")
-        return {k: sum(getattr(s, k) for s in self.layers.values()) for k in keys}
+        out = {k: sum(getattr(s, k) for s in self.layers.values()) for k in keys}
+        out["distinct_experts"] = sum(len(s.distinct_experts) for s in self.layers.values())
+        return out
 
 
 def to_device(raw: dict, n: int, compute_dtype: str) -> dict:
@@ -56,6 +59,7 @@ class ExactExecutor:
         s.calls += 1
         s.host_syncs += 1
         s.experts_loaded += len(uniq)
+        s.distinct_experts.update(uniq.tolist())
         s.bytes_read += sum(b.nbytes for b, _, _ in raw.values())
         # np.unique sorts, so local ids keep the route's order and mlx-lm's sort path is unchanged.
         return to_device(raw, len(uniq), self.dtype), B.array(inv.reshape(ids.shape).astype(np.uint32))

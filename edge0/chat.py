@@ -1,0 +1,166 @@
+"""`edge0 chat`: chat in the terminal, with streamed replies and the KV cache reused across turns.
+
+Replies go to stdout; the per-reply stats line and notices go to stderr, so a script that pipes
+lines into stdin reads only the replies from stdout. Commands: /reset, /stats, /exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from edge0.cli_util import run_main
+from edge0.generate import add_model_options, load_options
+
+COMMANDS = "/reset (forget the conversation), /stats (engine statistics), /exit"
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An ArgumentParser whose usage errors are one line on stderr and exit code 2."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def add_engine_options(p: argparse.ArgumentParser) -> None:
+    """Model-loading flags shared by `edge0 chat` and `edge0 serve`."""
+    add_model_options(p)
+    p.add_argument("--expert-cache", metavar="SIZE", default=None,
+                   help='memory budget for cached experts, e.g. "2GB" (default: the engine\'s choice)')
+    p.add_argument("--no-prerouter", action="store_true", help="do not use the store's pre-router heads")
+    p.add_argument("--no-lora", action="store_true", help="do not apply the store's recovery LoRA")
+
+
+def engine_options(args) -> dict:
+    """edge0.load() keyword options from the flags of add_engine_options()."""
+    return {**load_options(args), "expert_cache": args.expert_cache,
+            "prerouter": False if args.no_prerouter else None, "lora": False if args.no_lora else None}
+
+
+def _size(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def stats_line(s: dict) -> str:
+    """The one line printed after each reply: speed, reused KV, peak memory, expert-cache hits."""
+    reused = s["prompt_tokens"] - s["prefill_tokens"]
+    hit = "off" if s.get("expert_hit_rate") is None else f"{100 * s['expert_hit_rate']:.1f}%"
+    return (f"[{s['decode_tps']:.1f} tok/s, {s['generation_tokens']} tokens | prefill {s['prefill_tokens']} "
+            f"of {s['prompt_tokens']} prompt tokens ({reused} reused) | peak memory "
+            f"{_size(s['peak_memory_bytes'])} | expert cache hit {hit}]")
+
+
+class Session:
+    """One conversation: the message history and the engine whose KV cache holds it."""
+
+    def __init__(self, engine, args):
+        self.engine, self.args = engine, args
+        self.system = [{"role": "system", "content": args.system}] if args.system else []
+        self.history = list(self.system)
+        self.last_stats: dict | None = None
+
+    def reset(self) -> None:
+        self.history = list(self.system)
+        self.engine.reset_cache()
+
+    def reply(self, text: str) -> None:
+        """Stream the assistant's answer to `text`; Ctrl-C ends it early and keeps the session."""
+        user = {"role": "user", "content": text}
+        parts, stats = [], None
+        try:
+            # The whole history goes in; with reuse_cache the engine prefills only what is new.
+            prompt = self.engine.chat_prompt(self.history + [user])
+            steps = self.engine.stream_generate(prompt, max_tokens=self.args.max_tokens, temperature=self.args.temp,
+                                                top_p=self.args.top_p, seed=self.args.seed, reuse_cache=True)
+            try:
+                for step in steps:
+                    sys.stdout.write(step.text)
+                    sys.stdout.flush()
+                    parts.append(step.text)
+                    stats = step.stats
+            finally:
+                steps.close()
+        except KeyboardInterrupt:
+            # Ctrl-C can land between a KV update and the engine's note of it; start clean.
+            self.engine.reset_cache()
+            print("\n[interrupted]", file=sys.stderr, flush=True)
+        print(flush=True)
+        # A partial reply stays in the history: the user saw it, and it is what the KV cache holds.
+        self.history += [user, {"role": "assistant", "content": "".join(parts)}]
+        if stats:
+            self.last_stats = stats
+            print(stats_line(stats), file=sys.stderr, flush=True)
+
+    def print_stats(self) -> None:
+        turns = sum(m["role"] == "user" for m in self.history)
+        print(f"turns: {turns}, messages: {len(self.history)}")
+        if self.last_stats:
+            print("last reply: " + stats_line(self.last_stats))
+        for key, value in self.engine.stats().items():
+            if not isinstance(value, dict):
+                print(f"{key}: {value}")
+            elif not any(isinstance(v, dict) for v in value.values()):  # skip per-layer tables
+                print(f"{key}: " + ", ".join(f"{k} {v}" for k, v in value.items()))
+
+
+def _read_line(interactive: bool) -> str | None:
+    """The next input line, or None at end of input."""
+    if not interactive:
+        line = sys.stdin.readline()
+        return line.rstrip("\n") if line else None
+    while True:
+        try:
+            return input(">> ")
+        except EOFError:
+            print()
+            return None
+        except KeyboardInterrupt:  # like a shell: Ctrl-C at the prompt clears the line
+            print()
+
+
+def repl(session: Session) -> None:
+    """Read lines until /exit or end of input; everything that is not a command is a user turn."""
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print(f"edge0 chat with {session.engine.model_id}. Commands: {COMMANDS}. Ctrl-C stops a reply.")
+    while (line := _read_line(interactive)) is not None:
+        text = line.strip()
+        if not text:
+            continue
+        if text in ("/exit", "/quit"):
+            break
+        if text == "/reset":
+            session.reset()
+            print("[conversation reset]", file=sys.stderr, flush=True)
+        elif text == "/stats":
+            session.print_stats()
+        elif text.startswith("/") and " " not in text:
+            print(f"[unknown command {text}; commands: {COMMANDS}]", file=sys.stderr, flush=True)
+        else:
+            session.reply(text)
+
+
+def main(argv=None) -> int:
+    p = OneLineParser(prog="edge0 chat", description=__doc__.splitlines()[0])
+    add_engine_options(p)
+    p.add_argument("--system", default=None, help="system prompt")
+    p.add_argument("--max-tokens", type=int, default=512, help="most tokens per reply (default 512)")
+    p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (default 1)")
+    p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    args = p.parse_args(argv)
+    if args.max_tokens < 1:
+        p.error("--max-tokens must be >= 1")
+    if args.temp < 0:
+        p.error("--temp must be >= 0")
+    if not 0 < args.top_p <= 1:
+        p.error("--top-p must be in (0, 1]")
+
+    import edge0
+
+    repl(Session(edge0.load(args.model, **engine_options(args)), args))
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)

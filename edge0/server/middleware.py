@@ -1,0 +1,55 @@
+"""ASGI middleware that guards every request before FastAPI sees it: auth, then body size.
+
+Both run before the body is parsed, so an unauthenticated or oversized request is refused
+without reading it (and without a validation error masking the real reason).
+"""
+
+from __future__ import annotations
+
+import hmac
+
+from edge0.server.errors import error_response
+
+
+class Guard:
+    """Bearer-token auth on /v1/* (when an api key is set) and a request-body size limit."""
+
+    def __init__(self, app, api_key: str | None, max_body_bytes: int):
+        self.app, self.api_key, self.max_body_bytes = app, api_key, max_body_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        if self.api_key and scope["path"].startswith("/v1") and not self._authorized(headers):
+            response = error_response(401, "Missing or invalid API key: send 'Authorization: Bearer <key>'",
+                                      code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+            return await response(scope, receive, send)
+        declared = headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > self.max_body_bytes:
+            return await self._too_large(scope, receive, send)
+        # Read the body here (a chunked body declares no length) and replay it to the app.
+        messages, size = [], 0
+        while True:
+            message = await receive()
+            messages.append(message)
+            size += len(message.get("body", b""))
+            if size > self.max_body_bytes:
+                return await self._too_large(scope, receive, send)
+            if message["type"] != "http.request" or not message.get("more_body"):
+                break
+
+        async def replay():
+            # After the body, pass through: the app listens here for the client disconnecting.
+            return messages.pop(0) if messages else await receive()
+
+        await self.app(scope, replay, send)
+
+    def _authorized(self, headers: dict) -> bool:
+        scheme, _, token = headers.get("authorization", "").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key.encode())
+
+    async def _too_large(self, scope, receive, send):
+        response = error_response(413, f"Request body is larger than {self.max_body_bytes} bytes (--max-body-bytes)",
+                                  code="request_too_large")
+        await response(scope, receive, send)

@@ -1,0 +1,180 @@
+"""Pydantic schemas for the OpenAI-compatible endpoints.
+
+Requests are strict (no "5" for 5, no true for 1), as OpenAI's API is, and unknown fields are
+ignored so that clients sending options we do not implement still work.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from edge0.server.errors import APIError
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class FunctionCall(_Strict):
+    name: str
+    arguments: Union[str, dict[str, Any]]
+
+
+class ToolCall(_Strict):
+    id: Optional[str] = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class Message(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, list[TextPart], None] = None
+    name: Optional[str] = None
+    tool_calls: Optional[list[ToolCall]] = None
+    tool_call_id: Optional[str] = None
+
+
+class FunctionDef(_Strict):
+    name: str
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class SamplingRequest(_Strict):
+    model: Optional[str] = None
+    max_tokens: Optional[int] = Field(None, ge=1)
+    temperature: Optional[float] = Field(None, ge=0, le=2)
+    top_p: Optional[float] = Field(None, gt=0, le=1)
+    seed: Optional[int] = None
+    n: int = Field(1, ge=1, le=1)  # one choice per request
+    stop: Union[str, Annotated[list[str], Field(max_length=16)], None] = None
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+
+    def stop_list(self) -> list[str]:
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        return [s for s in stops if s]
+
+
+class ChatRequest(SamplingRequest):
+    messages: list[Message] = Field(min_length=1)
+    # Newer OpenAI clients send this instead of max_tokens.
+    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    tools: Optional[list[Tool]] = None
+
+    def template_messages(self) -> list[dict]:
+        """Messages as the chat template expects them: text content, tool-call arguments as dicts."""
+        out = []
+        for i, m in enumerate(self.messages):
+            content = m.content if not isinstance(m.content, list) else "".join(p.text for p in m.content)
+            # Most chat templates know no "developer" role; it is OpenAI's new name for system.
+            msg = {"role": "system" if m.role == "developer" else m.role, "content": content or ""}
+            if m.name is not None:
+                msg["name"] = m.name
+            if m.tool_call_id is not None:
+                msg["tool_call_id"] = m.tool_call_id
+            if m.tool_calls:
+                msg["tool_calls"] = [_template_tool_call(c, i) for c in m.tool_calls]
+            out.append(msg)
+        return out
+
+    def tool_dicts(self) -> list[dict] | None:
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+
+
+def _template_tool_call(call: ToolCall, index: int) -> dict:
+    args = call.function.arguments
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except json.JSONDecodeError as e:
+            raise APIError(400, f"tool call arguments are not valid JSON: {e}",
+                           f"messages.{index}.tool_calls", "invalid_value") from None
+    out = {"type": "function", "function": {"name": call.function.name, "arguments": args}}
+    if call.id is not None:
+        out["id"] = call.id
+    return out
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: str = Field(min_length=1)
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: dict[str, int]
+
+
+class ResponseToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: dict[str, str]  # name, arguments (a JSON string)
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: Optional[str]
+    tool_calls: Optional[list[ResponseToolCall]] = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    finish_reason: Literal["stop", "length", "tool_calls"]
+    logprobs: None = None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    finish_reason: Literal["stop", "length"]
+    logprobs: None = None
+
+
+class Completion(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "edge0"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

@@ -1,0 +1,215 @@
+"""A deterministic stand-in for edge0's Engine (docs/engine-api.md), for server and chat tests.
+
+The tokenizer is byte-level, so every multi-byte UTF-8 character is split across tokens, plus a
+few ChatML special tokens. The "model" answers from the last message of the prompt:
+
+- `call NAME ARG...` with tools in the prompt -> a `<tool_call>` JSON call NAME(city=ARG...);
+- a tool response -> "The weather is RESULT.";
+- `count N` -> "0 1 2 ... N-1" (long replies for queue and disconnect tests);
+- anything else -> "Echo: TEXT"; raw prompts (no template) -> "Echo: PROMPT".
+
+It records every call in `calls` and the highest number of generations running at once.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from dataclasses import dataclass, field
+
+from edge0.textstream import StopMatcher
+
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+SPECIALS = [IM_START, IM_END, "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+_SPLIT = re.compile("(" + "|".join(re.escape(s) for s in SPECIALS) + ")")
+
+
+class FakeTokenizer:
+    """Byte-level tokenizer with ChatML specials and a json tool-call format (like mlx-lm's json_tools)."""
+
+    eos_token_ids = [256 + SPECIALS.index(IM_END)]
+    has_tool_calling = True
+    tool_call_start = "<tool_call>"
+    tool_call_end = "</tool_call>"
+
+    @staticmethod
+    def tool_parser(text, tools=None):
+        return json.loads(text.strip())
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids: list[int] = []
+        for part in _SPLIT.split(text):
+            if part in SPECIALS:
+                ids.append(256 + SPECIALS.index(part))
+            else:
+                ids.extend(part.encode("utf-8"))
+        return ids
+
+    def token_bytes(self, tok: int) -> bytes:
+        return bytes([tok]) if tok < 256 else SPECIALS[tok - 256].encode()
+
+    def decode(self, ids) -> str:
+        return b"".join(self.token_bytes(t) for t in ids).decode("utf-8", errors="replace")
+
+    def apply_chat_template(self, messages, tools=None, add_generation_prompt=False, tokenize=True, **_):
+        out = ""
+        if tools:
+            out += f"{IM_START}system\n<tools>\n" + "\n".join(json.dumps(t) for t in tools) + f"\n</tools>{IM_END}\n"
+        for m in messages:
+            if m["role"] == "tool":
+                out += f"{IM_START}user\n<tool_response>\n{m['content']}\n</tool_response>{IM_END}\n"
+                continue
+            out += f"{IM_START}{m['role']}\n{m.get('content') or ''}"
+            for call in m.get("tool_calls") or []:
+                fn = call["function"]
+                out += "<tool_call>\n" + json.dumps({"name": fn["name"], "arguments": fn["arguments"]}) + "\n</tool_call>"
+            out += f"{IM_END}\n"
+        if add_generation_prompt:
+            out += f"{IM_START}assistant\n"
+        return self.encode(out) if tokenize else out
+
+
+@dataclass
+class Step:
+    token: int
+    text: str
+    finish_reason: str | None = None
+    stats: dict | None = None
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    tokens: list[int]
+    finish_reason: str
+    stats: dict = field(default_factory=dict)
+
+
+@dataclass
+class Call:
+    """What one stream_generate call saw and did."""
+
+    prompt: list[int]
+    kwargs: dict
+    prefill_tokens: int = 0
+    steps: int = 0
+    finish_reason: str | None = None
+    closed_early: bool = False
+
+
+class FakeEngine:
+    """Implements the Engine contract; `delay` is seconds per generated token."""
+
+    model_id = "fake-moe"
+
+    def __init__(self, delay: float = 0.0):
+        self.tokenizer = FakeTokenizer()
+        self.delay = delay
+        self.interrupt_at: int | None = None  # raise KeyboardInterrupt once, at this step (Ctrl-C)
+        self.calls: list[Call] = []
+        self.max_active = 0
+        self._active = 0
+        self._lock = threading.Lock()
+        self._cache_tokens: list[int] = []
+
+    def reply(self, prompt: list[int]) -> str:
+        text = self.tokenizer.decode(prompt)
+        if not text.endswith(f"{IM_START}assistant\n"):
+            return "Echo: " + text
+        last = text.split(IM_START)[-2]
+        if m := re.search(r"<tool_response>\n(.*)\n</tool_response>", last, re.S):
+            return f"The weather is {m.group(1)}."
+        content = last.split("\n", 1)[1].removesuffix(f"{IM_END}\n")
+        words = content.split()
+        if words[:1] == ["call"] and "<tools>" in text:
+            call = {"name": words[1], "arguments": {"city": " ".join(words[2:])}}
+            return "<tool_call>\n" + json.dumps(call) + "\n</tool_call>"
+        if words[:1] == ["count"]:
+            return " ".join(str(i) for i in range(int(words[1])))
+        return "Echo: " + content
+
+    def chat_prompt(self, messages, tools=None) -> list[int]:
+        return self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True)
+
+    def stream_generate(self, prompt, max_tokens=256, temperature=0.0, top_p=1.0, seed=None, stop=None,
+                        reuse_cache=False):
+        tokens = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        call = Call(tokens, dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
+                                 stop=stop, reuse_cache=reuse_cache))
+        self.calls.append(call)
+        common = 0
+        if reuse_cache:  # same rule as the real engine: keep the longest prefix of tokens[:-1]
+            for a, b in zip(self._cache_tokens, tokens[:-1]):
+                if a != b:
+                    break
+                common += 1
+        call.prefill_tokens = len(tokens) - common
+        self._cache_tokens = list(tokens)
+        target = self.tokenizer.encode(self.reply(tokens)) + self.tokenizer.eos_token_ids
+        with self._lock:
+            self._active += 1
+            self.max_active = max(self.max_active, self._active)
+        pending, stopper = b"", StopMatcher(stop or [])
+        try:
+            for i, tok in enumerate(target[:max_tokens]):
+                if self.delay:
+                    time.sleep(self.delay)
+                if self.interrupt_at == i:
+                    self.interrupt_at = None
+                    raise KeyboardInterrupt
+                finish = "stop" if tok in self.tokenizer.eos_token_ids else None
+                if not finish:
+                    pending += self.tokenizer.token_bytes(tok)
+                cut = len(pending) if finish else _utf8_safe_len(pending)
+                text, hit = stopper.feed(pending[:cut].decode("utf-8", errors="replace"))
+                pending = pending[cut:]
+                if hit:
+                    finish = "stop"
+                elif not finish and i + 1 == max_tokens:
+                    finish = "length"
+                if finish:
+                    text += stopper.flush()
+                call.steps, call.finish_reason = i + 1, finish
+                yield Step(tok, text, finish, self._stats(call) if finish else None)
+                if finish:
+                    return
+                self._cache_tokens.append(tok)
+        except GeneratorExit:
+            call.closed_early = True
+            raise
+        finally:
+            with self._lock:
+                self._active -= 1
+
+    def _stats(self, call: Call) -> dict:
+        return {"prompt_tokens": len(call.prompt), "prefill_tokens": call.prefill_tokens,
+                "generation_tokens": call.steps, "prefill_tps": 1000.0, "decode_tps": 50.0,
+                "peak_memory_bytes": 3 << 30, "peak_rss_bytes": 4 << 30, "expert_bytes_read": 1 << 20,
+                "expert_hit_rate": 0.75}
+
+    def generate(self, prompt, max_tokens=256, **kwargs) -> GenerationResult:
+        steps = list(self.stream_generate(prompt, max_tokens, **kwargs))
+        return GenerationResult("".join(s.text for s in steps), [s.token for s in steps],
+                                steps[-1].finish_reason, steps[-1].stats)
+
+    def chat(self, messages, tools=None, **kwargs) -> GenerationResult:
+        return self.generate(self.chat_prompt(messages, tools), **kwargs)
+
+    def stats(self) -> dict:
+        return {"model": self.model_id, "generations": len(self.calls),
+                "generated_tokens": sum(c.steps for c in self.calls)}
+
+    def reset_cache(self) -> None:
+        self._cache_tokens = []
+
+
+def _utf8_safe_len(data: bytes) -> int:
+    """Length of the longest prefix of `data` that does not end inside a UTF-8 character."""
+    for back in range(1, min(4, len(data)) + 1):
+        b = data[-back]
+        if b & 0xC0 != 0x80:  # found the lead byte of the last character
+            need = 1 if b < 0x80 else 2 if b < 0xE0 else 3 if b < 0xF0 else 4
+            return len(data) if back >= need else len(data) - back
+    return len(data)

@@ -171,6 +171,14 @@ class Engine:
             tokens.append(last.token)
         return GenerationResult("".join(parts), tokens, last.finish_reason, last.stats)
 
+    def observe_routes(self, fn) -> None:
+        """Call fn(layer, indices [T, K] int array, scores [T, E] float32) for every forward pass
+        of every spec'd MoE layer (None stops). Each call syncs to the host: for traces only."""
+        if self.spec is None:
+            raise Edge0Error(f"{self.model_id}: route tracing needs a spec'd family (this one is served at the universal level)")
+        for layer, block in bnn.moe_blocks(self.model):
+            object.__setattr__(block, "observer", None if fn is None else (lambda i, s, layer=layer: fn(layer, i, s)))
+
     # -- stats ---------------------------------------------------------------------------------
     def _call_stats(self, n_prompt, n_prefill, n_gen, t_prefill, t_decode, before) -> dict:
         after = self.executor_stats.totals()

@@ -81,3 +81,12 @@ def route(logits, spec: RoutingSpec, k: int, bias=None):
         spec.renorm_eps,
         spec.cast_to_input,
     )
+
+
+def expert_scores(logits, spec: RoutingSpec):
+    """Per-expert router scores before selection ([..., E], float32): softmax or sigmoid of the
+    logits. Used by traces and score-aware cache policies, not by routing itself."""
+    x = logits.astype(B.float32)
+    if spec.kind == "grouped" and spec.score_function == "sigmoid":
+        return B.sigmoid(x)
+    return B.softmax(x, axis=-1, precise=True)

@@ -37,6 +37,11 @@ def build_model(config: dict, where: Path) -> nn.Module:
     return model_class(args_class.from_dict(config))
 
 
+def layer_index(path: str) -> int:
+    """The decoder layer a module path belongs to (`...layers.7.mlp` -> 7)."""
+    return int(_LAYER.search(path + ".").group(1))
+
+
 def expert_modules(model: nn.Module, where: Path) -> list[tuple[str, int]]:
     """(path, layer index) of every SwitchGLU/SwitchMLP module: the routed experts."""
     found = []

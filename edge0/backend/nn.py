@@ -6,13 +6,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
 from edge0.backend import io as bio
-from edge0.routing import route
+from edge0.routing import expert_scores, route
 
 __all__ = ["make_prompt_cache", "make_sampler"]
 
@@ -45,6 +46,7 @@ class SpecMoEBlock(nn.Module):
         for name, child in block.items():
             self[name] = child
         object.__setattr__(self, "spec", spec)
+        object.__setattr__(self, "observer", None)  # fn(indices [T, K], scores [T, E]) or None
         self.k = k
 
     def _lookup(self, path: str):
@@ -61,7 +63,11 @@ class SpecMoEBlock(nn.Module):
         # T tokens, E experts, K active, D hidden
         spec = self.spec
         bias = self._lookup(spec.router_bias) if spec.router_bias else None
-        inds, scores = route(self.router_logits(x), spec.routing, self.k, bias)  # [.., T, K]
+        logits = self.router_logits(x)  # [.., T, E]
+        inds, scores = route(logits, spec.routing, self.k, bias)  # [.., T, K]
+        if self.observer is not None:  # tracing only: costs a host sync
+            probs = expert_scores(logits, spec.routing)
+            self.observer(np.array(inds).reshape(-1, inds.shape[-1]), np.array(probs).reshape(-1, probs.shape[-1]))
         y = self[spec.experts](x, inds)  # [.., T, K, D]
         y = (y * scores[..., None]).sum(axis=-2).astype(y.dtype)  # [.., T, D]
         shared = spec.shared
@@ -121,8 +127,10 @@ def assemble(root: Path, manifest: dict, config: dict, spec, k: int | None, comp
     return model
 
 
-def moe_blocks(model: nn.Module) -> list[SpecMoEBlock]:
-    return [m for _, m in model.named_modules() if isinstance(m, SpecMoEBlock)]
+def moe_blocks(model: nn.Module) -> list[tuple[int, SpecMoEBlock]]:
+    """(layer index, block) of every SpecMoEBlock, in layer order."""
+    found = [(bio.layer_index(p), m) for p, m in model.named_modules() if isinstance(m, SpecMoEBlock)]
+    return sorted(found, key=lambda t: t[0])
 
 
 def resident_bytes(model: nn.Module) -> int:

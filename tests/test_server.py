@@ -258,13 +258,13 @@ def test_eight_concurrent_requests_all_answered(client, engine):
 
 
 def test_full_queue_answers_429_and_server_stays_up():
-    engine = FakeEngine(delay=0.004)
+    engine = FakeEngine(delay=0.008)  # ~0.5 s per reply: all 8 arrive while the first runs
     with running_server(engine, ServerConfig(max_queue=1)) as base:
         client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=20)
 
         def ask(i):
             try:
-                return client.chat.completions.create(model=MODEL, messages=user(f"count {30 + i}")).choices[0]
+                return client.chat.completions.create(model=MODEL, messages=user(f"count {20 + i}")).choices[0]
             except openai.RateLimitError as e:
                 assert e.body["code"] == "queue_full"
                 return None
@@ -274,7 +274,7 @@ def test_full_queue_answers_429_and_server_stays_up():
         done = [(i, r) for i, r in enumerate(results) if r is not None]
         assert 2 <= len(done) < 8  # one running + one waiting fit; the rest were refused
         for i, r in done:
-            assert r.message.content == " ".join(str(k) for k in range(30 + i))
+            assert r.message.content == " ".join(str(k) for k in range(20 + i))
         engine.delay = 0
         assert_ok(client)
         assert engine.max_active == 1
@@ -346,3 +346,25 @@ def test_serve_usage_errors_are_one_line_exit_2(capsys, argv):
         serve.main(argv)
     err = capsys.readouterr().err
     assert e.value.code == 2 and len(err.splitlines()) == 1 and err.startswith("edge0 serve: error:")
+
+
+def test_real_engine_on_a_fixture_store(store_for):
+    """The same server around the real engine and a tiny random qwen3_moe store."""
+    import edge0
+
+    engine = edge0.load(store_for("qwen3_moe"))
+    with running_server(engine, ServerConfig()) as base:
+        client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=60)
+        kwargs = dict(model=engine.model_id, messages=user("hello world"), max_tokens=12, temperature=0)
+        r = client.chat.completions.create(**kwargs)
+        assert r.choices[0].finish_reason in ("stop", "length") and r.usage.completion_tokens >= 1
+        chunks = list(client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == r.choices[0].message.content
+        assert chunks[-1].usage.prompt_tokens_details.cached_tokens == r.usage.prompt_tokens - 1
+        text = r.choices[0].message.content
+        if len(text) >= 4:  # a random model: stop on a piece of what it said
+            cut = client.chat.completions.create(**kwargs, stop=[text[2:4]])
+            assert cut.choices[0].message.content == text[:text.index(text[2:4])]
+        r = client.chat.completions.create(**kwargs, tools=WEATHER)  # the fixture's template takes tools
+        assert r.usage.prompt_tokens > len(engine.chat_prompt(user("hello world")))
+        assert client.completions.create(model=engine.model_id, prompt="Once upon", max_tokens=4).usage.completion_tokens >= 1

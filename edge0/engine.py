@@ -12,8 +12,9 @@ from edge0.backend import nn as bnn
 from edge0.errors import Edge0Error
 from edge0.spec import MoESpec
 from edge0.store import ExpertStore, open_manifest
-from edge0.streaming.exact import ExactExecutor, ExecutorStats
-from edge0.stopstrings import StopMatcher
+from edge0.streaming.dispatch import Streaming, StreamingOptions
+from edge0.streaming.pool import format_size
+from edge0.textstream import StopMatcher
 
 
 @dataclass
@@ -32,8 +33,17 @@ class GenerationResult:
     stats: dict = field(default_factory=dict)
 
 
-def load(path=None, *, dtype: str | None = None, top_k: int | None = None, verify: bool = False, **unused) -> "Engine":
-    """Open an edge0 store and assemble its model. See docs/engine-api.md."""
+def load(path=None, *, dtype: str | None = None, top_k: int | None = None, verify: bool = False,
+         expert_cache=None, cache_policy: str = "lru", prefill_executor: str = "whole",
+         decode_executor: str = "staged", layer_executors: dict | None = None,
+         prerouter=None, lora=None) -> "Engine":
+    """Open an edge0 store and assemble its model. See docs/engine-api.md.
+
+    `prerouter` and `lora` are accepted for the CLI's --no-prerouter/--no-lora; only None/False
+    (none) are valid until those features exist."""
+    for name, value in (("prerouter", prerouter), ("lora", lora)):
+        if value not in (None, False):
+            raise Edge0Error(f"--{name} {value}: this edge0 build has no {name} support yet; drop the option")
     from edge0.models import resolve_model
 
     root = resolve_model(path)
@@ -46,25 +56,36 @@ def load(path=None, *, dtype: str | None = None, top_k: int | None = None, verif
     ckpt_dtype = next((t["dtype"] for l in manifest["expert_layers"] for n, t in l["tensors"].items() if n.endswith("scales")), "F32")
     compute = B.pick_compute_dtype(dtype, B.ST_DTYPES.get(ckpt_dtype, "float32"))
     store = ExpertStore(root, manifest)
-    stats = ExecutorStats()
-    model = bnn.assemble(root, manifest, config, spec, k, compute, lambda layer: ExactExecutor(store, layer, compute, stats))
-    return Engine(root, model, bio.load_tokenizer(root), store, stats, spec, k, compute)
+    options = StreamingOptions(expert_cache, cache_policy, prefill_executor, decode_executor,
+                               layer_executors=layer_executors or {})
+    model = bnn.assemble(root, manifest, config, spec, k, compute)
+    streaming = Streaming(store, compute, k or _native_k(config), bnn.resident_bytes(model), options)
+    bnn.attach_executors(model, streaming.layers)
+    return Engine(root, model, bio.load_tokenizer(root), store, streaming, spec, k, compute)
+
+
+def _native_k(config: dict) -> int:
+    """Experts per token of a universal-level family (its slot sets must hold one route)."""
+    c = {**config, **config.get("text_config", {})}
+    return int(c.get("num_experts_per_tok") or c.get("moe_top_k") or c.get("top_k") or 1)
 
 
 class Engine:
     """A loaded model. generate / stream_generate / chat; see docs/engine-api.md."""
 
-    def __init__(self, root: Path, model, tokenizer, store, executor_stats, spec, k, compute_dtype):
+    def __init__(self, root: Path, model, tokenizer, store, streaming, spec, k, compute_dtype):
         self.root = Path(root)
         self.model_id = self.root.name
         self.model = model
         self.tokenizer = tokenizer
         self.store = store
-        self.executor_stats = executor_stats
+        self.streaming = streaming
+        self.executor_stats = streaming.stats
         self.spec, self.k, self.compute_dtype = spec, k, compute_dtype
         self.resident_bytes = bnn.resident_bytes(model)
         self._cache = None
         self._cache_tokens: list[int] = []
+        self._cache_dirty = False  # set while the KV cache may be ahead of _cache_tokens
 
     # -- prompts -------------------------------------------------------------------------------
     def encode(self, prompt) -> list[int]:
@@ -93,7 +114,7 @@ class Engine:
 
     def _prepare_cache(self, tokens: list[int], reuse: bool) -> int:
         """Make a cache holding a prefix of `tokens`; returns that prefix's length."""
-        if reuse and self._cache is not None:
+        if reuse and self._cache is not None and not self._cache_dirty:
             common = 0
             for a, b in zip(self._cache_tokens, tokens[:-1]):
                 if a != b:
@@ -127,10 +148,12 @@ class Engine:
 
         cached = self._prepare_cache(tokens, reuse_cache)
         new = tokens[cached:]
+        self._cache_dirty = True
         bnn.prefill(self.model, new[:-1], self._cache)
         logprobs = bnn.forward(self.model, new[-1:], self._cache)
         y = bnn.sample(sampler, logprobs)
         self._cache_tokens = list(tokens)
+        self._cache_dirty = False
         t_prefill = time.perf_counter() - t0
 
         detok = self.tokenizer.detokenizer
@@ -159,9 +182,12 @@ class Engine:
                 yield Step(y, text, finish, stats)
                 return
             yield Step(y, text)
+            self._cache_dirty = True
             logprobs = bnn.forward(self.model, [y], self._cache)
-            self._cache_tokens.append(y)
             y = bnn.sample(sampler, logprobs)
+            self.streaming.end_step()
+            self._cache_tokens.append(generated[-1])
+            self._cache_dirty = False
 
     def generate(self, prompt, max_tokens: int = 256, **kwargs) -> GenerationResult:
         """Run to completion; returns text, generated token ids, finish_reason and stats."""
@@ -191,22 +217,42 @@ class Engine:
             "peak_memory_bytes": B.peak_memory(),
             "peak_rss_bytes": B.peak_rss(),
             "expert_bytes_read": after["bytes_read"] - before["bytes_read"],
-            "expert_hit_rate": None,
+            "expert_hit_rate": _rate(after["hits"] - before["hits"], after["misses"] - before["misses"]),
             "host_syncs": after["host_syncs"] - before["host_syncs"],
+            "stall_ms_per_step": (after["stall_ms"] - before["stall_ms"]) / max(1, n_gen),
+            "fallbacks": after["fallbacks"] - before["fallbacks"],
+            "dropped_experts": after["dropped"] - before["dropped"],
         }
 
     def stats(self) -> dict:
         """Cumulative engine statistics, with a per-layer breakdown."""
+        st = self.streaming
+        totals = st.stats.totals()
         return {
             "model": self.model_id,
             "compute_dtype": self.compute_dtype,
             "serving_top_k": self.k,
             "resident_bytes": self.resident_bytes,
-            "executor": "exact",
-            "totals": self.executor_stats.totals(),
-            "layers": {
-                n: {**{k: v for k, v in vars(s).items() if k != "distinct_experts"}, "distinct_experts": len(s.distinct_experts)}
-                for n, s in sorted(self.executor_stats.layers.items())
-            },
+            "expert_cache_bytes": st.budget,
+            "slots_per_layer": st.n_slots,
+            "cache_policy": st.options.cache_policy,
+            "prefill_executor": st.options.prefill_executor,
+            "decode_executor": st.options.decode_executor,
+            "decode_steps": st.stats.decode_steps,
+            "stall_ms_per_step": totals["stall_ms"] / max(1, st.stats.decode_steps),
+            "totals": totals,
+            "layers": {n: s.as_dict() for n, s in sorted(st.stats.layers.items())},
             "peak_rss_bytes": B.peak_rss(),
         }
+
+    def describe(self) -> str:
+        """One line about the loaded model and how its experts are streamed."""
+        return f"{self.model_id}: {self.compute_dtype}, resident {format_size(self.resident_bytes)}, {self.streaming.describe()}"
+
+    def close(self) -> None:
+        self.streaming.close()
+        self.store.close()
+
+
+def _rate(hits: int, misses: int):
+    return hits / (hits + misses) if hits + misses else None

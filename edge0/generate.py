@@ -15,10 +15,19 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
                    help="compute dtype (default auto: float32 on CPU, the checkpoint's dtype on GPU)")
     p.add_argument("--top-k", type=int, default=None, help="serving width: experts per token (default: the model's)")
     p.add_argument("--verify", action="store_true", help="check every store file's sha256 before loading")
+    p.add_argument("--expert-cache", default=None, metavar="SIZE",
+                   help="memory for cached experts, e.g. 2GB (default: from free memory and model size)")
+    p.add_argument("--cache-policy", default="lru", help="expert-cache eviction policy (default lru)")
+    p.add_argument("--prefill-executor", default="whole", choices=["whole", "exact"],
+                   help="prefill: whole-layer reads (default) or exact per-expert reads")
+    p.add_argument("--decode-executor", default="staged", choices=["staged", "hot", "exact"],
+                   help="decode: staged slots (default), hot set + exact misses, or exact")
 
 
 def load_options(args) -> dict:
-    return {"dtype": args.dtype, "top_k": args.top_k, "verify": args.verify}
+    return {"dtype": args.dtype, "top_k": args.top_k, "verify": args.verify, "expert_cache": args.expert_cache,
+            "cache_policy": args.cache_policy, "prefill_executor": args.prefill_executor,
+            "decode_executor": args.decode_executor}
 
 
 def format_stats(s: dict) -> str:
@@ -27,8 +36,21 @@ def format_stats(s: dict) -> str:
         f"prompt {s['prompt_tokens']} tok ({s['prefill_tps']:.1f} tok/s prefill), "
         f"generated {s['generation_tokens']} tok ({s['decode_tps']:.1f} tok/s), "
         f"MLX peak {s['peak_memory_bytes'] / 2**20:.1f} MiB, RSS peak {s['peak_rss_bytes'] / 2**20:.0f} MiB, "
-        f"experts read {s['expert_bytes_read'] / 2**20:.1f} MiB, cache hits {hit}"
+        f"experts read {s['expert_bytes_read'] / 2**20:.1f} MiB, cache hits {hit}, "
+        f"stall {s.get('stall_ms_per_step', 0):.1f} ms/step"
     )
+
+
+def format_layer_stats(st: dict) -> str:
+    """Per-layer executor statistics as a table."""
+    cols = ("calls", "host_syncs", "loads", "hits", "misses", "bytes_read", "read_amplification",
+            "stall_ms", "slot_rewrites", "fallbacks", "dropped")
+    rows = [" ".join(f"{c:>12}" for c in ("layer",) + cols)]
+    for name, s in list(st["layers"].items()) + [("total", st["totals"])]:
+        vals = [s[c] for c in cols]
+        rows.append(" ".join(f"{v:>12.2f}" if isinstance(v, float) else f"{'-' if v is None else v:>12}" for v in [name, *vals]))
+    rows.append(f"stall {st['stall_ms_per_step']:.2f} ms per decode step over {st['decode_steps']} steps")
+    return "\n".join(rows)
 
 
 def main(argv=None) -> int:
@@ -48,6 +70,7 @@ def main(argv=None) -> int:
     import edge0
 
     engine = edge0.load(args.model, **load_options(args))
+    print(engine.describe(), file=sys.stderr)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if not args.no_chat_template and engine.tokenizer.chat_template is not None:
         prompt = engine.chat_prompt([{"role": "user", "content": prompt}])
@@ -59,8 +82,7 @@ def main(argv=None) -> int:
     print("==========", file=sys.stderr)
     print(format_stats(stats), file=sys.stderr)
     if args.stats:
-        for layer, s in engine.stats()["layers"].items():
-            print(f"layer {layer:3d}: " + ", ".join(f"{k} {v}" for k, v in s.items()), file=sys.stderr)
+        print(format_layer_stats(engine.stats()), file=sys.stderr)
     return 0
 
 

@@ -23,7 +23,7 @@ import json, sys
 from edge0.backend import core as B
 import edge0, edge0.engine, mlx_lm, transformers  # imports are not the model's memory
 before = B.peak_rss()
-engine = edge0.load(sys.argv[1])
+engine = edge0.load(sys.argv[1], decode_executor="exact")  # no cache: only touched experts
 res = engine.generate("hello world once upon a time", max_tokens=8, ignore_eos=True)
 s = engine.stats()
 per_expert = engine.store.expert_nbytes(engine.store.layers and next(iter(engine.store.layers)))

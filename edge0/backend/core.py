@@ -30,6 +30,8 @@ uint32 = mx.uint32
 eval = mx.eval
 argmax = mx.argmax
 concatenate = mx.concatenate
+take = mx.take
+zeros = mx.zeros
 
 _DTYPES = {
     "float32": mx.float32,
@@ -93,6 +95,20 @@ def pick_compute_dtype(requested: str | None, checkpoint_dtype: str) -> str:
         dtype(requested)
         return requested
     return "float32" if default_device() == "cpu" else checkpoint_dtype
+
+
+def available_memory() -> int:
+    """Memory the OS could give this process now, in bytes."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    if mx.metal.is_available():
+        return int(mx.metal.device_info()["memory_size"]) - mx.get_active_memory()
+    return 8 * 2**30
 
 
 def peak_memory() -> int:

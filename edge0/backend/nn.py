@@ -21,20 +21,26 @@ __all__ = ["make_prompt_cache", "make_sampler"]
 class StreamingExperts(nn.Module):
     """Stands in for an mlx-lm SwitchGLU/SwitchMLP whose stacked expert tensors stay on disk.
 
-    Per call, `executor(indices)` returns the tensors of the experts the route needs and the
-    route's indices mapped into them; the original mlx-lm module then runs its own math on them.
+    Per call, `executor(indices)` returns [(tensors of some experts, the route's indices mapped
+    into them)]; the original mlx-lm module runs its own math on each and the parts are summed.
     """
 
-    def __init__(self, inner: nn.Module, executor):
+    def __init__(self, inner: nn.Module, layer: int):
         super().__init__()
         # Plain attributes, not children: the experts' tensors must not count as resident.
         object.__setattr__(self, "inner", inner)
-        object.__setattr__(self, "executor", executor)
+        object.__setattr__(self, "executor", None)  # set by attach_executors
+        self.layer = layer
 
     def __call__(self, x, indices):
-        params, local = self.executor(indices)
-        self.inner.update(params)
-        return self.inner(x, local)
+        y = None
+        for params, local in self.executor(indices):  # several parts are summed (hot + misses)
+            self.inner.update(params)
+            part = self.inner(x, local)
+            y = part if y is None else y + part
+        if hasattr(self.executor, "done"):
+            self.executor.done(y)
+        return y
 
 
 class SpecMoEBlock(nn.Module):
@@ -90,10 +96,10 @@ def _set(root: nn.Module, path: str, value) -> None:
     _get(root, parent)[name] = value
 
 
-def assemble(root: Path, manifest: dict, config: dict, spec, k: int | None, compute_dtype: str, make_executor):
+def assemble(root: Path, manifest: dict, config: dict, spec, k: int | None, compute_dtype: str):
     """Build the model of a store: resident weights loaded and evaluated, each expert module
-    replaced by a StreamingExperts fed by `make_executor(layer)`, and, for spec'd families, each
-    MoE block replaced by a SpecMoEBlock serving width `k`."""
+    replaced by a StreamingExperts (see attach_executors), and, for spec'd families, each MoE
+    block replaced by a SpecMoEBlock serving width `k`."""
     model = bio.build_model(config, root)
     resident = bio.lazy_load([root / "model.safetensors"])
     names = set(resident)
@@ -111,7 +117,7 @@ def assemble(root: Path, manifest: dict, config: dict, spec, k: int | None, comp
     dt = getattr(mx, compute_dtype)
     for layer in manifest["expert_layers"]:
         path = layer["module"]
-        _set(model, path, StreamingExperts(_get(model, path), make_executor(layer["layer"])))
+        _set(model, path, StreamingExperts(_get(model, path), layer["layer"]))
         if spec is not None:
             block_path = path[: -len(spec.experts) - 1]
             _set(model, block_path, SpecMoEBlock(_get(model, block_path), spec, k))
@@ -125,6 +131,13 @@ def assemble(root: Path, manifest: dict, config: dict, spec, k: int | None, comp
     model.load_weights(weights, strict=True)
     mx.eval(model.parameters())
     return model
+
+
+def attach_executors(model: nn.Module, executors: dict) -> None:
+    """Give every StreamingExperts its executor, by layer."""
+    for _, m in model.named_modules():
+        if isinstance(m, StreamingExperts):
+            object.__setattr__(m, "executor", executors[m.layer])
 
 
 def moe_blocks(model: nn.Module) -> list[tuple[int, SpecMoEBlock]]:

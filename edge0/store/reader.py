@@ -64,6 +64,22 @@ class ExpertStore:
             self.bytes_read += total
         return out
 
+    def read_layer(self, layer: int) -> dict[str, tuple[np.ndarray, str, tuple]]:
+        """All experts of `layer`: one large read per stacked tensor (same layout as `read`)."""
+        info = self.layers[layer]
+        mm = self._map(info["file"])
+        num = int(info["num_experts"])
+        out, total = {}, 0
+        for name, t in info["tensors"].items():
+            n = t["expert_nbytes"] * num
+            buf = np.frombuffer(mm, dtype=np.uint8, count=n, offset=t["offset"]).copy()
+            _release(mm, t["offset"], n)
+            out[name] = (buf.reshape(num, -1), t["dtype"], tuple(t["shape"][1:]))
+            total += n
+        with self._lock:
+            self.bytes_read += total
+        return out
+
     def close(self) -> None:
         with self._lock:
             for m in self._maps.values():

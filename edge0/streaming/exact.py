@@ -1,37 +1,15 @@
-"""Exact executor: per MoE layer and step, read only the selected experts (deduplicated) through
-mmap and run them. Correct for any route; one host sync of the routing indices per layer."""
+"""Exact executor: per MoE layer and call, read only the selected experts (deduplicated) through
+mmap and run them. Correct for any route; one host sync of the routing indices per call."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import time
 
 import numpy as np
 
 from edge0.backend import core as B
 from edge0.store.reader import ExpertStore
-
-
-@dataclass
-class LayerStats:
-    calls: int = 0
-    host_syncs: int = 0
-    experts_loaded: int = 0
-    bytes_read: int = 0
-    distinct_experts: set = field(default_factory=set)
-
-
-@dataclass
-class ExecutorStats:
-    layers: dict = field(default_factory=dict)
-
-    def layer(self, n: int) -> LayerStats:
-        return self.layers.setdefault(n, LayerStats())
-
-    def totals(self) -> dict:
-        keys = ("calls", "host_syncs", "experts_loaded", "bytes_read")
-        out = {k: sum(getattr(s, k) for s in self.layers.values()) for k in keys}
-        out["distinct_experts"] = sum(len(s.distinct_experts) for s in self.layers.values())
-        return out
+from edge0.streaming.stats import ExecutorStats
 
 
 def to_device(raw: dict, n: int, compute_dtype: str) -> dict:
@@ -46,20 +24,46 @@ def to_device(raw: dict, n: int, compute_dtype: str) -> dict:
     return params
 
 
+def raw_nbytes(raw: dict) -> int:
+    return sum(b.nbytes for b, _, _ in raw.values())
+
+
 class ExactExecutor:
+    """The reference streaming path. `__call__(indices)` -> [(params, local indices)]."""
+
+    name = "exact"
+
     def __init__(self, store: ExpertStore, layer: int, compute_dtype: str, stats: ExecutorStats):
         self.store, self.layer, self.dtype = store, layer, compute_dtype
         self.stats = stats.layer(layer)
+        self.expert_nbytes = store.expert_nbytes(layer)
 
-    def __call__(self, indices):
-        ids = B.to_numpy(indices)  # the host sync: which experts to read
+    def host_ids(self, indices) -> np.ndarray:
+        self.stats.host_syncs += 1
+        return B.to_numpy(indices)
+
+    def load(self, ids) -> tuple[dict, int]:
+        """Read experts `ids` from storage (timed as stall); returns (device params, bytes)."""
+        t0 = time.perf_counter()
+        raw = self.store.read(self.layer, ids)
+        params = to_device(raw, len(ids), self.dtype)
+        s = self.stats
+        s.stall_s += time.perf_counter() - t0
+        s.loads += len(ids)
+        n = raw_nbytes(raw)
+        s.bytes_read += n
+        return params, n
+
+    def run(self, ids: np.ndarray):
         uniq, inv = np.unique(ids, return_inverse=True)
-        raw = self.store.read(self.layer, uniq)
+        params, _ = self.load(uniq)
         s = self.stats
         s.calls += 1
-        s.host_syncs += 1
-        s.experts_loaded += len(uniq)
+        s.misses += len(uniq)
+        s.bytes_used += len(uniq) * self.expert_nbytes
         s.distinct_experts.update(uniq.tolist())
-        s.bytes_read += sum(b.nbytes for b, _, _ in raw.values())
         # np.unique sorts, so local ids keep the route's order and mlx-lm's sort path is unchanged.
-        return to_device(raw, len(uniq), self.dtype), B.array(inv.reshape(ids.shape).astype(np.uint32))
+        return [(params, B.array(inv.reshape(ids.shape).astype(np.uint32)))]
+
+    def __call__(self, indices):
+        return self.run(self.host_ids(indices))

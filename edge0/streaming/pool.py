@@ -1,0 +1,110 @@
+"""The expert pool: one byte budget for cached experts, split into per-layer slot sets.
+
+Each MoE layer gets the same number of slots (budget / bytes of one expert in every layer). A
+SlotSet keeps persistent device tensors [n_slots + 1, ...] for each expert tensor (the last row
+is all zeros), an expert -> slot table on the device, and an ExpertCache whose policy decides
+which expert a new one replaces. Only slots whose expert changed are rewritten.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+
+from edge0.backend import core as B
+from edge0.cache import ExpertCache, make_policy
+from edge0.errors import Edge0Error
+from edge0.store.reader import ExpertStore
+from edge0.streaming.exact import to_device
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(text) -> int:
+    """'2GB', '512MiB', '1.5G' or a plain byte count -> bytes."""
+    if isinstance(text, (int, float)):
+        return int(text)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
+    unit = m.group(2).upper() if m else ""
+    unit = unit + "B" if unit in ("K", "M", "G", "T") else unit
+    if not m or unit not in _UNITS:
+        raise Edge0Error(f"--expert-cache {text!r}: not a size; use e.g. 2GB, 512MB or 1.5GiB")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def format_size(n: int) -> str:
+    for unit, f in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= f:
+            return f"{n / f:.2f} {unit}"
+    return f"{n} B"
+
+
+def default_budget(total_expert_bytes: int, resident_bytes: int) -> int:
+    """All experts if they fit in half of the memory left after the resident weights,
+    otherwise that half."""
+    free = max(0, B.available_memory() - resident_bytes)
+    return min(total_expert_bytes, free // 2)
+
+
+def slots_per_layer(store: ExpertStore, budget: int, k: int) -> int:
+    """Slots each MoE layer gets from `budget`; an error if one step's route cannot fit."""
+    per_slot_all_layers = sum(store.expert_nbytes(l) for l in store.layers)
+    n = budget // per_slot_all_layers
+    if n < k:
+        need = k * per_slot_all_layers
+        raise Edge0Error(
+            f"--expert-cache {format_size(budget)} is too small: a decode step needs {k} experts in each of "
+            f"{len(store.layers)} MoE layers ({format_size(need)}); use --expert-cache {format_size(need)} or more"
+        )
+    return min(n, min(int(info["num_experts"]) for info in store.layers.values()))
+
+
+class SlotSet:
+    """Persistent slot tensors, the expert -> slot table, and cache membership for one layer."""
+
+    def __init__(self, store: ExpertStore, layer: int, n_slots: int, compute_dtype: str, policy: str = "lru"):
+        info = store.layers[layer]
+        self.store, self.layer, self.dtype = store, layer, compute_dtype
+        self.num_experts = int(info["num_experts"])
+        self.n_slots = n_slots
+        self.zero = n_slots  # index of the all-zero row
+        zeros = {name: (np.zeros((n_slots + 1, t["expert_nbytes"]), np.uint8), t["dtype"], tuple(t["shape"][1:]))
+                 for name, t in info["tensors"].items()}
+        self.params = to_device(zeros, n_slots + 1, compute_dtype)
+        self.table_host = np.full(self.num_experts, self.zero, dtype=np.uint32)
+        self.table = B.array(self.table_host)
+        self.cache = ExpertCache(make_policy(policy, n_slots, self.num_experts))
+        self.slot_of: dict[int, int] = {}
+        self.free = list(range(n_slots - 1, -1, -1))
+
+    def assign(self, loaded: list[int], evicted: list[int]) -> list[int]:
+        """Bookkeeping only: free the evicted experts' slots and give slots to the loaded ones.
+        Device tensors change only in `apply`, so a step in flight still sees the old set."""
+        for e in evicted:
+            self.free.append(self.slot_of.pop(e))
+        slots = [self.free.pop() for _ in loaded]
+        self.slot_of.update(zip(loaded, slots))
+        return slots
+
+    def plan(self, step: int, experts, scores=None):
+        """Admit `experts` into the cache. Returns (hits, loaded, evicted, slots for loaded)."""
+        hits, loaded, evicted = self.cache.access(step, experts, scores)
+        return hits, loaded, evicted, self.assign(loaded, evicted)
+
+    def apply(self, evicted: list[int], loaded: list[int], slots: list[int], params: dict | None) -> None:
+        """Device update: rewrite only the changed slots and the expert -> slot table."""
+        if loaded:
+            idx = B.array(np.array(slots, dtype=np.uint32))
+            for proj, parts in params.items():
+                for part, rows in parts.items():
+                    self.params[proj][part][idx] = rows
+        self.table_host[evicted] = self.zero
+        self.table_host[loaded] = slots
+        if loaded or evicted:
+            self.table = B.array(self.table_host)
+
+    def local(self, indices):
+        """Route indices -> slot indices, on the device (no host sync)."""
+        return B.take(self.table, indices)

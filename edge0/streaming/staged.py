@@ -1,0 +1,97 @@
+"""Staged executor (decode): experts live in persistent slot tensors; each step rewrites only
+the slots whose expert changed, and the layer maps routed ids to slots with a device `take`.
+
+Two ways to use it:
+- gate routing: the layer copies the route to the host (one sync), admits its experts into the
+  slot set (hits cost nothing, misses are read) and runs on the slots;
+- staged ahead (`stage` + `swap`, the double buffer the pre-router uses): the next step's experts
+  are read on a background thread while the current step computes, written into the slots at the
+  step boundary, and the layer then runs with no host sync at all. Routed experts that were not
+  staged would hit the zero row; they are counted as `dropped` after the step.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+
+from edge0.backend import core as B
+from edge0.streaming.exact import ExactExecutor, raw_nbytes, to_device
+from edge0.streaming.pool import SlotSet
+
+
+class StagedExecutor(ExactExecutor):
+    name = "staged"
+
+    def __init__(self, store, layer, compute_dtype, stats, slots: SlotSet, reader: ThreadPoolExecutor):
+        super().__init__(store, layer, compute_dtype, stats)
+        self.slots = slots
+        self.reader = reader
+        self.step = 0
+        self.trusted = False  # this step's route was staged ahead: no host sync
+        self._pending: tuple[list[int], Future] | None = None
+        self._dropped = []  # device scalars, read after the step
+
+    # -- the double buffer -------------------------------------------------------------------
+    def stage(self, experts) -> None:
+        """Start reading the experts of the *next* step (host ids) in the background."""
+        experts = list(dict.fromkeys(int(e) for e in experts))
+        hits, loaded, evicted, slots = self.slots.plan(self.step + 1, experts)
+        self.stats.hits += len(hits)
+        self.stats.misses += len(loaded)
+        self.stats.bytes_used += len(experts) * self.expert_nbytes
+        self.stats.distinct_experts.update(experts)
+        future = self.reader.submit(self.store.read, self.layer, loaded) if loaded else None
+        self._pending = (evicted, loaded, slots, future)
+
+    def swap(self) -> None:
+        """Step boundary: wait for the staged reads and write them into their slots."""
+        evicted, loaded, slots, future = self._pending
+        self._pending = None
+        params = None
+        if future is not None:
+            t0 = time.perf_counter()
+            raw = future.result()
+            self.stats.stall_s += time.perf_counter() - t0
+            params = to_device(raw, len(loaded), self.dtype)
+            self.stats.loads += len(loaded)
+            self.stats.bytes_read += raw_nbytes(raw)
+            self.stats.slot_rewrites += len(loaded)
+        self.slots.apply(evicted, loaded, slots, params)
+        self.trusted = True
+
+    def collect_dropped(self) -> int:
+        """After a step: how many routed experts were not staged (read the device counters)."""
+        n = sum(int(d.item()) for d in self._dropped)
+        self._dropped.clear()
+        self.stats.dropped += n
+        return n
+
+    # -- the layer call ------------------------------------------------------------------------
+    def __call__(self, indices):
+        self.stats.calls += 1
+        if self.trusted:
+            self.trusted = False
+            self.step += 1
+            local = self.slots.local(indices)
+            self._dropped.append((local == self.slots.zero).sum())
+            return [(self.slots.params, local)]
+        ids = self.host_ids(indices)
+        uniq = np.unique(ids)
+        if len(uniq) > self.slots.n_slots:  # e.g. a long prefill chunk: more experts than slots
+            self.stats.fallbacks += 1
+            self.stats.calls -= 1
+            return self.run(ids)
+        self.step += 1
+        hits, loaded, evicted, slots = self.slots.plan(self.step, uniq.tolist())
+        s = self.stats
+        s.hits += len(hits)
+        s.misses += len(loaded)
+        s.bytes_used += len(uniq) * self.expert_nbytes
+        s.distinct_experts.update(uniq.tolist())
+        params = self.load(loaded)[0] if loaded else None
+        self.slots.apply(evicted, loaded, slots, params)
+        s.slot_rewrites += len(loaded)
+        return [(self.slots.params, self.slots.local(B.array(ids.astype(np.uint32))))]

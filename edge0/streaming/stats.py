@@ -1,0 +1,49 @@
+"""Per-layer executor statistics: loads, hits, misses, bytes, stalls, slot rewrites, fallbacks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+COUNTERS = ("calls", "host_syncs", "loads", "hits", "misses", "bytes_read", "bytes_used",
+            "slot_rewrites", "fallbacks", "dropped")
+
+
+@dataclass
+class LayerStats:
+    calls: int = 0
+    host_syncs: int = 0  # routing indices copied to the host
+    loads: int = 0  # experts read from storage
+    hits: int = 0  # routed experts already resident (slot or hot set)
+    misses: int = 0  # routed experts that had to be read
+    bytes_read: int = 0
+    bytes_used: int = 0  # bytes of the distinct experts each call actually used
+    slot_rewrites: int = 0
+    fallbacks: int = 0  # calls that fell back to the exact path
+    dropped: int = 0  # routed experts that were not staged (trusted staged mode only)
+    stall_s: float = 0.0  # time blocked waiting for expert data
+    distinct_experts: set = field(default_factory=set)
+
+    def as_dict(self) -> dict:
+        d = {k: getattr(self, k) for k in COUNTERS}
+        d["stall_ms"] = 1000 * self.stall_s
+        d["distinct_experts"] = len(self.distinct_experts)
+        d["read_amplification"] = self.bytes_read / self.bytes_used if self.bytes_used else None
+        return d
+
+
+@dataclass
+class ExecutorStats:
+    layers: dict = field(default_factory=dict)
+    decode_steps: int = 0
+
+    def layer(self, n: int) -> LayerStats:
+        return self.layers.setdefault(n, LayerStats())
+
+    def totals(self) -> dict:
+        out = {k: sum(getattr(s, k) for s in self.layers.values()) for k in COUNTERS}
+        out["stall_ms"] = 1000 * sum(s.stall_s for s in self.layers.values())
+        out["distinct_experts"] = sum(len(s.distinct_experts) for s in self.layers.values())
+        lookups = out["hits"] + out["misses"]
+        out["hit_rate"] = out["hits"] / lookups if lookups else None
+        out["read_amplification"] = out["bytes_read"] / out["bytes_used"] if out["bytes_used"] else None
+        return out

@@ -86,6 +86,9 @@ class Engine:
         self._cache = None
         self._cache_tokens: list[int] = []
         self._cache_dirty = False  # set while the KV cache may be ahead of _cache_tokens
+        # Called as stager.before_step(engine, step) before each decode step after the first;
+        # it stages that step's experts (the pre-router's cross-token stager, or a test oracle).
+        self.stager = None
 
     # -- prompts -------------------------------------------------------------------------------
     def encode(self, prompt) -> list[int]:
@@ -182,6 +185,8 @@ class Engine:
                 yield Step(y, text, finish, stats)
                 return
             yield Step(y, text)
+            if self.stager is not None:
+                self.stager.before_step(self, len(generated))
             self._cache_dirty = True
             logprobs = bnn.forward(self.model, [y], self._cache)
             y = bnn.sample(sampler, logprobs)

@@ -27,3 +27,23 @@ def store_for(tmp_path_factory):
         return built[key]
 
     return make
+
+
+# hidden 512 so each expert is ~0.44 MB in int4; 128 experts x 2 layers ~ 108 MiB of experts,
+# 162x the other weights.
+BIG = {"hidden_size": 512, "moe_intermediate_size": 512, "num_experts": 128, "num_hidden_layers": 2,
+       "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "intermediate_size": 512,
+       "dtype": "bfloat16"}
+
+
+@pytest.fixture(scope="session")
+def big_store(tmp_path_factory):
+    """A store whose routed experts are far larger than its other weights (and than test budgets)."""
+    from edge0.convert import convert
+    from tests.fixtures.make import make_memory_fixture, routed_expert_bytes
+
+    root = tmp_path_factory.mktemp("big")
+    hf, ratio = make_memory_fixture(root / "hf", **BIG)
+    routed, other = routed_expert_bytes(hf)
+    assert ratio >= 10 and routed >= 10 * other
+    return convert(str(hf), root / "store", quiet=True)

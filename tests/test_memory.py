@@ -8,16 +8,8 @@ import json
 import subprocess
 import sys
 
-import pytest
-
-from tests.fixtures.make import make_memory_fixture, routed_expert_bytes
 
 CONSTANT = 64 * 2**20
-# hidden 512 so each expert is ~0.44 MB in int4; 128 experts x 2 layers ~ 113 MB of experts.
-BIG = {"hidden_size": 512, "moe_intermediate_size": 512, "num_experts": 128, "num_hidden_layers": 2,
-       "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "intermediate_size": 512,
-       "dtype": "bfloat16"}
-
 PROBE = r"""
 import json, sys
 from edge0.backend import core as B
@@ -32,18 +24,6 @@ print(json.dumps({"before": before, "peak": B.peak_rss(), "resident": engine.res
                   "all_experts": sum(engine.store.expert_nbytes(l) * v["num_experts"] for l, v in engine.store.layers.items()),
                   "mlx_peak": res.stats["peak_memory_bytes"]}))
 """
-
-
-@pytest.fixture(scope="module")
-def big_store(tmp_path_factory):
-    from edge0.convert import convert
-
-    root = tmp_path_factory.mktemp("memory")
-    hf, ratio = make_memory_fixture(root / "hf", **BIG)
-    assert ratio >= 10
-    routed, other = routed_expert_bytes(hf)
-    assert routed >= 10 * other
-    return convert(str(hf), root / "store", quiet=True)
 
 
 def test_decode_peak_follows_touched_experts(big_store):

@@ -1,7 +1,13 @@
 """The eviction-policy interface and LRU, the default.
 
 A policy serves one MoE layer. `ExpertCache` owns membership (which experts are cached) and
-asks the policy only two things: to observe each step's route, and to pick a victim.
+asks the policy only two things: to observe each step's route, and to pick a victim. The hooks
+are called in this order for a step: observe; on_hit for each cached routed expert; then for
+each missing one: on_miss, victim + on_evict (when the cache is full), on_insert.
+
+A step's route is always resident while the step runs. When `capacity` is smaller than the route
+(a budget below top-k), nothing is evicted during the step; afterwards the cache is trimmed back
+to `capacity` and in that trim nothing is protected. See docs/cache-policies.md.
 """
 
 from __future__ import annotations
@@ -27,6 +33,9 @@ class Policy(ABC):
 
     def on_hit(self, expert: int) -> None:
         """A routed expert was already cached."""
+
+    def on_miss(self, expert: int) -> None:
+        """A routed expert is not cached; called before the victim for it is chosen."""
 
     def on_insert(self, expert: int) -> None:
         """A routed expert was loaded into the cache."""
@@ -65,43 +74,63 @@ class ExpertCache:
     """Membership of one layer's cache; the policy picks victims. Counts hits and misses."""
 
     def __init__(self, policy: Policy):
+        if policy.capacity < 1:
+            raise ValueError(f"cache capacity must be >= 1 expert (got {policy.capacity})")
         self.policy = policy
         self.cached: set[int] = set()
         self.hits = self.misses = 0
 
     def access(self, step: int, routed: Sequence[int], scores: np.ndarray | None = None):
         """Route one step through the cache. Returns (hits, loaded, evicted) expert lists;
-        `loaded` must be read from storage, `evicted` may be dropped."""
+        `loaded` must be read from storage, `evicted` may be dropped. With a route larger than
+        the capacity, `evicted` may include experts of this route (drop them after the step)."""
         routed = list(dict.fromkeys(int(e) for e in routed))
-        if len(routed) > self.policy.capacity:
-            raise ValueError(f"route needs {len(routed)} experts but the cache holds {self.policy.capacity}")
-        self.policy.observe(step, routed, scores)
+        policy, cached, cap = self.policy, self.cached, self.policy.capacity
+        policy.observe(step, routed, scores)
         protected = set(routed)
         hits, loaded, evicted = [], [], []
         for e in routed:
-            if e in self.cached:
+            if e in cached:
                 hits.append(e)
-                self.policy.on_hit(e)
+                policy.on_hit(e)
             else:
                 loaded.append(e)
+        # A route wider than the cache cannot fit: hold it for this step, then let the policy
+        # keep any `cap` of cached + routed (evicting during the step would force it to drop
+        # the unrouted experts first).
+        overflow = len(routed) > cap
         for e in loaded:
-            if len(self.cached) >= self.policy.capacity:
-                v = self.policy.victim(self.cached, protected)
-                self.cached.remove(v)
-                self.policy.on_evict(v)
-                evicted.append(v)
-            self.cached.add(e)
-            self.policy.on_insert(e)
+            policy.on_miss(e)
+            if not overflow and len(cached) >= cap:
+                evicted.append(self._evict(protected))
+            cached.add(e)
+            policy.on_insert(e)
+        while len(cached) > cap:
+            evicted.append(self._evict(set()))
         self.hits += len(hits)
         self.misses += len(loaded)
         return hits, loaded, evicted
+
+    def _evict(self, protected: set[int]) -> int:
+        v = self.policy.victim(self.cached, protected)
+        if v not in self.cached or v in protected:
+            raise RuntimeError(f"{self.policy.name}: victim {v} is not an evictable cached expert")
+        self.cached.remove(v)
+        self.policy.on_evict(v)
+        return v
+
+    @property
+    def hit_rate(self) -> float:
+        total = self.hits + self.misses
+        return self.hits / total if total else 0.0
 
 
 POLICIES: dict[str, type[Policy]] = {"lru": LRU}
 
 
 def make_policy(name: str, capacity: int, num_experts: int, **kwargs) -> Policy:
-    """Instantiate a registered policy by name (see POLICIES)."""
+    """Instantiate a registered policy by name (see POLICIES). Options by policy: smoe
+    `window`; flashmoe `weights` (file or loaded model); belady `future` (every step's route)."""
     if name not in POLICIES:
         raise ValueError(f"unknown cache policy {name!r}; choose one of {', '.join(sorted(POLICIES))}")
     return POLICIES[name](capacity, num_experts, **kwargs)

@@ -1,0 +1,109 @@
+"""Offline replay of a routing trace through expert caches: hit rates per policy and budget.
+Layers are independent caches, as in the live pool; pure numpy/python."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from fractions import Fraction
+
+import numpy as np
+
+from edge0.cache import OFFLINE, ExpertCache, make_policy
+from edge0.errors import Edge0Error
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
+          "g": 10**9, "gb": 10**9, "gib": 2**30}
+
+
+@dataclass(frozen=True)
+class Budget:
+    label: str  # as the user wrote it
+    capacity: int  # experts cached per layer
+
+
+def parse_budgets(text: str, num_experts: int, field_name: str = "--budget") -> list[Budget]:
+    """'1/8,1/4,0.5,12' -> fractions of the experts per layer, or counts (plain integers)."""
+    out = []
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        try:
+            value = Fraction(part)
+        except (ValueError, ZeroDivisionError):
+            raise Edge0Error(f"{field_name}: {part!r} is not a fraction or a count; use e.g. 1/8,1/4,3/8 or 4,8") from None
+        # A plain integer is a count of experts; anything with '/' or '.' is a fraction of them.
+        cap = int(value) if part.isdigit() else round(value * num_experts)
+        if not 1 <= cap <= num_experts:
+            raise Edge0Error(f"{field_name}: {part!r} is {cap} experts per layer; it must be 1..{num_experts}")
+        out.append(Budget(part, cap))
+    if not out:
+        raise Edge0Error(f"{field_name}: no budgets given; use e.g. 1/8,1/4,3/8")
+    return out
+
+
+def parse_byte_budgets(text: str, expert_bytes: list[int], num_experts: int) -> list[Budget]:
+    """'64MiB,1GB' -> total cache bytes over all MoE layers; the same count in every layer."""
+    per_expert_all_layers = sum(expert_bytes)
+    out = []
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        m = re.fullmatch(r"([0-9.]+)\s*([a-zA-Z]*)", part)
+        if not m or m.group(2).lower() not in _UNITS:
+            raise Edge0Error(f"--budget-bytes: {part!r} is not a size; use e.g. 64MiB,1GiB")
+        cap = int(float(m.group(1)) * _UNITS[m.group(2).lower()] // per_expert_all_layers)
+        if cap < 1:
+            raise Edge0Error(f"--budget-bytes: {part} holds no expert per layer (one expert in every layer is {per_expert_all_layers} bytes)")
+        out.append(Budget(part, min(cap, num_experts)))
+    return out
+
+
+@dataclass
+class Result:
+    policy: str
+    budget: Budget
+    hits: int = 0
+    misses: int = 0
+    bytes_read: int = 0
+    layers: dict = field(default_factory=dict)  # layer -> hit rate
+
+    @property
+    def hit_rate(self) -> float:
+        total = self.hits + self.misses
+        return self.hits / total if total else 0.0
+
+
+def replay_layer(routes: np.ndarray, scores: np.ndarray | None, policy) -> ExpertCache:
+    """Run one layer's routes [T, K] (and scores [T, E]) through a cache with `policy`."""
+    cache = ExpertCache(policy)
+    rows = routes.tolist()
+    if scores is None:
+        for step, r in enumerate(rows):
+            cache.access(step, r)
+    else:
+        for step, r in enumerate(rows):
+            cache.access(step, r, scores[step])
+    return cache
+
+
+def simulate(trace, policies: list[str], budgets: list[Budget], options: dict | None = None) -> list[Result]:
+    """Hit rates of every policy at every budget. `options[name]` are extra keyword arguments of
+    a policy (e.g. {"smoe": {"window": 16}, "flashmoe": {"weights": model}})."""
+    options = options or {}
+    results = {(p, b): Result(p, b) for p in policies for b in budgets}
+    for li, layer in enumerate(trace.layers):
+        routes = np.asarray(trace.routes[li], dtype=np.int64)
+        scores = np.asarray(trace.scores[li], dtype=np.float32)
+        future = routes.tolist()
+        for name in policies:
+            kw = dict(options.get(name, {}))
+            if name in OFFLINE:
+                kw["future"] = future
+            if name == "flashmoe":
+                kw["layer"] = layer
+            for b in budgets:
+                cache = replay_layer(routes, scores if name == "smoe" else None,
+                                     make_policy(name, b.capacity, trace.num_experts, **kw))
+                r = results[(name, b)]
+                r.hits += cache.hits
+                r.misses += cache.misses
+                r.bytes_read += cache.misses * trace.expert_bytes[li]
+                r.layers[layer] = cache.hit_rate
+    return list(results.values())

@@ -1,0 +1,164 @@
+"""`edge0 plan`: predict, for several expert-cache budgets, the hit rate (simulated on a routing
+trace), the expert bytes read per token and the decode speed (from read and compute costs
+measured on this machine), and recommend a budget."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from edge0 import tracefile
+from edge0.cache import POLICIES
+from edge0.cache.replay import parse_budgets, simulate
+from edge0.cli_util import run_main
+from edge0.errors import Edge0Error
+from edge0.generate import add_model_options, load_options
+from edge0.trace import record, record_file
+
+PROMPTS = ["The", "In this chapter we describe", "def main():", "Once upon a time"]
+
+
+def _drop_cache(path: Path) -> bool:
+    """Evict a file from the OS page cache (no root needed); False where unsupported."""
+    if not hasattr(os, "posix_fadvise"):
+        return False
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    return True
+
+
+def measure_reads(store, layers: list[int], num_experts: int, per_layer: int = 8, seed: int = 0) -> dict:
+    """Seconds to read one expert, cold (page cache dropped before each read) and warm, per
+    measured layer (up to 8, evenly spread)."""
+    rng = np.random.default_rng(seed)
+    sample = sorted(set(layers[int(i)] for i in np.linspace(0, len(layers) - 1, min(8, len(layers)))))
+    cold, warm, forced = {}, {}, True
+    for l in sample:
+        ids = rng.choice(num_experts, size=min(per_layer, num_experts), replace=False)
+        path = store.root / store.layers[l]["file"]
+        store.read(l, [int(ids[0])])  # first-use costs (mmap, page tables) are not read costs
+        tc, tw = [], []
+        for e in ids:
+            forced &= _drop_cache(path)
+            tc.append(_timed_read(store, l, int(e)))
+            tw.append(_timed_read(store, l, int(e)))
+        cold[l], warm[l] = float(np.median(tc)), float(np.median(tw))
+    return {"cold_s": cold, "warm_s": warm, "cold_forced": forced}
+
+
+def _timed_read(store, layer: int, expert: int) -> float:
+    t = time.perf_counter()
+    store.read(layer, [expert])
+    return time.perf_counter() - t
+
+
+def per_layer(values: dict, layers: list[int]) -> list[float]:
+    """Measured per-layer values spread to every layer (nearest measured layer)."""
+    keys = sorted(values)
+    return [values[min(keys, key=lambda k: abs(k - l))] for l in layers]
+
+
+def measure_compute(engine, tokens: int = 16) -> tuple[float, float]:
+    """(seconds per decode step, of which waiting for expert reads), everything warm: the
+    second of two identical greedy runs reads the same experts, now from the page cache."""
+    for _ in range(2):
+        stats = engine.generate(PROMPTS[0], max_tokens=tokens, ignore_eos=True).stats
+    return 1.0 / stats["decode_tps"], stats["stall_ms_per_step"] / 1000
+
+
+def predict(trace, results, t_compute: float, cold: list[float]) -> list[dict]:
+    """Per budget: hit rate, bytes read per token and predicted tok/s = 1 / (compute per token +
+    cold reads of the expected misses)."""
+    K, T = trace.top_k, trace.num_steps
+    rows = []
+    for r in results:
+        miss_per_tok = [(1 - r.layers[l]) * K for l in trace.layers]
+        t = t_compute + sum(m * c for m, c in zip(miss_per_tok, cold))
+        rows.append({"budget": r.budget.label, "experts_per_layer": r.budget.capacity, "hit_rate": r.hit_rate,
+                     "cache_bytes": r.budget.capacity * sum(trace.expert_bytes), "bytes_per_token": r.bytes_read / T,
+                     "tok_s": 1.0 / t if t > 0 else float("inf")})
+    return rows
+
+
+def recommend(rows: list[dict], within: float = 0.10) -> dict:
+    """The smallest budget whose predicted tok/s is within `within` of the best."""
+    best = max(r["tok_s"] for r in rows)
+    return min((r for r in rows if r["tok_s"] >= (1 - within) * best), key=lambda r: r["experts_per_layer"])
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="edge0 plan", description=__doc__.splitlines()[0])
+    add_model_options(p)
+    p.add_argument("--trace", default=None, help="trace of this model (default: record one now)")
+    p.add_argument("--data", type=Path, default=None, help="text to record the trace on (default: generate from built-in prompts)")
+    p.add_argument("--prompts", type=int, default=4, help="prompts when recording (default 4)")
+    p.add_argument("--prompt-tokens", type=int, default=256, help="teacher-forced tokens per prompt when recording from --data")
+    p.add_argument("--max-tokens", type=int, default=64, help="generated tokens per prompt when recording (default 64)")
+    p.add_argument("--budget", default="1/8,1/4,3/8,1/2,3/4,1/1", help="experts cached per layer (default 1/8,1/4,3/8,1/2,3/4,1/1)")
+    p.add_argument("--json", type=Path, default=None, help="also write the measurements and predictions here, to check against later runs")
+    args = p.parse_args(argv)
+    if args.cache_policy not in POLICIES or args.cache_policy in ("belady", "flashmoe"):
+        raise Edge0Error(f"--cache-policy: {args.cache_policy!r} cannot be planned; use one of lru, lfu, arc, smoe")
+    if min(args.prompts, args.max_tokens) < 1 or args.prompt_tokens < 2:
+        raise Edge0Error("--prompts and --max-tokens must be >= 1, --prompt-tokens >= 2")
+
+    import edge0
+    from edge0.store.format import manifest_hash
+
+    # Exact executors: measuring compute must not depend on a slot budget (the thing planned
+    # here), and they read only the routed experts, whose warm copy cost is subtracted below.
+    engine = edge0.load(args.model, **{**load_options(args), "prefill_executor": "exact", "decode_executor": "exact"})
+    if args.trace:
+        trace = tracefile.read(args.trace)
+        if trace.meta.get("manifest_hash") != manifest_hash(engine.root):
+            raise Edge0Error(f"--trace: {args.trace} was recorded on another store; record one with: edge0 trace --model {engine.root} --data FILE --out TRACE")
+    elif args.data:
+        trace = record_file(engine, args.data, args.prompts, args.prompt_tokens, args.max_tokens)
+    else:
+        trace = record(engine, [engine.encode(t) for t in PROMPTS[:args.prompts]], args.max_tokens, {"prompts": PROMPTS[:args.prompts]})
+    budgets = parse_budgets(args.budget, trace.num_experts)
+    results = simulate(trace, [args.cache_policy], budgets, {})
+
+    reads = measure_reads(engine.store, trace.layers, trace.num_experts)
+    t_step, t_stall = measure_compute(engine)
+    t_compute = max(t_step - t_stall, 1e-6)
+    cold = per_layer(reads["cold_s"], trace.layers)
+    rows = predict(trace, results, t_compute, cold)
+    best = recommend(rows)
+
+    print(f"{engine.model_id}: {len(trace.layers)} MoE layers x {trace.num_experts} experts, top-{trace.top_k}; "
+          f"trace {trace.num_steps} steps; policy {args.cache_policy}")
+    print(f"measured: expert read {1e3 * np.mean(cold):.2f} ms {'cold' if reads['cold_forced'] else 'warm (could not drop the page cache)'}, "
+          f"{1e3 * np.mean(list(reads['warm_s'].values())):.3f} ms warm; decode step {1e3 * t_step:.1f} ms with experts warm, "
+          f"{1e3 * t_compute:.1f} ms of it compute; "
+          f"resident weights {engine.resident_bytes / 2**20:.1f} MiB\n")
+    print("| budget | experts/layer | cache MiB | hit rate | MiB read/token | predicted tok/s |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['budget']} | {r['experts_per_layer']} | {r['cache_bytes'] / 2**20:.1f} | {100 * r['hit_rate']:.1f}% | "
+              f"{r['bytes_per_token'] / 2**20:.3f} | {r['tok_s']:.1f} |")
+    print(f"\nrecommended: {best['budget']} of the experts ({best['experts_per_layer']} per layer): "
+          f"--expert-cache {best['cache_bytes']} --cache-policy {args.cache_policy}; "
+          f"the smallest budget within 10% of the best predicted speed")
+    if best["experts_per_layer"] < trace.top_k:
+        print(f"note: the live pool needs at least top-k = {trace.top_k} experts per layer")
+    if args.json:
+        doc = {"model": engine.model_id, "manifest_hash": trace.meta.get("manifest_hash"), "policy": args.cache_policy,
+               "trace_steps": trace.num_steps, "measured": {**reads, "decode_step_s": t_step, "compute_s": t_compute}, "predictions": rows,
+               "recommended": best["budget"]}
+        args.json.write_text(json.dumps(doc, indent=1, default=str) + "\n")
+        print(f"wrote {args.json}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)

@@ -1,0 +1,92 @@
+"""`edge0 simulate`: replay a routing trace through every cache policy at several budgets and
+print hit rates, with Belady's offline optimum as the upper bound."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from edge0 import tracefile
+from edge0.cache import POLICIES
+from edge0.cache.flashmoe import load_model
+from edge0.cache.replay import parse_budgets, parse_byte_budgets, simulate
+from edge0.cache.smoe import DEFAULT_WINDOW
+from edge0.cli_util import run_main
+from edge0.errors import Edge0Error
+
+ORDER = ["lru", "lfu", "arc", "smoe", "flashmoe", "belady"]
+
+
+def format_table(results, budgets, num_experts: int, steps: int) -> str:
+    """Markdown table: one row per policy, one column per budget; hit rate and MiB read/token."""
+    head = "| policy | " + " | ".join(f"{b.label} ({b.capacity}/{num_experts})" for b in budgets) + " |"
+    lines = [head, "|---" * (len(budgets) + 1) + "|"]
+    by = {(r.policy, r.budget): r for r in results}
+    for p in dict.fromkeys(r.policy for r in results):
+        cells = [f"{100 * by[(p, b)].hit_rate:.1f}% ({by[(p, b)].bytes_read / steps / 2**20:.2f})" for b in budgets]
+        lines.append(f"| {p} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def to_json(trace, results) -> dict:
+    return {
+        "trace": {k: trace.meta.get(k) for k in ("model", "manifest_hash", "num_experts", "top_k", "layers", "source")},
+        "steps": trace.num_steps,
+        "results": [{"policy": r.policy, "budget": r.budget.label, "capacity": r.budget.capacity,
+                     "hit_rate": r.hit_rate, "hits": r.hits, "misses": r.misses,
+                     "bytes_read_per_step": r.bytes_read / max(1, trace.num_steps),
+                     "layer_hit_rates": {str(k): v for k, v in r.layers.items()}} for r in results],
+    }
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="edge0 simulate", description=__doc__.splitlines()[0])
+    p.add_argument("--trace", required=True, help="trace file from edge0 trace")
+    p.add_argument("--budget", default=None, help="experts cached per layer: fractions and/or counts, e.g. 1/8,1/4,3/8 (default) or 4,8")
+    p.add_argument("--budget-bytes", default=None, help="total cache bytes over all MoE layers, e.g. 16MiB,64MiB")
+    p.add_argument("--policies", default=None, help=f"comma-separated subset of {','.join(ORDER)} (default: all available)")
+    p.add_argument("--smoe-window", type=int, default=DEFAULT_WINDOW, help=f"smoe: steps in the score window (default {DEFAULT_WINDOW})")
+    p.add_argument("--cache-weights", default=None, help="flashmoe: weights from edge0 train-cache-policy (flashmoe is skipped without them)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    args = p.parse_args(argv)
+
+    trace = tracefile.read(args.trace)
+    E = trace.num_experts
+    budgets = parse_budgets(args.budget, E) if args.budget else []
+    if args.budget_bytes:
+        budgets += parse_byte_budgets(args.budget_bytes, trace.expert_bytes, E)
+    if not budgets:
+        budgets = parse_budgets("1/8,1/4,3/8", E)
+    if args.policies:
+        policies = [x.strip() for x in args.policies.split(",") if x.strip()]
+        bad = [x for x in policies if x not in POLICIES]
+        if bad:
+            raise Edge0Error(f"--policies: unknown {', '.join(bad)}; choose from {', '.join(ORDER)}")
+        if "flashmoe" in policies and not args.cache_weights:
+            raise Edge0Error("--policies: flashmoe needs --cache-weights FILE (from edge0 train-cache-policy)")
+    else:
+        policies = [x for x in ORDER if x != "flashmoe" or args.cache_weights]
+    if args.smoe_window < 1:
+        raise Edge0Error("--smoe-window: must be >= 1 step")
+    options = {"smoe": {"window": args.smoe_window}}
+    if args.cache_weights:
+        options["flashmoe"] = {"weights": load_model(args.cache_weights)}
+
+    results = simulate(trace, policies, budgets, options)
+    if args.json:
+        json.dump(to_json(trace, results), sys.stdout, indent=1)
+        print()
+        return 0
+    src = trace.meta.get("source", {})
+    print(f"trace {args.trace}: {trace.meta.get('model')}, {trace.num_steps} steps x {len(trace.layers)} MoE layers, "
+          f"{E} experts, top-{trace.top_k}, source {src.get('data', '?')}")
+    print("hit rate (MiB read per token); columns: budget (experts cached per layer / experts)\n")
+    print(format_table(results, budgets, E, trace.num_steps))
+    if "flashmoe" not in policies:
+        print("\n(flashmoe: pass --cache-weights FILE from edge0 train-cache-policy to include it)")
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)

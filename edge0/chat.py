@@ -156,7 +156,9 @@ def main(argv=None) -> int:
 
     import edge0
 
-    repl(Session(edge0.load(args.model, **engine_options(args)), args))
+    engine = edge0.load(args.model, **engine_options(args))
+    print(engine.describe(), file=sys.stderr)
+    repl(Session(engine, args))
     return 0
 
 

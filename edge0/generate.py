@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from edge0.cli_util import run_main
+from edge0.errors import Edge0Error
 
 
 def add_model_options(p: argparse.ArgumentParser) -> None:
@@ -22,12 +23,28 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
                    help="prefill: whole-layer reads (default) or exact per-expert reads")
     p.add_argument("--decode-executor", default="staged", choices=["staged", "hot", "exact"],
                    help="decode: staged slots (default), hot set + exact misses, or exact")
+    p.add_argument("--layer-executor", action="append", default=[], metavar="LAYER:PHASE=NAME",
+                   help="per-layer override, e.g. 3:decode=hot (repeatable)")
+
+
+def _layer_executors(specs: list[str]) -> dict:
+    out: dict = {}
+    for spec in specs:
+        try:
+            layer, rest = spec.split(":", 1)
+            phase, name = rest.split("=", 1)
+            if phase not in ("prefill", "decode"):
+                raise ValueError
+            out.setdefault(int(layer), {})[phase] = name
+        except ValueError:
+            raise Edge0Error(f"--layer-executor {spec!r}: expected LAYER:PHASE=NAME, e.g. 3:decode=hot") from None
+    return out
 
 
 def load_options(args) -> dict:
     return {"dtype": args.dtype, "top_k": args.top_k, "verify": args.verify, "expert_cache": args.expert_cache,
             "cache_policy": args.cache_policy, "prefill_executor": args.prefill_executor,
-            "decode_executor": args.decode_executor}
+            "decode_executor": args.decode_executor, "layer_executors": _layer_executors(args.layer_executor)}
 
 
 def format_stats(s: dict) -> str:

@@ -6,6 +6,7 @@ import argparse
 import ipaddress
 import logging
 import os
+import sys
 
 from edge0.chat import OneLineParser, add_engine_options, engine_options
 from edge0.cli_util import run_main
@@ -68,6 +69,7 @@ def main(argv=None) -> int:
     from edge0.server.config import ServerConfig
 
     engine = edge0.load(args.model, **engine_options(args))
+    print(engine.describe(), file=sys.stderr)
     config = ServerConfig(api_key=args.api_key, max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
                           max_tokens=args.max_tokens, default_max_tokens=args.default_max_tokens,
                           max_prompt_tokens=args.max_prompt_tokens, max_messages=args.max_messages)

@@ -197,6 +197,9 @@ class FakeEngine:
     def chat(self, messages, tools=None, **kwargs) -> GenerationResult:
         return self.generate(self.chat_prompt(messages, tools), **kwargs)
 
+    def describe(self) -> str:
+        return f"{self.model_id}: fake engine"
+
     def stats(self) -> dict:
         return {"model": self.model_id, "generations": len(self.calls),
                 "generated_tokens": sum(c.steps for c in self.calls)}

@@ -49,7 +49,7 @@ def test_two_turns_second_prefill_covers_only_new_tokens(monkeypatch, capsys, fa
     cached = len(first.prompt) + len(reply)
     assert second.prompt[:cached] == first.prompt + reply
     assert second.prefill_tokens == len(second.prompt) - cached  # ... and only the new turn is prefilled
-    lines = out.err.splitlines()
+    lines = [ln for ln in out.err.splitlines() if "tok/s" in ln]  # after the start-up line
     assert len(lines) == 2 and all("tok/s" in ln and "peak memory 3.00 GiB" in ln and "hit 75.0%" in ln for ln in lines)
     assert [tuple(map(int, STATS.search(ln).groups())) for ln in lines] == [
         (len(first.prompt), len(first.prompt)), (second.prefill_tokens, len(second.prompt))]

@@ -284,3 +284,20 @@ def test_substitute_batched_counts_all_tokens():
     assert out.tolist() == [[0, 3], [1, 3]] and n == 2
     with pytest.raises(ValueError):
         substitute(scores, [[0, 1], [1, 0]], cached=set(), alpha=-1)
+
+
+def test_live_policies_change_reads_only(store_for):
+    """With the live pool, the policy changes which experts are read, never the tokens."""
+    import edge0
+
+    root = store_for("qwen3_moe")
+    ref = edge0.load(root, decode_executor="exact")
+    exact = ref.generate("hello world this is", max_tokens=24, ignore_eos=True)
+    three_slots = 3 * sum(ref.store.expert_nbytes(l) for l in ref.store.layers)  # top-k is 2
+    reads = {}
+    for name in ("lru", "lfu", "arc"):
+        engine = edge0.load(root, expert_cache=three_slots, cache_policy=name)
+        res = engine.generate("hello world this is", max_tokens=24, ignore_eos=True)
+        assert res.tokens == exact.tokens, name
+        reads[name] = res.stats["expert_bytes_read"]
+    assert len(set(reads.values())) > 1

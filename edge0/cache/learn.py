@@ -27,6 +27,7 @@ class _Recorder(Policy):
         self.feats = Features(driver.num_experts)
 
     def observe(self, step, routed, scores):
+        self.routed = set(routed)
         self.driver.observe(step, routed, scores)
         self.oracle.observe(step, routed, scores)
         self.feats.observe(step, routed)
@@ -46,7 +47,10 @@ class _Recorder(Policy):
     def victim(self, cached, protected):
         cand = np.fromiter(sorted(e for e in cached if e not in protected), dtype=np.int64)
         nxt = np.array([self.oracle.next_use[e] for e in cand], dtype=np.float64)
-        if len(cand) > 1:  # a single candidate teaches nothing
+        # Evictions still due in this step (each remaining miss, or the trim after a route wider
+        # than the cache): when every candidate must go anyway, the choice teaches nothing.
+        due = len(self.routed - cached) if protected else len(cached) - self.capacity
+        if len(cand) > max(1, due):
             self.sink.append((self.feats(cand), self.row0 + cand, (nxt == nxt.max()).astype(np.float32)))
         return self.driver.victim(cached, protected)
 

@@ -42,11 +42,12 @@ def test_tokens_and_logits_match_mlx_lm(family, store_for):
     assert np.abs(ours - ref_logits).max() <= 1e-4
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
-def test_converted_tensors_bit_identical_to_mlx_lm_convert(family, store_for):
-    store = store_for(family, "hf")
+@pytest.mark.parametrize("family,dtype", [("qwen3_moe", "float32"), ("deepseek_v3", "float32"),
+                                          ("qwen3_moe", "bfloat16"), ("mixtral", "float16")])
+def test_converted_tensors_bit_identical_to_mlx_lm_convert(family, dtype, store_for):
+    store = store_for(family, "hf", dtype=dtype)
     ref = {}
-    for f in sorted(reference_dir(family).glob("model*.safetensors")):
+    for f in sorted(reference_dir(family, dtype=dtype).glob("model*.safetensors")):
         ref.update(mx.load(str(f)))
     ours = {}
     for f in [store / "model.safetensors", *sorted((store / "experts").glob("*.safetensors"))]:
@@ -55,3 +56,10 @@ def test_converted_tensors_bit_identical_to_mlx_lm_convert(family, store_for):
     for k in ref:
         assert ours[k].dtype == ref[k].dtype, k
         assert mx.array_equal(ours[k], ref[k]).item(), k
+
+
+def test_bfloat16_checkpoint_at_native_dtype_matches_mlx_lm(store_for):
+    ref_model, tok = mlx_load(str(reference_dir("qwen3_moe", dtype="bfloat16")))
+    prompt = tok.encode(PROMPT)
+    engine = edge0.load(store_for("qwen3_moe", "hf", dtype="bfloat16"), dtype="bfloat16")
+    assert engine.generate(prompt, max_tokens=32, ignore_eos=True).tokens == mlx_lm_greedy(ref_model, prompt, 32)

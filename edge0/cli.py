@@ -12,6 +12,7 @@ VERBS = {
     "generate": ("edge0.generate", "generate text from a prompt"),
     "chat": ("edge0.chat", "interactive chat in the terminal"),
     "serve": ("edge0.serve", "OpenAI-compatible HTTP server"),
+    "eval": ("edge0.evaluate", "perplexity and agreement with a reference on held-out text"),
     "verify": ("edge0.verify", "check a store's files against its manifest checksums"),
 }
 

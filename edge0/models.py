@@ -1,14 +1,66 @@
-"""Where models come from: a store directory, or (with no path) the bundled demo model."""
+"""Where models come from: a store directory, or (with no path) the bundled demo model, which is
+converted into the user cache on first use."""
 
 from __future__ import annotations
 
+import hashlib
+import os
+import sys
 from pathlib import Path
 
 from edge0.errors import Edge0Error
+from edge0.store.format import MANIFEST
+
+BUNDLED_NAME = "edge0-demo-moe"
+CHECKPOINTS = Path(__file__).resolve().parents[1] / "checkpoints"
+
+
+def cache_dir() -> Path:
+    """$EDGE0_CACHE, else $XDG_CACHE_HOME/edge0, else ~/.cache/edge0."""
+    if os.environ.get("EDGE0_CACHE"):
+        return Path(os.environ["EDGE0_CACHE"]).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / "edge0"
+
+
+def bundled_checkpoint() -> Path:
+    path = CHECKPOINTS / BUNDLED_NAME
+    if not (path / "config.json").is_file():
+        raise Edge0Error(f"no --model given and the bundled model is missing ({path}); install edge0 from a "
+                         "source checkout with `pip install -e .`, or pass --model <store dir>")
+    return path
+
+
+def _fingerprint(checkpoint: Path) -> str:
+    """Changes whenever the checkpoint's files change, so a retrained model is re-converted."""
+    h = hashlib.sha256()
+    for f in sorted(checkpoint.iterdir()):
+        if f.is_file():
+            h.update(f.name.encode())
+            h.update(str(f.stat().st_size).encode())
+            if f.suffix == ".json":
+                h.update(f.read_bytes())
+    return h.hexdigest()[:12]
+
+
+def bundled_store() -> Path:
+    """The bundled model's store in the user cache, converted on first use."""
+    from edge0.convert import convert
+
+    checkpoint = bundled_checkpoint()
+    store = cache_dir() / "stores" / f"{BUNDLED_NAME}-{_fingerprint(checkpoint)}"
+    if not (store / MANIFEST).is_file():
+        print(f"edge0: first use of the bundled model: converting {checkpoint} into {store}", file=sys.stderr)
+        store.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            convert(str(checkpoint), store)
+        except Edge0Error:
+            if not (store / MANIFEST).is_file():  # another process may have finished first
+                raise
+    return store
 
 
 def resolve_model(path) -> Path:
     """The store directory to load. `None` means the bundled demo model."""
     if path is None:
-        raise Edge0Error("no --model given and no bundled model is installed; pass --model <store dir>")
+        return bundled_store()
     return Path(path).expanduser()

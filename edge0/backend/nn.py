@@ -173,3 +173,16 @@ def full_logits(model, tokens: list[int]):
 
 def sample(sampler, logprobs) -> int:
     return sampler(logprobs[None]).item()
+
+
+def resident_logits_fn(path: Path):
+    """Logits of an mlx-lm / Hugging Face model loaded entirely in memory (a reference run)."""
+    import numpy as np
+    from mlx_lm.utils import load as mlx_lm_load
+
+    model, _ = mlx_lm_load(str(path))
+
+    def logits(tokens):
+        return np.array(model(mx.array(tokens)[None])[0].astype(mx.float32))
+
+    return logits

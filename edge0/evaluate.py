@@ -1,0 +1,107 @@
+"""`edge0 eval`: perplexity on held-out text and next-token agreement with a reference run.
+
+Text is tokenized once and cut into windows of `--window` tokens; each window is one forward pass
+without a KV cache. Perplexity is over every predicted token of every window. With a reference
+(another edge0 store or engine options, or an mlx-lm / Hugging Face directory run resident by
+mlx-lm), it also reports how often the two models' argmax next tokens agree and the mean KL
+divergence KL(reference || model) per token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from edge0.cli_util import run_main
+from edge0.errors import Edge0Error
+
+
+def _log_softmax(logits: np.ndarray) -> np.ndarray:
+    x = logits.astype(np.float64)
+    m = x.max(-1, keepdims=True)
+    return x - (m + np.log(np.exp(x - m).sum(-1, keepdims=True)))
+
+
+def windows(tokens: list[int], window: int, max_windows: int | None) -> list[list[int]]:
+    out = [tokens[i:i + window] for i in range(0, len(tokens) - 1, window)]
+    out = [w for w in out if len(w) >= 2]
+    return out[:max_windows] if max_windows else out
+
+
+def evaluate(model_logits, tokens: list[int], window: int = 256, max_windows: int | None = None,
+             reference_logits=None, progress: bool = False) -> dict:
+    """`model_logits(ids) -> [T, V]` float logits. Returns perplexity (and agreement/KL to the
+    reference when `reference_logits` is given) over the windows of `tokens`."""
+    from tqdm import tqdm
+
+    nll, count, agree, kl = 0.0, 0, 0, 0.0
+    ws = windows(tokens, window, max_windows)
+    if not ws:
+        raise Edge0Error(f"--data: too little text for evaluation ({len(tokens)} tokens); give at least 2")
+    for w in tqdm(ws, desc="eval", disable=not progress, unit="window"):
+        lp = _log_softmax(model_logits(w))[:-1]
+        target = np.array(w[1:])
+        nll -= lp[np.arange(len(target)), target].sum()
+        count += len(target)
+        if reference_logits is not None:
+            rp = _log_softmax(reference_logits(w))[:-1]
+            agree += int((rp.argmax(-1) == lp.argmax(-1)).sum())
+            kl += float((np.exp(rp) * (rp - lp)).sum())
+    out = {"tokens": count, "windows": len(ws), "window": window, "nll": nll / count, "perplexity": math.exp(nll / count)}
+    if reference_logits is not None:
+        out["agreement"] = agree / count
+        out["kl_to_reference"] = kl / count
+    return out
+
+
+def reference_fn(path: str, options: dict):
+    """Logits function for --reference: an edge0 store, or an mlx-lm / HF model run resident."""
+    p = Path(path).expanduser()
+    if (p / "edge0-manifest.json").is_file():
+        import edge0
+
+        return edge0.load(p, **options).logits
+    from edge0.backend.nn import resident_logits_fn
+
+    return resident_logits_fn(p)
+
+
+def main(argv=None) -> int:
+    from edge0.generate import add_model_options, load_options
+
+    p = argparse.ArgumentParser(prog="edge0 eval", description=__doc__.splitlines()[0])
+    add_model_options(p)
+    p.add_argument("--data", required=True, help="held-out text file (UTF-8)")
+    p.add_argument("--reference", default=None, help="edge0 store or mlx-lm/HF model directory to compare with")
+    p.add_argument("--window", type=int, default=256, help="tokens per window (default 256)")
+    p.add_argument("--max-windows", type=int, default=None, help="evaluate only the first N windows")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    args = p.parse_args(argv)
+    data = Path(args.data)
+    if not data.is_file():
+        raise Edge0Error(f"--data {data}: no such file; pass a UTF-8 text file")
+    import edge0
+
+    engine = edge0.load(args.model, **load_options(args))
+    print(engine.describe(), file=sys.stderr)
+    tokens = engine.encode(data.read_text(encoding="utf-8"))
+    ref = reference_fn(args.reference, {"dtype": args.dtype}) if args.reference else None
+    result = evaluate(engine.logits, tokens, args.window, args.max_windows, ref, progress=True)
+    result.update({"model": engine.model_id, "data": str(data), "top_k": engine.k})
+    if args.json:
+        print(json.dumps(result, indent=1))
+    else:
+        line = f"perplexity {result['perplexity']:.3f} over {result['tokens']} tokens ({result['windows']} windows of {args.window})"
+        if ref is not None:
+            line += f", agreement {100 * result['agreement']:.2f}%, KL {result['kl_to_reference']:.4f} nats/token"
+        print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)

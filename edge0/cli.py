@@ -13,6 +13,7 @@ VERBS = {
     "chat": ("edge0.chat", "interactive chat in the terminal"),
     "serve": ("edge0.serve", "OpenAI-compatible HTTP server"),
     "eval": ("edge0.evaluate", "perplexity and agreement with a reference on held-out text"),
+    "train-prerouter": ("edge0.train_prerouter", "train pre-router heads for a store"),
     "verify": ("edge0.verify", "check a store's files against its manifest checksums"),
 }
 

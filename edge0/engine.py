@@ -36,14 +36,13 @@ class GenerationResult:
 def load(path=None, *, dtype: str | None = None, top_k: int | None = None, verify: bool = False,
          expert_cache=None, cache_policy: str = "lru", prefill_executor: str = "whole",
          decode_executor: str = "staged", layer_executors: dict | None = None,
-         prerouter=None, lora=None) -> "Engine":
+         prerouter=None, prerouter_diagnostics: bool = False, lora=None) -> "Engine":
     """Open an edge0 store and assemble its model. See docs/engine-api.md.
 
-    `prerouter` and `lora` are accepted for the CLI's --no-prerouter/--no-lora; only None/False
-    (none) are valid until those features exist."""
-    for name, value in (("prerouter", prerouter), ("lora", lora)):
-        if value not in (None, False):
-            raise Edge0Error(f"--{name} {value}: this edge0 build has no {name} support yet; drop the option")
+    `prerouter`: None = the store's prerouter.safetensors if present, False = none, or a path.
+    `lora` is accepted for the CLI's --no-lora; only None/False are valid until LoRA exists."""
+    if lora not in (None, False):
+        raise Edge0Error(f"--lora {lora}: this edge0 build has no LoRA support yet; drop the option")
     from edge0.models import resolve_model
 
     root = resolve_model(path)
@@ -61,7 +60,26 @@ def load(path=None, *, dtype: str | None = None, top_k: int | None = None, verif
     model = bnn.assemble(root, manifest, config, spec, k, compute)
     streaming = Streaming(store, compute, k or _native_k(config), bnn.resident_bytes(model), options)
     bnn.attach_executors(model, streaming.layers)
-    return Engine(root, model, bio.load_tokenizer(root), store, streaming, spec, k, compute)
+    engine = Engine(root, model, bio.load_tokenizer(root), store, streaming, spec, k, compute)
+    heads_path = _heads_path(root, prerouter, spec)
+    if heads_path is not None:
+        from edge0.prerouter.serve import attach_prerouter
+
+        attach_prerouter(engine, heads_path, manifest, diagnostics=prerouter_diagnostics)
+    return engine
+
+
+def _heads_path(root: Path, prerouter, spec):
+    from edge0.prerouter.heads import DEFAULT_NAME
+
+    if prerouter is False:
+        return None
+    if prerouter is None:
+        auto = root / DEFAULT_NAME
+        return auto if auto.is_file() and spec is not None else None
+    if spec is None:
+        raise Edge0Error(f"--prerouter {prerouter}: this model is served at the universal level (no MoESpec); the pre-router needs a spec'd family")
+    return Path(prerouter).expanduser()
 
 
 def _native_k(config: dict) -> int:
@@ -86,9 +104,14 @@ class Engine:
         self._cache = None
         self._cache_tokens: list[int] = []
         self._cache_dirty = False  # set while the KV cache may be ahead of _cache_tokens
-        # Called as stager.before_step(engine, step) before each decode step after the first;
-        # it stages that step's experts (the pre-router's cross-token stager, or a test oracle).
+        # Stages each decode step's experts: the pre-router's cross-token stager or a test oracle.
+        # Hooks (all optional but before_step): after_forward(engine, step, outputs) once a
+        # step's graph is built, step_done(step), before_step(engine, step) at the boundary,
+        # finish(engine) when a generation ends.
         self.stager = None
+        self.prerouting = None  # set by attach_prerouter
+        self.heads_path = None
+        self._recall: dict[int, list[int]] = {}
 
     # -- prompts -------------------------------------------------------------------------------
     def encode(self, prompt) -> list[int]:
@@ -149,12 +172,35 @@ class Engine:
         B.reset_peak_memory()
         t0 = time.perf_counter()
 
+        stager = self.stager
+        try:
+            yield from self._generate(tokens, max_tokens, sampler, eos, stop, reuse_cache, stager, before, t0)
+        finally:
+            if stager is not None and hasattr(stager, "finish"):
+                stager.finish(self)
+
+    def _step(self, tokens: list[int], step: int, sampler, stager) -> int:
+        """One forward of `tokens` (the prompt's last token or a generated one) and a sample."""
+        if stager is not None and step > 0:
+            stager.before_step(self, step)
+        logprobs = bnn.forward(self.model, tokens, self._cache)
+        if stager is not None and hasattr(stager, "after_forward"):
+            stager.after_forward(self, step, logprobs)
+        y = bnn.sample(sampler, logprobs)
+        if stager is not None and hasattr(stager, "step_done"):
+            stager.step_done(step)
+        self.streaming.end_step()
+        self._collect_recall()
+        return y
+
+    def _generate(self, tokens, max_tokens, sampler, eos, stop, reuse_cache, stager, before, t0):
+        if self.prerouting is not None:
+            self.prerouting.reset()
         cached = self._prepare_cache(tokens, reuse_cache)
         new = tokens[cached:]
         self._cache_dirty = True
         bnn.prefill(self.model, new[:-1], self._cache)
-        logprobs = bnn.forward(self.model, new[-1:], self._cache)
-        y = bnn.sample(sampler, logprobs)
+        y = self._step(new[-1:], 0, sampler, stager)
         self._cache_tokens = list(tokens)
         self._cache_dirty = False
         t_prefill = time.perf_counter() - t0
@@ -185,12 +231,8 @@ class Engine:
                 yield Step(y, text, finish, stats)
                 return
             yield Step(y, text)
-            if self.stager is not None:
-                self.stager.before_step(self, len(generated))
             self._cache_dirty = True
-            logprobs = bnn.forward(self.model, [y], self._cache)
-            y = bnn.sample(sampler, logprobs)
-            self.streaming.end_step()
+            y = self._step([y], len(generated), sampler, stager)
             self._cache_tokens.append(generated[-1])
             self._cache_dirty = False
 
@@ -201,6 +243,42 @@ class Engine:
             parts.append(last.text)
             tokens.append(last.token)
         return GenerationResult("".join(parts), tokens, last.finish_reason, last.stats)
+
+    def _collect_recall(self) -> None:
+        """Diagnostic mode: read the device-side counts of predicted experts the gate agreed with."""
+        pr = self.prerouting
+        if pr is None or not pr.overlaps:
+            return
+        for layer, hits in pr.overlaps.items():
+            r = self._recall.setdefault(layer, [0, 0])
+            r[0] += sum(int(h.item()) for h in hits)
+            r[1] += len(hits) * pr.k
+        pr.overlaps = {}
+
+    def decode_logits(self, prompt):
+        """Float32 log-probs [T, V] of every position, computed token by token through the KV
+        cache, as decoding does: with a pre-router, each step's routes are the predictions made at
+        the previous token (teacher forcing). `logits` instead runs all positions at once with
+        gate routing."""
+        tokens = self.encode(prompt)
+        kept = []
+
+        def keep(logprobs):
+            kept.append(logprobs)
+            return B.argmax(logprobs, axis=-1)
+
+        self._cache, self._cache_tokens = bnn.make_prompt_cache(self.model), []
+        if self.prerouting is not None:
+            self.prerouting.reset()
+        try:
+            for i, t in enumerate(tokens):
+                self._step([t], i, keep, self.stager)
+        finally:
+            if self.stager is not None and hasattr(self.stager, "finish"):
+                self.stager.finish(self)
+            self.reset_cache()
+        out = B.to_numpy(B.concatenate(kept, axis=0).astype(B.float32))
+        return out.reshape(len(tokens), -1)
 
     def observe_routes(self, fn) -> None:
         """Call fn(layer, indices [T, K] int array, scores [T, E] float32) for every forward pass
@@ -248,6 +326,19 @@ class Engine:
             "totals": totals,
             "layers": {n: s.as_dict() for n, s in sorted(st.stats.layers.items())},
             "peak_rss_bytes": B.peak_rss(),
+            "prerouter": self._prerouter_stats(),
+        }
+
+    def _prerouter_stats(self):
+        pr = self.prerouting
+        if pr is None:
+            return None
+        return {
+            "heads": str(self.heads_path),
+            "diagnostics": pr.diagnostics,
+            "routed_by_head": dict(pr.routed_by_head),
+            "routed_by_gate": dict(pr.routed_by_gate),
+            "recall": {l: h / n for l, (h, n) in sorted(self._recall.items()) if n} if pr.diagnostics else None,
         }
 
     def describe(self) -> str:

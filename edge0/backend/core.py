@@ -28,6 +28,7 @@ compile = mx.compile
 float32 = mx.float32
 uint32 = mx.uint32
 eval = mx.eval
+async_eval = mx.async_eval
 argmax = mx.argmax
 concatenate = mx.concatenate
 take = mx.take

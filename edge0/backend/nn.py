@@ -47,13 +47,16 @@ class SpecMoEBlock(nn.Module):
     """A spec'd family's MoE block with Edge0's routing: router -> top-k -> experts -> weighted
     sum (+ shared experts). Keeps the original block's children so weight names are unchanged."""
 
-    def __init__(self, block: nn.Module, spec, k: int):
+    def __init__(self, block: nn.Module, spec, k: int, layer: int):
         super().__init__()
         for name, child in block.items():
             self[name] = child
         object.__setattr__(self, "spec", spec)
         object.__setattr__(self, "observer", None)  # fn(indices [T, K], scores [T, E]) or None
+        object.__setattr__(self, "capture", None)  # fn(x [T, D], inds [T, K], scores [T, E]): pre-router traces
+        object.__setattr__(self, "prerouting", None)  # PreRouting shared by the engine's blocks
         self.k = k
+        self.layer = layer
 
     def _lookup(self, path: str):
         obj = self
@@ -65,15 +68,34 @@ class SpecMoEBlock(nn.Module):
         router = self._lookup(self.spec.router)
         return router(x) if isinstance(router, nn.Module) else x @ router.T
 
-    def __call__(self, x):
-        # T tokens, E experts, K active, D hidden
+    def gate_route(self, x):
+        """(indices, weights, logits) from this layer's own router."""
         spec = self.spec
         bias = self._lookup(spec.router_bias) if spec.router_bias else None
         logits = self.router_logits(x)  # [.., T, E]
         inds, scores = route(logits, spec.routing, self.k, bias)  # [.., T, K]
-        if self.observer is not None:  # tracing only: costs a host sync
-            probs = expert_scores(logits, spec.routing)
-            self.observer(np.array(inds).reshape(-1, inds.shape[-1]), np.array(probs).reshape(-1, probs.shape[-1]))
+        return inds, scores, logits
+
+    def __call__(self, x):
+        # T tokens, E experts, K active, D hidden
+        spec, pr = self.spec, self.prerouting
+        decode = pr is not None and x.shape[-2] == 1
+        predicted = pr.take(self.layer) if decode else None
+        if predicted is not None:  # the route was predicted at the previous token
+            inds, scores = predicted
+            if pr.diagnostics:
+                pr.compare(self.layer, inds, self.gate_route(x)[0])
+        else:
+            inds, scores, logits = self.gate_route(x)
+            if self.observer is not None:  # tracing only: costs a host sync
+                probs = expert_scores(logits, spec.routing)
+                self.observer(np.array(inds).reshape(-1, inds.shape[-1]), np.array(probs).reshape(-1, probs.shape[-1]))
+            if self.capture is not None:  # pre-router training traces: costs a host sync
+                probs = expert_scores(logits, spec.routing)
+                self.capture(np.array(x.astype(mx.float32)).reshape(-1, x.shape[-1]),
+                             np.array(inds).reshape(-1, inds.shape[-1]), np.array(probs).reshape(-1, probs.shape[-1]))
+        if decode and self.layer in pr.heads:
+            pr.predict(self.layer, x)
         y = self[spec.experts](x, inds)  # [.., T, K, D]
         y = (y * scores[..., None]).sum(axis=-2).astype(y.dtype)  # [.., T, D]
         shared = spec.shared
@@ -120,7 +142,7 @@ def assemble(root: Path, manifest: dict, config: dict, spec, k: int | None, comp
         _set(model, path, StreamingExperts(_get(model, path), layer["layer"]))
         if spec is not None:
             block_path = path[: -len(spec.experts) - 1]
-            _set(model, block_path, SpecMoEBlock(_get(model, block_path), spec, k))
+            _set(model, block_path, SpecMoEBlock(_get(model, block_path), spec, k, layer["layer"]))
 
     cast = getattr(model, "cast_predicate", lambda _: True)
     weights = [

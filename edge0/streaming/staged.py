@@ -62,6 +62,13 @@ class StagedExecutor(ExactExecutor):
         self.slots.apply(evicted, loaded, slots, params)
         self.trusted = True
 
+    def settle(self) -> None:
+        """Finish a pending stage (so cache membership and slot contents agree) and return to
+        gate mode; called when a generation ends."""
+        if self._pending is not None:
+            self.swap()
+        self.trusted = False
+
     def collect_dropped(self) -> int:
         """After a step: how many routed experts were not staged (read the device counters)."""
         n = sum(int(d.item()) for d in self._dropped)

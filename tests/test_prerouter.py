@@ -1,0 +1,146 @@
+"""Pre-router: predictions are routes, consumer layers never sync, reads for t+1 are issued before
+step t finishes, an oracle reproduces the exact path, and heads files are checked."""
+
+import shutil
+import subprocess
+import sys
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import edge0
+from edge0.backend import nn as bnn
+from edge0.backend import prerouter as bpr
+from edge0.errors import Edge0Error
+from edge0.prerouter.stager import PreRouterStager
+from edge0.prerouter.train import owner_layers
+
+PROMPT = "hello world, once upon a time"
+
+
+@pytest.fixture(scope="module")
+def heads_file(store_for, tmp_path_factory):
+    data = tmp_path_factory.mktemp("data") / "train.txt"
+    data.write_text("Once upon a time there was a tiny model that read its experts from disk. " * 80)
+    out = tmp_path_factory.mktemp("heads") / "heads.safetensors"
+    p = subprocess.run([sys.executable, "-m", "edge0.train_prerouter", "--model", str(store_for("deepseek_v3")),
+                        "--data", str(data), "--out", str(out), "--steps", "60", "--window", "64"],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert "recall@K" in p.stderr
+    return out
+
+
+def consumer_syncs(engine, consumers):
+    return sum(engine.streaming.stats.layers[c].host_syncs for c in consumers)
+
+
+def test_trained_heads_route_with_no_consumer_syncs_and_no_drops(store_for, heads_file):
+    e = edge0.load(store_for("deepseek_v3"), prerouter=heads_file, prerouter_diagnostics=True)
+    consumers = set(e.prerouting.consumer.values())
+    assert consumers
+    res = e.generate(PROMPT, max_tokens=16, ignore_eos=True, temperature=0.0)
+    st = e.stats()["prerouter"]
+    assert all(st["routed_by_head"][c] == 15 for c in consumers)  # every step after the first
+    assert res.stats["dropped_experts"] == 0
+    # Consumer layers sync only for the prompt: the exact prefill call and the last prompt token.
+    assert consumer_syncs(e, consumers) == 2 * len(consumers)
+    assert all(0 <= r <= 1 for r in st["recall"].values())
+
+
+def test_reads_for_next_step_issued_before_step_finishes(store_for, heads_file):
+    e = edge0.load(store_for("deepseek_v3"), prerouter=heads_file)
+    e.generate(PROMPT, max_tokens=8, ignore_eos=True)
+    ev = e.stager.events
+    consumers = set(e.prerouting.consumer.values())
+    for t in range(7):
+        done = ev.index(("done", t))
+        issued = [i for i, x in enumerate(ev) if x[0] == "issue" and x[1] == t + 1]
+        assert {ev[i][2] for i in issued} == consumers
+        assert all(i < done for i in issued), f"step {t}: reads for step {t + 1} issued after the step finished"
+
+
+class OracleHead:
+    """Returns the consumer gate's true logits for the next token (recorded from an exact run)."""
+
+    def __init__(self, logits):
+        self.logits, self.i = logits, 1
+
+    def __call__(self, x):
+        out = self.logits[min(self.i, len(self.logits) - 1)]  # the last prediction is never used
+        self.i += 1
+        return out
+
+
+def test_oracle_heads_reproduce_the_exact_path(store_for):
+    store = store_for("deepseek_v3")
+    ref = edge0.load(store, prerouter=False, decode_executor="exact")
+    blocks = dict(bnn.moe_blocks(ref.model))
+    recorded = {l: [] for l in blocks}
+    for layer, block in blocks.items():
+        orig = block.router_logits
+
+        def rec(x, orig=orig, layer=layer):
+            out = orig(x)
+            if x.shape[-2] == 1:
+                recorded[layer].append(out)
+            return out
+
+        object.__setattr__(block, "router_logits", rec)
+    want = ref.generate(PROMPT, max_tokens=12, ignore_eos=True)
+    mx.eval([v for l in recorded.values() for v in l])
+
+    e = edge0.load(store, prerouter=False, expert_cache="64KB")
+    eb = dict(bnn.moe_blocks(e.model))
+    owners = owner_layers(e)
+    heads = {o: OracleHead(recorded[c]) for o, c in owners.items()}
+    pr = bpr.PreRouting(heads, owners, {c: bpr.router_bias(eb[c]) for c in owners.values()}, e.spec, e.k)
+    for b in eb.values():
+        object.__setattr__(b, "prerouting", pr)
+    e.prerouting = pr
+    e.stager = PreRouterStager(pr, {c: ex for c, ex in e.streaming.staged().items() if c in owners.values()})
+    got = e.generate(PROMPT, max_tokens=12, ignore_eos=True)
+    assert got.tokens == want.tokens
+    assert got.stats["dropped_experts"] == 0
+    assert all(pr.routed_by_head[c] == 11 for c in owners.values())
+    assert consumer_syncs(e, owners.values()) == 2 * len(owners)
+
+
+def test_heads_in_store_are_used_by_default_and_can_be_disabled(store_for, heads_file, tmp_path):
+    store = tmp_path / "store"
+    shutil.copytree(store_for("deepseek_v3"), store)
+    shutil.copy(heads_file, store / "prerouter.safetensors")
+    assert edge0.load(store).prerouting is not None
+    assert edge0.load(store, prerouter=False).prerouting is None
+
+
+def test_heads_for_another_model_are_rejected(store_for, heads_file):
+    with pytest.raises(Edge0Error, match="another model.*train-prerouter"):
+        edge0.load(store_for("qwen3_moe"), prerouter=heads_file)
+
+
+def test_corrupted_heads_file_is_rejected(store_for, heads_file, tmp_path):
+    bad = tmp_path / "bad.safetensors"
+    raw = bytearray(heads_file.read_bytes())
+    bad.write_bytes(bytes(raw[: len(raw) // 2]))
+    with pytest.raises(Edge0Error, match="not a readable pre-router heads file"):
+        edge0.load(store_for("deepseek_v3"), prerouter=bad)
+    raw[10:20] = b"\x00" * 10  # damage the header
+    bad.write_bytes(bytes(raw))
+    with pytest.raises(Edge0Error, match=str(bad.name)):
+        edge0.load(store_for("deepseek_v3"), prerouter=bad)
+
+
+def test_prerouter_rejected_for_universal_family(store_for, heads_file):
+    with pytest.raises(Edge0Error, match="universal"):
+        edge0.load(store_for("olmoe"), prerouter=heads_file)
+
+
+def test_decode_logits_equal_parallel_logits_without_prerouter(store_for):
+    e = edge0.load(store_for("qwen3_moe"), prerouter=False)
+    ids = e.encode(PROMPT)
+    par = e.logits(ids)
+    seq = e.decode_logits(ids)
+    lp = par - np.log(np.exp(par - par.max(-1, keepdims=True)).sum(-1, keepdims=True)) - par.max(-1, keepdims=True)
+    np.testing.assert_allclose(seq, lp, atol=1e-4)

@@ -25,14 +25,13 @@ class OneLineParser(argparse.ArgumentParser):
 def add_engine_options(p: argparse.ArgumentParser) -> None:
     """Model-loading flags shared by `edge0 chat` and `edge0 serve`."""
     add_model_options(p)
-    p.add_argument("--no-prerouter", action="store_true", help="do not use the store's pre-router heads")
     p.add_argument("--no-lora", action="store_true", help="do not apply the store's recovery LoRA")
 
 
 def engine_options(args) -> dict:
     """edge0.load() keyword options from the flags of add_engine_options()."""
     return {**load_options(args),
-            "prerouter": False if args.no_prerouter else None, "lora": False if args.no_lora else None}
+            "lora": False if args.no_lora else None}
 
 
 def _size(n: float) -> str:

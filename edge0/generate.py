@@ -23,6 +23,12 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
                    help="prefill: whole-layer reads (default) or exact per-expert reads")
     p.add_argument("--decode-executor", default="staged", choices=["staged", "hot", "exact"],
                    help="decode: staged slots (default), hot set + exact misses, or exact")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--prerouter", default=None, metavar="FILE",
+                   help="pre-router heads (default: the store's prerouter.safetensors, if any)")
+    g.add_argument("--no-prerouter", action="store_true", help="route every layer with its own gate")
+    p.add_argument("--prerouter-diagnostics", action="store_true",
+                   help="also evaluate the gate on pre-routed layers and report recall (slower)")
     p.add_argument("--layer-executor", action="append", default=[], metavar="LAYER:PHASE=NAME",
                    help="per-layer override, e.g. 3:decode=hot (repeatable)")
 
@@ -44,7 +50,9 @@ def _layer_executors(specs: list[str]) -> dict:
 def load_options(args) -> dict:
     return {"dtype": args.dtype, "top_k": args.top_k, "verify": args.verify, "expert_cache": args.expert_cache,
             "cache_policy": args.cache_policy, "prefill_executor": args.prefill_executor,
-            "decode_executor": args.decode_executor, "layer_executors": _layer_executors(args.layer_executor)}
+            "decode_executor": args.decode_executor, "layer_executors": _layer_executors(args.layer_executor),
+            "prerouter": False if args.no_prerouter else args.prerouter,
+            "prerouter_diagnostics": args.prerouter_diagnostics}
 
 
 def format_stats(s: dict) -> str:
@@ -67,6 +75,11 @@ def format_layer_stats(st: dict) -> str:
         vals = [s[c] for c in cols]
         rows.append(" ".join(f"{v:>12.2f}" if isinstance(v, float) else f"{'-' if v is None else v:>12}" for v in [name, *vals]))
     rows.append(f"stall {st['stall_ms_per_step']:.2f} ms per decode step over {st['decode_steps']} steps")
+    pr = st.get("prerouter")
+    if pr:
+        rows.append(f"pre-router {pr['heads']}: routed by head {pr['routed_by_head']}, by gate {pr['routed_by_gate']}")
+        if pr["recall"] is not None:
+            rows.append("recall of predicted vs gate routes: " + ", ".join(f"layer {l} {r:.3f}" for l, r in pr["recall"].items()))
     return "\n".join(rows)
 
 

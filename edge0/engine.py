@@ -36,7 +36,7 @@ class GenerationResult:
 def load(path=None, *, dtype: str | None = None, top_k: int | None = None, verify: bool = False,
          expert_cache=None, cache_policy: str = "lru", prefill_executor: str = "whole",
          decode_executor: str = "staged", layer_executors: dict | None = None,
-         prerouter=None, prerouter_diagnostics: bool = False, lora=None) -> "Engine":
+         prerouter=None, prerouter_diagnostics: bool = False, lora=None, cold_reads: bool = False) -> "Engine":
     """Open an edge0 store and assemble its model. See docs/engine-api.md.
 
     `prerouter`: None = the store's prerouter.safetensors if present, False = none, or a path.
@@ -54,7 +54,7 @@ def load(path=None, *, dtype: str | None = None, top_k: int | None = None, verif
     k = spec.serving_k(top_k) if spec else None
     ckpt_dtype = next((t["dtype"] for l in manifest["expert_layers"] for n, t in l["tensors"].items() if n.endswith("scales")), "F32")
     compute = B.pick_compute_dtype(dtype, B.ST_DTYPES.get(ckpt_dtype, "float32"))
-    store = ExpertStore(root, manifest)
+    store = ExpertStore(root, manifest, cold_reads=cold_reads)
     options = StreamingOptions(expert_cache, cache_policy, prefill_executor, decode_executor,
                                layer_executors=layer_executors or {})
     model = bnn.assemble(root, manifest, config, spec, k, compute)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import mmap
+import os
 import threading
 from pathlib import Path
 
@@ -21,21 +22,33 @@ def _release(mm: mmap.mmap, start: int, n: int) -> None:
 
 
 class ExpertStore:
-    """Byte-range access to every MoE layer's experts. Thread-safe; counts bytes read."""
+    """Byte-range access to every MoE layer's experts. Thread-safe; counts bytes read.
 
-    def __init__(self, root, manifest: dict):
+    `cold_reads` drops every range it reads from the OS page cache too, so each read comes from
+    storage: a benchmark knob that simulates a model much larger than RAM on a machine where it
+    would otherwise stay cached."""
+
+    def __init__(self, root, manifest: dict, cold_reads: bool = False):
         self.root = Path(root)
         self.layers = {int(l["layer"]): l for l in manifest["expert_layers"]}
         self._maps: dict[str, mmap.mmap] = {}
+        self._fds: dict[str, int] = {}
         self._lock = threading.Lock()
         self.bytes_read = 0
+        self.cold_reads = cold_reads
 
     def _map(self, rel: str) -> mmap.mmap:
         with self._lock:
             if rel not in self._maps:
-                with open(self.root / rel, "rb") as fh:
-                    self._maps[rel] = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+                fd = os.open(self.root / rel, os.O_RDONLY)
+                self._fds[rel] = fd
+                self._maps[rel] = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
             return self._maps[rel]
+
+    def _done(self, rel: str, mm: mmap.mmap, start: int, n: int) -> None:
+        _release(mm, start, n)
+        if self.cold_reads:
+            os.posix_fadvise(self._fds[rel], start, n, os.POSIX_FADV_DONTNEED)
 
     def expert_nbytes(self, layer: int) -> int:
         """Bytes of one expert of `layer` (all its tensors)."""
@@ -57,7 +70,7 @@ class ExpertStore:
             for i, e in enumerate(ids):
                 start = t["offset"] + int(e) * n
                 buf[i] = np.frombuffer(mm, dtype=np.uint8, count=n, offset=start)
-                _release(mm, start, n)
+                self._done(info["file"], mm, start, n)
             out[name] = (buf, t["dtype"], tuple(t["shape"][1:]))
             total += buf.nbytes
         with self._lock:
@@ -73,7 +86,7 @@ class ExpertStore:
         for name, t in info["tensors"].items():
             n = t["expert_nbytes"] * num
             buf = np.frombuffer(mm, dtype=np.uint8, count=n, offset=t["offset"]).copy()
-            _release(mm, t["offset"], n)
+            self._done(info["file"], mm, t["offset"], n)
             out[name] = (buf.reshape(num, -1), t["dtype"], tuple(t["shape"][1:]))
             total += n
         with self._lock:
@@ -84,4 +97,7 @@ class ExpertStore:
         with self._lock:
             for m in self._maps.values():
                 m.close()
+            for fd in self._fds.values():
+                os.close(fd)
             self._maps.clear()
+            self._fds.clear()

@@ -255,6 +255,22 @@ class Engine:
             r[1] += len(hits) * pr.k
         pr.overlaps = {}
 
+    def prerouted_logits(self, prompt):
+        """Float32 logits [T, V] of every position in one forward pass, with each pre-routed layer
+        using at position t the route its head predicted at t-1 (position 0 uses the gate) --
+        the same routes as `decode_logits`, computed in parallel. Without a pre-router this is
+        `logits`."""
+        pr = self.prerouting
+        if pr is None:
+            return self.logits(prompt)
+        pr.reset()
+        pr.parallel = True
+        try:
+            return bnn.full_logits(self.model, self.encode(prompt))
+        finally:
+            pr.parallel = False
+            pr.reset()
+
     def decode_logits(self, prompt):
         """Float32 log-probs [T, V] of every position, computed token by token through the KV
         cache, as decoding does: with a pre-router, each step's routes are the predictions made at

@@ -91,8 +91,10 @@ def main(argv=None) -> int:
     print(engine.describe(), file=sys.stderr)
     tokens = engine.encode(data.read_text(encoding="utf-8"))
     ref = reference_fn(args.reference, {"dtype": args.dtype}) if args.reference else None
-    result = evaluate(engine.logits, tokens, args.window, args.max_windows, ref, progress=True)
-    result.update({"model": engine.model_id, "data": str(data), "top_k": engine.k})
+    # With a pre-router, every position is routed as decoding would route it.
+    result = evaluate(engine.prerouted_logits, tokens, args.window, args.max_windows, ref, progress=True)
+    result.update({"model": engine.model_id, "data": str(data), "top_k": engine.k,
+                   "prerouter": str(engine.heads_path) if engine.heads_path else None})
     if args.json:
         print(json.dumps(result, indent=1))
     else:

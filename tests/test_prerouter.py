@@ -144,3 +144,14 @@ def test_decode_logits_equal_parallel_logits_without_prerouter(store_for):
     seq = e.decode_logits(ids)
     lp = par - np.log(np.exp(par - par.max(-1, keepdims=True)).sum(-1, keepdims=True)) - par.max(-1, keepdims=True)
     np.testing.assert_allclose(seq, lp, atol=1e-4)
+
+
+def test_parallel_prerouted_logits_equal_stepwise_decoding(store_for, heads_file):
+    e = edge0.load(store_for("deepseek_v3"), prerouter=heads_file)
+    ids = e.encode(PROMPT + " and then the model read more experts")
+    par = e.prerouted_logits(ids)
+    lp = par - par.max(-1, keepdims=True)
+    lp = lp - np.log(np.exp(lp).sum(-1, keepdims=True))
+    np.testing.assert_allclose(e.decode_logits(ids), lp, atol=1e-4)
+    gate = edge0.load(store_for("deepseek_v3"), prerouter=False).logits(ids)
+    assert np.abs(par - gate).max() > 1e-3  # the predicted routes really differ from the gate's

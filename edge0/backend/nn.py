@@ -80,6 +80,7 @@ class SpecMoEBlock(nn.Module):
         # T tokens, E experts, K active, D hidden
         spec, pr = self.spec, self.prerouting
         decode = pr is not None and x.shape[-2] == 1
+        parallel = pr is not None and pr.parallel and x.shape[-2] > 1
         predicted = pr.take(self.layer) if decode else None
         if predicted is not None:  # the route was predicted at the previous token
             inds, scores = predicted
@@ -87,6 +88,10 @@ class SpecMoEBlock(nn.Module):
                 pr.compare(self.layer, inds, self.gate_route(x)[0])
         else:
             inds, scores, logits = self.gate_route(x)
+            if parallel and self.layer in pr.next:  # teacher forcing: position t uses the head at t-1
+                p_inds, p_scores = pr.next.pop(self.layer)
+                inds = mx.concatenate([inds[..., :1, :], p_inds[..., :-1, :]], axis=-2)
+                scores = mx.concatenate([scores[..., :1, :], p_scores[..., :-1, :]], axis=-2)
             if self.observer is not None:  # tracing only: costs a host sync
                 probs = expert_scores(logits, spec.routing)
                 self.observer(np.array(inds).reshape(-1, inds.shape[-1]), np.array(probs).reshape(-1, probs.shape[-1]))
@@ -94,7 +99,7 @@ class SpecMoEBlock(nn.Module):
                 probs = expert_scores(logits, spec.routing)
                 self.capture(np.array(x.astype(mx.float32)).reshape(-1, x.shape[-1]),
                              np.array(inds).reshape(-1, inds.shape[-1]), np.array(probs).reshape(-1, probs.shape[-1]))
-        if decode and self.layer in pr.heads:
+        if (decode or parallel) and self.layer in pr.heads:
             pr.predict(self.layer, x)
         y = self[spec.experts](x, inds)  # [.., T, K, D]
         y = (y * scores[..., None]).sum(axis=-2).astype(y.dtype)  # [.., T, D]

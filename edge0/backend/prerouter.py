@@ -52,6 +52,7 @@ class PreRouting:
     def __init__(self, heads: dict, consumer: dict, biases: dict, spec, k: int, diagnostics: bool = False):
         self.heads, self.consumer, self.biases = heads, consumer, biases
         self.spec, self.k, self.diagnostics = spec, k, diagnostics
+        self.parallel = False  # full-sequence forward routed as decoding would (training, eval)
         self.pending: dict = {}
         self.next: dict = {}
         self.overlaps: dict = {}  # consumer layer -> device scalars (diagnostic mode)

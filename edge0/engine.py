@@ -39,10 +39,8 @@ def load(path=None, *, dtype: str | None = None, top_k: int | None = None, verif
          prerouter=None, prerouter_diagnostics: bool = False, lora=None, cold_reads: bool = False) -> "Engine":
     """Open an edge0 store and assemble its model. See docs/engine-api.md.
 
-    `prerouter`: None = the store's prerouter.safetensors if present, False = none, or a path.
-    `lora` is accepted for the CLI's --no-lora; only None/False are valid until LoRA exists."""
-    if lora not in (None, False):
-        raise Edge0Error(f"--lora {lora}: this edge0 build has no LoRA support yet; drop the option")
+    `prerouter` / `lora`: None = the store's prerouter.safetensors / lora.safetensors if present,
+    False = none, or a path."""
     from edge0.models import resolve_model
 
     root = resolve_model(path)
@@ -66,7 +64,21 @@ def load(path=None, *, dtype: str | None = None, top_k: int | None = None, verif
         from edge0.prerouter.serve import attach_prerouter
 
         attach_prerouter(engine, heads_path, manifest, diagnostics=prerouter_diagnostics)
+    adapter = _adapter_path(root, lora)
+    if adapter is not None:
+        from edge0.lora.serve import attach_lora
+
+        attach_lora(engine, adapter)
     return engine
+
+
+def _adapter_path(root: Path, lora):
+    if lora is False:
+        return None
+    if lora is None:
+        auto = root / "lora.safetensors"
+        return auto if auto.is_file() else None
+    return Path(lora).expanduser()
 
 
 def _heads_path(root: Path, prerouter, spec):
@@ -111,6 +123,7 @@ class Engine:
         self.stager = None
         self.prerouting = None  # set by attach_prerouter
         self.heads_path = None
+        self.lora_path = None  # set by attach_lora
         self._recall: dict[int, list[int]] = {}
 
     # -- prompts -------------------------------------------------------------------------------

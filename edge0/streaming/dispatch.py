@@ -87,9 +87,10 @@ class Streaming:
                 decode = exact
             else:
                 slots = SlotSet(store, l, self.n_slots, compute_dtype, options.cache_policy)
-                cls = StagedExecutor if choice["decode"] == "staged" else HotExecutor
-                decode = (StagedExecutor(store, l, compute_dtype, self.stats, slots, self.reader) if cls is StagedExecutor
-                          else HotExecutor(store, l, compute_dtype, self.stats, slots))
+                if choice["decode"] == "staged":
+                    decode = StagedExecutor(store, l, compute_dtype, self.stats, slots, self.reader)
+                else:
+                    decode = HotExecutor(store, l, compute_dtype, self.stats, slots)
             self.layers[l] = LayerDispatch(prefill, decode, options.whole_layer_min_tokens)
 
     def describe(self) -> str:

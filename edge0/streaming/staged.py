@@ -101,4 +101,4 @@ class StagedExecutor(ExactExecutor):
         params = self.load(loaded)[0] if loaded else None
         self.slots.apply(evicted, loaded, slots, params)
         s.slot_rewrites += len(loaded)
-        return [(self.slots.params, self.slots.local(B.array(ids.astype(np.uint32))))]
+        return [(self.slots.params, self.slots.local(indices))]

@@ -1,0 +1,129 @@
+"""`edge0 bench` smoke test: the whole suite on a tiny bench model, JSON schema and numbers.
+
+Performance is not tested here (see docs/bench-suite.md); this checks that every arm runs in its
+own process, that the JSON has the documented shape, that every reported number is positive and
+finite, that greedy tokens match mlx-lm resident in every edge0 arm, and the trace output."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.util
+import io
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from edge0.bench import METRICS, SCHEMA, all_arms, main
+from edge0.errors import Edge0Error
+
+ROOT = Path(__file__).resolve().parents[1]
+# Rates and stalls can be exactly 0 on a tiny model (e.g. no hit in a few steps); all else > 0.
+MAY_BE_ZERO = {"hit_rate", "stall_ms_per_step", "host_syncs_per_step"}
+
+
+def _maker():
+    spec = importlib.util.spec_from_file_location("make_bench_model", ROOT / "scripts" / "make_bench_model.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench") / "tiny"
+    with contextlib.redirect_stderr(io.StringIO()):
+        _maker().make_bench_model(out, "tiny", quiet=True)
+    return out
+
+
+def _digest(d: Path) -> str:
+    h = hashlib.sha256()
+    for f in sorted(d.iterdir()):
+        h.update(f.name.encode() + f.read_bytes())
+    return h.hexdigest()
+
+
+def test_bench_model_is_deterministic(tiny_model, tmp_path):
+    with contextlib.redirect_stderr(io.StringIO()):
+        again = _maker().make_bench_model(tmp_path / "again", "tiny", store=False, quiet=True)
+    assert _digest(again / "mlx") == _digest(tiny_model / "mlx")
+    meta = json.loads((tiny_model / "bench-model.json").read_text())
+    assert meta["expert_bytes"] > 0 and meta["shape"]["experts"] == 16
+    assert (tiny_model / "store" / "edge0-manifest.json").is_file()
+    assert not list(tmp_path.glob(".*partial*"))  # atomic: nothing left behind
+
+
+def _check_numbers(name: str, metrics: dict) -> None:
+    assert set(metrics) == set(METRICS), name
+    for k, v in metrics.items():
+        if v is None:
+            continue
+        assert isinstance(v, (int, float)) and not isinstance(v, bool), (name, k, v)
+        assert math.isfinite(v), (name, k, v)
+        assert v > 0 or (k in MAY_BE_ZERO and v == 0), (name, k, v)
+
+
+def test_quick_suite_json(tiny_model, tmp_path):
+    out, trace, docs = tmp_path / "bench.json", tmp_path / "trace.json", tmp_path / "benchmarks.md"
+    docs.write_text("# Benchmarks\n")
+    with contextlib.redirect_stdout(io.StringIO()) as table, contextlib.redirect_stderr(io.StringIO()):
+        assert main(["--model", str(tiny_model), "--prompt-tokens", "36", "--decode-tokens", "5", "--out", str(out),
+                     "--trace-arm", "staged-cold", "--trace-out", str(trace), "--append-docs", str(docs)]) == 0
+    r = json.loads(out.read_text())
+    assert r["schema"] == SCHEMA
+    for key in ("date", "command", "machine", "git", "packages", "model", "settings", "arms", "summary"):
+        assert key in r, key
+    assert r["command"].startswith("edge0 bench --model")
+    assert r["packages"]["mlx"] and r["packages"]["mlx-lm"] and r["machine"]["cpus"] >= 1
+    assert r["settings"]["decode_tokens"] == 5 and r["settings"]["greedy"] is True
+    assert [a["name"] for a in r["arms"]] == [a.name for a in all_arms()]
+
+    by = {a["name"]: a for a in r["arms"]}
+    for name in ("mlx-lm-resident", "exact-warm", "staged-warm", "hot-warm", "exact-cold", "staged-cold", "hot-cold"):
+        a = by[name]
+        assert a["status"] == "ok", (name, a["reason"])
+        _check_numbers(name, a["metrics"])
+        m = a["metrics"]
+        for k in ("decode_tps", "prefill_tps", "ttft_s", "mlx_peak_bytes", "peak_rss_bytes"):
+            assert m[k] is not None, (name, k)
+        assert m["generation_tokens"] == 5 and m["prompt_tokens"] == 36
+        if a["runtime"] == "edge0":
+            assert m["expert_bytes_read"] > 0
+            assert a["tokens_match_resident"] is True, name  # greedy, same weights, same dtype
+            assert a["prompt_digest"] == by["mlx-lm-resident"]["prompt_digest"]
+    for name in ("prerouter-warm", "prerouter-cold"):  # the tiny model has no heads
+        assert by[name]["status"] == "skipped" and "pre-router" in by[name]["reason"]
+    for name in ("mlx-lm-capped", "staged-capped"):
+        a = by[name]
+        assert a["status"] in ("ok", "killed", "skipped", "failed") and (a["status"] == "ok" or a["reason"])
+        if a["status"] == "ok":
+            _check_numbers(name, a["metrics"])
+    cap = r["settings"]["memory_cap"]
+    assert (cap["cap_bytes"] or 0) > 0 or cap["skipped"]
+
+    steps = json.loads(trace.read_text())["steps"]
+    assert len(steps) == 5 and steps[0]["phase"] == "prefill+first"
+    for s in steps:
+        assert s["wall_ms"] > 0 and s["compute_ms"] >= 0 and s["stall_ms"] >= 0 and s["bytes_read"] >= 0
+        assert len(s["layer_stall_ms"]) == 2
+    assert "| staged-warm | warm |" in table.getvalue()
+    assert "## Bench suite" in docs.read_text() and "| mlx-lm-resident |" in docs.read_text()
+
+
+@pytest.mark.parametrize("argv, field", [
+    (["--arms", "nosuch"], "--arms"),
+    (["--trace-arm", "staged-warm"], "--trace-arm"),
+    (["--decode-tokens", "1"], "--decode-tokens"),
+    (["--expert-cache", "150%", "--arms", "staged-warm", "--no-plot"], "--expert-cache"),
+])
+def test_usage_errors(tiny_model, tmp_path, argv, field):
+    with pytest.raises(Edge0Error, match=field):
+        main(["--model", str(tiny_model), "--out", str(tmp_path / "b.json"), *argv])
+
+
+def test_not_a_model(tmp_path):
+    with pytest.raises(Edge0Error, match="--model"):
+        main(["--model", str(tmp_path), "--out", str(tmp_path / "b.json")])

@@ -12,6 +12,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
+from edge0.errors import Edge0Error
 
 
 class LoRALinear(nn.Module):
@@ -28,8 +29,11 @@ class LoRALinear(nn.Module):
         self.lora_b = mx.zeros((out_dims, r))  # the delta starts at zero
 
     def __call__(self, x):
-        delta = (x @ self.lora_a.T.astype(x.dtype)) @ self.lora_b.T.astype(x.dtype)
-        return self.base(x) + self.scale * delta
+        a, b = self.lora_a, self.lora_b
+        if a.dtype != x.dtype:  # float32 master weights under a bf16/fp16 compute dtype
+            a, b = a.astype(x.dtype), b.astype(x.dtype)
+        # one fused op for scale * (x A^T) B^T + base(x): fewer graph nodes per decode step
+        return mx.addmm(self.base(x), x @ a.T, b.T, alpha=self.scale)
 
 
 def _input_dims(m) -> int:
@@ -56,17 +60,20 @@ def candidate_linears(model: nn.Module) -> list[str]:
 
 
 def resolve_targets(model: nn.Module, targets) -> list[str]:
-    """Linear paths matched by `targets` (substrings of module paths). Strict: a target that
-    matches no adaptable module is an error."""
+    """Linear paths matched by `targets`: each target is one or more whole path components
+    ("q_proj", "self_attn.o_proj", a full path). Strict: a target that matches no adaptable
+    module is an error."""
     candidates = candidate_linears(model)
     chosen, unmatched = set(), []
     for t in targets:
-        hits = [p for p in candidates if t in p.split(".") or p.endswith(t) or f".{t}." in f".{p}."]
+        hits = [p for p in candidates if f".{t}." in f".{p}."]
         if not hits:
             unmatched.append(t)
         chosen.update(hits)
     if unmatched:
-        raise ValueError(f"LoRA targets {unmatched} match no attention, shared-expert or dense-MLP linear of this model")
+        names = sorted({p.rsplit(".", 1)[1] for p in candidates})
+        raise Edge0Error(f"--targets: {unmatched} match no attention, shared-expert or dense-MLP linear of this model; "
+                         f"choose among {names} (or full paths)")
     return sorted(chosen)
 
 
@@ -77,29 +84,97 @@ def _get(root, path):
     return obj
 
 
+def set_module(root: nn.Module, path: str, value: nn.Module) -> None:
+    """Replace the module at a dotted path (a top-level name included)."""
+    parent, _, name = path.rpartition(".")
+    (_get(root, parent) if parent else root)[name] = value
+
+
 def apply_lora(model: nn.Module, paths: list[str], r: int, alpha: float) -> dict[str, LoRALinear]:
     """Wrap each path's linear in a LoRALinear (in place); returns them by path."""
     wrapped = {}
     for path in paths:
-        parent, name = path.rsplit(".", 1)
-        p = _get(model, parent)
-        layer = LoRALinear(p[name], r, alpha)
-        p[name] = layer
+        layer = LoRALinear(_get(model, path), r, alpha)
+        set_module(model, path, layer)
         wrapped[path] = layer
     return wrapped
 
 
 def lora_tensors(wrapped: dict) -> dict[str, np.ndarray]:
+    """The adapter's matrices as float32 numpy, keyed "<path>.lora_a" / "<path>.lora_b"."""
     return {f"{path}.{k}": np.array(v.astype(mx.float32)) for path, m in wrapped.items()
             for k, v in (("lora_a", m.lora_a), ("lora_b", m.lora_b))}
 
 
 def load_lora_tensors(wrapped: dict, tensors: dict, dtype) -> None:
+    """Set each wrapped linear's matrices from `tensors` (as written by lora_tensors)."""
     for path, m in wrapped.items():
         m.lora_a = mx.array(tensors[f"{path}.lora_a"]).astype(dtype)
         m.lora_b = mx.array(tensors[f"{path}.lora_b"]).astype(dtype)
     mx.eval([m.parameters() for m in wrapped.values()])
 
 
-def trainable_parameters(model: nn.Module):
+def trainable_parameters(model: nn.Module) -> list[str]:
+    """Names of the trainable parameters (after freeze() + apply_lora: only lora_a / lora_b)."""
     return [k for k, _ in tree_flatten(model.trainable_parameters())]
+
+
+def lora_modules(model: nn.Module) -> dict[str, LoRALinear]:
+    """Every LoRALinear of the model, by path."""
+    return {p: m for p, m in model.named_modules() if isinstance(m, LoRALinear)}
+
+
+def expected_shapes(model: nn.Module, paths: list[str], r: int) -> dict[str, tuple]:
+    """The lora_a [r, in] and lora_b [out, r] shapes an adapter must have for `paths`."""
+    out = {}
+    for path in paths:
+        m = _get(model, path)
+        out[f"{path}.lora_a"] = (r, _input_dims(m))
+        out[f"{path}.lora_b"] = (m.weight.shape[0], r)
+    return out
+
+
+def merged_linear(layer: LoRALinear, requantize: bool = True) -> tuple[nn.Module, dict]:
+    """The adapter merged into its base weight. With `requantize`, W + dW is quantized again with
+    the base's group size and bits (what merging for int4 deployment does); without, the merged
+    weight stays float (a control: it must keep the whole delta). Returns (module, stats):
+    `delta_kept` is ||W' - W|| / ||dW||, `delta_aligned` <W' - W, dW> / ||dW||^2 (the part of the
+    change that is the adapter's own) and `below_half_step` the fraction of dW entries smaller
+    than half a quantization step of their group."""
+    base = layer.base
+    delta = layer.scale * (layer.lora_b.astype(mx.float32) @ layer.lora_a.astype(mx.float32))
+    bias = base.bias if "bias" in base else None
+    if isinstance(base, nn.QuantizedLinear):
+        gs, bits, mode = base.group_size, base.bits, getattr(base, "mode", "affine")
+        if mode != "affine":
+            raise Edge0Error(f"merge: {mode} quantization is not supported (affine int only)")
+        w = mx.dequantize(base.weight, base.scales, base.biases, group_size=gs, bits=bits).astype(mx.float32)
+        half_step = mx.repeat(base.scales.astype(mx.float32), gs, axis=-1) / 2
+        below = float((mx.abs(delta) < half_step).mean().item())
+    else:
+        w, below = base.weight.astype(mx.float32), 0.0
+    if requantize and isinstance(base, nn.QuantizedLinear):
+        merged = nn.QuantizedLinear(w.shape[1], w.shape[0], bias=bias is not None, group_size=gs, bits=bits)
+        qw, scales, biases = mx.quantize(w + delta, group_size=gs, bits=bits)
+        merged.weight, merged.scales, merged.biases = qw, scales.astype(base.scales.dtype), biases.astype(base.biases.dtype)
+        w_new = mx.dequantize(qw, scales, biases, group_size=gs, bits=bits).astype(mx.float32)
+    else:
+        merged = nn.Linear(w.shape[1], w.shape[0], bias=bias is not None)
+        w_new = w + delta
+        merged.weight = w_new.astype(base.scales.dtype if isinstance(base, nn.QuantizedLinear) else base.weight.dtype)
+    if bias is not None:
+        merged.bias = bias
+    norm2 = mx.maximum((delta * delta).sum(), 1e-30)
+    kept = float(mx.sqrt(((w_new - w) ** 2).sum() / norm2).item())
+    aligned = float((((w_new - w) * delta).sum() / norm2).item())
+    return merged, {"delta_kept": kept, "delta_aligned": aligned, "below_half_step": below}
+
+
+def merge_lora(model: nn.Module, requantize: bool = True) -> dict[str, dict]:
+    """Replace every LoRALinear by its merged linear (in place); stats by path."""
+    stats = {}
+    for path, layer in lora_modules(model).items():
+        merged, stats[path] = merged_linear(layer, requantize)
+        set_module(model, path, merged)
+    mx.eval(model.parameters())
+    return stats

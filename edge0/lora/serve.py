@@ -1,0 +1,52 @@
+"""Attach an adapter to a loaded engine as unmerged low-rank deltas, after checking that it was
+trained for exactly this base store, serving width K and pre-router."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from edge0.backend import core as B
+from edge0.backend import lora as blora
+from edge0.errors import Edge0Error
+from edge0.lora.adapter import read_adapter, retrain_hint
+from edge0.store.format import manifest_hash, sha256_file
+
+
+def prerouter_hash(engine):
+    """sha256 of the engine's pre-router heads file, or None when it routes with the gates."""
+    return sha256_file(Path(engine.heads_path)) if engine.prerouting is not None else None
+
+
+def attach_lora(engine, path) -> dict:
+    """Wrap the adapter's target linears of `engine.model` in LoRALinear and load its tensors.
+    Returns the adapter's metadata (also kept as engine.lora_meta)."""
+    path = Path(path)
+    if engine.lora_path is not None:
+        raise Edge0Error(f"--lora {path}: this engine already serves {engine.lora_path}; load the model again")
+    heads = engine.heads_path if engine.prerouting is not None else None
+    hint = retrain_hint(engine.root, engine.k, heads)
+    tensors, meta = read_adapter(path, engine.root)
+    base = manifest_hash(engine.root)
+    if meta.get("manifest_sha256") != base:
+        raise Edge0Error(f"{path}: adapter was trained for another base model (store manifest {str(meta.get('manifest_sha256'))[:12]}, "
+                         f"this store {base[:12]}); {hint}")
+    if meta.get("top_k") != engine.k:
+        raise Edge0Error(f"{path}: adapter was trained at K={meta.get('top_k')}, this engine serves K={engine.k}; "
+                         f"serve with --top-k {meta.get('top_k')} or {hint}")
+    theirs, ours = meta["prerouter_sha256"], prerouter_hash(engine)
+    if theirs != ours:
+        had = f"pre-router heads {theirs[:12]}" if theirs else "gate routing (no pre-router)"
+        has = f"heads {heads} ({ours[:12]})" if ours else "gate routing (no pre-router)"
+        raise Edge0Error(f"{path}: adapter was trained with {had}, this engine uses {has}; {hint}")
+    candidates = set(blora.candidate_linears(engine.model))
+    unknown = [t for t in meta["targets"] if t not in candidates]
+    if unknown:
+        raise Edge0Error(f"{path}: targets {unknown[:3]} are not adaptable linears of this model; {hint}")
+    shapes = blora.expected_shapes(engine.model, meta["targets"], meta["r"])
+    wrong = [k for k, s in shapes.items() if tuple(tensors[k].shape) != s]
+    if wrong:
+        raise Edge0Error(f"{path}: tensor {wrong[0]} has shape {tensors[wrong[0]].shape}, the model needs {shapes[wrong[0]]}; {hint}")
+    wrapped = blora.apply_lora(engine.model, meta["targets"], meta["r"], meta["alpha"])
+    blora.load_lora_tensors(wrapped, tensors, B.dtype(engine.compute_dtype))
+    engine.lora_path, engine.lora_meta = path, meta
+    return meta

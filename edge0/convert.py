@@ -113,7 +113,9 @@ def convert(hf_path: str, out: str | os.PathLike, *, dtype: str | None = None, q
         bar.close()
         bio.save_config(dict(config), config_path=tmp / "config.json")
         tokenizer.save_pretrained(str(tmp))
-        for extra in ("generation_config.json",):
+        # Heads and adapters bundled with a checkpoint are tied to the store's identity, which
+        # every conversion of that checkpoint shares.
+        for extra in ("generation_config.json", "prerouter.safetensors", "lora.safetensors"):
             if (src / extra).is_file():
                 shutil.copy(src / extra, tmp / extra)
         manifest = {

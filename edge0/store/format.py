@@ -70,5 +70,9 @@ def sha256_file(path: Path, chunk: int = 1 << 24) -> str:
 
 
 def manifest_hash(root) -> str:
-    """sha256 of the manifest: identifies a store for heads and adapters trained on it."""
-    return hashlib.sha256((Path(root) / MANIFEST).read_bytes()).hexdigest()
+    """Identifies a store for heads and adapters trained on it: sha256 of its model type, spec
+    and files (sizes and checksums). Conversion is deterministic, so every conversion of the same
+    checkpoint has the same identity, wherever it was converted from."""
+    m = json.loads((Path(root) / MANIFEST).read_text())
+    ident = {k: m.get(k) for k in ("format", "version", "model_type", "spec", "quantization", "files")}
+    return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()

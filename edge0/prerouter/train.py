@@ -67,7 +67,8 @@ def train(engine, text: str, *, data_name: str, window: int = 256, max_tokens: i
     if engine.spec is None:
         raise Edge0Error(f"{engine.root}: the pre-router needs a spec'd family (this model is served at the universal level)")
     t0 = time.perf_counter()
-    tokens = engine.encode(text)[:max_tokens]
+    # Tokenize only what is used (about 8 characters per token is a safe upper bound).
+    tokens = engine.encode(text[: max_tokens * 8])[:max_tokens]
     traces = collect(engine, tokens, window, progress)
     if len(traces) < 2:
         raise Edge0Error(f"--data: too little text ({len(tokens)} tokens) for {window}-token windows with a held-out part; give more text")

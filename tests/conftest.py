@@ -2,10 +2,24 @@
 
 import contextlib
 import io
+import os
 
 import pytest
 
 from tests.fixtures.make import fixture_dir, reference_dir
+
+
+@pytest.fixture(scope="session", autouse=True)
+def edge0_cache(tmp_path_factory):
+    """Keep the bundled model's conversion out of the user's cache during tests."""
+    path = tmp_path_factory.mktemp("edge0-cache")
+    old = os.environ.get("EDGE0_CACHE")
+    os.environ["EDGE0_CACHE"] = str(path)
+    yield path
+    if old is None:
+        os.environ.pop("EDGE0_CACHE", None)
+    else:
+        os.environ["EDGE0_CACHE"] = old
 
 
 @pytest.fixture(scope="session")

@@ -105,10 +105,7 @@ def test_usage_error_from_the_command_line():
 
 
 def test_two_turns_on_the_bundled_model(monkeypatch, capsys):
-    try:
-        engine = edge0.load(None)
-    except Edge0Error as e:
-        pytest.skip(f"no bundled model yet: {e}")
+    engine = edge0.load(None)
     monkeypatch.setattr(edge0, "load", lambda path=None, **options: engine)
     out = run_chat(monkeypatch, capsys, "Hello!\nTell me more.\n", "--max-tokens", "8")
     stats = [tuple(map(int, STATS.search(ln).groups())) for ln in out.err.splitlines() if STATS.search(ln)]

@@ -14,6 +14,12 @@ VERBS = {
     "serve": ("edge0.serve", "OpenAI-compatible HTTP server"),
     "eval": ("edge0.evaluate", "perplexity and agreement with a reference on held-out text"),
     "train-prerouter": ("edge0.train_prerouter", "train pre-router heads for a store"),
+    "train-lora": ("edge0.train_lora", "train a recovery LoRA against a full-precision teacher"),
+    "trace": ("edge0.trace", "record routed experts and router scores during generation"),
+    "simulate": ("edge0.simulate", "replay a routing trace through every cache policy"),
+    "train-cache-policy": ("edge0.train_cache_policy", "train the learned (FlashMoE-style) eviction policy"),
+    "plan": ("edge0.plan", "predict hit rate and speed per expert-cache budget"),
+    "bench": ("edge0.bench", "benchmark suite: Edge0 against resident mlx-lm"),
     "verify": ("edge0.verify", "check a store's files against its manifest checksums"),
 }
 

@@ -36,6 +36,7 @@ def to_json(trace, results) -> dict:
         "results": [{"policy": r.policy, "budget": r.budget.label, "capacity": r.budget.capacity,
                      "hit_rate": r.hit_rate, "hits": r.hits, "misses": r.misses,
                      "bytes_read_per_step": r.bytes_read / max(1, trace.num_steps),
+                     "substitutions_per_step": r.substitutions / max(1, trace.num_steps),
                      "layer_hit_rates": {str(k): v for k, v in r.layers.items()}} for r in results],
     }
 
@@ -48,6 +49,8 @@ def main(argv=None) -> int:
     p.add_argument("--policies", default=None, help=f"comma-separated subset of {','.join(ORDER)} (default: all available)")
     p.add_argument("--smoe-window", type=int, default=DEFAULT_WINDOW, help=f"smoe: steps in the score window (default {DEFAULT_WINDOW})")
     p.add_argument("--cache-weights", default=None, help="flashmoe: weights from edge0 train-cache-policy (flashmoe is skipped without them)")
+    p.add_argument("--substitute-alpha", type=float, default=0.0,
+                   help="estimate SMoE substitution (lossy: changes outputs) with this alpha; default 0 (off)")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     args = p.parse_args(argv)
 
@@ -67,13 +70,17 @@ def main(argv=None) -> int:
             raise Edge0Error("--policies: flashmoe needs --cache-weights FILE (from edge0 train-cache-policy)")
     else:
         policies = [x for x in ORDER if x != "flashmoe" or args.cache_weights]
+    if args.substitute_alpha < 0:
+        raise Edge0Error("--substitute-alpha: must be >= 0")
+    if args.substitute_alpha and "belady" in policies:
+        policies.remove("belady")  # it knows only the unsubstituted routes: no longer a bound
     if args.smoe_window < 1:
         raise Edge0Error("--smoe-window: must be >= 1 step")
     options = {"smoe": {"window": args.smoe_window}}
     if args.cache_weights:
         options["flashmoe"] = {"weights": load_model(args.cache_weights)}
 
-    results = simulate(trace, policies, budgets, options)
+    results = simulate(trace, policies, budgets, options, alpha=args.substitute_alpha)
     if args.json:
         json.dump(to_json(trace, results), sys.stdout, indent=1)
         print()
@@ -83,6 +90,14 @@ def main(argv=None) -> int:
           f"{E} experts, top-{trace.top_k}, source {src.get('data', '?')}")
     print("hit rate (MiB read per token); columns: budget (experts cached per layer / experts)\n")
     print(format_table(results, budgets, E, trace.num_steps))
+    small = [b.label for b in budgets if b.capacity < trace.top_k]
+    if small:
+        print(f"\n{', '.join(small)}: below top-{trace.top_k}; the route is held for its step only "
+              "(the live pool needs at least top-k slots; see docs/cache-policies.md)")
+    if args.substitute_alpha:
+        print(f"\nsubstitution alpha {args.substitute_alpha} (CHANGES OUTPUTS; estimate on the unsubstituted trace, "
+              "Belady omitted); substitutions per token: "
+              + ", ".join(f"{r.policy}@{r.budget.label} {r.substitutions / trace.num_steps:.2f}" for r in results))
     if "flashmoe" not in policies:
         print("\n(flashmoe: pass --cache-weights FILE from edge0 train-cache-policy to include it)")
     return 0

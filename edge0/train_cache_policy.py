@@ -47,8 +47,11 @@ def main(argv=None) -> int:
     head, tail = trace.slice(0, split), trace.slice(split, trace.num_steps)
 
     t0 = time.perf_counter()
-    model, loss = train(head, [b.capacity for b in budgets], embed=args.embed, hidden=args.hidden, rounds=args.rounds,
-                        epochs=args.epochs, max_decisions=args.max_decisions, seed=args.seed)
+    try:
+        model, loss = train(head, [b.capacity for b in budgets], embed=args.embed, hidden=args.hidden, rounds=args.rounds,
+                            epochs=args.epochs, max_decisions=args.max_decisions, seed=args.seed)
+    except ValueError as e:
+        raise Edge0Error(f"--trace {args.trace}: {e}") from None
     train_s = time.perf_counter() - t0
     results = simulate(tail, ORDER, budgets, {"flashmoe": {"weights": model}})
     held_out = {f"{r.policy}@{r.budget.label}": round(r.hit_rate, 5) for r in results}

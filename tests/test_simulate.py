@@ -103,4 +103,20 @@ def test_plan_on_fixture_store(store_for, tmp_path, capsys):
     assert [r["experts_per_layer"] for r in doc["predictions"]] == [2, 4, 8]
     speeds = [r["tok_s"] for r in doc["predictions"]]
     assert speeds == sorted(speeds)  # fewer misses never predict slower decoding
-    assert doc["measured"]["compute_s"] > 0
+    m = doc["measured"]
+    assert m["large_cache"]["step_s"] > 0 and m["topk_slots"]["bytes_per_token"] > m["large_cache"]["bytes_per_token"]
+
+
+def test_simulated_substitution_saves_reads(synth, synth_file, capsys):
+    from edge0.simulate import main
+
+    budgets = parse_budgets("3,5", synth.num_experts)
+    base = {r.budget.capacity: r for r in simulate(synth, ["lru"], budgets)}
+    same = {r.budget.capacity: r for r in simulate(synth, ["lru"], budgets, alpha=0.0)}
+    subst = {r.budget.capacity: r for r in simulate(synth, ["lru"], budgets, alpha=0.3)}
+    for c in (3, 5):
+        assert (same[c].hits, same[c].misses, same[c].substitutions) == (base[c].hits, base[c].misses, 0)
+        assert subst[c].substitutions > 0 and subst[c].bytes_read < base[c].bytes_read
+    assert main(["--trace", str(synth_file), "--budget", "3", "--substitute-alpha", "0.2"]) == 0
+    out = capsys.readouterr().out
+    assert "CHANGES OUTPUTS" in out and "| belady |" not in out

@@ -148,6 +148,8 @@ def train(trace, capacities: list[int], embed: int = 4, hidden: int = 64, rounds
     """Train on `trace` at `capacities`; returns (model, final training loss)."""
     rng = np.random.default_rng(seed)
     E = trace.num_experts
+    # With exactly top-k slots every unrouted expert must go: no decision to learn from.
+    capacities = [c for c in capacities if c != trace.top_k]
     params = init_params(len(trace.layers) * E, embed, hidden, rng)
     model, pool, loss = None, [], float("nan")
     for rnd in range(rounds):

@@ -9,7 +9,7 @@ from fractions import Fraction
 
 import numpy as np
 
-from edge0.cache import OFFLINE, ExpertCache, make_policy
+from edge0.cache import OFFLINE, ExpertCache, make_policy, substitute
 from edge0.errors import Edge0Error
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
@@ -62,6 +62,7 @@ class Result:
     hits: int = 0
     misses: int = 0
     bytes_read: int = 0
+    substitutions: int = 0
     layers: dict = field(default_factory=dict)  # layer -> hit rate
 
     @property
@@ -70,22 +71,28 @@ class Result:
         return self.hits / total if total else 0.0
 
 
-def replay_layer(routes: np.ndarray, scores: np.ndarray | None, policy) -> ExpertCache:
-    """Run one layer's routes [T, K] (and scores [T, E]) through a cache with `policy`."""
+def replay_layer(routes: np.ndarray, scores: np.ndarray | None, policy, alpha: float = 0.0) -> tuple[ExpertCache, int]:
+    """Run one layer's routes [T, K] (and scores [T, E]) through a cache with `policy`; with
+    `alpha` > 0 each route first goes through SMoE substitution against the cached set.
+    Returns the cache and the number of substitutions."""
     cache = ExpertCache(policy)
-    rows = routes.tolist()
-    if scores is None:
-        for step, r in enumerate(rows):
-            cache.access(step, r)
-    else:
-        for step, r in enumerate(rows):
-            cache.access(step, r, scores[step])
-    return cache
+    subs = 0
+    for step, r in enumerate(routes.tolist()):
+        s = None if scores is None else scores[step]
+        if alpha:
+            r, n = substitute(s, r, cache.cached, alpha)
+            subs += n
+        cache.access(step, r, s)
+    return cache, subs
 
 
-def simulate(trace, policies: list[str], budgets: list[Budget], options: dict | None = None) -> list[Result]:
+def simulate(trace, policies: list[str], budgets: list[Budget], options: dict | None = None,
+             alpha: float = 0.0) -> list[Result]:
     """Hit rates of every policy at every budget. `options[name]` are extra keyword arguments of
-    a policy (e.g. {"smoe": {"window": 16}, "flashmoe": {"weights": model}})."""
+    a policy (e.g. {"smoe": {"window": 16}, "flashmoe": {"weights": model}}). With `alpha` > 0
+    routes are substituted first; the trace's later routes do not reflect the changed outputs,
+    so read savings are an estimate, and Belady (which knows only the original routes) is no
+    longer a bound."""
     options = options or {}
     results = {(p, b): Result(p, b) for p in policies for b in budgets}
     for li, layer in enumerate(trace.layers):
@@ -99,11 +106,12 @@ def simulate(trace, policies: list[str], budgets: list[Budget], options: dict | 
             if name == "flashmoe":
                 kw["layer"] = layer
             for b in budgets:
-                cache = replay_layer(routes, scores if name == "smoe" else None,
-                                     make_policy(name, b.capacity, trace.num_experts, **kw))
+                cache, subs = replay_layer(routes, scores if name == "smoe" or alpha else None,
+                                           make_policy(name, b.capacity, trace.num_experts, **kw), alpha)
                 r = results[(name, b)]
                 r.hits += cache.hits
                 r.misses += cache.misses
+                r.substitutions += subs
                 r.bytes_read += cache.misses * trace.expert_bytes[li]
                 r.layers[layer] = cache.hit_rate
     return list(results.values())

@@ -102,8 +102,9 @@ def head_tensors(head: Head, owner: int) -> dict:
 
 
 def train_head(init_linear: np.ndarray, x: np.ndarray, target: np.ndarray, topk: np.ndarray, *, hidden: int,
-               steps: int, lr: float, batch: int, listwise: float, score_function: str, seed: int = 0):
-    """Fit one head: loss = divergence to the next router's distribution + `listwise` x mean
+               steps: int, lr: float, batch: int, listwise: float, score_function: str, seed: int = 0,
+               divergence: float = 1.0):
+    """Fit one head: loss = `divergence` x divergence to the next router's distribution + `listwise` x mean
     cross-entropy of the true top-k under the head's softmax. x [N, D], target [N, E] router
     probabilities (softmax) or per-expert sigmoid scores, topk [N, K] indices. Returns (head, losses)."""
     mx.random.seed(seed)
@@ -123,7 +124,7 @@ def train_head(init_linear: np.ndarray, x: np.ndarray, target: np.ndarray, topk:
             div = (tb * (mx.log(mx.maximum(tb, 1e-12)) - logp)).sum(axis=-1).mean()
         logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         lst = -mx.take_along_axis(logp, kb, axis=-1).mean()
-        return div + listwise * lst
+        return divergence * div + listwise * lst
 
     step = nn.value_and_grad(head, loss_fn)
     rng = np.random.default_rng(seed)

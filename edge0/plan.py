@@ -138,7 +138,9 @@ def main(argv=None) -> int:
     reads = measure_reads(engine.store, trace.layers, trace.num_experts)
     cold, warm = (per_layer(reads[k], trace.layers) for k in ("cold_s", "warm_s"))
     cold_extra_per_byte = max(0.0, (sum(cold) - sum(warm)) / sum(trace.expert_bytes))
-    options = load_options(args)
+    # Step time against bytes read does not depend on which policy chose the bytes; LRU needs
+    # nothing from the pool (smoe needs scores, flashmoe weights).
+    options = {**load_options(args), "cache_policy": "lru"}
     hi = measure_decode(engine.root, options, None)
     lo = measure_decode(engine.root, options, trace.top_k * sum(trace.expert_bytes))
     rows = predict(trace, results, hi, lo, cold_extra_per_byte)

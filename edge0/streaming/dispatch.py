@@ -16,6 +16,9 @@ from edge0.streaming.whole import LayerPrefetcher, WholeLayerExecutor
 
 PREFILL = ("whole", "exact")
 DECODE = ("staged", "hot", "exact")
+# Policies the live pool can drive today: smoe needs router scores and flashmoe its weights file,
+# which the pool does not pass yet; belady needs the future and exists only in the simulator.
+LIVE_POLICIES = ("lru", "lfu", "arc")
 
 
 @dataclass
@@ -31,6 +34,9 @@ class StreamingOptions:
     read_threads: int = 4
 
     def check(self) -> None:
+        if self.cache_policy not in LIVE_POLICIES:
+            raise Edge0Error(f"--cache-policy {self.cache_policy!r}: the live expert cache supports {', '.join(LIVE_POLICIES)}; "
+                             "the others are available in `edge0 simulate`")
         for layer, choice in {None: {"prefill": self.prefill_executor, "decode": self.decode_executor},
                               **self.layer_executors}.items():
             where = "" if layer is None else f" (layer {layer})"

@@ -204,3 +204,21 @@ def test_stress_background_reads_with_constant_eviction(store_for):
     assert res.tokens == want
     t = e.stats()["totals"]
     assert t["slot_rewrites"] > 64 and t["dropped"] == 0
+
+
+def test_live_cache_policies_change_reads_not_outputs(store_for):
+    store = store_for("qwen3_moe")
+    ref = edge0.load(store, decode_executor="exact")
+    prompt = ref.encode(LONG_PROMPT)
+    want = ref.generate(prompt, max_tokens=24, ignore_eos=True).tokens
+    per_slot = sum(ref.store.expert_nbytes(l) for l in ref.store.layers)
+    reads = {}
+    for policy in ("lru", "lfu", "arc"):
+        e = edge0.load(store, cache_policy=policy, expert_cache=(ref.spec.top_k + 2) * per_slot, prefill_executor="exact")
+        assert e.generate(prompt, max_tokens=24, ignore_eos=True).tokens == want, policy
+        t = e.stats()["totals"]
+        reads[policy] = (t["bytes_read"], t["hits"])
+        assert t["misses"] > 0 and t["hits"] > 0
+    assert len(set(reads.values())) > 1  # the policies really made different choices
+    with pytest.raises(Edge0Error, match="cache-policy"):
+        edge0.load(store, cache_policy="belady")

@@ -8,7 +8,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import mlx.nn as nn
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_map
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
@@ -27,8 +27,13 @@ class StreamingExperts(nn.Module):
 
     def __init__(self, inner: nn.Module, layer: int):
         super().__init__()
+        # Empty placeholders: the module must not keep expert tensors between calls (a whole
+        # layer per MoE layer would pile up after a prefill).
+        blank = tree_map(lambda _: mx.zeros((0,)), inner.parameters())
+        inner.update(blank)
         # Plain attributes, not children: the experts' tensors must not count as resident.
         object.__setattr__(self, "inner", inner)
+        object.__setattr__(self, "blank", blank)
         object.__setattr__(self, "executor", None)  # set by attach_executors
         self.layer = layer
 
@@ -38,6 +43,7 @@ class StreamingExperts(nn.Module):
             self.inner.update(params)
             part = self.inner(x, local)
             y = part if y is None else y + part
+        self.inner.update(self.blank)  # the lazy graph keeps what it needs
         if hasattr(self.executor, "done"):
             self.executor.done(y)
         return y

@@ -222,3 +222,16 @@ def test_live_cache_policies_change_reads_not_outputs(store_for):
     assert len(set(reads.values())) > 1  # the policies really made different choices
     with pytest.raises(Edge0Error, match="cache-policy"):
         edge0.load(store, cache_policy="belady")
+
+
+def test_whole_layer_prefill_releases_each_layer(store_for):
+    store = store_for("qwen3_moe", num_hidden_layers=8, num_experts=32)
+    e = edge0.load(store, prefill_executor="whole", decode_executor="exact")
+    prompt = e.encode(LONG_PROMPT)
+    per_layer = e.streaming.total_expert_bytes // len(e.store.layers)
+    res = e.generate(prompt, max_tokens=2, ignore_eos=True)
+    assert e.stats()["totals"]["loads"] >= 8 * 32  # every layer was read whole
+    slack = 4 * 2**20  # KV cache, activations, logits
+    assert res.stats["peak_memory_bytes"] <= e.resident_bytes + 3 * per_layer + slack
+    assert res.stats["peak_memory_bytes"] < e.resident_bytes + e.streaming.total_expert_bytes
+    assert mx.get_active_memory() <= e.resident_bytes + per_layer + slack

@@ -105,11 +105,9 @@ def sft_loss(logits, ids, start: int):
     return (mx.logsumexp(z, axis=-1) - picked).mean()
 
 
-def truncated_reverse_kl(logits, start: int, top_idx, top_logp, rest_logp):
-    """Reverse KL(q || p) between student q and teacher p, both coarsened to the teacher's top-k
-    tokens S plus one bucket R for every other token, averaged over the positions that predict
-    ids[:, start:]:  sum_{v in S} q_v (log q_v - log p_v) + q_R (log q_R - log p_R).
-    top_idx/top_logp [B, n, k] and rest_logp [B, n] come from `Teacher.top_k`."""
+def _coarse_student(logits, start: int, top_idx):
+    """Student log-probabilities of the teacher's top-k tokens S [B, n, k] and of the bucket R of
+    every other token [B, n], at the positions predicting ids[:, start:]."""
     z = logits[:, start - 1:-1].astype(mx.float32)
     lse = mx.logsumexp(z, axis=-1)
     idx = mx.array(top_idx)
@@ -117,8 +115,26 @@ def truncated_reverse_kl(logits, start: int, top_idx, top_logp, rest_logp):
     # log q_R as a logsumexp over the tokens outside S: exact even when q_R is tiny
     mask = mx.put_along_axis(mx.zeros(z.shape, dtype=mx.float32), idx, mx.array(-np.inf, dtype=mx.float32), axis=-1)
     logq_r = mx.logsumexp(z + mask, axis=-1) - lse
-    logq_s, logq_r = mx.maximum(logq_s, _LOG_FLOOR), mx.maximum(logq_r, _LOG_FLOOR)
+    return mx.maximum(logq_s, _LOG_FLOOR), mx.maximum(logq_r, _LOG_FLOOR)
+
+
+def truncated_reverse_kl(logits, start: int, top_idx, top_logp, rest_logp):
+    """Reverse KL(q || p) between student q and teacher p, both coarsened to the teacher's top-k
+    tokens S plus one bucket R for every other token, averaged over the positions that predict
+    ids[:, start:]:  sum_{v in S} q_v (log q_v - log p_v) + q_R (log q_R - log p_R).
+    top_idx/top_logp [B, n, k] and rest_logp [B, n] come from `Teacher.top_k`."""
+    logq_s, logq_r = _coarse_student(logits, start, top_idx)
     kl = (mx.exp(logq_s) * (logq_s - mx.array(top_logp))).sum(axis=-1) + mx.exp(logq_r) * (logq_r - mx.array(rest_logp))
+    return kl.mean()
+
+
+def truncated_forward_kl(logits, start: int, top_idx, top_logp, rest_logp):
+    """Forward KL(p || q) on the same coarsening: sum_{v in S} p_v (log p_v - log q_v)
+    + p_R (log p_R - log q_R); up to the teacher's entropy, the cross-entropy to the teacher's
+    token distribution (soft-label SFT)."""
+    logq_s, logq_r = _coarse_student(logits, start, top_idx)
+    p_s, lp_r = mx.array(top_logp), mx.array(rest_logp)
+    kl = (mx.exp(p_s) * (p_s - logq_s)).sum(axis=-1) + mx.exp(lp_r) * (lp_r - logq_r)
     return kl.mean()
 
 
@@ -133,10 +149,14 @@ class LoRATrainer:
                                          optim.cosine_decay(lr, max(1, steps - warmup), lr * 0.1)], [warmup])
         self.opt = optim.Adam(learning_rate=schedule)
         self._sft = nn.value_and_grad(model, self._sft_objective)
+        self._soft = nn.value_and_grad(model, self._soft_objective)
         self._kl = nn.value_and_grad(model, self._kl_objective)
 
     def _sft_objective(self, ids, start):
         return sft_loss(student_logits(self.model, self.prerouting, ids), ids, start)
+
+    def _soft_objective(self, ids, start, top_idx, top_logp, rest_logp):
+        return truncated_forward_kl(student_logits(self.model, self.prerouting, ids), start, top_idx, top_logp, rest_logp)
 
     def _kl_objective(self, ids, start, top_idx, top_logp, rest_logp):
         return truncated_reverse_kl(student_logits(self.model, self.prerouting, ids), start, top_idx, top_logp, rest_logp)
@@ -150,6 +170,10 @@ class LoRATrainer:
     def sft_step(self, ids, start: int) -> float:
         """One optimizer step on the SFT loss of a batch [B, T]; returns the loss before the step."""
         return self._apply(*self._sft(ids, start))
+
+    def soft_sft_step(self, ids, start: int, top_idx, top_logp, rest_logp) -> float:
+        """One optimizer step on the truncated forward KL to the teacher (soft-label SFT)."""
+        return self._apply(*self._soft(ids, start, top_idx, top_logp, rest_logp))
 
     def distill_step(self, ids, start: int, top_idx, top_logp, rest_logp) -> float:
         """One optimizer step on the truncated reverse KL; returns the loss before the step."""

@@ -19,8 +19,10 @@ from edge0.evaluate import evaluate
 from edge0.lora.serve import prerouter_hash
 from edge0.store.format import manifest_hash
 
-LOSS_DOC = ("phase 1: mean cross-entropy of the teacher's continuation tokens; phase 2: reverse KL(student || teacher) "
-            "over the teacher's top-k tokens plus one bucket holding all other tokens, per student-generated position")
+PHASE1 = {"soft": "forward KL(teacher || student) on teacher-generated continuations",
+          "hard": "cross-entropy of the teacher-generated continuation tokens"}
+PHASE2 = "reverse KL(student || teacher) on student-generated continuations"
+COARSENING = "each KL over the teacher's top-k tokens plus one bucket holding every other token"
 
 
 @dataclass
@@ -36,7 +38,8 @@ class TrainOptions:
     lr: float = 1e-3
     teacher_temperature: float = 1.0
     student_temperature: float = 1.0
-    distill_top_k: int = 32
+    distill_top_k: int = 128
+    sft_targets: str = "soft"  # "soft": the teacher's token distributions; "hard": its sampled tokens
     max_tokens: int = 500_000
     holdout: float = 0.05
     val_window: int = 128
@@ -51,6 +54,8 @@ def _check(opts: TrainOptions, vocab: int) -> None:
     bad += [(f, getattr(opts, f)) for f in ("sft_steps", "distill_steps") if getattr(opts, f) < 0]
     if bad:
         raise Edge0Error(f"--{bad[0][0].replace('_', '-')} {bad[0][1]}: must be positive; pass a larger value")
+    if opts.sft_targets not in ("soft", "hard"):
+        raise Edge0Error(f"--sft-targets {opts.sft_targets}: choose soft or hard")
     if opts.sft_steps + opts.distill_steps == 0:
         raise Edge0Error("--sft-steps/--distill-steps: both are 0; give at least one training step")
     if not 1 <= opts.distill_top_k < vocab:
@@ -89,12 +94,40 @@ def _probe(engine, teacher, prompts, opts):
     return (seqs, P, *teacher.top_k(seqs, P, opts.distill_top_k))
 
 
+def _phase1(trainer, teacher, prompts, opts, progress) -> list[float]:
+    """SFT on continuations the teacher samples from prompts of the data."""
+    losses = []
+    bar = tqdm(range(opts.sft_steps), desc="sft", unit="step", disable=not progress)
+    for step in bar:
+        seqs = teacher.generate(prompts(), opts.gen_tokens, opts.teacher_temperature, seed=opts.seed * 100003 + step)
+        P = opts.prompt_tokens
+        if opts.sft_targets == "soft":
+            losses.append(trainer.soft_sft_step(seqs, P, *teacher.top_k(seqs, P, opts.distill_top_k)))
+        else:
+            losses.append(trainer.sft_step(seqs, P))
+        bar.set_postfix(loss=f"{losses[-1]:.4f}")
+    return losses
+
+
+def _phase2(trainer, engine, teacher, prompts, opts, progress) -> list[float]:
+    """On-policy distillation: the student samples continuations along its serving route, the
+    teacher scores them."""
+    losses = []
+    bar = tqdm(range(opts.distill_steps), desc="distill", unit="step", disable=not progress)
+    for step in bar:
+        seqs = bd.student_generate(engine.model, engine.prerouting, prompts(), opts.gen_tokens,
+                                   opts.student_temperature, seed=opts.seed * 100003 + 50021 + step)
+        losses.append(trainer.distill_step(seqs, opts.prompt_tokens, *teacher.top_k(seqs, opts.prompt_tokens, opts.distill_top_k)))
+        bar.set_postfix(loss=f"{losses[-1]:.4f}")
+    return losses
+
+
 def train(engine, teacher, text: str, opts: TrainOptions, *, data_name: str, teacher_name: str, progress: bool = True):
     """Attach fresh LoRA to `engine` (frozen otherwise), train it, return (tensors, meta, report)."""
     t0 = time.perf_counter()
     _check(opts, teacher.vocab_size)
     check_teacher(engine, teacher, text[:2000])
-    tokens = engine.encode(text)[:opts.max_tokens]
+    tokens = engine.encode(text[:opts.max_tokens * 16])[:opts.max_tokens]  # no need to tokenize more
     n_val = max(opts.val_window * opts.val_windows, int(len(tokens) * opts.holdout))
     train_tok, val_tok = tokens[:-n_val], tokens[-n_val:]
     if len(train_tok) < opts.prompt_tokens + 1 or len(val_tok) < 2:
@@ -111,26 +144,15 @@ def train(engine, teacher, text: str, opts: TrainOptions, *, data_name: str, tea
     before = _validate(engine, teacher, val_tok, opts)
     trainer = bd.LoRATrainer(engine.model, engine.prerouting, opts.lr, opts.sft_steps + opts.distill_steps)
     rng = np.random.default_rng(opts.seed)
-    P, G = opts.prompt_tokens, opts.gen_tokens
 
     def prompts():
-        starts = rng.integers(0, len(train_tok) - P, size=opts.batch)
-        return np.array([train_tok[s:s + P] for s in starts], dtype=np.int32)
+        starts = rng.integers(0, len(train_tok) - opts.prompt_tokens, size=opts.batch)
+        return np.array([train_tok[s:s + opts.prompt_tokens] for s in starts], dtype=np.int32)
 
     probe = _probe(engine, teacher, prompts(), opts)
     probe_before = trainer.distill_value(*probe)
-    sft, kl = [], []
-    bar = tqdm(range(opts.sft_steps), desc="sft", unit="step", disable=not progress)
-    for step in bar:
-        seqs = teacher.generate(prompts(), G, opts.teacher_temperature, seed=opts.seed * 100003 + step)
-        sft.append(trainer.sft_step(seqs, P))
-        bar.set_postfix(loss=f"{sft[-1]:.3f}")
-    bar = tqdm(range(opts.distill_steps), desc="distill", unit="step", disable=not progress)
-    for step in bar:
-        seqs = bd.student_generate(engine.model, engine.prerouting, prompts(), G, opts.student_temperature,
-                                   seed=opts.seed * 100003 + 50021 + step)
-        kl.append(trainer.distill_step(seqs, P, *teacher.top_k(seqs, P, opts.distill_top_k)))
-        bar.set_postfix(loss=f"{kl[-1]:.4f}")
+    sft = _phase1(trainer, teacher, prompts, opts, progress)
+    kl = _phase2(trainer, engine, teacher, prompts, opts, progress)
     after = _validate(engine, teacher, val_tok, opts)
     probe_after = trainer.distill_value(*probe)
     report = {
@@ -147,7 +169,8 @@ def train(engine, teacher, text: str, opts: TrainOptions, *, data_name: str, tea
         "provenance": {
             "teacher": teacher_name, "data": data_name, "train_tokens": len(train_tok),
             "prerouter": str(engine.heads_path) if engine.prerouting is not None else None,
-            "options": asdict(opts), "loss": LOSS_DOC, "trainable_parameters": bd.n_trainable(engine.model),
+            "options": asdict(opts), "loss": {"phase1": PHASE1[opts.sft_targets], "phase2": PHASE2, "coarsening": COARSENING},
+            "trainable_parameters": bd.n_trainable(engine.model),
             "validation": report, "date": datetime.date.today().isoformat(),
             "seconds": round(time.perf_counter() - t0, 1),
         },

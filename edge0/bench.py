@@ -85,7 +85,7 @@ METRICS = ("decode_tps", "prefill_tps", "ttft_s", "load_s", "wall_s", "mlx_peak_
 COUNTERS = ("fallbacks", "dropped_experts")
 
 SIZES = {  # preset -> (bench-model size, prompt tokens, decode tokens)
-    "full": ("full", 40, 48),
+    "full": ("full", 40, 32),
     "quick": ("quick", 40, 32),
 }
 
@@ -622,7 +622,7 @@ def parse_args(argv):
     g.add_argument("--prerouter", help="pre-router heads for the prerouter arms (default: the store's prerouter.safetensors)")
     g = p.add_argument_group("workload")
     g.add_argument("--prompt-tokens", type=int, help="prompt length (default 40)")
-    g.add_argument("--decode-tokens", type=int, help="greedy tokens generated (default 48, --quick 32)")
+    g.add_argument("--decode-tokens", type=int, help="greedy tokens generated (default 32)")
     g.add_argument("--expert-cache", default="20%", help="edge0 expert cache: a share of all experts (20%%) or a size (400MB)")
     g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="compute dtype of both runtimes (default: edge0's auto choice, float32 on CPU)")
@@ -689,7 +689,20 @@ def main(argv=None) -> int:
               "machine": machine_info(), "git": git_commit(), "packages": package_versions(),
               "model": {"store": str(model.store), "mlx_model": str(model.mlx) if model.mlx else None,
                         **{k: model.info.get(k) for k in ("shape", "seed", "size", "generator_version") if k in model.info}}}
-    result.update(run_suite(args, model, arms))
+    import threading
+
+    main_thread = threading.current_thread() is threading.main_thread()
+    # On SIGTERM unwind like Ctrl-C: stop the arm's process and remove the cgroup.
+    previous = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
+    try:
+        result.update(run_suite(args, model, arms))
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
+    end = git_commit()
+    if end != result["git"]:  # the code changed under a long run: say so
+        result["git_at_end"] = end
+        print(f"edge0 bench: warning: the git tree changed during the run ({end})", file=sys.stderr)
     result["summary"] = summary(result)
     result["elapsed_s"] = (datetime.datetime.now().astimezone() - started).total_seconds()
     _check_numbers(result)
@@ -708,6 +721,10 @@ def main(argv=None) -> int:
         append_docs(Path(args.append_docs), result, table, out, png)
         print(f"appended the table to {args.append_docs}", file=sys.stderr)
     return 0
+
+
+def _terminate(signum, frame):
+    raise SystemExit(128 + signum)
 
 
 def _check_numbers(result: dict) -> None:

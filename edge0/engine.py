@@ -36,7 +36,8 @@ class GenerationResult:
 def load(path=None, *, dtype: str | None = None, top_k: int | None = None, verify: bool = False,
          expert_cache=None, cache_policy: str = "lru", prefill_executor: str = "whole",
          decode_executor: str = "staged", layer_executors: dict | None = None,
-         prerouter=None, prerouter_diagnostics: bool = False, lora=None, cold_reads: bool = False) -> "Engine":
+         prerouter=None, prerouter_diagnostics: bool = False, lora=None, cold_reads: bool = False,
+         cache_weights=None, smoe_window: int | None = None, substitute_alpha: float = 0.0) -> "Engine":
     """Open an edge0 store and assemble its model. See docs/engine-api.md.
 
     `prerouter` / `lora`: None = the store's prerouter.safetensors / lora.safetensors if present,
@@ -54,7 +55,12 @@ def load(path=None, *, dtype: str | None = None, top_k: int | None = None, verif
     compute = B.pick_compute_dtype(dtype, B.ST_DTYPES.get(ckpt_dtype, "float32"))
     store = ExpertStore(root, manifest, cold_reads=cold_reads)
     options = StreamingOptions(expert_cache, cache_policy, prefill_executor, decode_executor,
-                               layer_executors=layer_executors or {})
+                               layer_executors=layer_executors or {}, cache_weights=cache_weights,
+                               smoe_window=smoe_window, substitute_alpha=substitute_alpha)
+    if spec is None and (cache_policy == "smoe" or substitute_alpha):
+        flag = "--cache-policy smoe" if cache_policy == "smoe" else "--substitute-alpha"
+        raise Edge0Error(f"{flag} needs router scores, which Edge0 has only for spec'd families ({manifest['model_type']} "
+                         "is served at the universal level); use --cache-policy lru, lfu, arc or flashmoe without substitution")
     model = bnn.assemble(root, manifest, config, spec, k, compute)
     streaming = Streaming(store, compute, k or _native_k(config), bnn.resident_bytes(model), options)
     bnn.attach_executors(model, streaming.layers)
@@ -334,6 +340,7 @@ class Engine:
             "stall_ms_per_step": (after["stall_ms"] - before["stall_ms"]) / max(1, n_gen),
             "fallbacks": after["fallbacks"] - before["fallbacks"],
             "dropped_experts": after["dropped"] - before["dropped"],
+            "substitutions": after["substitutions"] - before["substitutions"],
         }
 
     def stats(self) -> dict:
@@ -348,6 +355,7 @@ class Engine:
             "expert_cache_bytes": st.budget,
             "slots_per_layer": st.n_slots,
             "cache_policy": st.options.cache_policy,
+            "substitute_alpha": st.options.substitute_alpha,
             "prefill_executor": st.options.prefill_executor,
             "decode_executor": st.options.decode_executor,
             "decode_steps": st.stats.decode_steps,

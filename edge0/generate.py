@@ -18,7 +18,15 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verify", action="store_true", help="check every store file's sha256 before loading")
     p.add_argument("--expert-cache", default=None, metavar="SIZE",
                    help="memory for cached experts, e.g. 2GB (default: from free memory and model size)")
-    p.add_argument("--cache-policy", default="lru", help="expert-cache eviction policy (default lru)")
+    p.add_argument("--cache-policy", default="lru",
+                   help="expert-cache eviction policy: lru (default), lfu, arc, smoe (router scores), flashmoe (learned)")
+    p.add_argument("--cache-weights", default=None, metavar="FILE",
+                   help="flashmoe: weights from edge0 train-cache-policy, trained on a trace of this model")
+    p.add_argument("--smoe-window", type=int, default=None, metavar="N",
+                   help="smoe: steps over which router scores are averaged (default 32)")
+    p.add_argument("--substitute-alpha", type=float, default=0.0, metavar="A",
+                   help="LOSSY, CHANGES OUTPUTS: a routed expert scoring in [S, (1+A)S] (S: best unselected score) "
+                        "may be replaced by a cached one scoring in [(1-A)S, S], saving its read (default 0: off)")
     p.add_argument("--prefill-executor", default="whole", choices=["whole", "exact"],
                    help="prefill: whole-layer reads (default) or exact per-expert reads")
     p.add_argument("--decode-executor", default="staged", choices=["staged", "hot", "exact"],
@@ -52,24 +60,26 @@ def load_options(args) -> dict:
             "cache_policy": args.cache_policy, "prefill_executor": args.prefill_executor,
             "decode_executor": args.decode_executor, "layer_executors": _layer_executors(args.layer_executor),
             "prerouter": False if args.no_prerouter else args.prerouter,
-            "prerouter_diagnostics": args.prerouter_diagnostics}
+            "prerouter_diagnostics": args.prerouter_diagnostics,
+            "cache_weights": args.cache_weights, "smoe_window": args.smoe_window, "substitute_alpha": args.substitute_alpha}
 
 
 def format_stats(s: dict) -> str:
     hit = "n/a" if s.get("expert_hit_rate") is None else f"{100 * s['expert_hit_rate']:.0f}%"
+    sub = f", substitutions {s['substitutions']} (lossy)" if s.get("substitutions") else ""
     return (
         f"prompt {s['prompt_tokens']} tok ({s['prefill_tps']:.1f} tok/s prefill), "
         f"generated {s['generation_tokens']} tok ({s['decode_tps']:.1f} tok/s), "
         f"MLX peak {s['peak_memory_bytes'] / 2**20:.1f} MiB, RSS peak {s['peak_rss_bytes'] / 2**20:.0f} MiB, "
         f"experts read {s['expert_bytes_read'] / 2**20:.1f} MiB, cache hits {hit}, "
-        f"stall {s.get('stall_ms_per_step', 0):.1f} ms/step"
+        f"stall {s.get('stall_ms_per_step', 0):.1f} ms/step{sub}"
     )
 
 
 def format_layer_stats(st: dict) -> str:
     """Per-layer executor statistics as a table."""
     cols = ("calls", "host_syncs", "loads", "hits", "misses", "bytes_read", "read_amplification",
-            "stall_ms", "slot_rewrites", "fallbacks", "dropped")
+            "stall_ms", "slot_rewrites", "fallbacks", "dropped", "substitutions")
     rows = [" ".join(f"{c:>12}" for c in ("layer",) + cols)]
     for name, s in list(st["layers"].items()) + [("total", st["totals"])]:
         vals = [s[c] for c in cols]

@@ -286,18 +286,82 @@ def test_substitute_batched_counts_all_tokens():
         substitute(scores, [[0, 1], [1, 0]], cached=set(), alpha=-1)
 
 
-def test_live_policies_change_reads_only(store_for):
+def slot_bytes(engine, n):
+    """An --expert-cache budget of `n` slots per layer."""
+    return n * sum(engine.store.expert_nbytes(l) for l in engine.store.layers)
+
+
+def weights_for(root, path, layers, num_experts=8):
+    """LRU-like flashmoe weights recorded as trained on a trace of the store at `root`."""
+    from edge0.store.format import manifest_hash
+
+    lru_like_model(num_experts, layers).save(path, {"manifest_hash": manifest_hash(root), "model": "fixture"})
+    return path
+
+
+def test_live_policies_change_reads_only(store_for, tmp_path):
     """With the live pool, the policy changes which experts are read, never the tokens."""
     import edge0
 
     root = store_for("qwen3_moe")
     ref = edge0.load(root, decode_executor="exact")
     exact = ref.generate("hello world this is", max_tokens=24, ignore_eos=True)
-    three_slots = 3 * sum(ref.store.expert_nbytes(l) for l in ref.store.layers)  # top-k is 2
-    reads = {}
-    for name in ("lru", "lfu", "arc"):
-        engine = edge0.load(root, expert_cache=three_slots, cache_policy=name)
+    weights = weights_for(root, tmp_path / "policy.safetensors", sorted(ref.store.layers))
+    reads, hits = {}, {}
+    for name in ("lru", "lfu", "arc", "smoe", "flashmoe"):
+        engine = edge0.load(root, expert_cache=slot_bytes(ref, 3), cache_policy=name,  # top-k is 2
+                            cache_weights=weights if name == "flashmoe" else None, smoe_window=8)
+        policies = [d.decode.slots.cache.policy for d in engine.streaming.layers.values()]
+        assert {p.name for p in policies} == {name}
+        assert name != "smoe" or all(p.window == 8 for p in policies)
         res = engine.generate("hello world this is", max_tokens=24, ignore_eos=True)
         assert res.tokens == exact.tokens, name
-        reads[name] = res.stats["expert_bytes_read"]
-    assert len(set(reads.values())) > 1
+        reads[name], hits[name] = res.stats["expert_bytes_read"], res.stats["expert_hit_rate"]
+        assert res.stats["substitutions"] == 0 and res.stats["expert_bytes_read"] > 0
+    assert len(set(reads.values())) > 1 and len(set(hits.values())) > 1
+
+
+def test_live_substitution(store_for):
+    """alpha 0 is the exact model; alpha > 0 on a budget with misses substitutes and reads less."""
+    import edge0
+
+    root = store_for("qwen3_moe")
+    ref = edge0.load(root, decode_executor="exact")
+    exact = ref.generate("hello world this is", max_tokens=24, ignore_eos=True)
+    runs = {}
+    for alpha in (0.0, 1.0):
+        engine = edge0.load(root, expert_cache=slot_bytes(ref, 2), cache_policy="smoe", substitute_alpha=alpha)
+        runs[alpha] = engine.generate("hello world this is", max_tokens=24, ignore_eos=True).stats
+        st = engine.stats()
+        assert st["totals"]["substitutions"] == sum(s["substitutions"] for s in st["layers"].values())
+        assert st["totals"]["substitutions"] == runs[alpha]["substitutions"]
+        if alpha == 0:
+            assert engine.generate("hello world this is", max_tokens=24, ignore_eos=True).tokens == exact.tokens
+    assert runs[0.0]["substitutions"] == 0 and runs[0.0]["expert_bytes_read"] > 0
+    assert runs[1.0]["substitutions"] > 0
+    assert runs[1.0]["expert_bytes_read"] < runs[0.0]["expert_bytes_read"]
+
+
+def test_live_policy_errors(store_for, tmp_path):
+    import edge0
+
+    root = store_for("qwen3_moe")
+    with pytest.raises(Edge0Error, match="--cache-policy flashmoe needs --cache-weights"):
+        edge0.load(root, cache_policy="flashmoe")
+    with pytest.raises(Edge0Error, match="--cache-weights .*no such"):
+        edge0.load(root, cache_policy="flashmoe", cache_weights=tmp_path / "missing.safetensors")
+    other = weights_for(store_for("mixtral"), tmp_path / "other.safetensors", [0, 1])
+    with pytest.raises(Edge0Error, match="--cache-weights .*another model.*train-cache-policy"):
+        edge0.load(root, cache_policy="flashmoe", cache_weights=other)
+    with pytest.raises(Edge0Error, match="--cache-weights is read only by the flashmoe policy"):
+        edge0.load(root, cache_weights=other)
+    with pytest.raises(Edge0Error, match="belady"):
+        edge0.load(root, cache_policy="belady")
+    with pytest.raises(Edge0Error, match="--substitute-alpha needs the staged decode executor"):
+        edge0.load(root, substitute_alpha=0.1, decode_executor="exact")
+    with pytest.raises(Edge0Error, match="--substitute-alpha -1"):
+        edge0.load(root, substitute_alpha=-1)
+    with pytest.raises(Edge0Error, match="--smoe-window 0"):
+        edge0.load(root, cache_policy="smoe", smoe_window=0)
+    with pytest.raises(Edge0Error, match="--cache-policy smoe needs router scores"):
+        edge0.load(store_for("olmoe"), cache_policy="smoe")

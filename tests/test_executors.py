@@ -53,7 +53,7 @@ def run(engine, layer, executor, x, inds):
 class SwappedGateUp(ExactExecutor):
     """A deliberately wrong executor: gate and up exchanged."""
 
-    def __call__(self, indices):
+    def __call__(self, indices, scores=None):
         parts = super().__call__(indices)
         for params, _ in parts:
             params["gate_proj"], params["up_proj"] = params["up_proj"], params["gate_proj"]

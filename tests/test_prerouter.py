@@ -73,7 +73,10 @@ class OracleHead:
         return out
 
 
-def test_oracle_heads_reproduce_the_exact_path(store_for):
+@pytest.mark.parametrize("policy, alpha", [("lru", 0.0), ("smoe", 0.0), ("smoe", 1.0)])
+def test_oracle_heads_reproduce_the_exact_path(store_for, policy, alpha):
+    """Also with smoe (the heads' scores reach the cache with their routes) and substitution:
+    neither adds a consumer sync, and substituted experts are mapped to their slots (no drops)."""
     store = store_for("deepseek_v3")
     ref = edge0.load(store, prerouter=False, decode_executor="exact")
     blocks = dict(bnn.moe_blocks(ref.model))
@@ -91,7 +94,7 @@ def test_oracle_heads_reproduce_the_exact_path(store_for):
     want = ref.generate(PROMPT, max_tokens=12, ignore_eos=True)
     mx.eval([v for l in recorded.values() for v in l])
 
-    e = edge0.load(store, prerouter=False, expert_cache="64KB")
+    e = edge0.load(store, prerouter=False, expert_cache="64KB", cache_policy=policy, substitute_alpha=alpha)
     eb = dict(bnn.moe_blocks(e.model))
     owners = owner_layers(e)
     heads = {o: OracleHead(recorded[c]) for o, c in owners.items()}
@@ -101,7 +104,8 @@ def test_oracle_heads_reproduce_the_exact_path(store_for):
     e.prerouting = pr
     e.stager = PreRouterStager(pr, {c: ex for c, ex in e.streaming.staged().items() if c in owners.values()})
     got = e.generate(PROMPT, max_tokens=12, ignore_eos=True)
-    assert got.tokens == want.tokens
+    assert (got.tokens == want.tokens) == (alpha == 0)
+    assert (sum(e.streaming.stats.layers[c].substitutions for c in owners.values()) > 0) == (alpha > 0)
     assert got.stats["dropped_experts"] == 0
     assert all(pr.routed_by_head[c] == 11 for c in owners.values())
     assert consumer_syncs(e, owners.values()) == 2 * len(owners)

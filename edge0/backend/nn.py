@@ -21,8 +21,10 @@ __all__ = ["make_prompt_cache", "make_sampler"]
 class StreamingExperts(nn.Module):
     """Stands in for an mlx-lm SwitchGLU/SwitchMLP whose stacked expert tensors stay on disk.
 
-    Per call, `executor(indices)` returns [(tensors of some experts, the route's indices mapped
-    into them)]; the original mlx-lm module runs its own math on each and the parts are summed.
+    Per call, `executor(indices, scores)` returns [(tensors of some experts, the route's indices
+    mapped into them)]; the original mlx-lm module runs its own math on each and the parts are
+    summed. `scores` (router scores over all experts, lazy) come from a SpecMoEBlock's gate; mlx-lm's
+    own blocks pass none.
     """
 
     def __init__(self, inner: nn.Module, layer: int):
@@ -37,9 +39,9 @@ class StreamingExperts(nn.Module):
         object.__setattr__(self, "executor", None)  # set by attach_executors
         self.layer = layer
 
-    def __call__(self, x, indices):
+    def __call__(self, x, indices, scores=None):
         y = None
-        for params, local in self.executor(indices):  # several parts are summed (hot + misses)
+        for params, local in self.executor(indices, scores):  # several parts are summed (hot + misses)
             self.inner.update(params)
             part = self.inner(x, local)
             y = part if y is None else y + part
@@ -88,26 +90,26 @@ class SpecMoEBlock(nn.Module):
         decode = pr is not None and x.shape[-2] == 1
         parallel = pr is not None and pr.parallel and x.shape[-2] > 1
         predicted = pr.take(self.layer) if decode else None
+        probs = None  # router scores over all experts, for the expert cache (lazy: free if unused)
         if predicted is not None:  # the route was predicted at the previous token
             inds, scores = predicted
             if pr.diagnostics:
                 pr.compare(self.layer, inds, self.gate_route(x)[0])
         else:
             inds, scores, logits = self.gate_route(x)
+            probs = expert_scores(logits, spec.routing)
             if parallel and self.layer in pr.next:  # teacher forcing: position t uses the head at t-1
                 p_inds, p_scores = pr.next.pop(self.layer)
                 inds = mx.concatenate([inds[..., :1, :], p_inds[..., :-1, :]], axis=-2)
                 scores = mx.concatenate([scores[..., :1, :], p_scores[..., :-1, :]], axis=-2)
             if self.observer is not None:  # tracing only: costs a host sync
-                probs = expert_scores(logits, spec.routing)
                 self.observer(np.array(inds).reshape(-1, inds.shape[-1]), np.array(probs).reshape(-1, probs.shape[-1]))
             if self.capture is not None:  # pre-router training traces: costs a host sync
-                probs = expert_scores(logits, spec.routing)
                 self.capture(np.array(x.astype(mx.float32)).reshape(-1, x.shape[-1]),
                              np.array(inds).reshape(-1, inds.shape[-1]), np.array(probs).reshape(-1, probs.shape[-1]))
         if (decode or parallel) and self.layer in pr.heads:
             pr.predict(self.layer, x)
-        y = self[spec.experts](x, inds)  # [.., T, K, D]
+        y = self[spec.experts](x, inds, scores=probs)  # [.., T, K, D]
         y = (y * scores[..., None]).sum(axis=-2).astype(y.dtype)  # [.., T, D]
         shared = spec.shared
         if shared.kind == "plain":

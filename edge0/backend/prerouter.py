@@ -12,7 +12,7 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from edge0.routing import route
+from edge0.routing import expert_scores, route
 
 
 class Head(nn.Module):
@@ -55,18 +55,20 @@ class PreRouting:
         self.parallel = False  # full-sequence forward routed as decoding would (training, eval)
         self.pending: dict = {}
         self.next: dict = {}
+        self.next_scores: dict = {}  # consumer layer -> the head's scores over all experts (lazy)
         self.overlaps: dict = {}  # consumer layer -> device scalars (diagnostic mode)
         self.routed_by_head: Counter = Counter()  # decode calls per layer that used a prediction
         self.routed_by_gate: Counter = Counter()  # ... and that evaluated the layer's own gate
 
     def reset(self) -> None:
-        self.pending, self.next, self.overlaps = {}, {}, {}
+        self.pending, self.next, self.next_scores, self.overlaps = {}, {}, {}, {}
 
     def predict(self, layer: int, x) -> None:
         """Owner layer hook: predict the consumer's route for the next token."""
         c = self.consumer[layer]
         logits = self.heads[layer](x.astype(mx.float32))
         self.next[c] = route(logits, self.spec.routing, self.k, self.biases[c])
+        self.next_scores[c] = expert_scores(logits, self.spec.routing)  # for the expert cache
 
     def take(self, layer: int):
         """Consumer layer hook: this step's predicted route, or None (use the gate)."""
@@ -80,7 +82,7 @@ class PreRouting:
         self.overlaps.setdefault(layer, []).append(hit)
 
     def advance(self) -> None:
-        self.pending, self.next = self.next, {}
+        self.pending, self.next, self.next_scores = self.next, {}, {}
 
     def next_indices(self) -> dict:
         return {c: inds for c, (inds, _) in self.next.items()}

@@ -23,6 +23,7 @@ class Policy(ABC):
     """Eviction policy for one layer's expert cache of `capacity` experts out of `num_experts`."""
 
     name = "?"
+    needs_scores = False  # observe() needs the router scores over all experts at every step
 
     def __init__(self, capacity: int, num_experts: int):
         self.capacity, self.num_experts = capacity, num_experts

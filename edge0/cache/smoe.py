@@ -19,6 +19,7 @@ class SMoE(Policy):
     seen the mean is over the steps seen so far."""
 
     name = "smoe"
+    needs_scores = True
 
     def __init__(self, capacity: int, num_experts: int, window: int = DEFAULT_WINDOW):
         super().__init__(capacity, num_experts)

@@ -18,7 +18,13 @@ class PreRouterStager:
         B.async_eval(launched)
         for layer, inds in sorted(self.pr.next_indices().items()):
             if layer in self.staged:
-                self.staged[layer].stage(B.to_numpy(inds).ravel().tolist())
+                ex = self.staged[layer]
+                if ex.wants_scores:  # the head's scores come with its route, in the same sync
+                    scores = self.pr.next_scores[layer]
+                    B.eval(inds, scores)
+                    ex.stage(B.to_numpy(inds).ravel(), B.to_numpy(scores).ravel())
+                else:
+                    ex.stage(B.to_numpy(inds).ravel())
                 self.events.append(("issue", step + 1, layer))
 
     def step_done(self, step: int) -> None:

@@ -3,10 +3,14 @@ outputs (tested), so the choice changes only speed, memory and reads."""
 
 from __future__ import annotations
 
+import json
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 
+from edge0.cache.flashmoe import FlashMoEModel, load_model
 from edge0.errors import Edge0Error
+from edge0.store.format import manifest_hash
 from edge0.streaming.exact import ExactExecutor
 from edge0.streaming.hot import HotExecutor
 from edge0.streaming.pool import SlotSet, default_budget, format_size, parse_size, slots_per_layer
@@ -16,9 +20,9 @@ from edge0.streaming.whole import LayerPrefetcher, WholeLayerExecutor
 
 PREFILL = ("whole", "exact")
 DECODE = ("staged", "hot", "exact")
-# Policies the live pool can drive today: smoe needs router scores and flashmoe its weights file,
-# which the pool does not pass yet; belady needs the future and exists only in the simulator.
-LIVE_POLICIES = ("lru", "lfu", "arc")
+# Belady needs the future: it exists only in the simulator.
+LIVE_POLICIES = ("lru", "lfu", "arc", "smoe", "flashmoe")
+TRAIN_WEIGHTS = "edge0 trace --model STORE --data FILE --out TRACE && edge0 train-cache-policy --trace TRACE --out FILE"
 
 
 @dataclass
@@ -32,11 +36,25 @@ class StreamingOptions:
     whole_layer_min_tokens: int = 32  # shorter prefill chunks use the exact path
     layer_executors: dict = field(default_factory=dict)
     read_threads: int = 4
+    cache_weights: str | None = None  # flashmoe: weights from edge0 train-cache-policy
+    smoe_window: int | None = None  # smoe: steps in the score window (None: the policy's default)
+    substitute_alpha: float = 0.0  # lossy substitution on staged decode layers; 0 = off
 
     def check(self) -> None:
         if self.cache_policy not in LIVE_POLICIES:
             raise Edge0Error(f"--cache-policy {self.cache_policy!r}: the live expert cache supports {', '.join(LIVE_POLICIES)}; "
-                             "the others are available in `edge0 simulate`")
+                             "belady (offline only) runs in `edge0 simulate`")
+        if self.cache_policy == "flashmoe" and not self.cache_weights:
+            raise Edge0Error(f"--cache-policy flashmoe needs --cache-weights FILE; train one with: {TRAIN_WEIGHTS}")
+        if self.cache_weights and self.cache_policy != "flashmoe":
+            raise Edge0Error(f"--cache-weights is read only by the flashmoe policy; add --cache-policy flashmoe or drop --cache-weights")
+        if self.smoe_window is not None and self.smoe_window < 1:
+            raise Edge0Error(f"--smoe-window {self.smoe_window}: must be >= 1 step")
+        if self.substitute_alpha < 0:
+            raise Edge0Error(f"--substitute-alpha {self.substitute_alpha}: must be >= 0 (0 turns substitution off)")
+        if self.substitute_alpha and self.decode_executor != "staged":
+            raise Edge0Error(f"--substitute-alpha needs the staged decode executor (it substitutes from the expert cache); "
+                             f"drop --decode-executor {self.decode_executor} or --substitute-alpha")
         for layer, choice in {None: {"prefill": self.prefill_executor, "decode": self.decode_executor},
                               **self.layer_executors}.items():
             where = "" if layer is None else f" (layer {layer})"
@@ -46,6 +64,19 @@ class StreamingOptions:
                 raise Edge0Error(f"--decode-executor{where} {choice['decode']!r}: choose one of {', '.join(DECODE)}")
 
 
+def load_cache_weights(path, store) -> FlashMoEModel:
+    """The flashmoe weights for `store`: an error unless they were trained on a trace of it."""
+    try:
+        model = load_model(str(Path(path).expanduser()))
+    except Edge0Error as e:
+        raise Edge0Error(f"--cache-weights {e}") from None
+    trained_on = json.loads(model.metadata.get("manifest_hash", "null"))
+    if trained_on != manifest_hash(store.root):
+        raise Edge0Error(f"--cache-weights {path}: trained on a trace of another model ({json.loads(model.metadata.get('model', 'null'))}); "
+                         f"train weights for this one: {TRAIN_WEIGHTS.replace('STORE', str(store.root))}")
+    return model
+
+
 class LayerDispatch:
     """Stands behind one StreamingExperts module: picks the executor for each call."""
 
@@ -53,14 +84,15 @@ class LayerDispatch:
         self.prefill, self.decode, self.min_tokens = prefill, decode, min_tokens
         self.last = None
 
-    def __call__(self, indices):
+    def __call__(self, indices, scores=None):
+        """`scores`: the router's scores over all experts (lazy), for the expert cache."""
         t = indices.shape[-2] if indices.ndim >= 2 else 1
         if t == 1:
             ex = self.decode
         else:
             ex = self.prefill["whole"] if t >= self.min_tokens and "whole" in self.prefill else self.prefill["exact"]
         self.last = ex
-        return ex(indices)
+        return ex(indices, scores)
 
     def done(self, y) -> None:
         if hasattr(self.last, "done"):
@@ -78,6 +110,7 @@ class Streaming:
         self.budget = parse_size(options.expert_cache) if options.expert_cache is not None else default_budget(total, resident_bytes)
         self.total_expert_bytes = total
         layers = sorted(store.layers)
+        self.cache_weights = load_cache_weights(options.cache_weights, store) if options.cache_weights else None
         need_slots = any(options.layer_executors.get(l, {}).get("decode", options.decode_executor) != "exact" for l in layers)
         self.n_slots = slots_per_layer(store, self.budget, k) if need_slots else 0
         self.reader = ThreadPoolExecutor(max_workers=options.read_threads, thread_name_prefix="edge0-read")
@@ -92,17 +125,26 @@ class Streaming:
             if choice["decode"] == "exact":
                 decode = exact
             else:
-                slots = SlotSet(store, l, self.n_slots, compute_dtype, options.cache_policy)
+                slots = SlotSet(store, l, self.n_slots, compute_dtype, options.cache_policy, self._policy_options(l))
                 if choice["decode"] == "staged":
-                    decode = StagedExecutor(store, l, compute_dtype, self.stats, slots, self.reader)
+                    decode = StagedExecutor(store, l, compute_dtype, self.stats, slots, self.reader, options.substitute_alpha)
                 else:
                     decode = HotExecutor(store, l, compute_dtype, self.stats, slots)
             self.layers[l] = LayerDispatch(prefill, decode, options.whole_layer_min_tokens)
 
+    def _policy_options(self, layer: int) -> dict:
+        o = self.options
+        if o.cache_policy == "flashmoe":
+            return {"weights": self.cache_weights, "layer": layer}
+        if o.cache_policy == "smoe" and o.smoe_window is not None:
+            return {"window": o.smoe_window}
+        return {}
+
     def describe(self) -> str:
         o = self.options
+        sub = f", substitution alpha {o.substitute_alpha} (changes outputs)" if o.substitute_alpha else ""
         return (f"expert cache {format_size(self.budget)} ({o.cache_policy}, {self.n_slots} slots per layer; "
-                f"experts total {format_size(self.total_expert_bytes)}), prefill {o.prefill_executor}, decode {o.decode_executor}")
+                f"experts total {format_size(self.total_expert_bytes)}), prefill {o.prefill_executor}, decode {o.decode_executor}{sub}")
 
     def staged(self) -> dict[int, StagedExecutor]:
         """The staged decode executors by layer (for a stager)."""

@@ -65,5 +65,6 @@ class ExactExecutor:
         # np.unique sorts, so local ids keep the route's order and mlx-lm's sort path is unchanged.
         return [(params, B.array(inv.reshape(ids.shape).astype(np.uint32)))]
 
-    def __call__(self, indices):
+    def __call__(self, indices, scores=None):
+        """`scores` (router scores) are for cache policies; the exact path has no cache."""
         return self.run(self.host_ids(indices))

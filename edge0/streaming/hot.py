@@ -34,7 +34,8 @@ class HotExecutor(ExactExecutor):
         self.stats.slot_rewrites += len(new)
         self.hot = want
 
-    def __call__(self, indices):
+    def __call__(self, indices, scores=None):
+        """The hot set follows its own use counts; router `scores` are not needed."""
         ids = self.host_ids(indices)
         uniq = np.unique(ids)
         s = self.stats

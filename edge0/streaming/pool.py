@@ -64,7 +64,8 @@ def slots_per_layer(store: ExpertStore, budget: int, k: int) -> int:
 class SlotSet:
     """Persistent slot tensors, the expert -> slot table, and cache membership for one layer."""
 
-    def __init__(self, store: ExpertStore, layer: int, n_slots: int, compute_dtype: str, policy: str = "lru"):
+    def __init__(self, store: ExpertStore, layer: int, n_slots: int, compute_dtype: str, policy: str = "lru",
+                 policy_options: dict | None = None):
         info = store.layers[layer]
         self.store, self.layer, self.dtype = store, layer, compute_dtype
         self.num_experts = int(info["num_experts"])
@@ -75,7 +76,8 @@ class SlotSet:
         self.params = to_device(zeros, n_slots + 1, compute_dtype)
         self.table_host = np.full(self.num_experts, self.zero, dtype=np.uint32)
         self.table = B.array(self.table_host)
-        self.cache = ExpertCache(make_policy(policy, n_slots, self.num_experts))
+        self.cache = ExpertCache(make_policy(policy, n_slots, self.num_experts, **(policy_options or {})))
+        self.aliased = False  # the device table maps substituted experts for the current step
         self.slot_of: dict[int, int] = {}
         self.free = list(range(n_slots - 1, -1, -1))
 
@@ -93,8 +95,11 @@ class SlotSet:
         hits, loaded, evicted = self.cache.access(step, experts, scores)
         return hits, loaded, evicted, self.assign(loaded, evicted)
 
-    def apply(self, evicted: list[int], loaded: list[int], slots: list[int], params: dict | None) -> None:
-        """Device update: rewrite only the changed slots and the expert -> slot table."""
+    def apply(self, evicted: list[int], loaded: list[int], slots: list[int], params: dict | None,
+              alias: dict[int, int] | None = None) -> None:
+        """Device update: rewrite only the changed slots and the expert -> slot table. `alias`
+        {routed: substitute} points routed experts at their substitutes' slots for this step only
+        (the next apply drops it)."""
         if loaded:
             idx = B.array(np.array(slots, dtype=np.uint32))
             for proj, parts in params.items():
@@ -102,8 +107,13 @@ class SlotSet:
                     self.params[proj][part][idx] = rows
         self.table_host[evicted] = self.zero
         self.table_host[loaded] = slots
-        if loaded or evicted:
-            self.table = B.array(self.table_host)
+        if loaded or evicted or alias or self.aliased:
+            table = self.table_host
+            if alias:
+                table = table.copy()
+                table[list(alias)] = self.table_host[list(alias.values())]
+            self.table = B.array(table)
+        self.aliased = bool(alias)
 
     def local(self, indices):
         """Route indices -> slot indices, on the device (no host sync)."""

@@ -8,6 +8,12 @@ Two ways to use it:
   are read on a background thread while the current step computes, written into the slots at the
   step boundary, and the layer then runs with no host sync at all. Routed experts that were not
   staged would hit the zero row; they are counted as `dropped` after the step.
+
+Router scores (over all experts) reach the cache when its policy needs them (smoe) or substitution
+is on; they travel with the route, so they add no host sync: the gate path copies them in the
+sync it already does, the staged path gets the pre-router's scores with its predicted route.
+Substitution (alpha > 0, lossy) swaps routed experts for cached ones (edge0.cache.substitute);
+the substitute takes the routed expert's gate weight, through a per-step alias in the slot table.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 
 from edge0.backend import core as B
+from edge0.cache import substitute
 from edge0.streaming.exact import ExactExecutor, raw_nbytes, to_device
 from edge0.streaming.pool import SlotSet
 
@@ -25,30 +32,43 @@ from edge0.streaming.pool import SlotSet
 class StagedExecutor(ExactExecutor):
     name = "staged"
 
-    def __init__(self, store, layer, compute_dtype, stats, slots: SlotSet, reader: ThreadPoolExecutor):
+    def __init__(self, store, layer, compute_dtype, stats, slots: SlotSet, reader: ThreadPoolExecutor, alpha: float = 0.0):
         super().__init__(store, layer, compute_dtype, stats)
         self.slots = slots
         self.reader = reader
+        self.alpha = alpha
+        self.wants_scores = slots.cache.policy.needs_scores or alpha > 0
         self.step = 0
         self.trusted = False  # this step's route was staged ahead: no host sync
         self._pending: tuple[list[int], Future] | None = None
         self._dropped = []  # device scalars, read after the step
 
     # -- the double buffer -------------------------------------------------------------------
-    def stage(self, experts) -> None:
-        """Start reading the experts of the *next* step (host ids) in the background."""
-        experts = list(dict.fromkeys(int(e) for e in experts))
-        hits, loaded, evicted, slots = self.slots.plan(self.step + 1, experts)
+    def route_experts(self, ids: np.ndarray, scores) -> tuple[list[int], dict[int, int]]:
+        """One token's route (host ids [K], scores [E]) -> (the experts to use, {routed:
+        substitute}); no substitution at alpha 0."""
+        if not self.alpha:
+            return np.unique(ids).tolist(), {}
+        new, n = substitute(np.reshape(scores, -1), np.reshape(ids, -1), self.slots.cache.cached, self.alpha)
+        self.stats.substitutions += n
+        alias = {int(a): int(b) for a, b in zip(np.reshape(ids, -1), new) if a != b}
+        return np.unique(new).tolist(), alias
+
+    def stage(self, ids, scores=None) -> None:
+        """Start reading the experts of the *next* step (host ids of one token's route; its router
+        scores [E] when `wants_scores`) in the background."""
+        experts, alias = self.route_experts(np.asarray(ids), scores)
+        hits, loaded, evicted, slots = self.slots.plan(self.step + 1, experts, scores)
         self.stats.hits += len(hits)
         self.stats.misses += len(loaded)
         self.stats.bytes_used += len(experts) * self.expert_nbytes
         self.stats.distinct_experts.update(experts)
         future = self.reader.submit(self.store.read, self.layer, loaded) if loaded else None
-        self._pending = (evicted, loaded, slots, future)
+        self._pending = (evicted, loaded, slots, future, alias)
 
     def swap(self) -> None:
         """Step boundary: wait for the staged reads and write them into their slots."""
-        evicted, loaded, slots, future = self._pending
+        evicted, loaded, slots, future, alias = self._pending
         self._pending = None
         params = None
         if future is not None:
@@ -59,7 +79,7 @@ class StagedExecutor(ExactExecutor):
             self.stats.loads += len(loaded)
             self.stats.bytes_read += raw_nbytes(raw)
             self.stats.slot_rewrites += len(loaded)
-        self.slots.apply(evicted, loaded, slots, params)
+        self.slots.apply(evicted, loaded, slots, params, alias)
         self.trusted = True
 
     def settle(self) -> None:
@@ -77,7 +97,13 @@ class StagedExecutor(ExactExecutor):
         return n
 
     # -- the layer call ------------------------------------------------------------------------
-    def __call__(self, indices):
+    def host_route(self, indices, scores):
+        """Route and router scores to the host in one sync."""
+        self.stats.host_syncs += 1
+        B.eval(indices, scores)
+        return B.to_numpy(indices), B.to_numpy(scores)
+
+    def __call__(self, indices, scores=None):
         self.stats.calls += 1
         if self.trusted:
             self.trusted = False
@@ -85,20 +111,20 @@ class StagedExecutor(ExactExecutor):
             local = self.slots.local(indices)
             self._dropped.append((local == self.slots.zero).sum())
             return [(self.slots.params, local)]
-        ids = self.host_ids(indices)
-        uniq = np.unique(ids)
-        if len(uniq) > self.slots.n_slots:  # e.g. a long prefill chunk: more experts than slots
+        ids, scores = self.host_route(indices, scores) if self.wants_scores else (self.host_ids(indices), None)
+        if len(np.unique(ids)) > self.slots.n_slots:  # e.g. a long prefill chunk: more experts than slots
             self.stats.fallbacks += 1
             self.stats.calls -= 1
             return self.run(ids)
         self.step += 1
-        hits, loaded, evicted, slots = self.slots.plan(self.step, uniq.tolist())
+        experts, alias = self.route_experts(ids, scores)
+        hits, loaded, evicted, slots = self.slots.plan(self.step, experts, scores)
         s = self.stats
         s.hits += len(hits)
         s.misses += len(loaded)
-        s.bytes_used += len(uniq) * self.expert_nbytes
-        s.distinct_experts.update(uniq.tolist())
+        s.bytes_used += len(experts) * self.expert_nbytes
+        s.distinct_experts.update(experts)
         params = self.load(loaded)[0] if loaded else None
-        self.slots.apply(evicted, loaded, slots, params)
+        self.slots.apply(evicted, loaded, slots, params, alias)
         s.slot_rewrites += len(loaded)
         return [(self.slots.params, self.slots.local(indices))]

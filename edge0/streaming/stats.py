@@ -1,11 +1,12 @@
-"""Per-layer executor statistics: loads, hits, misses, bytes, stalls, slot rewrites, fallbacks."""
+"""Per-layer executor statistics: loads, hits, misses, bytes, stalls, slot rewrites, fallbacks,
+substitutions."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 COUNTERS = ("calls", "host_syncs", "loads", "hits", "misses", "bytes_read", "bytes_used",
-            "slot_rewrites", "fallbacks", "dropped")
+            "slot_rewrites", "fallbacks", "dropped", "substitutions")
 
 
 @dataclass
@@ -20,6 +21,7 @@ class LayerStats:
     slot_rewrites: int = 0
     fallbacks: int = 0  # calls that fell back to the exact path
     dropped: int = 0  # routed experts that were not staged (trusted staged mode only)
+    substitutions: int = 0  # routed experts replaced by a cached one (--substitute-alpha; lossy)
     stall_s: float = 0.0  # time blocked waiting for expert data
     distinct_experts: set = field(default_factory=set)
 

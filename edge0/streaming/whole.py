@@ -45,7 +45,8 @@ class WholeLayerExecutor(ExactExecutor):
         self.prefetcher = prefetcher
         self._used = None
 
-    def __call__(self, indices):
+    def __call__(self, indices, scores=None):
+        """Reads the whole layer; router `scores` are not needed."""
         t0 = time.perf_counter()
         raw = self.prefetcher.take(self.layer)
         s = self.stats

@@ -1,7 +1,9 @@
 """`edge0 eval`: perplexity on held-out text and next-token agreement with a reference run.
 
 Text is tokenized once and cut into windows of `--window` tokens; each window is one forward pass
-without a KV cache. Perplexity is over every predicted token of every window. With a reference
+without a KV cache, or with `--decode` one decode step per token through the KV cache and the
+expert cache (slower; the mode in which cache policies and substitution act). Perplexity is over
+every predicted token of every window; expert bytes read are per token processed. With a reference
 (another edge0 store or engine options, or an mlx-lm / Hugging Face directory run resident by
 mlx-lm), it also reports how often the two models' argmax next tokens agree and the mean KL
 divergence KL(reference || model) per token.
@@ -80,6 +82,9 @@ def main(argv=None) -> int:
     p.add_argument("--reference", default=None, help="edge0 store or mlx-lm/HF model directory to compare with")
     p.add_argument("--window", type=int, default=256, help="tokens per window (default 256)")
     p.add_argument("--max-windows", type=int, default=None, help="evaluate only the first N windows")
+    p.add_argument("--decode", action="store_true",
+                   help="token by token through the KV cache and the expert cache, as decoding runs (slower); "
+                        "needed to measure --cache-policy and --substitute-alpha, which act on decode steps")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     args = p.parse_args(argv)
     data = Path(args.data)
@@ -92,15 +97,25 @@ def main(argv=None) -> int:
     tokens = engine.encode(data.read_text(encoding="utf-8"))
     ref = reference_fn(args.reference, {"dtype": args.dtype}) if args.reference else None
     # With a pre-router, every position is routed as decoding would route it.
-    result = evaluate(engine.prerouted_logits, tokens, args.window, args.max_windows, ref, progress=True)
+    logits = engine.decode_logits if args.decode else engine.prerouted_logits
+    result = evaluate(logits, tokens, args.window, args.max_windows, ref, progress=True)
+    st = engine.stats()
+    processed = result["tokens"] + result["windows"]  # a window's last token predicts nothing
     result.update({"model": engine.model_id, "data": str(data), "top_k": engine.k,
-                   "prerouter": str(engine.heads_path) if engine.heads_path else None})
+                   "prerouter": str(engine.heads_path) if engine.heads_path else None, "decode": args.decode,
+                   "cache_policy": st["cache_policy"], "substitute_alpha": st["substitute_alpha"],
+                   "expert_bytes_per_token": st["totals"]["bytes_read"] / processed,
+                   "expert_hit_rate": st["totals"]["hit_rate"], "substitutions": st["totals"]["substitutions"]})
     if args.json:
         print(json.dumps(result, indent=1))
     else:
         line = f"perplexity {result['perplexity']:.3f} over {result['tokens']} tokens ({result['windows']} windows of {args.window})"
         if ref is not None:
             line += f", agreement {100 * result['agreement']:.2f}%, KL {result['kl_to_reference']:.4f} nats/token"
+        hit = result["expert_hit_rate"]
+        line += (f"; experts read {result['expert_bytes_per_token'] / 2**20:.3f} MiB/token"
+                 + (f", cache hits {100 * hit:.1f}%" if hit is not None else "")
+                 + (f", substitutions {result['substitutions']} (lossy)" if result["substitutions"] else ""))
         print(line)
     return 0
 

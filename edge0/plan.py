@@ -116,6 +116,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.cache_policy not in POLICIES or args.cache_policy in ("belady", "flashmoe"):
         raise Edge0Error(f"--cache-policy: {args.cache_policy!r} cannot be planned; use one of lru, lfu, arc, smoe")
+    if args.substitute_alpha:
+        raise Edge0Error("--substitute-alpha: edge0 plan predicts exact serving; estimate substitution with "
+                         "edge0 simulate --substitute-alpha, measure it with edge0 eval --decode --substitute-alpha")
     if min(args.prompts, args.max_tokens) < 1 or args.prompt_tokens < 2:
         raise Edge0Error("--prompts and --max-tokens must be >= 1, --prompt-tokens >= 2")
 

@@ -35,3 +35,24 @@ def test_eval_cli_matches_mlx_lm_reference(store_for, tmp_path):
     assert p.returncode == 0, p.stderr
     res = json.loads(p.stdout)
     assert res["agreement"] == 1.0 and res["kl_to_reference"] < 1e-6 and res["perplexity"] > 1
+
+
+def test_eval_decode_measures_the_expert_cache(store_for, tmp_path, capsys):
+    """--decode runs through the expert cache: same perplexity as one forward pass at alpha 0,
+    and substitution shows up as substitutions and fewer bytes read per token."""
+    from edge0.evaluate import main
+
+    root = store_for("qwen3_moe")
+    data = tmp_path / "valid.txt"
+    data.write_text("Once upon a time there was a tiny model. It read its experts from disk. " * 8)
+    two_slots = str(2 * 2 * 7680)  # 2 slots (top-k) x 2 layers x 7680-byte experts
+    base = ["--model", str(root), "--data", str(data), "--window", "32", "--max-windows", "2", "--json",
+            "--expert-cache", two_slots, "--cache-policy", "smoe"]
+    out = {}
+    for name, extra in {"forward": [], "decode": ["--decode"], "subst": ["--decode", "--substitute-alpha", "1"]}.items():
+        assert main(base + extra) == 0
+        out[name] = json.loads(capsys.readouterr().out)
+    assert abs(out["decode"]["perplexity"] - out["forward"]["perplexity"]) < 1e-3 * out["forward"]["perplexity"]
+    assert out["decode"]["decode"] and out["decode"]["substitutions"] == 0 and 0 <= out["decode"]["expert_hit_rate"] < 1
+    assert out["subst"]["substitutions"] > 0
+    assert out["subst"]["expert_bytes_per_token"] < out["decode"]["expert_bytes_per_token"]

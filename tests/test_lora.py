@@ -49,6 +49,29 @@ def test_unmerged_delta_on_a_quantized_base():
     np.testing.assert_allclose(np.array(y), np.array(base) + 2.0 * (x @ a.T) @ b.T, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("how", blora.MERGES)
+def test_merge_keeps_whole_steps_and_erases_sub_step_deltas(how):
+    # every 64-wide group holds 0..15 four times: the int4 grid is exactly the integers (step 1)
+    lin = nn.Linear(64, 2, bias=False)
+    lin.weight = mx.array(np.tile(np.arange(64) % 16, (2, 1)).astype(np.float32))
+    q = nn.QuantizedLinear.from_linear(lin, group_size=64, bits=4)
+    kept = {}
+    for d in (1.0, 0.3):  # delta on weight[:, 5] (value 5): a whole step, then under half a step
+        layer = blora.LoRALinear(q, r=1, alpha=1.0)
+        layer.lora_a = mx.array(np.eye(64, dtype=np.float32)[5:6])
+        layer.lora_b = mx.array([[d], [0.0]])
+        merged, st = blora.merged_linear(layer, how)
+        w = np.array(merged(mx.eye(64)).T)  # the merged weight, read through the module
+        assert w[1].tolist() == (np.arange(64) % 16).tolist()
+        kept[d] = (w[0, 5] - 5.0, st["delta_kept"], st["below_half_step"])
+    assert kept[1.0] == (1.0, 1.0, 127 / 128)  # every zero entry of the delta counts as under half a step
+    if how == "float":
+        np.testing.assert_allclose(kept[0.3][:2], (0.3, 1.0), rtol=1e-6)
+    else:  # requantized: the sub-step delta rounds back to the old code
+        assert kept[0.3][:2] == (0.0, 0.0)
+    assert kept[0.3][2] == 1.0
+
+
 @pytest.fixture(scope="module")
 def store(store_for):
     return store_for("qwen3_moe")

@@ -134,47 +134,59 @@ def expected_shapes(model: nn.Module, paths: list[str], r: int) -> dict[str, tup
     return out
 
 
-def merged_linear(layer: LoRALinear, requantize: bool = True) -> tuple[nn.Module, dict]:
-    """The adapter merged into its base weight. With `requantize`, W + dW is quantized again with
-    the base's group size and bits (what merging for int4 deployment does); without, the merged
-    weight stays float (a control: it must keep the whole delta). Returns (module, stats):
-    `delta_kept` is ||W' - W|| / ||dW||, `delta_aligned` <W' - W, dW> / ||dW||^2 (the part of the
-    change that is the adapter's own) and `below_half_step` the fraction of dW entries smaller
-    than half a quantization step of their group."""
+MERGES = ("fresh", "fixed", "float")
+
+
+def merged_linear(layer: LoRALinear, how: str = "fresh") -> tuple[nn.Module, dict]:
+    """The adapter merged into its base weight W (the dequantized int4 weight):
+    - "fresh": W + dW quantized again from scratch with the base's group size and bits, as
+      `mlx_lm convert -q` would quantize a merged checkpoint (new per-group scales and biases);
+    - "fixed": W + dW rounded onto the base's own grid (its scales and biases kept), as a merge
+      that only rewrites the int4 codes would do; held as a float layer with on-grid values;
+    - "float": W + dW unquantized (a control: it keeps the whole delta).
+    Returns (module, stats): `delta_kept` ||W' - W|| / ||dW||, `delta_aligned`
+    <W' - W, dW> / ||dW||^2 (the part of the change that is the adapter's own),
+    `below_half_step` the fraction of dW entries under half a quantization step of their group,
+    `median_delta_in_steps` the median |dW| / step."""
     base = layer.base
+    if how not in MERGES or not isinstance(base, nn.QuantizedLinear) or getattr(base, "mode", "affine") != "affine":
+        raise Edge0Error(f"merge: needs an affine-quantized base and one of {MERGES}")
+    gs, bits = base.group_size, base.bits
     delta = layer.scale * (layer.lora_b.astype(mx.float32) @ layer.lora_a.astype(mx.float32))
     bias = base.bias if "bias" in base else None
-    if isinstance(base, nn.QuantizedLinear):
-        gs, bits, mode = base.group_size, base.bits, getattr(base, "mode", "affine")
-        if mode != "affine":
-            raise Edge0Error(f"merge: {mode} quantization is not supported (affine int only)")
-        w = mx.dequantize(base.weight, base.scales, base.biases, group_size=gs, bits=bits).astype(mx.float32)
-        half_step = mx.repeat(base.scales.astype(mx.float32), gs, axis=-1) / 2
-        below = float((mx.abs(delta) < half_step).mean().item())
-    else:
-        w, below = base.weight.astype(mx.float32), 0.0
-    if requantize and isinstance(base, nn.QuantizedLinear):
+    w = mx.dequantize(base.weight, base.scales, base.biases, group_size=gs, bits=bits).astype(mx.float32)
+    scale = mx.repeat(base.scales.astype(mx.float32), gs, axis=-1)
+    step = mx.abs(scale)  # MLX picks the sign of each group's scale
+    if how == "fresh":
         merged = nn.QuantizedLinear(w.shape[1], w.shape[0], bias=bias is not None, group_size=gs, bits=bits)
         qw, scales, biases = mx.quantize(w + delta, group_size=gs, bits=bits)
         merged.weight, merged.scales, merged.biases = qw, scales.astype(base.scales.dtype), biases.astype(base.biases.dtype)
         w_new = mx.dequantize(qw, scales, biases, group_size=gs, bits=bits).astype(mx.float32)
     else:
+        if how == "fixed":
+            offset = mx.repeat(base.biases.astype(mx.float32), gs, axis=-1)
+            codes = mx.clip(mx.round((w + delta - offset) / scale), 0, 2**bits - 1)
+            w_new = codes * scale + offset
+        else:
+            w_new = w + delta
         merged = nn.Linear(w.shape[1], w.shape[0], bias=bias is not None)
-        w_new = w + delta
-        merged.weight = w_new.astype(base.scales.dtype if isinstance(base, nn.QuantizedLinear) else base.weight.dtype)
+        merged.weight = w_new.astype(base.scales.dtype)
     if bias is not None:
         merged.bias = bias
     norm2 = mx.maximum((delta * delta).sum(), 1e-30)
-    kept = float(mx.sqrt(((w_new - w) ** 2).sum() / norm2).item())
-    aligned = float((((w_new - w) * delta).sum() / norm2).item())
-    return merged, {"delta_kept": kept, "delta_aligned": aligned, "below_half_step": below}
+    return merged, {
+        "delta_kept": float(mx.sqrt(((w_new - w) ** 2).sum() / norm2).item()),
+        "delta_aligned": float((((w_new - w) * delta).sum() / norm2).item()),
+        "below_half_step": float((mx.abs(delta) < step / 2).mean().item()),
+        "median_delta_in_steps": float(np.median(np.array(mx.abs(delta) / step))),
+    }
 
 
-def merge_lora(model: nn.Module, requantize: bool = True) -> dict[str, dict]:
-    """Replace every LoRALinear by its merged linear (in place); stats by path."""
+def merge_lora(model: nn.Module, how: str = "fresh") -> dict[str, dict]:
+    """Replace every LoRALinear by its merged linear (in place, see merged_linear); stats by path."""
     stats = {}
     for path, layer in lora_modules(model).items():
-        merged, stats[path] = merged_linear(layer, requantize)
+        merged, stats[path] = merged_linear(layer, how)
         set_module(model, path, merged)
     mx.eval(model.parameters())
     return stats

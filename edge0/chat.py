@@ -22,18 +22,6 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def add_engine_options(p: argparse.ArgumentParser) -> None:
-    """Model-loading flags shared by `edge0 chat` and `edge0 serve`."""
-    add_model_options(p)
-    p.add_argument("--no-lora", action="store_true", help="do not apply the store's recovery LoRA")
-
-
-def engine_options(args) -> dict:
-    """edge0.load() keyword options from the flags of add_engine_options()."""
-    return {**load_options(args),
-            "lora": False if args.no_lora else None}
-
-
 def _size(n: float) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
@@ -139,7 +127,7 @@ def repl(session: Session) -> None:
 
 def main(argv=None) -> int:
     p = OneLineParser(prog="edge0 chat", description=__doc__.splitlines()[0])
-    add_engine_options(p)
+    add_model_options(p)
     p.add_argument("--system", default=None, help="system prompt")
     p.add_argument("--max-tokens", type=int, default=512, help="most tokens per reply (default 512)")
     p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
@@ -155,7 +143,7 @@ def main(argv=None) -> int:
 
     import edge0
 
-    engine = edge0.load(args.model, **engine_options(args))
+    engine = edge0.load(args.model, **load_options(args))
     print(engine.describe(), file=sys.stderr)
     repl(Session(engine, args))
     return 0

@@ -35,6 +35,10 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prerouter", default=None, metavar="FILE",
                    help="pre-router heads (default: the store's prerouter.safetensors, if any)")
     g.add_argument("--no-prerouter", action="store_true", help="route every layer with its own gate")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--lora", default=None, metavar="FILE",
+                   help="recovery LoRA adapter (default: the store's lora.safetensors, if any)")
+    g.add_argument("--no-lora", action="store_true", help="serve without the recovery LoRA")
     p.add_argument("--prerouter-diagnostics", action="store_true",
                    help="also evaluate the gate on pre-routed layers and report recall (slower)")
     p.add_argument("--layer-executor", action="append", default=[], metavar="LAYER:PHASE=NAME",
@@ -61,6 +65,7 @@ def load_options(args) -> dict:
             "decode_executor": args.decode_executor, "layer_executors": _layer_executors(args.layer_executor),
             "prerouter": False if args.no_prerouter else args.prerouter,
             "prerouter_diagnostics": args.prerouter_diagnostics,
+            "lora": False if args.no_lora else args.lora,
             "cache_weights": args.cache_weights, "smoe_window": args.smoe_window, "substitute_alpha": args.substitute_alpha}
 
 

@@ -8,8 +8,9 @@ import logging
 import os
 import sys
 
-from edge0.chat import OneLineParser, add_engine_options, engine_options
+from edge0.chat import OneLineParser
 from edge0.cli_util import run_main
+from edge0.generate import add_model_options, load_options
 
 log = logging.getLogger("edge0.server")
 
@@ -35,7 +36,7 @@ def _is_loopback(host: str) -> bool:
 
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="edge0 serve", description=__doc__.splitlines()[0])
-    add_engine_options(p)
+    add_model_options(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=_count(0), default=8080, help="port (default 8080)")
     p.add_argument("--api-key", default=os.environ.get("EDGE0_API_KEY"),
@@ -68,7 +69,7 @@ def main(argv=None) -> int:
     from edge0.server.app import create_app
     from edge0.server.config import ServerConfig
 
-    engine = edge0.load(args.model, **engine_options(args))
+    engine = edge0.load(args.model, **load_options(args))
     print(engine.describe(), file=sys.stderr)
     config = ServerConfig(api_key=args.api_key, max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
                           max_tokens=args.max_tokens, default_max_tokens=args.default_max_tokens,

@@ -40,6 +40,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--student-temperature", type=float, default=d.student_temperature, help="phase 2 sampling (0: greedy)")
     p.add_argument("--sft-targets", choices=["soft", "hard"], default=d.sft_targets,
                    help="phase 1 targets: the teacher's token distributions (soft, default) or its sampled tokens (hard)")
+    p.add_argument("--sft-text", choices=["teacher", "data"], default=d.sft_text,
+                   help="phase 1 text: continuations the teacher samples (default) or windows of --data, scored by the teacher")
     p.add_argument("--distill-top-k", type=int, default=d.distill_top_k,
                    help=f"teacher tokens kept per position in both phases, the rest is one bucket (default {d.distill_top_k})")
     p.add_argument("--max-tokens", type=int, default=d.max_tokens, help="tokens of --data to use")
@@ -75,7 +77,7 @@ def main(argv=None) -> int:
     opts = TrainOptions(r=args.r, alpha=args.alpha, targets=targets, sft_steps=args.sft_steps, distill_steps=args.distill_steps,
                         batch=args.batch, prompt_tokens=args.prompt_tokens, gen_tokens=args.gen_tokens, lr=args.lr,
                         teacher_temperature=args.teacher_temperature, student_temperature=args.student_temperature,
-                        distill_top_k=args.distill_top_k, sft_targets=args.sft_targets, max_tokens=args.max_tokens, val_window=args.val_window,
+                        distill_top_k=args.distill_top_k, sft_targets=args.sft_targets, sft_text=args.sft_text, max_tokens=args.max_tokens, val_window=args.val_window,
                         val_windows=args.val_windows, seed=args.seed,
                         dequantize_resident={"auto": None, "yes": True, "no": False}[args.dequantize_resident])
     tensors, meta, report = train(engine, teacher, text, opts, data_name=str(args.data), teacher_name=str(teacher_dir))

@@ -19,8 +19,9 @@ from edge0.evaluate import evaluate
 from edge0.lora.serve import prerouter_hash
 from edge0.store.format import manifest_hash
 
-PHASE1 = {"soft": "forward KL(teacher || student) on teacher-generated continuations",
-          "hard": "cross-entropy of the teacher-generated continuation tokens"}
+PHASE1 = {"soft": "forward KL(teacher || student) on {text}",
+          "hard": "cross-entropy of the tokens of {text}"}
+SFT_TEXT = {"teacher": "teacher-generated continuations", "data": "windows of the training data"}
 PHASE2 = "reverse KL(student || teacher) on student-generated continuations"
 COARSENING = "each KL over the teacher's top-k tokens plus one bucket holding every other token"
 
@@ -40,6 +41,7 @@ class TrainOptions:
     student_temperature: float = 1.0
     distill_top_k: int = 128
     sft_targets: str = "soft"  # "soft": the teacher's token distributions; "hard": its sampled tokens
+    sft_text: str = "teacher"  # "teacher": continuations it samples; "data": windows of --data it scores
     max_tokens: int = 500_000
     holdout: float = 0.05
     val_window: int = 128
@@ -56,6 +58,8 @@ def _check(opts: TrainOptions, vocab: int) -> None:
         raise Edge0Error(f"--{bad[0][0].replace('_', '-')} {bad[0][1]}: must be positive; pass a larger value")
     if opts.sft_targets not in ("soft", "hard"):
         raise Edge0Error(f"--sft-targets {opts.sft_targets}: choose soft or hard")
+    if opts.sft_text not in SFT_TEXT:
+        raise Edge0Error(f"--sft-text {opts.sft_text}: choose teacher or data")
     if opts.sft_steps + opts.distill_steps == 0:
         raise Edge0Error("--sft-steps/--distill-steps: both are 0; give at least one training step")
     if not 1 <= opts.distill_top_k < vocab:
@@ -94,13 +98,17 @@ def _probe(engine, teacher, prompts, opts):
     return (seqs, P, *teacher.top_k(seqs, P, opts.distill_top_k))
 
 
-def _phase1(trainer, teacher, prompts, opts, progress) -> list[float]:
-    """SFT on continuations the teacher samples from prompts of the data."""
+def _phase1(trainer, teacher, prompts, windows, opts, progress) -> list[float]:
+    """SFT on continuations the teacher samples from prompts of the data (`sft_text` "teacher"),
+    or on windows of the data itself, every position scored by the teacher ("data")."""
     losses = []
     bar = tqdm(range(opts.sft_steps), desc="sft", unit="step", disable=not progress)
     for step in bar:
-        seqs = teacher.generate(prompts(), opts.gen_tokens, opts.teacher_temperature, seed=opts.seed * 100003 + step)
-        P = opts.prompt_tokens
+        if opts.sft_text == "data":
+            seqs, P = windows(), 1
+        else:
+            seqs = teacher.generate(prompts(), opts.gen_tokens, opts.teacher_temperature, seed=opts.seed * 100003 + step)
+            P = opts.prompt_tokens
         if opts.sft_targets == "soft":
             losses.append(trainer.soft_sft_step(seqs, P, *teacher.top_k(seqs, P, opts.distill_top_k)))
         else:
@@ -130,9 +138,9 @@ def train(engine, teacher, text: str, opts: TrainOptions, *, data_name: str, tea
     tokens = engine.encode(text[:opts.max_tokens * 16])[:opts.max_tokens]  # no need to tokenize more
     n_val = max(opts.val_window * opts.val_windows, int(len(tokens) * opts.holdout))
     train_tok, val_tok = tokens[:-n_val], tokens[-n_val:]
-    if len(train_tok) < opts.prompt_tokens + 1 or len(val_tok) < 2:
-        raise Edge0Error(f"--data: too little text ({len(tokens)} tokens) for prompts of {opts.prompt_tokens} tokens "
-                         f"plus {n_val} held-out tokens; give more text or lower --val-windows")
+    if len(train_tok) < opts.prompt_tokens + opts.gen_tokens + 1 or len(val_tok) < 2:
+        raise Edge0Error(f"--data: too little text ({len(tokens)} tokens) for windows of {opts.prompt_tokens} + "
+                         f"{opts.gen_tokens} tokens plus {n_val} held-out tokens; give more text or lower --val-windows")
     B.seed(opts.seed)
     deq = opts.dequantize_resident if opts.dequantize_resident is not None else B.default_device() == "cpu"
     if deq:
@@ -149,9 +157,13 @@ def train(engine, teacher, text: str, opts: TrainOptions, *, data_name: str, tea
         starts = rng.integers(0, len(train_tok) - opts.prompt_tokens, size=opts.batch)
         return np.array([train_tok[s:s + opts.prompt_tokens] for s in starts], dtype=np.int32)
 
+    def windows(n=opts.prompt_tokens + opts.gen_tokens):
+        starts = rng.integers(0, len(train_tok) - n, size=opts.batch)
+        return np.array([train_tok[s:s + n] for s in starts], dtype=np.int32)
+
     probe = _probe(engine, teacher, prompts(), opts)
     probe_before = trainer.distill_value(*probe)
-    sft = _phase1(trainer, teacher, prompts, opts, progress)
+    sft = _phase1(trainer, teacher, prompts, windows, opts, progress)
     kl = _phase2(trainer, engine, teacher, prompts, opts, progress)
     after = _validate(engine, teacher, val_tok, opts)
     probe_after = trainer.distill_value(*probe)
@@ -169,7 +181,7 @@ def train(engine, teacher, text: str, opts: TrainOptions, *, data_name: str, tea
         "provenance": {
             "teacher": teacher_name, "data": data_name, "train_tokens": len(train_tok),
             "prerouter": str(engine.heads_path) if engine.prerouting is not None else None,
-            "options": asdict(opts), "loss": {"phase1": PHASE1[opts.sft_targets], "phase2": PHASE2, "coarsening": COARSENING},
+            "options": asdict(opts), "loss": {"phase1": PHASE1[opts.sft_targets].format(text=SFT_TEXT[opts.sft_text]), "phase2": PHASE2, "coarsening": COARSENING},
             "trainable_parameters": bd.n_trainable(engine.model),
             "validation": report, "date": datetime.date.today().isoformat(),
             "seconds": round(time.perf_counter() - t0, 1),

@@ -33,6 +33,7 @@ from edge0.errors import Edge0Error
 SCHEMA = "edge0-bench/1"
 PKG_ROOT = Path(__file__).resolve().parents[1]
 PREROUTER = "<prerouter>"  # placeholder in an arm's load options: the --prerouter path (or the store's)
+LORA = "<lora>"  # placeholder: the --lora path (or the store's lora.safetensors)
 
 
 @dataclass(frozen=True)
@@ -43,15 +44,20 @@ class Base:
     runtime: str  # "edge0" or "mlx-lm"
     load: dict = field(default_factory=dict)
     needs_prerouter: bool = False
+    needs_lora: bool = False
+    storages: tuple = ("warm", "cold")  # edge0 arms to make from this base
 
 
 # Adding an arm is one entry here.
 BASES = (
     Base("mlx-lm", "mlx-lm"),
-    Base("exact", "edge0", {"decode_executor": "exact", "prerouter": False}),
-    Base("staged", "edge0", {"decode_executor": "staged", "prerouter": False}),
-    Base("hot", "edge0", {"decode_executor": "hot", "prerouter": False}),
-    Base("prerouter", "edge0", {"decode_executor": "staged", "prerouter": PREROUTER}, needs_prerouter=True),
+    Base("exact", "edge0", {"decode_executor": "exact", "prerouter": False, "lora": False}),
+    Base("staged", "edge0", {"decode_executor": "staged", "prerouter": False, "lora": False}),
+    Base("hot", "edge0", {"decode_executor": "hot", "prerouter": False, "lora": False}),
+    Base("prerouter", "edge0", {"decode_executor": "staged", "prerouter": PREROUTER, "lora": False}, needs_prerouter=True),
+    # the decode cost of the recovery LoRA: compare with prerouter-warm
+    Base("prerouter-lora", "edge0", {"decode_executor": "staged", "prerouter": PREROUTER, "lora": LORA},
+         needs_prerouter=True, needs_lora=True, storages=("warm",)),
 )
 CAPPED = ("mlx-lm", "staged")  # run under the memory cap
 
@@ -70,8 +76,8 @@ class Arm:
 def all_arms() -> list[Arm]:
     arms = [Arm("mlx-lm-resident", BASES[0], "warm")]
     edge = [b for b in BASES if b.runtime == "edge0"]
-    arms += [Arm(f"{b.name}-warm", b, "warm") for b in edge]
-    arms += [Arm(f"{b.name}-cold", b, "cold") for b in edge]
+    arms += [Arm(f"{b.name}-warm", b, "warm") for b in edge if "warm" in b.storages]
+    arms += [Arm(f"{b.name}-cold", b, "cold") for b in edge if "cold" in b.storages]
     by_name = {b.name: b for b in BASES}
     arms += [Arm(f"{n}-capped", by_name[n], "capped") for n in CAPPED]
     return arms
@@ -306,11 +312,14 @@ def arm_spec(arm: Arm, model: Model, args, budget: int, sizes: dict) -> dict:
         load = {k: v for k, v in arm.base.load.items()}
         if load.get("prerouter") == PREROUTER:
             load["prerouter"] = args.prerouter  # None: the store's prerouter.safetensors
+        if load.get("lora") == LORA:
+            load["lora"] = args.lora  # None: the store's lora.safetensors
         load["expert_cache"] = budget
         load["dtype"] = args.dtype
         if arm.storage == "cold":
             load["cold_reads"] = True  # every expert read comes from storage, as with a model > RAM
-        spec.update(store=str(model.store), load=load, prerouter_required=arm.base.needs_prerouter)
+        spec.update(store=str(model.store), load=load, prerouter_required=arm.base.needs_prerouter,
+                    lora_required=arm.base.needs_lora)
         files = sorted(model.store.rglob("*.safetensors"))
     if arm.storage in ("cold", "capped"):
         spec["evict"] = [str(f) for f in files]
@@ -325,6 +334,9 @@ def skip_reason(arm: Arm, model: Model, args, cgroup_parent) -> str:
     if arm.base.needs_prerouter and args.prerouter is None and not (model.store / "prerouter.safetensors").is_file():
         return ("no pre-router heads for this model: the store has no prerouter.safetensors and --prerouter "
                 "was not given (train some with edge0 train-prerouter)")
+    if arm.base.needs_lora and args.lora is None and not (model.store / "lora.safetensors").is_file():
+        return ("no recovery LoRA for this model: the store has no lora.safetensors and --lora was not given "
+                "(train one with edge0 train-lora)")
     if arm.storage == "capped":
         if args.no_cap:
             return "--no-cap"
@@ -460,7 +472,8 @@ def summary(result: dict) -> dict:
         "staged_warm_mlx_peak_vs_resident": ratio(m("staged-warm", "mlx_peak_bytes"), m("mlx-lm-resident", "mlx_peak_bytes")),
         "staged_warm_decode_peak_vs_resident": ratio(m("staged-warm", "mlx_decode_peak_bytes"), m("mlx-lm-resident", "mlx_decode_peak_bytes")),
         "prerouter_cold_vs_exact_cold_decode": ratio(m("prerouter-cold", "decode_tps"), m("exact-cold", "decode_tps")),
-        "targets": {"decode_vs_resident": 0.9, "mlx_peak_vs_resident": 0.3},
+        "lora_warm_vs_prerouter_warm_decode": ratio(m("prerouter-lora-warm", "decode_tps"), m("prerouter-warm", "decode_tps")),
+        "targets": {"decode_vs_resident": 0.9, "mlx_peak_vs_resident": 0.3, "lora_vs_no_lora": 0.95},
     }
     out["capped"] = {n[: -len("-capped")]: arms[n]["status"] for n in arms if n.endswith("-capped")}
     return out
@@ -601,6 +614,8 @@ def append_docs(path: Path, result: dict, table: str, json_path: Path, png_path:
                      f"allocator peak (target <= 30%).")
     for name, st in sm.get("capped", {}).items():
         lines.append(f"- Under the memory cap, {name}: {st}.")
+    if sm.get("lora_warm_vs_prerouter_warm_decode") is not None:
+        lines.append(f"- Recovery LoRA: decode at {sm['lora_warm_vs_prerouter_warm_decode']:.3f}x the same arm without it.")
     if sm.get("prerouter_cold_vs_exact_cold_decode") is not None:
         lines.append(f"- Cold storage: pre-router decodes at {sm['prerouter_cold_vs_exact_cold_decode']:.2f}x exact on-demand.")
     with open(path, "a") as fh:
@@ -620,6 +635,7 @@ def parse_args(argv):
     g.add_argument("--mlx-model", help="mlx-lm quantized checkpoint with the store's weights (the resident arm)")
     g.add_argument("--quick", action="store_true", help="smaller bench model and fewer tokens (a few minutes)")
     g.add_argument("--prerouter", help="pre-router heads for the prerouter arms (default: the store's prerouter.safetensors)")
+    g.add_argument("--lora", help="recovery LoRA for the prerouter-lora arm (default: the store's lora.safetensors)")
     g = p.add_argument_group("workload")
     g.add_argument("--prompt-tokens", type=int, help="prompt length (default 40)")
     g.add_argument("--decode-tokens", type=int, help="greedy tokens generated (default 32)")

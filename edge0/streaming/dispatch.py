@@ -47,7 +47,7 @@ class StreamingOptions:
         if self.cache_policy == "flashmoe" and not self.cache_weights:
             raise Edge0Error(f"--cache-policy flashmoe needs --cache-weights FILE; train one with: {TRAIN_WEIGHTS}")
         if self.cache_weights and self.cache_policy != "flashmoe":
-            raise Edge0Error(f"--cache-weights is read only by the flashmoe policy; add --cache-policy flashmoe or drop --cache-weights")
+            raise Edge0Error("--cache-weights is read only by the flashmoe policy; add --cache-policy flashmoe or drop --cache-weights")
         if self.smoe_window is not None and self.smoe_window < 1:
             raise Edge0Error(f"--smoe-window {self.smoe_window}: must be >= 1 step")
         if self.substitute_alpha < 0:
@@ -72,7 +72,7 @@ def load_cache_weights(path, store) -> FlashMoEModel:
         raise Edge0Error(f"--cache-weights {e}") from None
     trained_on = json.loads(model.metadata.get("manifest_hash", "null"))
     if trained_on != manifest_hash(store.root):
-        raise Edge0Error(f"--cache-weights {path}: trained on a trace of another model ({json.loads(model.metadata.get('model', 'null'))}); "
+        raise Edge0Error(f"--cache-weights {path}: trained on a trace of another model (store manifest hash {str(trained_on)[:12]}...); "
                          f"train weights for this one: {TRAIN_WEIGHTS.replace('STORE', str(store.root))}")
     return model
 

@@ -19,7 +19,7 @@ the substitute takes the routed expert's gate weight, through a per-step alias i
 from __future__ import annotations
 
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -40,10 +40,9 @@ class StagedExecutor(ExactExecutor):
         self.wants_scores = slots.cache.policy.needs_scores or alpha > 0
         self.step = 0
         self.trusted = False  # this step's route was staged ahead: no host sync
-        self._pending: tuple[list[int], Future] | None = None
+        self._pending: tuple | None = None  # (evicted, loaded, slots, read Future, alias)
         self._dropped = []  # device scalars, read after the step
 
-    # -- the double buffer -------------------------------------------------------------------
     def route_experts(self, ids: np.ndarray, scores) -> tuple[list[int], dict[int, int]]:
         """One token's route (host ids [K], scores [E]) -> (the experts to use, {routed:
         substitute}); no substitution at alpha 0."""
@@ -54,6 +53,7 @@ class StagedExecutor(ExactExecutor):
         alias = {int(a): int(b) for a, b in zip(np.reshape(ids, -1), new) if a != b}
         return np.unique(new).tolist(), alias
 
+    # -- the double buffer -------------------------------------------------------------------
     def stage(self, ids, scores=None) -> None:
         """Start reading the experts of the *next* step (host ids of one token's route; its router
         scores [E] when `wants_scores`) in the background."""

@@ -115,7 +115,8 @@ def convert(hf_path: str, out: str | os.PathLike, *, dtype: str | None = None, q
         tokenizer.save_pretrained(str(tmp))
         # Heads and adapters bundled with a checkpoint are tied to the store's identity, which
         # every conversion of that checkpoint shares.
-        for extra in ("generation_config.json", "prerouter.safetensors", "lora.safetensors"):
+        for extra in ("generation_config.json", "prerouter.safetensors", "lora.safetensors", *sorted(
+                p.name for p in src.glob("lora-k*.safetensors"))):
             if (src / extra).is_file():
                 shutil.copy(src / extra, tmp / extra)
         manifest = {

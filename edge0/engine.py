@@ -40,8 +40,9 @@ def load(path=None, *, dtype: str | None = None, top_k: int | None = None, verif
          cache_weights=None, smoe_window: int | None = None, substitute_alpha: float = 0.0) -> "Engine":
     """Open an edge0 store and assemble its model. See docs/engine-api.md.
 
-    `prerouter` / `lora`: None = the store's prerouter.safetensors / lora.safetensors if present,
-    False = none, or a path."""
+    `prerouter`: None = the store's prerouter.safetensors if present, False = none, or a path.
+    `lora`: None = the store's adapter for this K and routing (lora-k{K}.safetensors or
+    lora.safetensors) if there is one, False = none, or a path."""
     from edge0.models import resolve_model
 
     root = resolve_model(path)
@@ -70,21 +71,13 @@ def load(path=None, *, dtype: str | None = None, top_k: int | None = None, verif
         from edge0.prerouter.serve import attach_prerouter
 
         attach_prerouter(engine, heads_path, manifest, diagnostics=prerouter_diagnostics)
-    adapter = _adapter_path(root, lora)
-    if adapter is not None:
-        from edge0.lora.serve import attach_lora
+    if lora is not False:
+        from edge0.lora.serve import attach_lora, store_adapter
 
-        attach_lora(engine, adapter)
+        adapter, engine.lora_note = (Path(lora).expanduser(), "") if lora is not None else store_adapter(engine)
+        if adapter is not None:
+            attach_lora(engine, adapter)
     return engine
-
-
-def _adapter_path(root: Path, lora):
-    if lora is False:
-        return None
-    if lora is None:
-        auto = root / "lora.safetensors"
-        return auto if auto.is_file() else None
-    return Path(lora).expanduser()
 
 
 def _heads_path(root: Path, prerouter, spec):
@@ -130,6 +123,7 @@ class Engine:
         self.prerouting = None  # set by attach_prerouter
         self.heads_path = None
         self.lora_path = None  # set by attach_lora
+        self.lora_note = ""  # why the store's adapter is not served, if it is not
         self._recall: dict[int, list[int]] = {}
 
     # -- prompts -------------------------------------------------------------------------------
@@ -380,7 +374,8 @@ class Engine:
 
     def describe(self) -> str:
         """One line about the loaded model and how its experts are streamed."""
-        return f"{self.model_id}: {self.compute_dtype}, resident {format_size(self.resident_bytes)}, {self.streaming.describe()}"
+        lora = f", LoRA {Path(self.lora_path).name}" if self.lora_path else (f"; {self.lora_note}" if self.lora_note else "")
+        return f"{self.model_id}: {self.compute_dtype}, resident {format_size(self.resident_bytes)}, {self.streaming.describe()}{lora}"
 
     def close(self) -> None:
         self.streaming.close()

@@ -4,6 +4,7 @@ adapter that serving applies as exactly the low-rank delta path."""
 
 import contextlib
 import io
+import shutil
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -145,6 +146,23 @@ def test_adapter_for_another_base_k_or_prerouter_is_rejected(store, heads, train
     other = save_adapter(tmp_path / "other.safetensors", tensors, {**meta, "manifest_sha256": "0" * 64})
     with pytest.raises(Edge0Error, match="trained for another base model.*edge0 train-lora"):
         edge0.load(store, prerouter=heads[0], lora=other)
+
+
+def test_store_adapter_is_served_only_where_it_fits(store, heads, trained, tmp_path):
+    s = tmp_path / "store"
+    shutil.copytree(store, s)
+    shutil.copy(heads[0], s / "prerouter.safetensors")
+    shutil.copy(trained, s / "lora.safetensors")  # trained at the native K=2 with heads[0]
+    e = edge0.load(s)
+    assert e.lora_path == s / "lora.safetensors" and "LoRA lora.safetensors" in e.describe()
+    for other in (edge0.load(s, top_k=1), edge0.load(s, prerouter=False)):  # starts, without the adapter, and says so
+        assert other.lora_path is None and not blora.lora_modules(other.model)
+        assert "lora.safetensors was trained for another K or routing" in other.lora_note
+        assert other.lora_note in other.describe()
+    shutil.move(s / "lora.safetensors", s / "lora-k2.safetensors")
+    assert edge0.load(s).lora_path == s / "lora-k2.safetensors"
+    with pytest.raises(Edge0Error, match="trained at K=2, this engine serves K=1"):  # named explicitly: an error
+        edge0.load(s, top_k=1, lora=s / "lora-k2.safetensors")
 
 
 def test_damaged_adapter_files_are_rejected(store, heads, trained, tmp_path):

@@ -8,13 +8,37 @@ from pathlib import Path
 from edge0.backend import core as B
 from edge0.backend import lora as blora
 from edge0.errors import Edge0Error
-from edge0.lora.adapter import read_adapter, retrain_hint
+from edge0.lora.adapter import DEFAULT_NAME, read_adapter, retrain_hint
 from edge0.store.format import manifest_hash, sha256_file
 
 
 def prerouter_hash(engine):
     """sha256 of the engine's pre-router heads file, or None when it routes with the gates."""
     return sha256_file(Path(engine.heads_path)) if engine.prerouting is not None else None
+
+
+def store_adapter(engine) -> tuple[Path | None, str]:
+    """The store's adapter that fits this engine, for serving without --lora: `lora-k{K}.safetensors`,
+    then `lora.safetensors`, whichever was trained for the engine's K and routing. Returns (path,
+    note); with no fitting adapter the path is None and the note says why (the describe line shows
+    it), so serving at another K or without the pre-router still starts."""
+    from safetensors import safe_open
+
+    found = [p for p in (engine.root / f"lora-k{engine.k}.safetensors", engine.root / DEFAULT_NAME) if p.is_file()]
+    ours = prerouter_hash(engine)
+    for p in found:
+        try:
+            with safe_open(str(p), framework="numpy") as f:
+                meta = f.metadata() or {}
+        except Exception:  # noqa: BLE001 - a damaged file is reported by attach_lora's checks
+            return p, ""
+        if str(engine.k) == meta.get("top_k") and (meta.get("prerouter_sha256") or "none") == (ours or "none"):
+            return p, ""
+    if not found:
+        return None, ""
+    routing = "pre-router heads" if ours else "gate routing"
+    return None, (f"no recovery LoRA: {', '.join(p.name for p in found)} was trained for another K or routing "
+                  f"than K={engine.k} with {routing}")
 
 
 def attach_lora(engine, path) -> dict:

@@ -1,18 +1,17 @@
 #!/usr/bin/env python3
 """Recovery-LoRA evaluation (fills docs/lora.md).
 
-quality: validation perplexity and KL(teacher || model) per token for the full-precision teacher
-  (gate routing, native K) and, at each K given, the int4 store with gate routing, int4 + pre-router,
-  and int4 + pre-router + the adapter trained for that K; plus the share of the teacher ->
-  int4+pre-router perplexity gap that the adapter closes. Every model scores the same windows.
+Validation perplexity and KL(teacher || model) per token for the full-precision teacher
+(gate routing, native K) and, at each K given, the int4 store with gate routing, int4 + pre-router,
+and int4 + pre-router + the adapter trained for that K; plus the share of the teacher ->
+int4+pre-router perplexity gap that the adapter closes. Every model scores the same windows.
 
-    python scripts/lora_recovery.py quality --model STORE --teacher HF_DIR --heads HEADS \
+    python scripts/lora_recovery.py --model STORE --teacher HF_DIR --heads HEADS \
         --lora 4=ADAPTER_K4 --lora 2=ADAPTER_K2 --data data/valid.txt [--window 256] [--max-windows 40]
 
-bench: decode tok/s with the adapter against without it, each arm in its own process, arms
-  alternated --reps times (median reported).
+The decode cost of the adapter is measured by the benchmark suite instead (docs/lora.md):
 
-    python scripts/lora_recovery.py bench --model STORE --heads HEADS --lora ADAPTER [--tokens 128]
+    edge0 bench --model STORE --arms prerouter-warm,prerouter-lora-warm --repeats 3
 """
 
 from __future__ import annotations
@@ -21,24 +20,10 @@ import argparse
 import datetime
 import json
 import math
-import platform
-import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
-
-BENCH = r"""
-import json, sys
-import edge0
-store, heads, lora, k, n, prompt = sys.argv[1:7]
-e = edge0.load(store, prerouter=heads, lora=False if lora == "-" else lora, top_k=int(k))
-e.generate(prompt, max_tokens=8, ignore_eos=True)  # warm-up: page cache, slot tensors
-r = e.generate(prompt, max_tokens=int(n), ignore_eos=True)
-print(json.dumps({"decode_tps": r.stats["decode_tps"], "peak_memory_bytes": r.stats["peak_memory_bytes"]}))
-"""
-
 
 def _logp(z: np.ndarray) -> np.ndarray:
     z = z.astype(np.float64)
@@ -88,52 +73,26 @@ def quality(args) -> dict:
             "perplexity_gap_closed": closed, "date": datetime.date.today().isoformat()}
 
 
-def bench(args) -> dict:
-    runs = {"without": [], "with": []}
-    for _ in range(args.reps):
-        for arm, lora in (("without", "-"), ("with", args.lora)):
-            out = subprocess.run([sys.executable, "-c", BENCH, args.model, args.heads, lora, str(args.k[0]),
-                                  str(args.tokens), args.prompt], capture_output=True, text=True)
-            if out.returncode != 0:
-                sys.exit(f"{arm}: {out.stderr.strip()[-2000:]}")
-            runs[arm].append(json.loads(out.stdout.strip().splitlines()[-1])["decode_tps"])
-    med = {a: statistics.median(v) for a, v in runs.items()}
-    return {"model": args.model, "lora": args.lora, "top_k": args.k[0], "tokens": args.tokens, "reps": args.reps,
-            "decode_tps": runs, "median_decode_tps": med, "overhead": 1 - med["with"] / med["without"],
-            "machine": f"{platform.machine()} {platform.system()}", "date": datetime.date.today().isoformat()}
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("what", choices=["quality", "bench"])
     p.add_argument("--model", required=True, help="edge0 store")
     p.add_argument("--heads", required=True, help="pre-router heads file")
-    p.add_argument("--teacher", help="full-precision checkpoint (quality)")
-    p.add_argument("--lora", action="append", default=[], help="quality: K=FILE (repeatable); bench: FILE")
-    p.add_argument("--k", type=int, action="append", help="serving widths (default: 4 and 2 for quality, 4 for bench)")
+    p.add_argument("--teacher", required=True, help="full-precision checkpoint the store was converted from")
+    p.add_argument("--lora", action="append", default=[], help="K=FILE: the adapter trained for serving width K (repeatable)")
+    p.add_argument("--k", type=int, action="append", help="serving widths (default: 4 and 2)")
     p.add_argument("--data", default="data/valid.txt")
     p.add_argument("--window", type=int, default=256)
     p.add_argument("--max-windows", type=int, default=40)
-    p.add_argument("--tokens", type=int, default=128, help="bench: tokens generated per run")
-    p.add_argument("--reps", type=int, default=3, help="bench: alternations of the two arms")
-    p.add_argument("--prompt", default="The Python tutorial explains how to")
-    p.add_argument("--out", default=None, help="JSON output (default docs/benchmarks/lora-<what>.json)")
+    p.add_argument("--out", default="docs/benchmarks/lora-quality.json", help="JSON output")
     args = p.parse_args()
-    if args.what == "bench":
-        args.k = args.k or [4]
-        args.lora = args.lora[0]
-        result = bench(args)
-        print(f"decode tok/s without LoRA {result['median_decode_tps']['without']:.1f}, with {result['median_decode_tps']['with']:.1f}: "
-              f"overhead {100 * result['overhead']:.1f}% (median of {args.reps} alternated runs)")
-    else:
-        args.k = args.k or [4, 2]
-        result = quality(args)
-        print("| model | perplexity | KL to teacher (nats/token) | top-1 agreement |\n|---|---|---|---|")
-        for n, r in result["results"].items():
-            print(f"| {n} | {r['perplexity']:.3f} | {r['kl_to_teacher']:.4f} | {100 * r['agreement']:.1f}% |")
-        for k, c in result["perplexity_gap_closed"].items():
-            print(f"K={k}: the LoRA closes {100 * c:.1f}% of the perplexity gap teacher -> int4 + pre-router")
-    out = Path(args.out or f"docs/benchmarks/lora-{args.what}.json")
+    args.k = args.k or [4, 2]
+    result = quality(args)
+    print("| model | perplexity | KL to teacher (nats/token) | top-1 agreement |\n|---|---|---|---|")
+    for n, r in result["results"].items():
+        print(f"| {n} | {r['perplexity']:.3f} | {r['kl_to_teacher']:.4f} | {100 * r['agreement']:.1f}% |")
+    for k, c in result["perplexity_gap_closed"].items():
+        print(f"K={k}: the LoRA closes {100 * c:.1f}% of the perplexity gap teacher -> int4 + pre-router")
+    out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {out}")

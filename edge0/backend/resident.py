@@ -25,7 +25,7 @@ def run_resident(spec: dict) -> dict:
     from mlx_lm.utils import load
 
     from edge0.backend import core as B
-    from edge0.bench_arms import Timing, ids_digest, prompt_ids
+    from edge0.bench.child import Timing, ids_digest, prompt_ids
 
     t0 = time.perf_counter()
     model, tokenizer = load(spec["mlx_model"])

@@ -1,19 +1,4 @@
-"""One benchmark arm, run in its own process by `edge0 bench` (so its peak memory is its own).
-
-    python -m edge0.bench_arms '<json spec>'
-
-The spec names the runtime ("edge0", "mlx-lm" or "baseline"), the model paths, the load options,
-the prompt length and the number of generated tokens. The result is printed as one JSON line
-prefixed with RESULT_PREFIX. Every arm feeds the same prompt ids and decodes greedily; the timing
-loop below is shared by both runtimes so they are measured the same way:
-
-- time to first token (TTFT): from the generate call to the first token (prefill + one step);
-- prefill tok/s: prompt tokens / TTFT;
-- decode tok/s: (tokens - 1) / (time of the last token - time of the first);
-- MLX allocator peak over the whole generation (reset after loading; resident weights are
-  active memory, so they count), and over decode only (reset at the first token);
-- process peak RSS (VmHWM: load and generation).
-"""
+"""One benchmark arm in its own process (`python -m edge0.bench.child '<json spec>'`), so its peak memory is its own."""
 
 from __future__ import annotations
 
@@ -24,6 +9,17 @@ import sys
 import time
 from pathlib import Path
 
+# The spec names the runtime ("edge0", "mlx-lm" or "baseline"), the model paths, the load options,
+# the prompt length and the number of generated tokens. The result is printed as one JSON line
+# prefixed with RESULT_PREFIX. Every arm feeds the same prompt ids and decodes greedily; the timing
+# loop (Timing) is shared by both runtimes so they are measured the same way:
+#
+# - time to first token (TTFT): from the generate call to the first token (prefill + one step);
+# - prefill tok/s: prompt tokens / TTFT;
+# - decode tok/s: (tokens - 1) / (time of the last token - time of the first);
+# - MLX allocator peak over the whole generation (reset after loading; resident weights are
+#   active memory, so they count), and over decode only (reset at the first token);
+# - process peak RSS (VmHWM: load and generation).
 RESULT_PREFIX = "EDGE0-BENCH-RESULT "
 
 # A fixed English text; the prompt is its token ids repeated to the wanted length, so every arm

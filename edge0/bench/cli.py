@@ -1,0 +1,144 @@
+"""`edge0 bench` command line: parse the options, run the suite, write the JSON, table and plot."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import shlex
+import signal
+import sys
+from pathlib import Path
+
+from edge0.bench.arms import SIZES, select_arms
+from edge0.bench.model import resolve_model
+from edge0.bench.report import SCHEMA, append_docs, git_commit, machine_info, markdown, package_versions, plot, summary
+from edge0.bench.runner import run_suite
+from edge0.errors import Edge0Error
+
+USAGE = """`edge0 bench`: Edge0 against resident mlx-lm, warm and cold storage, under a memory cap.
+
+Every arm runs in its own process (clean peak memory), all arms in one run, with the same prompt,
+the same number of greedy tokens and the same quantized weights. Results: a JSON file (date,
+machine, git commit, package versions, command), a markdown table (printed; appended to
+docs/benchmarks.md with --append-docs) and a PNG plot (needs matplotlib). See docs/bench-suite.md.
+
+    edge0 bench                      the full suite on the bench model (built on first use)
+    edge0 bench --quick              a smaller model and fewer tokens (a few minutes)
+    edge0 bench --model DIR          a bench-model directory (mlx/ + store/) or an edge0 store
+"""
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="edge0 bench", description=USAGE.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="\n".join(USAGE.splitlines()[6:]))
+    g = p.add_argument_group("model")
+    g.add_argument("--model", help="bench-model directory (store/ + mlx/, from scripts/make_bench_model.py) or an "
+                   "edge0 store (default: the bench model in the user cache, built on first use)")
+    g.add_argument("--store", help="edge0 store (with --mlx-model; instead of --model)")
+    g.add_argument("--mlx-model", help="mlx-lm quantized checkpoint with the store's weights (the resident arm)")
+    g.add_argument("--quick", action="store_true", help="smaller bench model and fewer tokens (a few minutes)")
+    g.add_argument("--prerouter", help="pre-router heads for the prerouter arms (default: the store's prerouter.safetensors)")
+    g.add_argument("--lora", help="recovery LoRA for the prerouter-lora arm (default: the store's lora.safetensors)")
+    g = p.add_argument_group("workload")
+    g.add_argument("--prompt-tokens", type=int, help="prompt length (default 40)")
+    g.add_argument("--decode-tokens", type=int, help="greedy tokens generated (default 32)")
+    g.add_argument("--expert-cache", default="20%", help="edge0 expert cache: a share of all experts (20%%) or a size (400MB)")
+    g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="compute dtype of both runtimes (default: edge0's auto choice, float32 on CPU)")
+    g.add_argument("--arms", help="comma-separated arm names or executor names (default: all); see docs/bench-suite.md")
+    g.add_argument("--repeats", type=int, default=1, help="run the arm list this many times, report medians")
+    g.add_argument("--arm-timeout", type=float, default=1800, help="seconds before an arm is stopped")
+    g = p.add_argument_group("memory cap")
+    g.add_argument("--cap-fraction", type=float, default=0.5,
+                   help="cap = baseline process RSS + this share of the store (default 0.5)")
+    g.add_argument("--cap", help="absolute cap instead, e.g. 1.5GB")
+    g.add_argument("--no-cap", action="store_true", help="skip the memory-cap arms")
+    g = p.add_argument_group("output")
+    g.add_argument("--out", help="JSON file (default docs/benchmarks/bench.json, --quick: bench-quick.json); "
+                   "the plot goes beside it as .png")
+    g.add_argument("--no-plot", action="store_true")
+    g.add_argument("--append-docs", nargs="?", const="docs/benchmarks.md", default=None, metavar="FILE",
+                   help="append the table as a new section (default file docs/benchmarks.md)")
+    g.add_argument("--trace-arm", help="write per-step timings (compute, stall, reads) of this arm")
+    g.add_argument("--trace-out", help="file for --trace-arm (JSON)")
+    args = p.parse_args(argv)
+    args.size = "quick" if args.quick else "full"
+    _, prompt, decode = SIZES[args.size]
+    args.prompt_tokens = args.prompt_tokens or prompt
+    args.decode_tokens = args.decode_tokens or decode
+    if args.prompt_tokens < 1:
+        raise Edge0Error(f"--prompt-tokens {args.prompt_tokens}: must be >= 1")
+    if args.decode_tokens < 2:
+        raise Edge0Error(f"--decode-tokens {args.decode_tokens}: must be >= 2 (decode speed needs two tokens)")
+    if args.repeats < 1:
+        raise Edge0Error(f"--repeats {args.repeats}: must be >= 1")
+    if not 0 < args.cap_fraction <= 4:
+        raise Edge0Error(f"--cap-fraction {args.cap_fraction}: must be in (0, 4]; e.g. 0.5 for half the store")
+    if bool(args.trace_arm) != bool(args.trace_out):
+        raise Edge0Error("--trace-arm/--trace-out: give both (an arm name and an output file)")
+    if args.store and args.model:
+        raise Edge0Error("--store: use either --model or --store (with --mlx-model), not both")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    arms = select_arms(args.arms)
+    if args.trace_arm and args.trace_arm not in {a.name for a in arms}:
+        raise Edge0Error(f"--trace-arm {args.trace_arm}: not among the arms run; choose one of {', '.join(a.name for a in arms)}")
+    model = resolve_model(args)
+    out = Path(args.out or f"docs/benchmarks/bench{'-quick' if args.quick else ''}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    started = datetime.datetime.now().astimezone()
+    result = {"schema": SCHEMA, "date": started.isoformat(timespec="seconds"),
+              "command": "edge0 bench " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)),
+              "machine": machine_info(), "git": git_commit(), "packages": package_versions(),
+              "model": {"store": str(model.store), "mlx_model": str(model.mlx) if model.mlx else None,
+                        **{k: model.info.get(k) for k in ("shape", "seed", "size", "generator_version") if k in model.info}}}
+    import threading
+
+    main_thread = threading.current_thread() is threading.main_thread()
+    # On SIGTERM unwind like Ctrl-C: stop the arm's process and remove the cgroup.
+    previous = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
+    try:
+        result.update(run_suite(args, model, arms))
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
+    end = git_commit()
+    if end != result["git"]:  # the code changed under a long run: say so
+        result["git_at_end"] = end
+        print(f"edge0 bench: warning: the git tree changed during the run ({end})", file=sys.stderr)
+    result["summary"] = summary(result)
+    result["elapsed_s"] = (datetime.datetime.now().astimezone() - started).total_seconds()
+    _check_numbers(result)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    table = markdown(result)
+    print(table)
+    print(f"wrote {out}", file=sys.stderr)
+    png = None
+    if not args.no_plot:
+        png = out.with_suffix(".png")
+        msg = plot(result, png)
+        if not png.exists():
+            png = None
+        print(msg, file=sys.stderr)
+    if args.append_docs:
+        append_docs(Path(args.append_docs), result, table, out, png)
+        print(f"appended the table to {args.append_docs}", file=sys.stderr)
+    return 0
+
+
+def _terminate(signum, frame):
+    raise SystemExit(128 + signum)
+
+
+def _check_numbers(result: dict) -> None:
+    """Refuse to write NaN/inf (json would write invalid tokens)."""
+    for a in result["arms"]:
+        for k, v in a["metrics"].items():
+            if isinstance(v, float) and not math.isfinite(v):
+                a["metrics"][k] = None

@@ -51,6 +51,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="train on float copies of the resident int4 weights (same values; auto: on the CPU, where "
                         "quantized matmuls are ~35x slower than float at training batch sizes)")
     p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--init", default=None, metavar="FILE",
+                   help="continue training this adapter (same base, K and pre-router; its targets, r and alpha are kept)")
     return p
 
 
@@ -78,7 +80,7 @@ def main(argv=None) -> int:
                         batch=args.batch, prompt_tokens=args.prompt_tokens, gen_tokens=args.gen_tokens, lr=args.lr,
                         teacher_temperature=args.teacher_temperature, student_temperature=args.student_temperature,
                         distill_top_k=args.distill_top_k, sft_targets=args.sft_targets, sft_text=args.sft_text, max_tokens=args.max_tokens, val_window=args.val_window,
-                        val_windows=args.val_windows, seed=args.seed,
+                        val_windows=args.val_windows, seed=args.seed, init=args.init,
                         dequantize_resident={"auto": None, "yes": True, "no": False}[args.dequantize_resident])
     tensors, meta, report = train(engine, teacher, text, opts, data_name=str(args.data), teacher_name=str(teacher_dir))
     save_adapter(args.out, tensors, meta)

@@ -40,7 +40,7 @@ def main(argv=None) -> int:
     import edge0
     from edge0.prerouter.train import train, write
 
-    engine = edge0.load(args.model, prerouter=False, decode_executor="exact")
+    engine = edge0.load(args.model, prerouter=False, lora=False, decode_executor="exact")
     text = read_text(Path(args.data))
     tensors, meta, report = train(engine, text, data_name=str(args.data), window=args.window, max_tokens=args.max_tokens,
                                   hidden=args.hidden, steps=args.steps, listwise=args.listwise, start=args.start_layer,

@@ -123,6 +123,28 @@ def test_train_lora_lowers_the_distillation_loss_and_records_provenance(store, h
     assert e.generate(PROMPT, max_tokens=4, ignore_eos=True).tokens
 
 
+def test_train_lora_continues_an_adapter(store, heads, trained, tmp_path):
+    from edge0.train_lora import main
+
+    (tmp_path / "train.txt").write_text("disk " * 400)
+    out = tmp_path / "more.safetensors"
+    argv = ["--model", str(store), "--teacher", str(fixture_dir("qwen3_moe")), "--data", str(tmp_path / "train.txt"),
+            "--out", str(out), "--prerouter", str(heads[0]), "--init", str(trained), "--r", "4", "--sft-steps", "0",
+            "--distill-steps", "1", "--batch", "2", "--prompt-tokens", "12", "--gen-tokens", "16", "--val-windows", "2",
+            "--val-window", "48", "--lr", "3e-4"]
+    with contextlib.redirect_stderr(io.StringIO()):
+        assert main(argv) == 0
+    _, before = read_adapter(trained)
+    _, meta = read_adapter(out)
+    assert meta["r"] == 16 and meta["targets"] == before["targets"]  # the adapter's own shape wins over --r
+    assert meta["provenance"]["init"]["path"] == str(trained)
+    # it starts where the first run ended: same held-out KL before, up to summation order
+    assert meta["provenance"]["validation"]["before"]["kl_to_teacher"] == pytest.approx(
+        before["provenance"]["validation"]["after"]["kl_to_teacher"], rel=1e-4)
+    with pytest.raises(Edge0Error, match="trained at K=2, this engine serves K=1"):
+        main(argv[:-1] + ["3e-4", "--top-k", "1"])
+
+
 def test_targets_are_strict_and_never_routers_or_experts(store):
     e = edge0.load(store, prerouter=False)
     cands = blora.candidate_linears(e.model)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import datetime
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
@@ -16,8 +17,8 @@ from edge0.backend import distill as bd
 from edge0.backend import lora as blora
 from edge0.errors import Edge0Error
 from edge0.evaluate import evaluate
-from edge0.lora.serve import prerouter_hash
-from edge0.store.format import manifest_hash
+from edge0.lora.serve import attach_lora, prerouter_hash
+from edge0.store.format import manifest_hash, sha256_file
 
 PHASE1 = {"soft": "forward KL(teacher || student) on {text}",
           "hard": "cross-entropy of the tokens of {text}"}
@@ -48,6 +49,7 @@ class TrainOptions:
     val_windows: int = 8
     seed: int = 0
     dequantize_resident: bool | None = None  # None: on the CPU only (see backend.distill)
+    init: str | None = None  # an adapter to continue training (its targets, r and alpha are kept)
 
 
 def _check(opts: TrainOptions, vocab: int) -> None:
@@ -146,8 +148,13 @@ def train(engine, teacher, text: str, opts: TrainOptions, *, data_name: str, tea
     if deq:
         bd.dequantize_resident(engine.model, engine.compute_dtype)
     engine.model.freeze()  # only the LoRA matrices created below are trainable
-    paths = blora.resolve_targets(engine.model, opts.targets or blora.candidate_linears(engine.model))
-    wrapped = blora.apply_lora(engine.model, paths, opts.r, opts.alpha)
+    if opts.init:  # attach_lora checks that it was trained for this base, K and pre-router
+        start = attach_lora(engine, opts.init)
+        paths, opts.r, opts.alpha, opts.targets = start["targets"], start["r"], start["alpha"], None
+        wrapped = blora.lora_modules(engine.model)
+    else:
+        paths = blora.resolve_targets(engine.model, opts.targets or blora.candidate_linears(engine.model))
+        wrapped = blora.apply_lora(engine.model, paths, opts.r, opts.alpha)
     teacher_val = evaluate(teacher.logits, val_tok, opts.val_window, opts.val_windows)["perplexity"]
     before = _validate(engine, teacher, val_tok, opts)
     trainer = bd.LoRATrainer(engine.model, engine.prerouting, opts.lr, opts.sft_steps + opts.distill_steps)
@@ -180,6 +187,7 @@ def train(engine, teacher, text: str, opts: TrainOptions, *, data_name: str, tea
         "top_k": engine.k, "r": opts.r, "alpha": opts.alpha, "targets": paths,
         "provenance": {
             "teacher": teacher_name, "data": data_name, "train_tokens": len(train_tok),
+            "init": {"path": opts.init, "sha256": sha256_file(Path(opts.init))} if opts.init else None,
             "prerouter": str(engine.heads_path) if engine.prerouting is not None else None,
             "options": asdict(opts), "loss": {"phase1": PHASE1[opts.sft_targets].format(text=SFT_TEXT[opts.sft_text]), "phase2": PHASE2, "coarsening": COARSENING},
             "trainable_parameters": bd.n_trainable(engine.model),

@@ -76,7 +76,8 @@ def run_suite(args, model: Model, arms: list[Arm]) -> dict:
         cap_info = {"cap_bytes": cap, "baseline_rss_bytes": base_rss, "cap_fraction_of_store": args.cap_fraction,
                     "cgroup_parent": str(parent)}
     else:
-        cap_info = {"cap_bytes": None, "skipped": "--no-cap" if args.no_cap else reason}
+        why = "--no-cap" if args.no_cap else ("--arms selected none" if not any(a.storage == "capped" for a in arms) else reason)
+        cap_info = {"cap_bytes": None, "skipped": why}
 
     results = {a.name: {"runs": []} for a in arms}
     for rep in range(args.repeats):

@@ -79,7 +79,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="edge0 eval", description=__doc__.splitlines()[0])
     add_model_options(p)
     p.add_argument("--data", required=True, help="held-out text file (UTF-8)")
-    p.add_argument("--reference", default=None, help="edge0 store or mlx-lm/HF model directory to compare with")
+    p.add_argument("--reference", default=None,
+                   help="edge0 store (run with gate routing, no adapter) or mlx-lm/HF model directory to compare with")
     p.add_argument("--window", type=int, default=256, help="tokens per window (default 256)")
     p.add_argument("--max-windows", type=int, default=None, help="evaluate only the first N windows")
     p.add_argument("--decode", action="store_true",
@@ -95,7 +96,8 @@ def main(argv=None) -> int:
     engine = edge0.load(args.model, **load_options(args))
     print(engine.describe(), file=sys.stderr)
     tokens = engine.encode(data.read_text(encoding="utf-8"))
-    ref = reference_fn(args.reference, {"dtype": args.dtype}) if args.reference else None
+    # the reference is the plain model: gate routing, no adapter
+    ref = reference_fn(args.reference, {"dtype": args.dtype, "prerouter": False, "lora": False}) if args.reference else None
     # With a pre-router, every position is routed as decoding would route it.
     logits = engine.decode_logits if args.decode else engine.prerouted_logits
     result = evaluate(logits, tokens, args.window, args.max_windows, ref, progress=True)

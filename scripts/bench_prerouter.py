@@ -33,7 +33,7 @@ budget = max(int(total * fraction), sum(probe.store.expert_nbytes(l) for l in pr
 opts = {"exact": dict(decode_executor="exact", prerouter=False),
         "staged-gate": dict(decode_executor="staged", prerouter=False, expert_cache=budget),
         "prerouter": dict(decode_executor="staged", prerouter=heads, expert_cache=budget)}[arm]
-e = edge0.load(store, cold_reads=True, prefill_executor="exact", **opts)
+e = edge0.load(store, cold_reads=True, prefill_executor="exact", lora=False, **opts)
 r = e.generate(prompt, max_tokens=n, ignore_eos=True)
 s = r.stats
 step_ms = 1000 / s["decode_tps"]

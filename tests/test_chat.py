@@ -78,18 +78,19 @@ def test_ctrl_c_stops_the_reply_and_keeps_the_session(monkeypatch, capsys, fake)
 
 
 def test_flags_reach_the_engine(monkeypatch, capsys, fake):
-    run_chat(monkeypatch, capsys, "hi\n", "--model", "store", "--expert-cache", "2GB", "--no-prerouter", "--no-lora",
+    run_chat(monkeypatch, capsys, "hi\n", "--model", "store", "--expert-cache", "2GB", "--no-prerouter", "--lora", "a.safetensors",
              "--top-k", "4", "--dtype", "float32", "--temp", "0.7", "--top-p", "0.9", "--seed", "3",
              "--max-tokens", "7")
     path, options = fake.loaded[0]
     assert path == "store"
-    assert options["expert_cache"] == "2GB" and options["prerouter"] is False and options["lora"] is False
+    assert options["expert_cache"] == "2GB" and options["prerouter"] is False and options["lora"] == "a.safetensors"
     assert options["top_k"] == 4 and options["dtype"] == "float32"
     assert {k: fake.calls[0].kwargs[k] for k in ("temperature", "top_p", "seed", "max_tokens")} == {
         "temperature": 0.7, "top_p": 0.9, "seed": 3, "max_tokens": 7}
 
 
-@pytest.mark.parametrize("argv", [["--max-tokens", "0"], ["--temp", "hot"], ["--top-p", "2"], ["--frobnicate"]])
+@pytest.mark.parametrize("argv", [["--max-tokens", "0"], ["--temp", "hot"], ["--top-p", "2"], ["--frobnicate"],
+                                  ["--lora", "a.safetensors", "--no-lora"]])
 def test_usage_errors_are_one_line_exit_2(capsys, argv):
     with pytest.raises(SystemExit) as e:
         chat.main(argv)
@@ -112,3 +113,4 @@ def test_two_turns_on_the_bundled_model(monkeypatch, capsys):
     assert len(stats) == 2
     (prefill1, prompt1), (prefill2, prompt2) = stats
     assert prefill1 == prompt1 and prefill2 <= prompt2 - prompt1  # the first turn is not prefilled again
+    assert "LoRA lora.safetensors" in out.err  # the bundled recovery adapter is served by default

@@ -31,13 +31,14 @@ def bundled_checkpoint() -> Path:
 
 
 def _fingerprint(checkpoint: Path) -> str:
-    """Changes whenever any checkpoint file changes (a retrained adapter keeps its size), so the
-    store is re-converted; hashing the ~35 MB demo checkpoint takes well under a second."""
+    """Changes whenever a checkpoint file is replaced (names, sizes and modification times: a
+    retrained adapter keeps its size), so the store is re-converted; stat only, no reading at
+    start-up."""
     h = hashlib.sha256()
     for f in sorted(checkpoint.iterdir()):
         if f.is_file():
-            h.update(f.name.encode())
-            h.update(hashlib.sha256(f.read_bytes()).digest())
+            st = f.stat()
+            h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
     return h.hexdigest()[:12]
 
 

@@ -118,20 +118,6 @@ def _trace_row(step: int, wall_s: float, a: dict, b: dict) -> dict:
     return row
 
 
-def vm_hwm() -> int:
-    try:
-        with open("/proc/self/status") as fh:
-            for line in fh:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    import resource
-
-    r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return r if sys.platform == "darwin" else r * 1024
-
-
 # ----------------------------------------------------------------------------- edge0
 
 def run_edge0(spec: dict) -> dict:
@@ -206,7 +192,7 @@ def run_baseline(spec: dict) -> dict:
     if spec.get("store"):
         bio.load_tokenizer(Path(spec["store"]))
     B.eval(B.array([1.0]) + 1)  # initialise the MLX runtime
-    return {"status": "ok", "peak_rss_bytes": vm_hwm()}
+    return {"status": "ok", "peak_rss_bytes": B.peak_rss()}
 
 
 def run(spec: dict) -> dict:
@@ -228,7 +214,9 @@ def run(spec: dict) -> dict:
     if spec.get("trace_out") and trace is not None:
         Path(spec["trace_out"]).write_text(json.dumps({"arm": spec.get("name"), "steps": trace}, indent=1) + "\n")
     if out.get("status") == "ok":
-        out["peak_rss_bytes"] = vm_hwm()
+        from edge0.backend.core import peak_rss  # every runtime has imported mlx by now
+
+        out["peak_rss_bytes"] = peak_rss()
         out["wall_s"] = time.perf_counter() - t0
         if "decode_tps" in out and out.get("ttft_s"):
             out["prefill_tps"] = out.get("prompt_tokens", spec.get("prompt_tokens", 0)) / out["ttft_s"]

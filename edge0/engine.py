@@ -61,7 +61,7 @@ def load(path=None, *, dtype: str | None = None, top_k: int | None = None, verif
     if spec is None and (cache_policy == "smoe" or substitute_alpha):
         flag = "--cache-policy smoe" if cache_policy == "smoe" else "--substitute-alpha"
         raise Edge0Error(f"{flag} needs router scores, which Edge0 has only for spec'd families ({manifest['model_type']} "
-                         "is served at the universal level); use --cache-policy lru, lfu, arc or flashmoe without substitution")
+                         "is served at the universal level); use --cache-policy lru, lfu or arc without substitution")
     model = bnn.assemble(root, manifest, config, spec, k, compute)
     streaming = Streaming(store, compute, k or _native_k(config), bnn.resident_bytes(model), options)
     bnn.attach_executors(model, streaming.layers)

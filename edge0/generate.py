@@ -37,7 +37,7 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prerouter", action="store_true", help="route every layer with its own gate")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--lora", default=None, metavar="FILE",
-                   help="recovery LoRA adapter (default: the store's lora.safetensors, if any)")
+                   help="recovery LoRA adapter (default: the store's adapter for this K and routing, if any)")
     g.add_argument("--no-lora", action="store_true", help="serve without the recovery LoRA")
     p.add_argument("--prerouter-diagnostics", action="store_true",
                    help="also evaluate the gate on pre-routed layers and report recall (slower)")

@@ -136,7 +136,7 @@ def main(argv=None) -> int:
     else:
         trace = record(engine, [engine.encode(t) for t in PROMPTS[:args.prompts]], args.max_tokens, {"prompts": PROMPTS[:args.prompts]})
     budgets = parse_budgets(args.budget, trace.num_experts)
-    results = simulate(trace, [args.cache_policy], budgets, {})
+    results = simulate(trace, [args.cache_policy], budgets, {"smoe": {"window": args.smoe_window}} if args.smoe_window else {})
 
     reads = measure_reads(engine.store, trace.layers, trace.num_experts)
     cold, warm = (per_layer(reads[k], trace.layers) for k in ("cold_s", "warm_s"))

@@ -69,6 +69,8 @@ def main(argv=None) -> int:
     text = read_text(Path(args.data))
     # Exact executors read only the routed experts of each training window (kept until its
     # backward pass is done) and take a batch of sequences in one decode step.
+    if args.init and not Path(args.init).is_file():
+        raise Edge0Error(f"--init {args.init}: no such file; give an adapter written by edge0 train-lora")
     engine = edge0.load(args.model, dtype=args.dtype, top_k=args.top_k,
                         prefill_executor="exact", decode_executor="exact", prerouter=False if args.no_prerouter else args.prerouter, lora=False)
     print(engine.describe(), file=sys.stderr)
@@ -88,7 +90,7 @@ def main(argv=None) -> int:
     print(f"held-out: teacher perplexity {report['teacher_perplexity']:.3f}; student {b['perplexity']:.3f} -> {a['perplexity']:.3f}, "
           f"KL to teacher {b['kl_to_teacher']:.4f} -> {a['kl_to_teacher']:.4f} nats/token; distillation loss on a fixed probe "
           f"{report['probe_distill_loss_before']:.4f} -> {report['probe_distill_loss_after']:.4f}", file=sys.stderr)
-    print(f"wrote {args.out} (K={meta['top_k']}, r={args.r}, {len(meta['targets'])} linears)")
+    print(f"wrote {args.out} (K={meta['top_k']}, r={meta['r']}, {len(meta['targets'])} linears)")
     return 0
 
 

@@ -15,8 +15,8 @@ also flips roundings unrelated to the adapter; this part does not count them). A
 the control and must give ~1. Also reports perplexity of each variant and, per adapted linear,
 ||Q(W + dW) - Q(W)|| / ||dW||, its part along dW, and the fraction of dW entries below half a quantization step.
 
-Usage: python scripts/merge_erasure.py --model STORE --lora FILE --data data/valid.txt
-       [--window 256] [--max-windows 8] [--out docs/benchmarks/lora-merge-erasure.json]
+Usage: python scripts/merge_erasure.py --model STORE --lora FILE [--prerouter HEADS] --data data/valid.txt
+       [--window 256] [--max-windows 8] [--delta-scale 1.0] [--out docs/benchmarks/lora-merge-erasure.json]
 """
 
 from __future__ import annotations

@@ -310,7 +310,7 @@ def test_live_policies_change_reads_only(store_for, tmp_path):
     reads, hits = {}, {}
     for name in ("lru", "lfu", "arc", "smoe", "flashmoe"):
         engine = edge0.load(root, expert_cache=slot_bytes(ref, 3), cache_policy=name,  # top-k is 2
-                            cache_weights=weights if name == "flashmoe" else None, smoe_window=8)
+                            cache_weights=weights if name == "flashmoe" else None, smoe_window=8 if name == "smoe" else None)
         policies = [d.decode.slots.cache.policy for d in engine.streaming.layers.values()]
         assert {p.name for p in policies} == {name}
         assert name != "smoe" or all(p.window == 8 for p in policies)
@@ -363,5 +363,7 @@ def test_live_policy_errors(store_for, tmp_path):
         edge0.load(root, substitute_alpha=-1)
     with pytest.raises(Edge0Error, match="--smoe-window 0"):
         edge0.load(root, cache_policy="smoe", smoe_window=0)
+    with pytest.raises(Edge0Error, match="--smoe-window is read only by the smoe policy"):
+        edge0.load(root, smoe_window=8)
     with pytest.raises(Edge0Error, match="--cache-policy smoe needs router scores"):
         edge0.load(store_for("olmoe"), cache_policy="smoe")

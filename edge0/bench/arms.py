@@ -8,7 +8,7 @@ from edge0.bench.model import Model
 from edge0.errors import Edge0Error
 
 PREROUTER = "<prerouter>"  # placeholder in an arm's load options: the --prerouter path (or the store's)
-LORA = "<lora>"  # placeholder: the --lora path (or the store's lora.safetensors)
+LORA = "<lora>"  # placeholder: the --lora path (or the store's adapter for the serving K)
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,7 @@ def arm_spec(arm: Arm, model: Model, args, budget: int, sizes: dict) -> dict:
         if load.get("prerouter") == PREROUTER:
             load["prerouter"] = args.prerouter  # None: the store's prerouter.safetensors
         if load.get("lora") == LORA:
-            load["lora"] = args.lora  # None: the store's lora.safetensors
+            load["lora"] = args.lora  # None: the store's adapter (the child reports if none fits)
         load["expert_cache"] = budget
         load["dtype"] = args.dtype
         if arm.storage == "cold":
@@ -103,8 +103,8 @@ def skip_reason(arm: Arm, model: Model, args, cgroup_parent) -> str:
     if arm.base.needs_prerouter and args.prerouter is None and not (model.store / "prerouter.safetensors").is_file():
         return ("no pre-router heads for this model: the store has no prerouter.safetensors and --prerouter "
                 "was not given (train some with edge0 train-prerouter)")
-    if arm.base.needs_lora and args.lora is None and not (model.store / "lora.safetensors").is_file():
-        return ("no recovery LoRA for this model: the store has no lora.safetensors and --lora was not given "
+    if arm.base.needs_lora and args.lora is None and not any(model.store.glob("lora*.safetensors")):
+        return ("no recovery LoRA for this model: the store has no adapter and --lora was not given "
                 "(train one with edge0 train-lora)")
     if arm.storage == "capped":
         if args.no_cap:

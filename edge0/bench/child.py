@@ -137,8 +137,8 @@ def run_edge0(spec: dict) -> dict:
         return {"status": "skipped", "reason": "no pre-router heads were attached (the store has no "
                 "prerouter.safetensors and --prerouter was not given)"}
     if spec.get("lora_required") and engine.lora_path is None:
-        return {"status": "skipped", "reason": "no recovery LoRA was attached (the store has no "
-                "lora.safetensors and --lora was not given)"}
+        return {"status": "skipped", "reason": engine.lora_note or "no recovery LoRA was attached (the store has no "
+                "adapter and --lora was not given)"}
     load_s = time.perf_counter() - t0
     load_peak = B.peak_memory()
     B.reset_peak_memory()

@@ -41,7 +41,7 @@ def parse_args(argv):
     g.add_argument("--mlx-model", help="mlx-lm quantized checkpoint with the store's weights (the resident arm)")
     g.add_argument("--quick", action="store_true", help="smaller bench model and fewer tokens (a few minutes)")
     g.add_argument("--prerouter", help="pre-router heads for the prerouter arms (default: the store's prerouter.safetensors)")
-    g.add_argument("--lora", help="recovery LoRA for the prerouter-lora arm (default: the store's lora.safetensors)")
+    g.add_argument("--lora", help="recovery LoRA for the prerouter-lora arm (default: the store's adapter for the serving K)")
     g = p.add_argument_group("workload")
     g.add_argument("--prompt-tokens", type=int, help="prompt length (default 40)")
     g.add_argument("--decode-tokens", type=int, help="greedy tokens generated (default 32)")

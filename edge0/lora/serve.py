@@ -25,25 +25,27 @@ def store_adapter(engine) -> tuple[Path | None, str]:
     from safetensors import safe_open
 
     found = [p for p in (engine.root / f"lora-k{engine.k}.safetensors", engine.root / DEFAULT_NAME) if p.is_file()]
-    ours = prerouter_hash(engine)
+    ours, base = prerouter_hash(engine), manifest_hash(engine.root)
     for p in found:
         try:
             with safe_open(str(p), framework="numpy") as f:
                 meta = f.metadata() or {}
         except Exception:  # noqa: BLE001 - a damaged file is reported by attach_lora's checks
             return p, ""
-        if str(engine.k) == meta.get("top_k") and (meta.get("prerouter_sha256") or "none") == (ours or "none"):
+        if (str(engine.k) == meta.get("top_k") and (meta.get("prerouter_sha256") or "none") == (ours or "none")
+                and meta.get("manifest_sha256") == base):
             return p, ""
     if not found:
         return None, ""
     routing = "pre-router heads" if ours else "gate routing"
-    return None, (f"no recovery LoRA: {', '.join(p.name for p in found)} was trained for another K or routing "
-                  f"than K={engine.k} with {routing}")
+    return None, (f"no recovery LoRA: {', '.join(p.name for p in found)} was trained for another store, K or "
+                  f"routing than this store at K={engine.k} with {routing}")
 
 
-def attach_lora(engine, path) -> dict:
-    """Wrap the adapter's target linears of `engine.model` in LoRALinear and load its tensors.
-    Returns the adapter's metadata (also kept as engine.lora_meta)."""
+def attach_lora(engine, path, dtype: str | None = None) -> dict:
+    """Wrap the adapter's target linears of `engine.model` in LoRALinear and load its tensors, in
+    `dtype` (default the compute dtype; training keeps float32 master weights). Returns the
+    adapter's metadata (also kept as engine.lora_meta)."""
     path = Path(path)
     if engine.lora_path is not None:
         raise Edge0Error(f"--lora {path}: this engine already serves {engine.lora_path}; load the model again")
@@ -71,6 +73,6 @@ def attach_lora(engine, path) -> dict:
     if wrong:
         raise Edge0Error(f"{path}: tensor {wrong[0]} has shape {tensors[wrong[0]].shape}, the model needs {shapes[wrong[0]]}; {hint}")
     wrapped = blora.apply_lora(engine.model, meta["targets"], meta["r"], meta["alpha"])
-    blora.load_lora_tensors(wrapped, tensors, B.dtype(engine.compute_dtype))
+    blora.load_lora_tensors(wrapped, tensors, B.dtype(dtype or engine.compute_dtype))
     engine.lora_path, engine.lora_meta = path, meta
     return meta

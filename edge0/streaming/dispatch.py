@@ -48,6 +48,8 @@ class StreamingOptions:
             raise Edge0Error(f"--cache-policy flashmoe needs --cache-weights FILE; train one with: {TRAIN_WEIGHTS}")
         if self.cache_weights and self.cache_policy != "flashmoe":
             raise Edge0Error("--cache-weights is read only by the flashmoe policy; add --cache-policy flashmoe or drop --cache-weights")
+        if self.smoe_window is not None and self.cache_policy != "smoe":
+            raise Edge0Error("--smoe-window is read only by the smoe policy; add --cache-policy smoe or drop --smoe-window")
         if self.smoe_window is not None and self.smoe_window < 1:
             raise Edge0Error(f"--smoe-window {self.smoe_window}: must be >= 1 step")
         if self.substitute_alpha < 0:

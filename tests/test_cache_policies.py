@@ -342,6 +342,35 @@ def test_live_substitution(store_for):
     assert runs[1.0]["expert_bytes_read"] < runs[0.0]["expert_bytes_read"]
 
 
+def test_a_substituted_expert_computes_with_its_substitute(store_for):
+    """The alias in the slot table sends the replaced expert to its substitute's weights, never to
+    the zero row (which on the gate path would go uncounted)."""
+    import edge0
+    from edge0.backend import core as B
+
+    root = store_for("qwen3_moe")  # 8 experts, top-2
+    ref = edge0.load(root, decode_executor="exact")
+    engine = edge0.load(root, expert_cache=slot_bytes(ref, 3), substitute_alpha=1.0)
+    ex = next(iter(engine.streaming.layers.values())).decode
+
+    def scores(pairs):
+        s = np.zeros(8, dtype=np.float32)
+        for e, v in pairs:
+            s[e] = v
+        return B.array(s)
+
+    ex(B.array(np.array([[0, 1]], dtype=np.uint32)), scores([(0, 0.5), (1, 0.3)]))  # caches 0 and 1
+    # route [2, 3]: S_{k+1} = 0.2 (expert 1, cached); 3 scores 0.3, inside [S, 2S], so 1 replaces it
+    [(params, local)] = ex(B.array(np.array([[2, 3]], dtype=np.uint32)), scores([(2, 0.5), (3, 0.3), (1, 0.2)]))
+    local = B.to_numpy(local)[0]
+    assert ex.stats.substitutions == 1 and (local != ex.slots.zero).all()
+    for slot, expert in zip(local, (2, 1)):
+        want = ex.load([expert])[0]
+        for proj, parts in params.items():
+            for part, rows in parts.items():
+                assert np.array_equal(B.to_numpy(rows[int(slot)]), B.to_numpy(want[proj][part][0])), (expert, proj, part)
+
+
 def test_live_policy_errors(store_for, tmp_path):
     import edge0
 

@@ -3,6 +3,7 @@ trained for exactly this base store, serving width K and pre-router."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from edge0.backend import core as B
@@ -17,29 +18,45 @@ def prerouter_hash(engine):
     return sha256_file(Path(engine.heads_path)) if engine.prerouting is not None else None
 
 
+def _mismatch(engine, meta: dict, heads_sha) -> str | None:
+    """Why an adapter with identity `meta` (manifest_sha256, top_k, prerouter_sha256) does not fit
+    this engine (store, serving K, heads with sha256 `heads_sha` or None for gate routing)."""
+    base = manifest_hash(engine.root)
+    if meta.get("manifest_sha256") != base:
+        return (f"adapter was trained for another base model (store manifest {str(meta.get('manifest_sha256'))[:12]}, "
+                f"this store {base[:12]})")
+    if meta.get("top_k") != engine.k:
+        return f"adapter was trained at K={meta.get('top_k')}, this engine serves K={engine.k}"
+    theirs = meta.get("prerouter_sha256")
+    if theirs != heads_sha:
+        had = f"pre-router heads {theirs[:12]}" if theirs else "gate routing (no pre-router)"
+        has = f"heads {engine.heads_path} ({heads_sha[:12]})" if heads_sha else "gate routing (no pre-router)"
+        return f"adapter was trained with {had}, this engine uses {has}"
+    return None
+
+
 def store_adapter(engine) -> tuple[Path | None, str]:
     """The store's adapter that fits this engine, for serving without --lora: `lora-k{K}.safetensors`,
-    then `lora.safetensors`, whichever was trained for the engine's K and routing. Returns (path,
+    then `lora.safetensors`, whichever was trained for this store, K and routing. Returns (path,
     note); with no fitting adapter the path is None and the note says why (the describe line shows
     it), so serving at another K or without the pre-router still starts."""
     from safetensors import safe_open
 
     found = [p for p in (engine.root / f"lora-k{engine.k}.safetensors", engine.root / DEFAULT_NAME) if p.is_file()]
-    ours, base = prerouter_hash(engine), manifest_hash(engine.root)
+    ours, why = prerouter_hash(engine), []
     for p in found:
-        try:
+        try:  # the identity only: the tensors are read and checked by attach_lora
             with safe_open(str(p), framework="numpy") as f:
-                meta = f.metadata() or {}
+                raw = f.metadata() or {}
+            meta = {"manifest_sha256": raw.get("manifest_sha256"), "top_k": json.loads(raw.get("top_k", "null")),
+                    "prerouter_sha256": None if raw.get("prerouter_sha256", "none") == "none" else raw["prerouter_sha256"]}
         except Exception:  # noqa: BLE001 - a damaged file is reported by attach_lora's checks
             return p, ""
-        if (str(engine.k) == meta.get("top_k") and (meta.get("prerouter_sha256") or "none") == (ours or "none")
-                and meta.get("manifest_sha256") == base):
+        reason = _mismatch(engine, meta, ours)
+        if reason is None:
             return p, ""
-    if not found:
-        return None, ""
-    routing = "pre-router heads" if ours else "gate routing"
-    return None, (f"no recovery LoRA: {', '.join(p.name for p in found)} was trained for another store, K or "
-                  f"routing than this store at K={engine.k} with {routing}")
+        why.append(f"{p.name}: {reason}")
+    return None, ("no recovery LoRA: " + "; ".join(why)) if why else ""
 
 
 def attach_lora(engine, path, dtype: str | None = None) -> dict:
@@ -52,18 +69,10 @@ def attach_lora(engine, path, dtype: str | None = None) -> dict:
     heads = engine.heads_path if engine.prerouting is not None else None
     hint = retrain_hint(engine.root, engine.k, heads)
     tensors, meta = read_adapter(path, engine.root)
-    base = manifest_hash(engine.root)
-    if meta.get("manifest_sha256") != base:
-        raise Edge0Error(f"{path}: adapter was trained for another base model (store manifest {str(meta.get('manifest_sha256'))[:12]}, "
-                         f"this store {base[:12]}); {hint}")
-    if meta.get("top_k") != engine.k:
-        raise Edge0Error(f"{path}: adapter was trained at K={meta.get('top_k')}, this engine serves K={engine.k}; "
-                         f"serve with --top-k {meta.get('top_k')} or {hint}")
-    theirs, ours = meta["prerouter_sha256"], prerouter_hash(engine)
-    if theirs != ours:
-        had = f"pre-router heads {theirs[:12]}" if theirs else "gate routing (no pre-router)"
-        has = f"heads {heads} ({ours[:12]})" if ours else "gate routing (no pre-router)"
-        raise Edge0Error(f"{path}: adapter was trained with {had}, this engine uses {has}; {hint}")
+    reason = _mismatch(engine, meta, prerouter_hash(engine))
+    if reason is not None:
+        serve_k = f"serve with --top-k {meta.get('top_k')} or " if meta.get("top_k") != engine.k else ""
+        raise Edge0Error(f"{path}: {reason}; {serve_k}{hint}")
     candidates = set(blora.candidate_linears(engine.model))
     unknown = [t for t in meta["targets"] if t not in candidates]
     if unknown:

@@ -71,6 +71,13 @@ SIZES = {  # preset -> (bench-model size, prompt tokens, decode tokens)
 }
 
 
+def resolved_load(arm: Arm, args) -> dict:
+    """The arm's engine options with the placeholders replaced by the --prerouter / --lora files
+    (None: the store's own heads / adapter; the child reports if none fits)."""
+    given = {PREROUTER: args.prerouter, LORA: args.lora}
+    return {k: given.get(v, v) if isinstance(v, str) else v for k, v in arm.base.load.items()}
+
+
 def arm_spec(arm: Arm, model: Model, args, budget: int, sizes: dict) -> dict:
     spec = {"name": arm.name, "runtime": arm.runtime, "prompt_tokens": args.prompt_tokens,
             "decode_tokens": args.decode_tokens, "dtype": args.dtype}
@@ -78,11 +85,7 @@ def arm_spec(arm: Arm, model: Model, args, budget: int, sizes: dict) -> dict:
         spec["mlx_model"] = str(model.mlx)
         files = sorted(model.mlx.glob("*.safetensors"))
     else:
-        load = {k: v for k, v in arm.base.load.items()}
-        if load.get("prerouter") == PREROUTER:
-            load["prerouter"] = args.prerouter  # None: the store's prerouter.safetensors
-        if load.get("lora") == LORA:
-            load["lora"] = args.lora  # None: the store's adapter (the child reports if none fits)
+        load = resolved_load(arm, args)
         load["expert_cache"] = budget
         load["dtype"] = args.dtype
         if arm.storage == "cold":

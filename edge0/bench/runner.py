@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from edge0.bench.arms import COUNTERS, LORA, METRICS, PREROUTER, Arm, arm_spec, skip_reason
+from edge0.bench.arms import COUNTERS, METRICS, Arm, arm_spec, resolved_load, skip_reason
 from edge0.bench.cgroup import MemoryCgroup
 from edge0.bench.env import _child_env
 from edge0.bench.model import Model, expert_budget, store_sizes
@@ -54,14 +54,6 @@ def median_metrics(runs: list[dict]) -> dict:
         vals = [r[k] for r in ok if isinstance(r.get(k), (int, float)) and not isinstance(r.get(k), bool)]
         out[k] = statistics.median(vals) if vals else None
     return out
-
-
-def _load_options(arm: Arm, args) -> dict:
-    """The arm's engine options as run: placeholders resolved to the --prerouter / --lora files
-    (None: the store's own)."""
-    given = {PREROUTER: args.prerouter, LORA: args.lora}
-    return {k: given.get(v, v) if isinstance(v, str) else v for k, v in arm.base.load.items()
-            if k != "prerouter" or v is not False}
 
 
 def run_suite(args, model: Model, arms: list[Arm]) -> dict:
@@ -128,7 +120,7 @@ def run_suite(args, model: Model, arms: list[Arm]) -> dict:
         row = {"name": arm.name, "runtime": arm.runtime, "executor": arm.base.name if arm.runtime == "edge0" else None,
                "storage": arm.storage, "status": status, "reason": res.get("reason") or
                (None if ok else (runs[-1].get("reason") if runs else None)),
-               "load_options": _load_options(arm, args),
+               "load_options": {k: v for k, v in resolved_load(arm, args).items() if k != "prerouter" or v is not False},
                "metrics": median_metrics(runs) if ok else {k: None for k in METRICS},
                "counters": {k: max((r.get(k) or 0) for r in ok) if ok else None for k in COUNTERS},
                "runs": [{k: v for k, v in r.items() if k != "tokens"} for r in runs]}

@@ -43,7 +43,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--sft-text", choices=["teacher", "data"], default=d.sft_text,
                    help="phase 1 text: continuations the teacher samples (default) or windows of --data, scored by the teacher")
     p.add_argument("--distill-top-k", type=int, default=d.distill_top_k,
-                   help=f"teacher tokens kept per position in both phases, the rest is one bucket (default {d.distill_top_k})")
+                   help="KL over the teacher's top-k tokens per position plus one bucket for the rest; 0 (default): over the whole vocabulary")
     p.add_argument("--max-tokens", type=int, default=d.max_tokens, help="tokens of --data to use")
     p.add_argument("--val-windows", type=int, default=d.val_windows, help="held-out windows for the before/after validation")
     p.add_argument("--val-window", type=int, default=d.val_window, help="tokens per held-out window")

@@ -216,14 +216,19 @@ class DenseDelta(nn.Module):
         return self.base(x) + x @ self.delta.T
 
 
+def random_adapter(store, out):
+    """An adapter of random r=4 matrices on every candidate linear of `store` (gate routing)."""
+    model = edge0.load(store, prerouter=False, lora=False).model
+    paths = blora.candidate_linears(model)
+    rng = np.random.default_rng(1)
+    tensors = {k: rng.normal(size=s).astype(np.float32) * 0.1 for k, s in blora.expected_shapes(model, paths, 4).items()}
+    meta = {"manifest_sha256": manifest_hash(store), "prerouter_sha256": None, "top_k": 2, "r": 4, "alpha": 8.0, "targets": paths}
+    return save_adapter(out, tensors, meta), tensors, paths
+
+
 def test_serving_changes_logits_by_exactly_the_delta_path(store, tmp_path):
     base = edge0.load(store, prerouter=False, lora=False)
-    paths = blora.candidate_linears(base.model)
-    rng = np.random.default_rng(1)
-    shapes = blora.expected_shapes(base.model, paths, 4)
-    tensors = {k: rng.normal(size=s).astype(np.float32) * 0.1 for k, s in shapes.items()}
-    meta = {"manifest_sha256": manifest_hash(store), "prerouter_sha256": None, "top_k": 2, "r": 4, "alpha": 8.0, "targets": paths}
-    adapter = save_adapter(tmp_path / "lora.safetensors", tensors, meta)
+    adapter, tensors, paths = random_adapter(store, tmp_path / "lora.safetensors")
     served = edge0.load(store, prerouter=False, lora=adapter)
     ids = served.encode(PROMPT)
     for p in paths:  # the reference: the same int4 base plus the delta as one dense matrix
@@ -238,6 +243,27 @@ def test_serving_changes_logits_by_exactly_the_delta_path(store, tmp_path):
     assert np.array_equal(served.logits(ids), plain)  # a zero delta leaves the base untouched, bit for bit
 
 
+def test_shared_down_projection_equals_the_reference_path(store, tmp_path):
+    adapter, _, _ = random_adapter(store, tmp_path / "lora.safetensors")
+    served = edge0.load(store, prerouter=False, lora=adapter)
+    attn = served.model.model.layers[0].self_attn
+    group = attn.q_proj.shared
+    assert all(getattr(attn, n).shared is group for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
+    x = mx.array(np.random.default_rng(2).normal(size=(1, 1, attn.q_proj.lora_a.shape[1])).astype(np.float32))
+    before = group.projections
+    for name in ("q_proj", "k_proj", "v_proj"):  # one input array: one down-projection for the three
+        m = getattr(attn, name)
+        want = m.base(x) + m.scale * (x @ m.lora_a.T) @ m.lora_b.T
+        np.testing.assert_allclose(np.array(m(x)), np.array(want), rtol=1e-5, atol=1e-6)
+    assert group.projections == before + 1
+    ids = served.encode(PROMPT)
+    shared = served.generate(ids, max_tokens=12, ignore_eos=True).tokens
+    assert group.projections > before + 1  # decoding took the shared path
+    for m in blora.lora_modules(served.model).values():
+        m.shared = None
+    assert served.generate(ids, max_tokens=12, ignore_eos=True).tokens == shared
+
+
 def test_batched_student_generation_follows_the_serving_route(store, heads):
     from edge0.backend import distill as bd
 
@@ -247,3 +273,30 @@ def test_batched_student_generation_follows_the_serving_route(store, heads):
     ex = edge0.load(store, prerouter=heads[0], lora=False, prefill_executor="exact", decode_executor="exact")
     got = bd.student_generate(ex.model, ex.prerouting, np.array([ids, ids]), 8, 0.0, seed=0)
     assert got[:, len(ids):].tolist() == [want, want]
+
+
+def test_distillation_losses_match_their_definitions():
+    from edge0.backend.distill import truncated_forward_kl, truncated_reverse_kl
+
+    rng = np.random.default_rng(0)
+    V, k = 6, 2
+    zs, zt = rng.normal(size=(1, 4, V)), rng.normal(size=(1, 4, V))  # student / teacher logits, start = 1
+    q = np.exp(zs[0, :-1]) / np.exp(zs[0, :-1]).sum(-1, keepdims=True)
+    p = np.exp(zt[0, :-1]) / np.exp(zt[0, :-1]).sum(-1, keepdims=True)
+    logits = mx.array(zs.astype(np.float32))
+    # whole vocabulary: the exact KLs
+    full = (None, np.log(p)[None].astype(np.float32), None)
+    assert float(truncated_forward_kl(logits, 1, *full)) == pytest.approx((p * np.log(p / q)).sum(-1).mean(), rel=1e-5)
+    assert float(truncated_reverse_kl(logits, 1, *full)) == pytest.approx((q * np.log(q / p)).sum(-1).mean(), rel=1e-5)
+    # top-k plus one bucket: the KL between the coarsened distributions
+    idx = np.argsort(-p, axis=-1)[:, :k]
+    rest = np.ones((3, V), bool)
+    np.put_along_axis(rest, idx, False, axis=-1)
+    pc = np.concatenate([np.take_along_axis(p, idx, -1), (p * rest).sum(-1, keepdims=True)], -1)
+    qc = np.concatenate([np.take_along_axis(q, idx, -1), (q * rest).sum(-1, keepdims=True)], -1)
+    coarse = (idx[None].astype(np.int32), np.log(pc[:, :k])[None].astype(np.float32), np.log(pc[:, k])[None].astype(np.float32))
+    assert float(truncated_forward_kl(logits, 1, *coarse)) == pytest.approx((pc * np.log(pc / qc)).sum(-1).mean(), rel=1e-5)
+    assert float(truncated_reverse_kl(logits, 1, *coarse)) == pytest.approx((qc * np.log(qc / pc)).sum(-1).mean(), rel=1e-5)
+    # the gradient of the whole-vocabulary KL is finite and vanishes where student equals teacher
+    g = mx.grad(lambda z: truncated_forward_kl(z, 1, *full))(mx.array(zt.astype(np.float32)))
+    assert np.abs(np.array(g)).max() < 1e-6

@@ -107,9 +107,12 @@ def sft_loss(logits, ids, start: int):
 
 def _coarse_student(logits, start: int, top_idx):
     """Student log-probabilities of the teacher's top-k tokens S [B, n, k] and of the bucket R of
-    every other token [B, n], at the positions predicting ids[:, start:]."""
+    every other token [B, n], at the positions predicting ids[:, start:]. With top_idx None
+    (no coarsening) S is the whole vocabulary, in token order, and R is None."""
     z = logits[:, start - 1:-1].astype(mx.float32)
     lse = mx.logsumexp(z, axis=-1)
+    if top_idx is None:
+        return mx.maximum(z - lse[..., None], _LOG_FLOOR), None
     idx = mx.array(top_idx)
     logq_s = mx.take_along_axis(z, idx, axis=-1) - lse[..., None]
     # log q_R as a logsumexp over the tokens outside S: exact even when q_R is tiny
@@ -124,7 +127,9 @@ def truncated_reverse_kl(logits, start: int, top_idx, top_logp, rest_logp):
     ids[:, start:]:  sum_{v in S} q_v (log q_v - log p_v) + q_R (log q_R - log p_R).
     top_idx/top_logp [B, n, k] and rest_logp [B, n] come from `Teacher.top_k`."""
     logq_s, logq_r = _coarse_student(logits, start, top_idx)
-    kl = (mx.exp(logq_s) * (logq_s - mx.array(top_logp))).sum(axis=-1) + mx.exp(logq_r) * (logq_r - mx.array(rest_logp))
+    kl = (mx.exp(logq_s) * (logq_s - mx.array(top_logp))).sum(axis=-1)
+    if logq_r is not None:
+        kl = kl + mx.exp(logq_r) * (logq_r - mx.array(rest_logp))
     return kl.mean()
 
 
@@ -133,8 +138,11 @@ def truncated_forward_kl(logits, start: int, top_idx, top_logp, rest_logp):
     + p_R (log p_R - log q_R); up to the teacher's entropy, the cross-entropy to the teacher's
     token distribution (soft-label SFT)."""
     logq_s, logq_r = _coarse_student(logits, start, top_idx)
-    p_s, lp_r = mx.array(top_logp), mx.array(rest_logp)
-    kl = (mx.exp(p_s) * (p_s - logq_s)).sum(axis=-1) + mx.exp(lp_r) * (lp_r - logq_r)
+    p_s = mx.array(top_logp)
+    kl = (mx.exp(p_s) * (p_s - logq_s)).sum(axis=-1)
+    if logq_r is not None:
+        lp_r = mx.array(rest_logp)
+        kl = kl + mx.exp(lp_r) * (lp_r - logq_r)
     return kl.mean()
 
 
@@ -231,9 +239,12 @@ class Teacher:
 
     def top_k(self, ids, start: int, k: int):
         """The teacher's view of the positions predicting ids[:, start:]: its top-k token ids
-        [B, n, k], their log-probabilities [B, n, k] and the log of the remaining mass [B, n]."""
+        [B, n, k], their log-probabilities [B, n, k] and the log of the remaining mass [B, n].
+        k = 0 keeps the whole vocabulary: (None, log-probabilities [B, n, V], None)."""
         z = self.model(mx.array(np.asarray(ids, dtype=np.int32)))[:, start - 1:-1].astype(mx.float32)
         logp = z - mx.logsumexp(z, axis=-1, keepdims=True)
+        if k == 0:
+            return None, np.maximum(np.array(logp), _LOG_FLOOR), None
         idx = mx.argpartition(-logp, k - 1, axis=-1)[..., :k]
         top = mx.take_along_axis(logp, idx, axis=-1)
         mask = mx.put_along_axis(mx.zeros(logp.shape, dtype=mx.float32), idx, mx.array(-np.inf, dtype=mx.float32), axis=-1)

@@ -24,7 +24,8 @@ PHASE1 = {"soft": "forward KL(teacher || student) on {text}",
           "hard": "cross-entropy of the tokens of {text}"}
 SFT_TEXT = {"teacher": "teacher-generated continuations", "data": "windows of the training data"}
 PHASE2 = "reverse KL(student || teacher) on student-generated continuations"
-COARSENING = "each KL over the teacher's top-k tokens plus one bucket holding every other token"
+COARSENING = "each KL over the teacher's top-{k} tokens plus one bucket holding every other token"
+FULL_VOCAB = "each KL over the whole vocabulary"
 
 
 @dataclass
@@ -40,7 +41,7 @@ class TrainOptions:
     lr: float = 1e-3
     teacher_temperature: float = 1.0
     student_temperature: float = 1.0
-    distill_top_k: int = 128
+    distill_top_k: int = 0  # 0: the whole vocabulary; k > 0: the teacher's top-k plus one bucket
     sft_targets: str = "soft"  # "soft": the teacher's token distributions; "hard": its sampled tokens
     sft_text: str = "teacher"  # "teacher": continuations it samples; "data": windows of --data it scores
     max_tokens: int = 500_000
@@ -64,8 +65,9 @@ def _check(opts: TrainOptions, vocab: int) -> None:
         raise Edge0Error(f"--sft-text {opts.sft_text}: choose teacher or data")
     if opts.sft_steps + opts.distill_steps == 0:
         raise Edge0Error("--sft-steps/--distill-steps: both are 0; give at least one training step")
-    if not 1 <= opts.distill_top_k < vocab:
-        raise Edge0Error(f"--distill-top-k {opts.distill_top_k}: must be between 1 and {vocab - 1} (vocabulary minus one)")
+    if not 0 <= opts.distill_top_k < vocab:
+        raise Edge0Error(f"--distill-top-k {opts.distill_top_k}: must be between 1 and {vocab - 1} (vocabulary minus one), "
+                         "or 0 for the whole vocabulary")
 
 
 def check_teacher(engine, teacher, sample: str) -> None:
@@ -149,7 +151,7 @@ def train(engine, teacher, text: str, opts: TrainOptions, *, data_name: str, tea
         bd.dequantize_resident(engine.model, engine.compute_dtype)
     engine.model.freeze()  # only the LoRA matrices created below are trainable
     if opts.init:  # attach_lora checks that it was trained for this base, K and pre-router
-        start = attach_lora(engine, opts.init, dtype="float32")  # float32 master weights, as a fresh adapter
+        start = attach_lora(engine, opts.init, dtype="float32", train=True)  # float32 master weights, as a fresh adapter
         paths, opts.r, opts.alpha, opts.targets = start["targets"], start["r"], start["alpha"], None
         wrapped = blora.lora_modules(engine.model)
     else:
@@ -189,7 +191,7 @@ def train(engine, teacher, text: str, opts: TrainOptions, *, data_name: str, tea
             "teacher": teacher_name, "data": data_name, "train_tokens": len(train_tok),
             "init": {"path": opts.init, "sha256": sha256_file(Path(opts.init))} if opts.init else None,
             "prerouter": str(engine.heads_path) if engine.prerouting is not None else None,
-            "options": asdict(opts), "loss": {"phase1": PHASE1[opts.sft_targets].format(text=SFT_TEXT[opts.sft_text]), "phase2": PHASE2, "coarsening": COARSENING},
+            "options": asdict(opts), "loss": {"phase1": PHASE1[opts.sft_targets].format(text=SFT_TEXT[opts.sft_text]), "phase2": PHASE2, "coarsening": COARSENING.format(k=opts.distill_top_k) if opts.distill_top_k else FULL_VOCAB},
             "trainable_parameters": bd.n_trainable(engine.model),
             "validation": report, "date": datetime.date.today().isoformat(),
             "seconds": round(time.perf_counter() - t0, 1),

@@ -84,7 +84,7 @@ def format_stats(s: dict) -> str:
 def format_layer_stats(st: dict) -> str:
     """Per-layer executor statistics as a table."""
     cols = ("calls", "host_syncs", "loads", "hits", "misses", "bytes_read", "read_amplification",
-            "stall_ms", "slot_rewrites", "fallbacks", "dropped", "substitutions")
+            "stall_ms", "slot_rewrites", "slot_scatters", "fallbacks", "dropped", "substitutions")
     rows = [" ".join(f"{c:>12}" for c in ("layer",) + cols)]
     for name, s in list(st["layers"].items()) + [("total", st["totals"])]:
         vals = [s[c] for c in cols]

@@ -190,6 +190,21 @@ def test_staged_covered_route_does_zero_host_syncs(store_for):
     assert e.stats()["totals"]["calls"] >= 12 * n_layers
 
 
+def test_unstaged_experts_are_counted_exactly_as_dropped(store_for):
+    store = store_for("qwen3_moe")
+    ref = edge0.load(store, decode_executor="exact", prefill_executor="exact")
+    prompt = ref.encode("hello world, once upon a time")
+    routes, _ = record_decode_routes(ref, prompt, 12)
+    wrong = {layer: r[1:] + r[:1] for layer, r in routes.items()}  # each step staged with another step's route
+    per_slot = sum(ref.store.expert_nbytes(l) for l in ref.store.layers)
+    e = edge0.load(store, decode_executor="staged", prefill_executor="exact", expert_cache=ref.spec.top_k * per_slot)
+    e.stager = OracleStager(wrong, ahead=False)  # k slots: the slot set is exactly the staged route
+    used, _ = record_decode_routes(e, prompt, 12)
+    per_layer = {l: sum(len(set(u) - set(s)) for u, s in zip(used[l][1:], wrong[l][1:])) for l in used}
+    assert sum(per_layer.values()) > 0
+    assert {l: d["dropped"] for l, d in e.stats()["layers"].items()} == per_layer
+
+
 def test_stress_background_reads_with_constant_eviction(store_for):
     store = store_for("qwen3_moe")
     ref = edge0.load(store, decode_executor="exact", prefill_executor="exact")
@@ -204,6 +219,25 @@ def test_stress_background_reads_with_constant_eviction(store_for):
     assert res.tokens == want
     t = e.stats()["totals"]
     assert t["slot_rewrites"] > 64 and t["dropped"] == 0
+
+
+def test_in_place_slot_writes_match_the_scatter_reference(store_for):
+    store = store_for("qwen3_moe")
+    ref = edge0.load(store, decode_executor="exact", prefill_executor="exact")
+    prompt = ref.encode("hello world, once upon a time")
+    routes, want = record_decode_routes(ref, prompt, 24)
+    per_slot = sum(ref.store.expert_nbytes(l) for l in ref.store.layers)
+    totals = {}
+    for path in ("in place", "scatter"):
+        e = edge0.load(store, decode_executor="staged", prefill_executor="exact", expert_cache=ref.spec.top_k * per_slot)
+        if path == "scatter":  # the reference: every rewrite makes new slot tensors on the device
+            for ex in e.streaming.staged().values():
+                ex.slots.views = {p: dict.fromkeys(parts) for p, parts in ex.slots.views.items()}
+        e.stager = OracleStager(routes, ahead=True)
+        assert e.generate(prompt, max_tokens=24, ignore_eos=True).tokens == want
+        totals[path] = e.stats()["totals"]
+    assert totals["in place"]["slot_rewrites"] == totals["scatter"]["slot_rewrites"] > 24
+    assert totals["in place"]["slot_scatters"] == 0 and totals["scatter"]["slot_scatters"] > 0
 
 
 def test_live_cache_policies_change_reads_not_outputs(store_for):
@@ -235,3 +269,25 @@ def test_whole_layer_prefill_releases_each_layer(store_for):
     assert res.stats["peak_memory_bytes"] <= e.resident_bytes + 3 * per_layer + slack
     assert res.stats["peak_memory_bytes"] < e.resident_bytes + e.streaming.total_expert_bytes
     assert mx.get_active_memory() <= e.resident_bytes + per_layer + slack
+
+
+def test_writable_view_writes_through_to_the_array():
+    from edge0.backend.core import writable_view
+
+    a = mx.zeros((3, 4), dtype=mx.float32)
+    view = writable_view(a)
+    view[1] = 7.0
+    assert np.array(a).tolist() == [[0.0] * 4, [7.0] * 4, [0.0] * 4]
+    assert writable_view(mx.zeros((3, 4), dtype=mx.bfloat16)) is None  # numpy has no bfloat16: scatter instead
+
+
+def test_host_rows_widen_exactly_as_the_device_does():
+    from edge0.backend.core import from_raw
+    from edge0.streaming.pool import host_rows
+
+    vals = np.array([[1.0, -2.5, 3.140625, 1e-3], [65504.0, -0.0, 7.0, 0.1]], dtype=np.float32)
+    for st, dt in (("F16", mx.float16), ("BF16", mx.bfloat16)):
+        raw = np.array(mx.array(vals).astype(dt).view(mx.uint16)).view(np.uint8).reshape(2, -1)
+        want = np.array(from_raw(raw, st, (2, 4)).astype(mx.float32))
+        assert np.array_equal(host_rows(raw, st, np.dtype(np.float32)).reshape(2, 4), want)
+    assert host_rows(np.zeros((1, 8), np.uint8), "F32", np.dtype(np.float16)) is None  # narrowing: the device does it

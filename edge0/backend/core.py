@@ -31,6 +31,7 @@ eval = mx.eval
 async_eval = mx.async_eval
 argmax = mx.argmax
 concatenate = mx.concatenate
+stack = mx.stack
 take = mx.take
 zeros = mx.zeros
 
@@ -78,6 +79,26 @@ def from_raw(buf: np.ndarray, st_dtype: str, shape) -> mx.array:
     if name == "bfloat16":
         return mx.array(buf.view(np.uint16).reshape(shape)).view(mx.bfloat16)
     return mx.array(buf.view(np.dtype(name)).reshape(shape))
+
+
+def writable_view(a: mx.array) -> np.ndarray | None:
+    """A numpy view of evaluated array `a`'s own memory, for rewriting rows in place (CPU and
+    unified memory), or None where there is none: a dtype numpy cannot view (bfloat16) or a
+    backend that hands out a copy, which a probe write detects. A write through the view changes
+    `a` under every graph that reads it, so it is only safe while no launched computation does."""
+    mx.eval(a)
+    try:
+        view = np.asarray(memoryview(a))
+    except (TypeError, ValueError, BufferError):
+        return None
+    if not view.flags.writeable or view.size == 0:
+        return None
+    flat = view.reshape(-1)
+    old = flat[0].copy()
+    flat[0] = old + 1
+    seen = np.array(a.reshape(-1)[:1])[0]
+    flat[0] = old
+    return view if seen == old + 1 and np.array(a.reshape(-1)[:1])[0] == old else None
 
 
 def to_numpy(a: mx.array) -> np.ndarray:

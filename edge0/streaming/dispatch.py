@@ -14,7 +14,7 @@ from edge0.store.format import manifest_hash
 from edge0.streaming.exact import ExactExecutor
 from edge0.streaming.hot import HotExecutor
 from edge0.streaming.pool import SlotSet, default_budget, format_size, parse_size, slots_per_layer
-from edge0.streaming.staged import StagedExecutor
+from edge0.streaming.staged import StagedExecutor, collect_dropped
 from edge0.streaming.stats import ExecutorStats
 from edge0.streaming.whole import LayerPrefetcher, WholeLayerExecutor
 
@@ -154,8 +154,7 @@ class Streaming:
 
     def end_step(self) -> None:
         """After a decode step was evaluated: read the device-side dropped-expert counters."""
-        for ex in self.staged().values():
-            ex.collect_dropped()
+        collect_dropped(self.staged().values())
         self.stats.decode_steps += 1
 
     def close(self) -> None:

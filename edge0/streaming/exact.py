@@ -42,17 +42,23 @@ class ExactExecutor:
         self.stats.host_syncs += 1
         return B.to_numpy(indices)
 
-    def load(self, ids) -> tuple[dict, int]:
-        """Read experts `ids` from storage (timed as stall); returns (device params, bytes)."""
+    def read(self, ids) -> dict:
+        """Read experts `ids` from storage (timed as stall); returns the store's bytes."""
         t0 = time.perf_counter()
         raw = self.store.read(self.layer, ids)
-        params = to_device(raw, len(ids), self.dtype)
         s = self.stats
         s.stall_s += time.perf_counter() - t0
         s.loads += len(ids)
-        n = raw_nbytes(raw)
-        s.bytes_read += n
-        return params, n
+        s.bytes_read += raw_nbytes(raw)
+        return raw
+
+    def load(self, ids) -> tuple[dict, int]:
+        """Read experts `ids` as device params (the conversion counts as stall); returns (params, bytes)."""
+        raw = self.read(ids)
+        t0 = time.perf_counter()
+        params = to_device(raw, len(ids), self.dtype)
+        self.stats.stall_s += time.perf_counter() - t0
+        return params, raw_nbytes(raw)
 
     def run(self, ids: np.ndarray):
         uniq, inv = np.unique(ids, return_inverse=True)

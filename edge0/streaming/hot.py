@@ -30,7 +30,8 @@ class HotExecutor(ExactExecutor):
         want = set(np.argsort(-self.counts, kind="stable")[:n].tolist()) - {e for e in range(len(self.counts)) if self.counts[e] == 0}
         out, new = sorted(self.hot - want), sorted(want - self.hot)
         slots = self.slots.assign(new, out)
-        self.slots.apply(out, new, slots, self.load(new)[0] if new else None)
+        # called while this step's graph, which reads the slots, is still unevaluated: scatter
+        self.stats.slot_scatters += self.slots.apply(out, new, slots, self.read(new) if new else None)
         self.stats.slot_rewrites += len(new)
         self.hot = want
 

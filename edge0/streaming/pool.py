@@ -61,6 +61,19 @@ def slots_per_layer(store: ExpertStore, budget: int, k: int) -> int:
     return min(n, min(int(info["num_experts"]) for info in store.layers.values()))
 
 
+def host_rows(buf: np.ndarray, st_dtype: str, target: np.dtype) -> np.ndarray | None:
+    """Store bytes [n, nbytes] as `target` values on the host where that is exact (the same
+    dtype, or float16/bfloat16 widened to float32, as the device's astype does); else None."""
+    name = B.ST_DTYPES[st_dtype]
+    if name == target.name:
+        return buf.view(target)
+    if target.name == "float32" and name == "float16":
+        return buf.view(np.float16).astype(np.float32)
+    if target.name == "float32" and name == "bfloat16":  # bfloat16 is the top half of a float32
+        return (buf.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    return None
+
+
 class SlotSet:
     """Persistent slot tensors, the expert -> slot table, and cache membership for one layer."""
 
@@ -74,6 +87,7 @@ class SlotSet:
         zeros = {name: (np.zeros((n_slots + 1, t["expert_nbytes"]), np.uint8), t["dtype"], tuple(t["shape"][1:]))
                  for name, t in info["tensors"].items()}
         self.params = to_device(zeros, n_slots + 1, compute_dtype)
+        self.views = {p: {k: B.writable_view(a) for k, a in parts.items()} for p, parts in self.params.items()}
         self.table_host = np.full(self.num_experts, self.zero, dtype=np.uint32)
         self.table = B.array(self.table_host)
         self.cache = ExpertCache(make_policy(policy, n_slots, self.num_experts, **(policy_options or {})))
@@ -95,16 +109,28 @@ class SlotSet:
         hits, loaded, evicted = self.cache.access(step, experts, scores)
         return hits, loaded, evicted, self.assign(loaded, evicted)
 
-    def apply(self, evicted: list[int], loaded: list[int], slots: list[int], params: dict | None,
-              alias: dict[int, int] | None = None) -> None:
-        """Device update: rewrite only the changed slots and the expert -> slot table. `alias`
-        {routed: substitute} points routed experts at their substitutes' slots for this step only
-        (the next apply drops it)."""
+    def apply(self, evicted: list[int], loaded: list[int], slots: list[int], raw: dict | None,
+              alias: dict[int, int] | None = None, in_place: bool = False) -> int:
+        """Device update: rewrite only the changed slots (from `raw`, the store's bytes of
+        `loaded`) and the expert -> slot table. `alias` {routed: substitute} points routed experts
+        at their substitutes' slots for this step only (the next apply drops it). `in_place`: the
+        caller guarantees that no launched computation reads these slots, so rows are copied
+        straight into the slot tensors' memory; otherwise (or where a tensor has no host view)
+        a device scatter makes new slot tensors. Returns the number of tensors scattered."""
+        scattered = 0
         if loaded:
-            idx = B.array(np.array(slots, dtype=np.uint32))
-            for proj, parts in params.items():
-                for part, rows in parts.items():
-                    self.params[proj][part][idx] = rows
+            idx = None
+            for name, (buf, st_dtype, shape) in raw.items():
+                proj, part = name.rsplit(".", 1)
+                view = self.views[proj][part] if in_place else None
+                rows = host_rows(buf, st_dtype, view.dtype) if view is not None else None
+                if rows is not None:
+                    view[slots] = rows.reshape(len(loaded), *shape)
+                    continue
+                idx = B.array(np.array(slots, dtype=np.uint32)) if idx is None else idx
+                self.params[proj][part][idx] = to_device({name: (buf, st_dtype, shape)}, len(loaded), self.dtype)[proj][part]
+                self.views[proj][part] = None  # a new array now: any old view is stale
+                scattered += 1
         self.table_host[evicted] = self.zero
         self.table_host[loaded] = slots
         if loaded or evicted or alias or self.aliased:
@@ -114,6 +140,7 @@ class SlotSet:
                 table[list(alias)] = self.table_host[list(alias.values())]
             self.table = B.array(table)
         self.aliased = bool(alias)
+        return scattered
 
     def local(self, indices):
         """Route indices -> slot indices, on the device (no host sync)."""

@@ -25,7 +25,7 @@ import numpy as np
 
 from edge0.backend import core as B
 from edge0.cache import substitute
-from edge0.streaming.exact import ExactExecutor, raw_nbytes, to_device
+from edge0.streaming.exact import ExactExecutor, raw_nbytes
 from edge0.streaming.pool import SlotSet
 
 
@@ -41,7 +41,7 @@ class StagedExecutor(ExactExecutor):
         self.step = 0
         self.trusted = False  # this step's route was staged ahead: no host sync
         self._pending: tuple | None = None  # (evicted, loaded, slots, read Future, alias)
-        self._dropped = []  # device scalars, read after the step
+        self._dropped = []  # device scalars, read after the step by collect_dropped
 
     def route_experts(self, ids: np.ndarray, scores) -> tuple[list[int], dict[int, int]]:
         """One token's route (host ids [K], scores [E]) -> (the experts to use, {routed:
@@ -67,19 +67,19 @@ class StagedExecutor(ExactExecutor):
         self._pending = (evicted, loaded, slots, future, alias)
 
     def swap(self) -> None:
-        """Step boundary: wait for the staged reads and write them into their slots."""
+        """Step boundary (the previous step is evaluated, so nothing in flight reads the slots):
+        wait for the staged reads and write them into their slots in place."""
         evicted, loaded, slots, future, alias = self._pending
         self._pending = None
-        params = None
+        raw = None
         if future is not None:
             t0 = time.perf_counter()
             raw = future.result()
             self.stats.stall_s += time.perf_counter() - t0
-            params = to_device(raw, len(loaded), self.dtype)
             self.stats.loads += len(loaded)
             self.stats.bytes_read += raw_nbytes(raw)
             self.stats.slot_rewrites += len(loaded)
-        self.slots.apply(evicted, loaded, slots, params, alias)
+        self.stats.slot_scatters += self.slots.apply(evicted, loaded, slots, raw, alias, in_place=True)
         self.trusted = True
 
     def settle(self) -> None:
@@ -89,12 +89,10 @@ class StagedExecutor(ExactExecutor):
             self.swap()
         self.trusted = False
 
-    def collect_dropped(self) -> int:
-        """After a step: how many routed experts were not staged (read the device counters)."""
-        n = sum(int(d.item()) for d in self._dropped)
-        self._dropped.clear()
-        self.stats.dropped += n
-        return n
+    def take_dropped(self) -> list:
+        """This step's device counters of routed experts that were not staged (see collect_dropped)."""
+        out, self._dropped = self._dropped, []
+        return out
 
     # -- the layer call ------------------------------------------------------------------------
     def host_route(self, indices, scores):
@@ -124,7 +122,26 @@ class StagedExecutor(ExactExecutor):
         s.misses += len(loaded)
         s.bytes_used += len(experts) * self.expert_nbytes
         s.distinct_experts.update(experts)
-        params = self.load(loaded)[0] if loaded else None
-        self.slots.apply(evicted, loaded, slots, params, alias)
+        # this layer's slots are read by no launched computation: the route's sync evaluated
+        # everything before it, and the previous step was evaluated whole
+        raw = self.read(loaded) if loaded else None
+        s.slot_scatters += self.slots.apply(evicted, loaded, slots, raw, alias, in_place=True)
         s.slot_rewrites += len(loaded)
         return [(self.slots.params, self.slots.local(indices))]
+
+
+def collect_dropped(executors) -> int:
+    """After a step: read every executor's dropped-expert counters in one host sync (one per
+    layer would cost a sync each), add them to each layer's stats; returns the total."""
+    pending = [(ex, ex.take_dropped()) for ex in executors]
+    flat = [d for _, ds in pending for d in ds]
+    if not flat:
+        return 0
+    counts = B.to_numpy(B.stack(flat)).tolist()
+    total = 0
+    for ex, ds in pending:
+        n = int(sum(counts[:len(ds)]))
+        counts = counts[len(ds):]
+        ex.stats.dropped += n
+        total += n
+    return total

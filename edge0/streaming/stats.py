@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 COUNTERS = ("calls", "host_syncs", "loads", "hits", "misses", "bytes_read", "bytes_used",
-            "slot_rewrites", "fallbacks", "dropped", "substitutions")
+            "slot_rewrites", "slot_scatters", "fallbacks", "dropped", "substitutions")
 
 
 @dataclass
@@ -19,6 +19,7 @@ class LayerStats:
     bytes_read: int = 0
     bytes_used: int = 0  # bytes of the distinct experts each call actually used
     slot_rewrites: int = 0
+    slot_scatters: int = 0  # slot tensors rewritten by a device scatter, not in place (see SlotSet.apply)
     fallbacks: int = 0  # calls that fell back to the exact path
     dropped: int = 0  # routed experts that were not staged (trusted staged mode only)
     substitutions: int = 0  # routed experts replaced by a cached one (--substitute-alpha; lossy)

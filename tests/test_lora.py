@@ -243,27 +243,6 @@ def test_serving_changes_logits_by_exactly_the_delta_path(store, tmp_path):
     assert np.array_equal(served.logits(ids), plain)  # a zero delta leaves the base untouched, bit for bit
 
 
-def test_shared_down_projection_equals_the_reference_path(store, tmp_path):
-    adapter, _, _ = random_adapter(store, tmp_path / "lora.safetensors")
-    served = edge0.load(store, prerouter=False, lora=adapter)
-    attn = served.model.model.layers[0].self_attn
-    group = attn.q_proj.shared
-    assert all(getattr(attn, n).shared is group for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
-    x = mx.array(np.random.default_rng(2).normal(size=(1, 1, attn.q_proj.lora_a.shape[1])).astype(np.float32))
-    before = group.projections
-    for name in ("q_proj", "k_proj", "v_proj"):  # one input array: one down-projection for the three
-        m = getattr(attn, name)
-        want = m.base(x) + m.scale * (x @ m.lora_a.T) @ m.lora_b.T
-        np.testing.assert_allclose(np.array(m(x)), np.array(want), rtol=1e-5, atol=1e-6)
-    assert group.projections == before + 1
-    ids = served.encode(PROMPT)
-    shared = served.generate(ids, max_tokens=12, ignore_eos=True).tokens
-    assert group.projections > before + 1  # decoding took the shared path
-    for m in blora.lora_modules(served.model).values():
-        m.shared = None
-    assert served.generate(ids, max_tokens=12, ignore_eos=True).tokens == shared
-
-
 def test_batched_student_generation_follows_the_serving_route(store, heads):
     from edge0.backend import distill as bd
 

@@ -27,61 +27,13 @@ class LoRALinear(nn.Module):
         bound = 1 / math.sqrt(in_dims)
         self.lora_a = mx.random.uniform(-bound, bound, (r, in_dims))
         self.lora_b = mx.zeros((out_dims, r))  # the delta starts at zero
-        self.shared = None  # set by share_inputs for serving
 
     def __call__(self, x):
-        if self.shared is not None and x.shape[-2] == 1:
-            return self.shared(self, x)
         a, b = self.lora_a, self.lora_b
         if a.dtype != x.dtype:  # float32 master weights under a bf16/fp16 compute dtype
             a, b = a.astype(x.dtype), b.astype(x.dtype)
         # one fused op for scale * (x A^T) B^T + base(x): fewer graph nodes per decode step
         return mx.addmm(self.base(x), x @ a.T, b.T, alpha=self.scale)
-
-
-class SharedDownProjection:
-    """The decode-time form of sibling LoRALinears that read inputs of one width (q/k/v read the
-    same normed hidden state): x @ [A_1; ...; A_G]^T is computed once per input array and each
-    member applies its B widened with zeros to all G blocks, so a member's output is still exactly
-    base(x) + scale (x A_i^T) B_i^T while q/k/v cost one matmul plus three addmm instead of six ops.
-    Only single-token calls take this path: the one remembered input is then a single row."""
-
-    def __init__(self, members: list[LoRALinear]):
-        self.a_cat = mx.concatenate([m.lora_a for m in members], axis=0)
-        r = [m.lora_a.shape[0] for m in members]
-        offsets = np.cumsum([0] + r)
-        self.b_wide = {}
-        for m, lo, hi in zip(members, offsets[:-1], offsets[1:]):
-            wide = mx.zeros((m.lora_b.shape[0], int(offsets[-1])), dtype=m.lora_b.dtype)
-            wide[:, int(lo):int(hi)] = m.lora_b
-            self.b_wide[id(m)] = wide
-        self.last = None
-        self.projections = 0  # x @ A_cat^T computed (the rest of the members' calls reused one)
-        mx.eval(self.a_cat, list(self.b_wide.values()))
-
-    def __call__(self, member: LoRALinear, x):
-        if self.last is None or self.last[0] is not x:
-            self.last = (x, x @ self.a_cat.T)
-            self.projections += 1
-        return mx.addmm(member.base(x), self.last[1], self.b_wide[id(member)].T, alpha=member.scale)
-
-
-def share_inputs(model: nn.Module) -> list[SharedDownProjection]:
-    """Group every module's LoRALinear children by input width, dtype and scale (two or more per
-    group) into SharedDownProjections for decoding; the reference path stays for longer inputs.
-    Call after the adapter's tensors are loaded; returns the groups."""
-    groups: dict[tuple, list[LoRALinear]] = {}
-    for path, m in lora_modules(model).items():
-        parent = path.rpartition(".")[0]
-        groups.setdefault((parent, m.lora_a.shape[1], m.lora_a.dtype, m.scale), []).append(m)
-    shared = []
-    for members in groups.values():
-        if len(members) > 1:
-            g = SharedDownProjection(members)
-            for m in members:
-                m.shared = g
-            shared.append(g)
-    return shared
 
 
 def _input_dims(m) -> int:

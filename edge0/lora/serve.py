@@ -59,11 +59,10 @@ def store_adapter(engine) -> tuple[Path | None, str]:
     return None, ("no recovery LoRA: " + "; ".join(why)) if why else ""
 
 
-def attach_lora(engine, path, dtype: str | None = None, train: bool = False) -> dict:
+def attach_lora(engine, path, dtype: str | None = None) -> dict:
     """Wrap the adapter's target linears of `engine.model` in LoRALinear and load its tensors, in
-    `dtype` (default the compute dtype). For serving, siblings that read one input share their
-    down-projection when decoding (blora.share_inputs); `train` keeps the plain trainable form.
-    Returns the adapter's metadata (also kept as engine.lora_meta)."""
+    `dtype` (default the compute dtype; training keeps float32 master weights). Returns the
+    adapter's metadata (also kept as engine.lora_meta)."""
     path = Path(path)
     if engine.lora_path is not None:
         raise Edge0Error(f"--lora {path}: this engine already serves {engine.lora_path}; load the model again")
@@ -84,7 +83,5 @@ def attach_lora(engine, path, dtype: str | None = None, train: bool = False) -> 
         raise Edge0Error(f"{path}: tensor {wrong[0]} has shape {tensors[wrong[0]].shape}, the model needs {shapes[wrong[0]]}; {hint}")
     wrapped = blora.apply_lora(engine.model, meta["targets"], meta["r"], meta["alpha"])
     blora.load_lora_tensors(wrapped, tensors, B.dtype(dtype or engine.compute_dtype))
-    if not train:
-        blora.share_inputs(engine.model)
     engine.lora_path, engine.lora_meta = path, meta
     return meta

@@ -151,7 +151,7 @@ def train(engine, teacher, text: str, opts: TrainOptions, *, data_name: str, tea
         bd.dequantize_resident(engine.model, engine.compute_dtype)
     engine.model.freeze()  # only the LoRA matrices created below are trainable
     if opts.init:  # attach_lora checks that it was trained for this base, K and pre-router
-        start = attach_lora(engine, opts.init, dtype="float32", train=True)  # float32 master weights, as a fresh adapter
+        start = attach_lora(engine, opts.init, dtype="float32")  # float32 master weights, as a fresh adapter
         paths, opts.r, opts.alpha, opts.targets = start["targets"], start["r"], start["alpha"], None
         wrapped = blora.lora_modules(engine.model)
     else:

@@ -232,7 +232,7 @@ def test_in_place_slot_writes_match_the_scatter_reference(store_for):
         e = edge0.load(store, decode_executor="staged", prefill_executor="exact", expert_cache=ref.spec.top_k * per_slot)
         if path == "scatter":  # the reference: every rewrite makes new slot tensors on the device
             for ex in e.streaming.staged().values():
-                ex.slots.views = {p: dict.fromkeys(parts) for p, parts in ex.slots.views.items()}
+                ex.slots.views = {p: dict.fromkeys(parts) for p, parts in ex.slots.params.items()}
         e.stager = OracleStager(routes, ahead=True)
         assert e.generate(prompt, max_tokens=24, ignore_eos=True).tokens == want
         totals[path] = e.stats()["totals"]

@@ -87,7 +87,9 @@ class SlotSet:
         zeros = {name: (np.zeros((n_slots + 1, t["expert_nbytes"]), np.uint8), t["dtype"], tuple(t["shape"][1:]))
                  for name, t in info["tensors"].items()}
         self.params = to_device(zeros, n_slots + 1, compute_dtype)
-        self.views = {p: {k: B.writable_view(a) for k, a in parts.items()} for p, parts in self.params.items()}
+        # host views of the slot tensors, made at the first in-place write: materializing the
+        # slots at load would add their full size to the prefill's peak
+        self.views: dict | None = None
         self.table_host = np.full(self.num_experts, self.zero, dtype=np.uint32)
         self.table = B.array(self.table_host)
         self.cache = ExpertCache(make_policy(policy, n_slots, self.num_experts, **(policy_options or {})))
@@ -118,6 +120,8 @@ class SlotSet:
         straight into the slot tensors' memory; otherwise (or where a tensor has no host view)
         a device scatter makes new slot tensors. Returns the number of tensors scattered."""
         scattered = 0
+        if loaded and in_place and self.views is None:
+            self.views = {p: {k: B.writable_view(a) for k, a in parts.items()} for p, parts in self.params.items()}
         if loaded:
             idx = None
             for name, (buf, st_dtype, shape) in raw.items():
@@ -129,7 +133,8 @@ class SlotSet:
                     continue
                 idx = B.array(np.array(slots, dtype=np.uint32)) if idx is None else idx
                 self.params[proj][part][idx] = to_device({name: (buf, st_dtype, shape)}, len(loaded), self.dtype)[proj][part]
-                self.views[proj][part] = None  # a new array now: any old view is stale
+                if self.views is not None:
+                    self.views[proj][part] = None  # a new array now: any old view is stale
                 scattered += 1
         self.table_host[evicted] = self.zero
         self.table_host[loaded] = slots

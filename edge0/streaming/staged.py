@@ -9,6 +9,10 @@ Two ways to use it:
   step boundary, and the layer then runs with no host sync at all. Routed experts that were not
   staged would hit the zero row; they are counted as `dropped` after the step.
 
+Slots are rewritten in place (SlotSet.apply(in_place=True)), which relies on one invariant of
+the engine: a step's graph is built only after the previous step was evaluated, so when a layer
+rewrites its slots (at the boundary, or after its own route's sync) nothing launched reads them.
+
 Router scores (over all experts) reach the cache when its policy needs them (smoe) or substitution
 is on; they travel with the route, so they add no host sync: the gate path copies them in the
 sync it already does, the staged path gets the pre-router's scores with its predicted route.

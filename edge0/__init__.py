@@ -1,13 +1,16 @@
 """Edge0: run Mixture-of-Experts models bigger than memory on MLX."""
 
-__version__ = "0.1.0"
+from edge0.version import __version__
+
+__all__ = ["__version__", "load"]
 
 
 def load(path=None, **options):
     """Load an edge0 store (None = the bundled demo model) and return an Engine.
 
-    See docs/engine-api.md for the options and the Engine interface.
+    `options` are the fields of edge0.options.LoadOptions; see docs/engine-api.md.
     """
-    from edge0.engine import load as _load
+    from edge0.options import LoadOptions
+    from edge0.runtime import load_engine
 
-    return _load(path, **options)
+    return load_engine(path, LoadOptions(**options))

@@ -1,4 +1,4 @@
-"""`edge0 convert`: a Hugging Face or mlx-lm checkpoint -> an edge0 store.
+"""A Hugging Face or mlx-lm checkpoint -> an edge0 store (the library behind `edge0 convert`).
 
 Resident weights go to model.safetensors, quantized exactly as mlx-lm would; routed experts go to
 one layer-stacked int4 file per MoE layer. Tensors are evaluated and written one at a time into a
@@ -7,7 +7,6 @@ temporary directory that is renamed at the end, so an interrupted run leaves not
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -17,12 +16,11 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from edge0 import __version__
-from edge0.cli_util import run_main
 from edge0.errors import Edge0Error
 from edge0.families import spec_for
-from edge0.store.format import FORMAT, MANIFEST, RESIDENT_FILE, VERSION, expert_file
+from edge0.store.format import CONFIG_FILE, FORMAT, HEADS_FILE, LORA_FILE, MANIFEST, RESIDENT_FILE, VERSION, expert_file
 from edge0.store.writer import SafetensorsWriter
+from edge0.version import __version__
 
 PARTS = ("weight", "scales", "biases", "bias")
 
@@ -66,7 +64,7 @@ def convert(hf_path: str, out: str | os.PathLike, *, dtype: str | None = None, q
     if out.exists():
         raise Edge0Error(f"-o {out}: already exists; choose a new output directory or delete it")
     src = resolve_source(hf_path)
-    if not (src / "config.json").is_file():
+    if not (src / CONFIG_FILE).is_file():
         raise Edge0Error(f"{src}: no config.json; pass a Hugging Face or mlx-lm model directory")
     t0 = time.perf_counter()
     config = bio.load_config(src)
@@ -111,11 +109,11 @@ def convert(hf_path: str, out: str | os.PathLike, *, dtype: str | None = None, q
                 },
             })
         bar.close()
-        bio.save_config(dict(config), config_path=tmp / "config.json")
+        bio.save_config(dict(config), config_path=tmp / CONFIG_FILE)
         tokenizer.save_pretrained(str(tmp))
         # Heads and adapters bundled with a checkpoint are tied to the store's identity, which
         # every conversion of that checkpoint shares.
-        for extra in ("generation_config.json", "prerouter.safetensors", "lora.safetensors", *sorted(
+        for extra in ("generation_config.json", HEADS_FILE, LORA_FILE, *sorted(
                 p.name for p in src.glob("lora-k*.safetensors"))):
             if (src / extra).is_file():
                 shutil.copy(src / extra, tmp / extra)
@@ -155,18 +153,3 @@ def _write(path: Path, names: list[str], weights: dict, bar):
         bar.update(a.nbytes)
         del a
     return w.close(), w.offsets, w.sizes
-
-
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="edge0 convert", description=__doc__.splitlines()[0])
-    p.add_argument("--hf-path", required=True, help="Hugging Face repo id or local model directory")
-    p.add_argument("-o", "--out", required=True, help="output store directory (must not exist)")
-    p.add_argument("--dtype", choices=["float16", "bfloat16", "float32"], default=None,
-                   help="dtype of unquantized tensors (default: the checkpoint's torch_dtype)")
-    args = p.parse_args(argv)
-    convert(args.hf_path, args.out, dtype=args.dtype)
-    return 0
-
-
-if __name__ == "__main__":
-    run_main(main)

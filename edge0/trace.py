@@ -1,19 +1,17 @@
-"""`edge0 trace`: record every MoE layer's routes and router scores while the model reads
-held-out text (teacher-forced) and then generates from it."""
+"""Recording routing traces (the library behind `edge0 trace`): every MoE layer's routes and
+router scores while the model reads held-out text (teacher-forced) and then generates from it."""
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import hashlib
 from pathlib import Path
 
 import numpy as np
 
-from edge0 import tracefile
-from edge0.cli_util import run_main
+from edge0.cache import tracefile
 from edge0.errors import Edge0Error
-from edge0.generate import add_model_options, load_options
+from edge0.store.format import manifest_hash
 
 DOC_SEP = "<|endoftext|>"
 
@@ -38,8 +36,6 @@ def split_prompts(engine, text: str, prompts: int, prompt_tokens: int) -> list[l
 def record(engine, prompts: list[list[int]], max_tokens: int, source: dict) -> tracefile.Trace:
     """Run each prompt (prefill = teacher forcing), then greedily generate `max_tokens` tokens
     (0: teacher forcing only); every processed token is one step of the returned trace."""
-    from edge0.store.format import manifest_hash
-
     layers = sorted(engine.store.layers)
     chunks: dict[int, list] = {l: [] for l in layers}
 
@@ -84,32 +80,3 @@ def record_file(engine, data: Path, prompts: int, prompt_tokens: int, max_tokens
     source = {"data": str(data), "sha256": hashlib.sha256(raw).hexdigest(), "prompts": len(chosen),
               "prompt_tokens": prompt_tokens, "max_tokens": max_tokens}
     return record(engine, chosen, max_tokens, source)
-
-
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="edge0 trace", description=__doc__.splitlines()[0])
-    add_model_options(p)
-    p.add_argument("--data", required=True, type=Path, help="text file; documents separated by <|endoftext|> lines")
-    p.add_argument("--out", required=True, type=Path, help="trace file to write (.npz)")
-    p.add_argument("--prompts", type=int, default=8, help="number of prompts taken from --data (default 8)")
-    p.add_argument("--prompt-tokens", type=int, default=512, help="teacher-forced tokens per prompt (default 512)")
-    p.add_argument("--max-tokens", type=int, default=64, help="tokens generated after each prompt (default 64; 0: none)")
-    args = p.parse_args(argv)
-    if args.prompts < 1 or args.prompt_tokens < 2 or args.max_tokens < 0:
-        p.error("--prompts must be >= 1, --prompt-tokens >= 2 and --max-tokens >= 0")
-    if not args.out.parent.is_dir():
-        raise Edge0Error(f"--out: directory {args.out.parent} does not exist; create it or pick another path")
-
-    import edge0
-
-    engine = edge0.load(args.model, **load_options(args))
-    trace = record_file(engine, args.data, args.prompts, args.prompt_tokens, args.max_tokens)
-    tracefile.write(args.out, trace)
-    gen = int(trace.phase.sum())
-    print(f"{args.out}: {trace.num_steps} steps ({trace.num_steps - gen} teacher-forced, {gen} generated), "
-          f"{len(trace.layers)} MoE layers, {trace.num_experts} experts, top-{trace.top_k}")
-    return 0
-
-
-if __name__ == "__main__":
-    run_main(main)

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from edge0.bench import METRICS, SCHEMA, all_arms, main
+from edge0.bench import METRICS, SCHEMA, all_arms
+from edge0.cli.bench import main
 from edge0.errors import Edge0Error
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -11,7 +11,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.utils import load as mlx_load
 
 import edge0
-from edge0.models import bundled_checkpoint, bundled_store
+from edge0.bundled import bundled_checkpoint, bundled_store
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +48,7 @@ def test_bundled_greedy_matches_mlx_lm(mlx_reference):
 
 @pytest.mark.parametrize("routing", ["--no-prerouter", None])
 def test_generate_cli_with_no_model_prints_text_and_stats(routing):
-    args = [sys.executable, "-m", "edge0.generate", "--prompt", "A list is", "--max-tokens", "30", "--no-chat-template"]
+    args = [sys.executable, "-m", "edge0", "generate", "--prompt", "A list is", "--max-tokens", "30", "--no-chat-template"]
     p = subprocess.run(args + ([routing] if routing else []), capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr
     assert "tok/s" in p.stderr and "experts read" in p.stderr and len(p.stdout.strip()) >= 10

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 import edge0
-from edge0 import chat
+from edge0.cli import chat
 from edge0.errors import Edge0Error
 from tests.fake_engine import FakeEngine
 
@@ -100,7 +100,7 @@ def test_usage_errors_are_one_line_exit_2(capsys, argv):
 
 
 def test_usage_error_from_the_command_line():
-    p = subprocess.run([sys.executable, "-m", "edge0.chat", "--top-k", "many"], capture_output=True, text=True,
+    p = subprocess.run([sys.executable, "-m", "edge0", "chat", "--top-k", "many"], capture_output=True, text=True,
                        timeout=60)
     assert p.returncode == 2 and len(p.stderr.splitlines()) == 1 and "Traceback" not in p.stderr
 

@@ -11,7 +11,7 @@ from tests.fixtures.make import fixture_dir, write_safetensors_shards  # noqa: F
 
 
 def run_cli(*args):
-    p = subprocess.run([sys.executable, "-m", "edge0.cli", *args], capture_output=True, text=True, timeout=120)
+    p = subprocess.run([sys.executable, "-m", "edge0", *args], capture_output=True, text=True, timeout=120)
     return p.returncode, p.stderr.strip()
 
 

@@ -29,7 +29,7 @@ def test_agreement_and_kl_against_a_known_model():
 def test_eval_cli_matches_mlx_lm_reference(store_for, tmp_path):
     data = tmp_path / "valid.txt"
     data.write_text("Once upon a time there was a tiny model. It read its experts from disk. " * 20)
-    p = subprocess.run([sys.executable, "-m", "edge0.evaluate", "--model", str(store_for("qwen3_moe")), "--data", str(data),
+    p = subprocess.run([sys.executable, "-m", "edge0", "eval", "--model", str(store_for("qwen3_moe")), "--data", str(data),
                         "--reference", str(reference_dir("qwen3_moe")), "--window", "64", "--json"],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
@@ -40,7 +40,7 @@ def test_eval_cli_matches_mlx_lm_reference(store_for, tmp_path):
 def test_eval_decode_measures_the_expert_cache(store_for, tmp_path, capsys):
     """--decode runs through the expert cache: same perplexity as one forward pass at alpha 0,
     and substitution shows up as substitutions and fewer bytes read per token."""
-    from edge0.evaluate import main
+    from edge0.cli.eval import main
 
     root = store_for("qwen3_moe")
     data = tmp_path / "valid.txt"

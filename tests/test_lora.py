@@ -13,6 +13,7 @@ import pytest
 
 import edge0
 from edge0.backend import lora as blora
+from edge0.backend import nn as bnn
 from edge0.errors import Edge0Error
 from edge0.lora.adapter import read_adapter, save_adapter
 from edge0.store.format import manifest_hash
@@ -93,7 +94,7 @@ def heads(store, tmp_path_factory):
 @pytest.fixture(scope="module")
 def trained(store, heads, tmp_path_factory):
     """A short train-lora run (both phases) on the fixture store with its heads."""
-    from edge0.train_lora import main
+    from edge0.cli.train_lora import main
 
     d = tmp_path_factory.mktemp("lora")
     (d / "train.txt").write_text("disk " * 400)  # few distinct prompts: a short run can generalize
@@ -124,7 +125,7 @@ def test_train_lora_lowers_the_distillation_loss_and_records_provenance(store, h
 
 
 def test_train_lora_continues_an_adapter(store, heads, trained, tmp_path):
-    from edge0.train_lora import main
+    from edge0.cli.train_lora import main
 
     (tmp_path / "train.txt").write_text("disk " * 400)
     out = tmp_path / "more.safetensors"
@@ -234,7 +235,7 @@ def test_serving_changes_logits_by_exactly_the_delta_path(store, tmp_path):
     for p in paths:  # the reference: the same int4 base plus the delta as one dense matrix
         parent, name = p.rsplit(".", 1)
         delta = 2.0 * mx.array(tensors[f"{p}.lora_b"]) @ mx.array(tensors[f"{p}.lora_a"])
-        blora._get(base.model, parent)[name] = DenseDelta(blora._get(base.model, p), delta)
+        bnn.get_module(base.model, parent)[name] = DenseDelta(bnn.get_module(base.model, p), delta)
     np.testing.assert_allclose(served.logits(ids), base.logits(ids), rtol=1e-4, atol=1e-4)
     plain = edge0.load(store, prerouter=False, lora=False).logits(ids)
     assert np.abs(served.logits(ids) - plain).max() > 1e-2  # the adapter does change the logits
@@ -244,7 +245,7 @@ def test_serving_changes_logits_by_exactly_the_delta_path(store, tmp_path):
 
 
 def test_batched_student_generation_follows_the_serving_route(store, heads):
-    from edge0.backend import distill as bd
+    from edge0.lora import distill as bd
 
     served = edge0.load(store, prerouter=heads[0], lora=False)
     ids = served.encode(PROMPT)
@@ -255,7 +256,7 @@ def test_batched_student_generation_follows_the_serving_route(store, heads):
 
 
 def test_distillation_losses_match_their_definitions():
-    from edge0.backend.distill import truncated_forward_kl, truncated_reverse_kl
+    from edge0.lora.distill import truncated_forward_kl, truncated_reverse_kl
 
     rng = np.random.default_rng(0)
     V, k = 6, 2

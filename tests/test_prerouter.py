@@ -11,9 +11,9 @@ import pytest
 
 import edge0
 from edge0.backend import nn as bnn
-from edge0.backend import prerouter as bpr
 from edge0.errors import Edge0Error
-from edge0.prerouter.stager import PreRouterStager
+from edge0.prerouter.attach import use_prerouting
+from edge0.prerouter.routes import PreRouting
 from edge0.prerouter.train import owner_layers
 
 PROMPT = "hello world, once upon a time"
@@ -24,7 +24,7 @@ def heads_file(store_for, tmp_path_factory):
     data = tmp_path_factory.mktemp("data") / "train.txt"
     data.write_text("Once upon a time there was a tiny model that read its experts from disk. " * 80)
     out = tmp_path_factory.mktemp("heads") / "heads.safetensors"
-    p = subprocess.run([sys.executable, "-m", "edge0.train_prerouter", "--model", str(store_for("deepseek_v3")),
+    p = subprocess.run([sys.executable, "-m", "edge0", "train-prerouter", "--model", str(store_for("deepseek_v3")),
                         "--data", str(data), "--out", str(out), "--steps", "60", "--window", "64"],
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr
@@ -52,7 +52,7 @@ def test_trained_heads_route_with_no_consumer_syncs_and_no_drops(store_for, head
 def test_reads_for_next_step_issued_before_step_finishes(store_for, heads_file):
     e = edge0.load(store_for("deepseek_v3"), prerouter=heads_file)
     e.generate(PROMPT, max_tokens=8, ignore_eos=True)
-    ev = e.stager.events
+    ev = e.hooks.events
     consumers = set(e.prerouting.consumer.values())
     for t in range(7):
         done = ev.index(("done", t))
@@ -98,11 +98,8 @@ def test_oracle_heads_reproduce_the_exact_path(store_for, policy, alpha):
     eb = dict(bnn.moe_blocks(e.model))
     owners = owner_layers(e)
     heads = {o: OracleHead(recorded[c]) for o, c in owners.items()}
-    pr = bpr.PreRouting(heads, owners, {c: bpr.router_bias(eb[c]) for c in owners.values()}, e.spec, e.k)
-    for b in eb.values():
-        object.__setattr__(b, "prerouting", pr)
-    e.prerouting = pr
-    e.stager = PreRouterStager(pr, {c: ex for c, ex in e.streaming.staged().items() if c in owners.values()})
+    pr = PreRouting(heads, owners, {c: eb[c].router_bias() for c in owners.values()}, e.spec, e.k)
+    use_prerouting(e, pr)
     got = e.generate(PROMPT, max_tokens=12, ignore_eos=True)
     assert (got.tokens == want.tokens) == (alpha == 0)
     assert (sum(e.streaming.stats.layers[c].substitutions for c in owners.values()) > 0) == (alpha > 0)

@@ -323,7 +323,7 @@ def test_client_timeout_cancels_a_non_streaming_request(url, client, engine):
 
 def test_serve_main_wires_flags_and_warns_on_a_public_host(monkeypatch, caplog):
     import edge0
-    from edge0 import serve
+    from edge0.cli import serve
 
     ran = {}
     monkeypatch.setattr(edge0, "load", lambda path=None, **options: ran.update(path=path, options=options) or FakeEngine())
@@ -340,7 +340,7 @@ def test_serve_main_wires_flags_and_warns_on_a_public_host(monkeypatch, caplog):
 
 @pytest.mark.parametrize("argv", [["--max-queue", "-1"], ["--port", "http"], ["--default-max-tokens", "9999"]])
 def test_serve_usage_errors_are_one_line_exit_2(capsys, argv):
-    from edge0 import serve
+    from edge0.cli import serve
 
     with pytest.raises(SystemExit) as e:
         serve.main(argv)

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from edge0 import tracefile
+from edge0.cache import tracefile
 from edge0.cache.learn import train
 from edge0.cache.replay import parse_budgets, parse_byte_budgets, simulate
 from edge0.errors import Edge0Error
@@ -51,7 +51,7 @@ def test_belady_bounds_every_policy(synth):
 
 
 def test_simulate_cli_table_and_json(synth_file, capsys):
-    from edge0.simulate import main
+    from edge0.cli.simulate import main
 
     assert main(["--trace", str(synth_file), "--budget", "1/4,3/8", "--budget-bytes", "6MiB"]) == 0
     out = capsys.readouterr().out
@@ -69,8 +69,8 @@ def test_simulate_cli_table_and_json(synth_file, capsys):
 
 def test_train_cache_policy_cli(synth_file, tmp_path, capsys):
     from edge0.cache.flashmoe import load_model
-    from edge0.simulate import main as simulate_main
-    from edge0.train_cache_policy import main
+    from edge0.cli.simulate import main as simulate_main
+    from edge0.cli.train_cache_policy import main
 
     out = tmp_path / "policy.safetensors"
     assert main(["--trace", str(synth_file), "--out", str(out), "--budget", "3,5", "--epochs", "1",
@@ -90,7 +90,7 @@ def test_train_cache_policy_cli(synth_file, tmp_path, capsys):
 
 
 def test_plan_on_fixture_store(store_for, tmp_path, capsys):
-    from edge0.plan import main
+    from edge0.cli.plan import main
 
     data = tmp_path / "text.txt"
     data.write_text("a few words about lists, files and modules. " * 40)
@@ -108,7 +108,7 @@ def test_plan_on_fixture_store(store_for, tmp_path, capsys):
 
 
 def test_simulated_substitution_saves_reads(synth, synth_file, capsys):
-    from edge0.simulate import main
+    from edge0.cli.simulate import main
 
     budgets = parse_budgets("3,5", synth.num_experts)
     base = {r.budget.capacity: r for r in simulate(synth, ["lru"], budgets)}

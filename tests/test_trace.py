@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from edge0 import tracefile
+from edge0.cache import tracefile
 from edge0.errors import Edge0Error
 
 
@@ -88,7 +88,7 @@ def test_write_rejects_inconsistent_arrays(tmp_path):
 @pytest.fixture(scope="module")
 def fixture_trace(store_for, tmp_path_factory):
     """`edge0 trace` on the qwen3_moe fixture store: 2 prompts x (24 teacher-forced + 5 generated)."""
-    from edge0.trace import main
+    from edge0.cli.trace import main
 
     tmp = tmp_path_factory.mktemp("trace")
     data = tmp / "text.txt"
@@ -118,7 +118,7 @@ def test_recorded_trace_shapes(fixture_trace, store_for):
 
 
 def test_trace_cli_errors(tmp_path, store_for):
-    from edge0.trace import main
+    from edge0.cli.trace import main
 
     with pytest.raises(Edge0Error, match="no such file"):
         main(["--model", str(store_for("qwen3_moe")), "--data", str(tmp_path / "none.txt"), "--out", str(tmp_path / "t.npz")])

@@ -34,6 +34,15 @@ concatenate = mx.concatenate
 stack = mx.stack
 take = mx.take
 zeros = mx.zeros
+zeros_like = mx.zeros_like
+# Ops used by the features' losses and samplers (edge0/lora, edge0/prerouter).
+logsumexp = mx.logsumexp
+exp = mx.exp
+log = mx.log
+maximum = mx.maximum
+random_key = mx.random.key
+random_split = mx.random.split
+categorical = mx.random.categorical
 
 _DTYPES = {
     "float32": mx.float32,
@@ -140,14 +149,6 @@ def peak_memory() -> int:
 
 def reset_peak_memory() -> None:
     mx.reset_peak_memory()
-
-
-def active_memory() -> int:
-    return mx.get_active_memory()
-
-
-def clear_cache() -> None:
-    mx.clear_cache()
 
 
 def peak_rss() -> int:

@@ -12,6 +12,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
+from edge0.backend.nn import get_module, set_module
 from edge0.errors import Edge0Error
 
 
@@ -77,24 +78,11 @@ def resolve_targets(model: nn.Module, targets) -> list[str]:
     return sorted(chosen)
 
 
-def _get(root, path):
-    obj = root
-    for part in path.split("."):
-        obj = obj[int(part)] if isinstance(obj, list) else obj[part]
-    return obj
-
-
-def set_module(root: nn.Module, path: str, value: nn.Module) -> None:
-    """Replace the module at a dotted path (a top-level name included)."""
-    parent, _, name = path.rpartition(".")
-    (_get(root, parent) if parent else root)[name] = value
-
-
 def apply_lora(model: nn.Module, paths: list[str], r: int, alpha: float) -> dict[str, LoRALinear]:
     """Wrap each path's linear in a LoRALinear (in place); returns them by path."""
     wrapped = {}
     for path in paths:
-        layer = LoRALinear(_get(model, path), r, alpha)
+        layer = LoRALinear(get_module(model, path), r, alpha)
         set_module(model, path, layer)
         wrapped[path] = layer
     return wrapped
@@ -128,7 +116,7 @@ def expected_shapes(model: nn.Module, paths: list[str], r: int) -> dict[str, tup
     """The lora_a [r, in] and lora_b [out, r] shapes an adapter must have for `paths`."""
     out = {}
     for path in paths:
-        m = _get(model, path)
+        m = get_module(model, path)
         out[f"{path}.lora_a"] = (r, _input_dims(m))
         out[f"{path}.lora_b"] = (m.weight.shape[0], r)
     return out
@@ -190,3 +178,24 @@ def merge_lora(model: nn.Module, how: str = "fresh") -> dict[str, dict]:
         set_module(model, path, merged)
     mx.eval(model.parameters())
     return stats
+
+
+def dequantize_resident(model: nn.Module, dtype: str) -> int:
+    """Replace every resident QuantizedLinear / QuantizedEmbedding (attention, routers, embedding
+    and head; the streamed experts are not in the tree) by a float layer holding the same
+    dequantized weight. Same function up to summation order, but on the CPU MLX's quantized
+    matmul is ~35x slower than a float GEMM at training batch sizes. Returns the module count."""
+    dt = getattr(mx, dtype)
+    swapped = [(p, m) for p, m in model.named_modules() if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))]
+    for path, m in swapped:
+        w = mx.dequantize(m.weight, m.scales, m.biases, group_size=m.group_size, bits=m.bits).astype(dt)
+        if isinstance(m, nn.QuantizedEmbedding):
+            new = nn.Embedding(w.shape[0], w.shape[1])
+        else:
+            new = nn.Linear(w.shape[1], w.shape[0], bias="bias" in m)
+            if "bias" in m:
+                new.bias = m.bias
+        new.weight = w
+        set_module(model, path, new)
+    mx.eval(model.parameters())
+    return len(swapped)

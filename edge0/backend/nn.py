@@ -9,13 +9,28 @@ import mlx.core as mx
 import numpy as np
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 from mlx_lm.sample_utils import make_sampler
+from mlx_lm.utils import common_prefix_len
 
 from edge0.backend import io as bio
-from edge0.routing import expert_scores, route
+from edge0.backend.routing import expert_scores, route
 
-__all__ = ["make_prompt_cache", "make_sampler"]
+__all__ = ["make_prompt_cache", "make_sampler", "can_trim_prompt_cache", "trim_prompt_cache", "common_prefix_len"]
+
+
+def get_module(root, path: str):
+    """The module (or array) at a dotted path, e.g. "model.layers.3.mlp.gate"."""
+    obj = root
+    for part in path.split("."):
+        obj = obj[int(part)] if isinstance(obj, list) else obj[part]
+    return obj
+
+
+def set_module(root, path: str, value) -> None:
+    """Replace the module at a dotted path (a top-level name included)."""
+    parent, _, name = path.rpartition(".")
+    (get_module(root, parent) if parent else root)[name] = value
 
 
 class StreamingExperts(nn.Module):
@@ -53,7 +68,12 @@ class StreamingExperts(nn.Module):
 
 class SpecMoEBlock(nn.Module):
     """A spec'd family's MoE block with Edge0's routing: router -> top-k -> experts -> weighted
-    sum (+ shared experts). Keeps the original block's children so weight names are unchanged."""
+    sum (+ shared experts). Keeps the original block's children so weight names are unchanged.
+
+    `prerouting`, when set (by the pre-router), supplies routes predicted one token earlier:
+    `predicted(block, x)` -> (indices, weights) or None for the gate; `teacher_forced(layer,
+    indices, weights)` for a full-sequence pass routed as decoding would; `predict(layer, x)`
+    after routing, where this layer owns a head."""
 
     def __init__(self, block: nn.Module, spec, k: int, layer: int):
         super().__init__()
@@ -62,52 +82,45 @@ class SpecMoEBlock(nn.Module):
         object.__setattr__(self, "spec", spec)
         object.__setattr__(self, "observer", None)  # fn(indices [T, K], scores [T, E]) or None
         object.__setattr__(self, "capture", None)  # fn(x [T, D], inds [T, K], scores [T, E]): pre-router traces
-        object.__setattr__(self, "prerouting", None)  # PreRouting shared by the engine's blocks
+        object.__setattr__(self, "prerouting", None)
         self.k = k
         self.layer = layer
 
-    def _lookup(self, path: str):
-        obj = self
-        for part in path.split("."):
-            obj = obj[part]
-        return obj
-
     def router_logits(self, x):
-        router = self._lookup(self.spec.router)
+        router = get_module(self, self.spec.router)
         return router(x) if isinstance(router, nn.Module) else x @ router.T
+
+    def router_bias(self):
+        """The score-correction bias added before selection, or None."""
+        return get_module(self, self.spec.router_bias) if self.spec.router_bias else None
+
+    def router_weight(self) -> mx.array:
+        """The router as a float32 [E, D] matrix (dequantized if quantized)."""
+        r = get_module(self, self.spec.router)
+        if isinstance(r, nn.QuantizedLinear):
+            return mx.dequantize(r.weight, r.scales, r.biases, group_size=r.group_size, bits=r.bits).astype(mx.float32)
+        return (r.weight if isinstance(r, nn.Linear) else r).astype(mx.float32)
 
     def gate_route(self, x):
         """(indices, weights, logits) from this layer's own router."""
-        spec = self.spec
-        bias = self._lookup(spec.router_bias) if spec.router_bias else None
         logits = self.router_logits(x)  # [.., T, E]
-        inds, scores = route(logits, spec.routing, self.k, bias)  # [.., T, K]
+        inds, scores = route(logits, self.spec.routing, self.k, self.router_bias())  # [.., T, K]
         return inds, scores, logits
 
     def __call__(self, x):
         # T tokens, E experts, K active, D hidden
         spec, pr = self.spec, self.prerouting
-        decode = pr is not None and x.shape[-2] == 1
-        parallel = pr is not None and pr.parallel and x.shape[-2] > 1
-        predicted = pr.take(self.layer) if decode else None
+        predicted = pr.predicted(self, x) if pr is not None else None
         probs = None  # router scores over all experts, for the expert cache (lazy: free if unused)
         if predicted is not None:  # the route was predicted at the previous token
             inds, scores = predicted
-            if pr.diagnostics:
-                pr.compare(self.layer, inds, self.gate_route(x)[0])
         else:
             inds, scores, logits = self.gate_route(x)
             probs = expert_scores(logits, spec.routing)
-            if parallel and self.layer in pr.next:  # teacher forcing: position t uses the head at t-1
-                p_inds, p_scores = pr.next.pop(self.layer)
-                inds = mx.concatenate([inds[..., :1, :], p_inds[..., :-1, :]], axis=-2)
-                scores = mx.concatenate([scores[..., :1, :], p_scores[..., :-1, :]], axis=-2)
-            if self.observer is not None:  # tracing only: costs a host sync
-                self.observer(np.array(inds).reshape(-1, inds.shape[-1]), np.array(probs).reshape(-1, probs.shape[-1]))
-            if self.capture is not None:  # pre-router training traces: costs a host sync
-                self.capture(np.array(x.astype(mx.float32)).reshape(-1, x.shape[-1]),
-                             np.array(inds).reshape(-1, inds.shape[-1]), np.array(probs).reshape(-1, probs.shape[-1]))
-        if (decode or parallel) and self.layer in pr.heads:
+            if pr is not None:
+                inds, scores = pr.teacher_forced(self.layer, inds, scores)
+            self._observe(x, inds, probs)
+        if pr is not None:
             pr.predict(self.layer, x)
         y = self[spec.experts](x, inds, scores=probs)  # [.., T, K, D]
         y = (y * scores[..., None]).sum(axis=-2).astype(y.dtype)  # [.., T, D]
@@ -118,25 +131,21 @@ class SpecMoEBlock(nn.Module):
             y = y + mx.sigmoid(self[shared.gate](x)) * self[shared.module](x)
         return y
 
-
-def _get(root: nn.Module, path: str):
-    obj = root
-    for part in path.split("."):
-        obj = obj[int(part)] if isinstance(obj, list) else obj[part]
-    return obj
-
-
-def _set(root: nn.Module, path: str, value) -> None:
-    parent, name = path.rsplit(".", 1)
-    _get(root, parent)[name] = value
+    def _observe(self, x, inds, probs) -> None:
+        """Trace hooks; each costs a host sync, so they are for traces only."""
+        if self.observer is not None:
+            self.observer(np.array(inds).reshape(-1, inds.shape[-1]), np.array(probs).reshape(-1, probs.shape[-1]))
+        if self.capture is not None:
+            self.capture(np.array(x.astype(mx.float32)).reshape(-1, x.shape[-1]),
+                         np.array(inds).reshape(-1, inds.shape[-1]), np.array(probs).reshape(-1, probs.shape[-1]))
 
 
-def assemble(root: Path, manifest: dict, config: dict, spec, k: int | None, compute_dtype: str):
+def assemble(root: Path, resident_file: str, manifest: dict, config: dict, spec, k: int | None, compute_dtype: str):
     """Build the model of a store: resident weights loaded and evaluated, each expert module
     replaced by a StreamingExperts (see attach_executors), and, for spec'd families, each MoE
     block replaced by a SpecMoEBlock serving width `k`."""
     model = bio.build_model(config, root)
-    resident = bio.lazy_load([root / "model.safetensors"])
+    resident = bio.lazy_load([root / resident_file])
     names = set(resident)
     for layer in manifest["expert_layers"]:
         names.update(f"{layer['module']}.{t}" for t in layer["tensors"])
@@ -152,10 +161,10 @@ def assemble(root: Path, manifest: dict, config: dict, spec, k: int | None, comp
     dt = getattr(mx, compute_dtype)
     for layer in manifest["expert_layers"]:
         path = layer["module"]
-        _set(model, path, StreamingExperts(_get(model, path), layer["layer"]))
+        set_module(model, path, StreamingExperts(get_module(model, path), layer["layer"]))
         if spec is not None:
             block_path = path[: -len(spec.experts) - 1]
-            _set(model, block_path, SpecMoEBlock(_get(model, block_path), spec, k, layer["layer"]))
+            set_module(model, block_path, SpecMoEBlock(get_module(model, block_path), spec, k, layer["layer"]))
 
     cast = getattr(model, "cast_predicate", lambda _: True)
     weights = [
@@ -200,8 +209,6 @@ def prefill(model, tokens: list[int], cache, step: int = 2048) -> None:
 
 def full_logits(model, tokens: list[int]):
     """Logits of every position for one prompt, without a cache (float32 numpy [T, V])."""
-    import numpy as np
-
     out = model(mx.array(tokens)[None])[0].astype(mx.float32)
     return np.array(out)
 
@@ -212,7 +219,6 @@ def sample(sampler, logprobs) -> int:
 
 def resident_logits_fn(path: Path):
     """Logits of an mlx-lm / Hugging Face model loaded entirely in memory (a reference run)."""
-    import numpy as np
     from mlx_lm.utils import load as mlx_lm_load
 
     model, _ = mlx_lm_load(str(path))

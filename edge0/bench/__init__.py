@@ -1,10 +1,10 @@
-"""`edge0 bench`: Edge0 against resident mlx-lm, warm and cold storage, under a memory cap (docs/bench-suite.md)."""
+"""The benchmark suite behind `edge0 bench` (edge0/cli/bench.py): Edge0 against resident mlx-lm, warm and cold storage, under a memory cap (docs/bench-suite.md)."""
 
 import importlib
 
 # Re-exports resolve on first use: an arm's process (`python -m edge0.bench.child`) imports this
 # package too, and must not load the rest of the suite (its peak RSS is a measured number).
-_EXPORTS = {"main": "cli", "METRICS": "arms", "all_arms": "arms", "SCHEMA": "report"}
+_EXPORTS = {"METRICS": "arms", "all_arms": "arms", "SCHEMA": "report"}
 __all__ = sorted(_EXPORTS)
 
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from edge0.bench.model import Model
 from edge0.errors import Edge0Error
+from edge0.store.format import HEADS_FILE
 
 PREROUTER = "<prerouter>"  # placeholder in an arm's load options: the --prerouter path (or the store's)
 LORA = "<lora>"  # placeholder: the --lora path (or the store's adapter for the serving K)
@@ -103,7 +104,7 @@ def arm_spec(arm: Arm, model: Model, args, budget: int, sizes: dict) -> dict:
 def skip_reason(arm: Arm, model: Model, args, cgroup_parent) -> str:
     if arm.runtime == "mlx-lm" and model.mlx is None:
         return model.mlx_missing_reason
-    if arm.base.needs_prerouter and args.prerouter is None and not (model.store / "prerouter.safetensors").is_file():
+    if arm.base.needs_prerouter and args.prerouter is None and not (model.store / HEADS_FILE).is_file():
         return ("no pre-router heads for this model: the store has no prerouter.safetensors and --prerouter "
                 "was not given (train some with edge0 train-prerouter)")
     if arm.base.needs_lora and args.lora is None and not any(model.store.glob("lora*.safetensors")):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -41,19 +40,6 @@ def prompt_ids(tokenizer, n: int) -> list[int]:
 
 def ids_digest(ids) -> str:
     return hashlib.sha256(json.dumps([int(i) for i in ids]).encode()).hexdigest()[:16]
-
-
-def evict(paths) -> int:
-    """Drop files from the OS page cache (posix_fadvise DONTNEED); returns bytes evicted."""
-    n = 0
-    for f in paths:
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            n += os.fstat(fd).st_size
-        finally:
-            os.close(fd)
-    return n
 
 
 def store_files(store) -> list[Path]:
@@ -180,6 +166,35 @@ def run_edge0(spec: dict) -> dict:
     return out
 
 
+def run_resident(spec: dict) -> dict:
+    """The mlx-lm arm: every weight resident, tokens from mlx-lm's own generate loop."""
+    from edge0.backend import core as B
+    from edge0.backend import resident
+
+    t0 = time.perf_counter()
+    model, tokenizer, dtype, resident_bytes = resident.load(spec["mlx_model"], spec.get("dtype"))
+    load_s = time.perf_counter() - t0
+    load_peak = B.peak_memory()
+    B.reset_peak_memory()
+    ids = prompt_ids(tokenizer, spec["prompt_tokens"])
+    timing = Timing(dict, B.reset_peak_memory, B.peak_memory, spec.get("trace_out") is not None)
+    out = timing.run(resident.generate_tokens(model, ids, spec["decode_tokens"]))
+    out.pop("counters_total")
+    out.pop("counters_decode")
+    out.update({
+        "status": "ok",
+        "describe": f"mlx-lm {resident.version()} resident: {dtype}, {resident_bytes / 1e9:.2f} GB of weights in memory",
+        "compute_dtype": dtype,
+        "load_s": load_s,
+        "mlx_load_peak_bytes": load_peak,
+        "resident_bytes": resident_bytes,
+        "prompt_digest": ids_digest(ids),
+        "prompt_tokens": len(ids),
+        "trace": timing.trace,
+    })
+    return out
+
+
 def run_baseline(spec: dict) -> dict:
     """Memory of a process that has imported both runtimes and loaded the tokenizer, but no
     weights: what either runtime needs before its first weight byte."""
@@ -198,13 +213,13 @@ def run_baseline(spec: dict) -> dict:
 def run(spec: dict) -> dict:
     t0 = time.perf_counter()
     if spec.get("evict"):
+        from edge0.store.pagecache import evict
+
         evict(spec["evict"])
     kind = spec["runtime"]
     if kind == "edge0":
         out = run_edge0(spec)
     elif kind == "mlx-lm":
-        from edge0.backend.resident import run_resident
-
         out = run_resident(spec)
     elif kind == "baseline":
         out = run_baseline(spec)

@@ -11,6 +11,8 @@ from pathlib import Path
 
 from edge0.bench.env import PKG_ROOT, _child_env
 from edge0.errors import Edge0Error
+from edge0.store.format import CONFIG_FILE, MANIFEST
+from edge0.units import parse_size
 
 
 @dataclass
@@ -33,12 +35,12 @@ def resolve_model(args) -> Model:
     if args.model:
         d = Path(args.model).expanduser()
     else:
-        from edge0.models import cache_dir
+        from edge0.bundled import cache_dir
 
         d = Path(os.environ.get("EDGE0_BENCH_DIR") or cache_dir() / "bench") / args.size
         if not d.exists():
             build_bench_model(d, args.size)
-    if (d / "edge0-manifest.json").is_file():  # an edge0 store
+    if (d / MANIFEST).is_file():  # an edge0 store
         mlx = Path(args.mlx_model).expanduser() if args.mlx_model else None
         return _check_model(d, mlx, {})
     if not (d / "store").is_dir():
@@ -50,11 +52,11 @@ def resolve_model(args) -> Model:
 
 
 def _check_model(store: Path, mlx: Path | None, info: dict) -> Model:
-    if not (store / "edge0-manifest.json").is_file():
-        raise Edge0Error(f"{store}: not an edge0 store (no edge0-manifest.json); pass --model DIR or --store DIR")
+    if not (store / MANIFEST).is_file():
+        raise Edge0Error(f"{store}: not an edge0 store (no {MANIFEST}); pass --model DIR or --store DIR")
     m = Model(store, None, info=info)
     if mlx is None:
-        src = _read_json(store / "edge0-manifest.json").get("source", {})
+        src = _read_json(store / MANIFEST).get("source", {})
         if src.get("already_quantized") and Path(src.get("path", "")).is_dir():
             mlx = Path(src["path"])  # the store was converted from this mlx-lm checkpoint
     if mlx is None:
@@ -81,8 +83,8 @@ def build_bench_model(out: Path, size: str) -> None:
 
 
 def store_sizes(store: Path) -> dict:
-    man = _read_json(store / "edge0-manifest.json")
-    config = _read_json(store / "config.json")
+    man = _read_json(store / MANIFEST)
+    config = _read_json(store / CONFIG_FILE)
     c = {**config, **config.get("text_config", {})}
     per_slot = sum(sum(t["expert_nbytes"] for t in l["tensors"].values()) for l in man["expert_layers"])
     experts = sum(sum(t["expert_nbytes"] for t in l["tensors"].values()) * int(l["num_experts"])
@@ -104,7 +106,5 @@ def expert_budget(text: str, sizes: dict) -> int:
             raise Edge0Error(f"--expert-cache {text}: a percentage must be in (0, 100]; e.g. 20%")
         budget = int(sizes["expert_bytes"] * frac)
     else:
-        from edge0.streaming.pool import parse_size
-
         budget = parse_size(text)
     return max(budget, 2 * sizes["top_k"] * sizes["slot_bytes_all_layers"])

@@ -16,6 +16,7 @@ from edge0.bench.env import _child_env
 from edge0.bench.model import Model, expert_budget, store_sizes
 from edge0.bench.report import _gb
 from edge0.errors import Edge0Error
+from edge0.units import parse_size
 
 
 def prewarm(paths) -> None:
@@ -68,9 +69,7 @@ def run_suite(args, model: Model, arms: list[Arm]) -> dict:
             raise Edge0Error(f"the baseline-memory probe failed ({base.get('reason')}); rerun with --no-cap to skip the cap arms")
         base_rss = base.get("peak_rss_bytes", 0)
         if args.cap:
-            from edge0.streaming.pool import parse_size
-
-            cap = parse_size(args.cap)
+            cap = parse_size(args.cap, "--cap")
         else:
             cap = int(base_rss + args.cap_fraction * sizes["store_bytes"])
         cap_info = {"cap_bytes": cap, "baseline_rss_bytes": base_rss, "cap_fraction_of_store": args.cap_fraction,

@@ -15,6 +15,8 @@ POLICIES.update({p.name: p for p in (LFU, ARC, SMoE, FlashMoE, Belady)})
 
 # Policies that need the future: offline only (simulator, training labels).
 OFFLINE = {"belady"}
+# What the live expert cache can run, in POLICIES order.
+LIVE_POLICIES = tuple(p for p in POLICIES if p not in OFFLINE)
 
-__all__ = ["POLICIES", "OFFLINE", "ExpertCache", "LRU", "LFU", "ARC", "SMoE", "FlashMoE", "Belady",
+__all__ = ["POLICIES", "OFFLINE", "LIVE_POLICIES", "ExpertCache", "LRU", "LFU", "ARC", "SMoE", "FlashMoE", "Belady",
            "Policy", "make_policy", "substitute"]

@@ -3,7 +3,6 @@ Layers are independent caches, as in the live pool; pure numpy/python."""
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from fractions import Fraction
 
@@ -11,9 +10,10 @@ import numpy as np
 
 from edge0.cache import OFFLINE, ExpertCache, make_policy, substitute
 from edge0.errors import Edge0Error
+from edge0.units import parse_size
 
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
-          "g": 10**9, "gb": 10**9, "gib": 2**30}
+# The policies in the order tables list them; Belady last, as the bound.
+ORDER = ["lru", "lfu", "arc", "smoe", "flashmoe", "belady"]
 
 
 @dataclass(frozen=True)
@@ -45,10 +45,7 @@ def parse_byte_budgets(text: str, expert_bytes: list[int], num_experts: int) -> 
     per_expert_all_layers = sum(expert_bytes)
     out = []
     for part in (p.strip() for p in text.split(",") if p.strip()):
-        m = re.fullmatch(r"([0-9.]+)\s*([a-zA-Z]*)", part)
-        if not m or m.group(2).lower() not in _UNITS:
-            raise Edge0Error(f"--budget-bytes: {part!r} is not a size; use e.g. 64MiB,1GiB")
-        cap = int(float(m.group(1)) * _UNITS[m.group(2).lower()] // per_expert_all_layers)
+        cap = parse_size(part, "--budget-bytes") // per_expert_all_layers
         if cap < 1:
             raise Edge0Error(f"--budget-bytes: {part} holds no expert per layer (one expert in every layer is {per_expert_all_layers} bytes)")
         out.append(Budget(part, min(cap, num_experts)))
@@ -115,3 +112,14 @@ def simulate(trace, policies: list[str], budgets: list[Budget], options: dict | 
                 r.bytes_read += cache.misses * trace.expert_bytes[li]
                 r.layers[layer] = cache.hit_rate
     return list(results.values())
+
+
+def format_table(results, budgets, num_experts: int, steps: int) -> str:
+    """Markdown table: one row per policy, one column per budget; hit rate and MiB read/token."""
+    head = "| policy | " + " | ".join(f"{b.label} ({b.capacity}/{num_experts})" for b in budgets) + " |"
+    lines = [head, "|---" * (len(budgets) + 1) + "|"]
+    by = {(r.policy, r.budget): r for r in results}
+    for p in dict.fromkeys(r.policy for r in results):
+        cells = [f"{100 * by[(p, b)].hit_rate:.1f}% ({by[(p, b)].bytes_read / steps / 2**20:.2f})" for b in budgets]
+        lines.append(f"| {p} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)

@@ -2,6 +2,7 @@
 student's own routing (int4 store, pre-router at serving width K).
 
 adapter.py  the file format (magic name, version, what it was trained for, checksum, provenance)
-serve.py    attach_lora(engine, path): checks, then wraps the target linears
+attach.py   attach_lora(engine, path): checks, then wraps the target linears; the store's adapter choice
+distill.py  the teacher, the student's forward along its route, the losses and the optimizer steps
 train.py    phase 1 SFT on teacher text, phase 2 on-policy distillation, validation
 """

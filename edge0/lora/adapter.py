@@ -5,16 +5,17 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 
 import numpy as np
 
 from edge0.errors import Edge0Error
+from edge0.store.format import LORA_FILE
+from edge0.store.sidecar import read_sidecar, write_sidecar
 
 FORMAT = "edge0-lora"
 VERSION = 1
-DEFAULT_NAME = "lora.safetensors"
+DEFAULT_NAME = LORA_FILE
 # Plain-string metadata fields; every other field is JSON.
 _STRINGS = ("format", "version", "manifest_sha256", "prerouter_sha256", "tensors_sha256")
 
@@ -38,42 +39,22 @@ def tensors_digest(tensors: dict[str, np.ndarray]) -> str:
 def save_adapter(path, tensors: dict[str, np.ndarray], meta: dict) -> Path:
     """Write atomically (temp file, then rename). `meta` needs manifest_sha256, prerouter_sha256
     (None without heads), top_k, r, alpha, targets; anything else (provenance) is kept as JSON."""
-    from safetensors.numpy import save_file
-
-    path = Path(path)
     tensors = {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in tensors.items()}
     header = {"format": FORMAT, "version": str(VERSION), "tensors_sha256": tensors_digest(tensors),
               "prerouter_sha256": meta.get("prerouter_sha256") or "none"}
     header.update({k: v if k in _STRINGS else json.dumps(v) for k, v in meta.items() if k not in header})
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        save_file(tensors, str(tmp), metadata=header)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path
+    return write_sidecar(path, tensors, header)
 
 
 def read_adapter(path, store=None) -> tuple[dict, dict]:
     """Read an adapter file and check its own integrity (format, version, metadata, tensor
     checksum, finite values). Returns (tensors, metadata with JSON fields decoded;
     prerouter_sha256 is None for an adapter trained without heads)."""
-    from safetensors import SafetensorError, safe_open
-
     path = Path(path)
     hint = retrain_hint(store or "<store>")
     if not path.is_file():
         raise Edge0Error(f"--lora {path}: no such file; {hint}")
-    try:
-        with safe_open(str(path), framework="numpy") as f:
-            meta = dict(f.metadata() or {})
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
-    except (SafetensorError, OSError, ValueError) as e:
-        raise Edge0Error(f"{path}: not a readable LoRA adapter ({e}); {hint}") from None
-    if meta.get("format") != FORMAT:
-        raise Edge0Error(f"{path}: not an edge0 LoRA adapter (format {meta.get('format')!r}); {hint}")
-    if meta.get("version") != str(VERSION):
-        raise Edge0Error(f"{path}: adapter format version {meta.get('version')}, this edge0 reads {VERSION}; {hint}")
+    tensors, meta = read_sidecar(path, FORMAT, VERSION, "LoRA adapter", hint)
     try:
         decoded = {k: v if k in _STRINGS else json.loads(v) for k, v in meta.items()}
         targets, r, alpha = list(decoded["targets"]), int(decoded["r"]), float(decoded["alpha"])

@@ -13,11 +13,12 @@ import numpy as np
 from tqdm import tqdm
 
 from edge0.backend import core as B
-from edge0.backend import distill as bd
 from edge0.backend import lora as blora
+from edge0.backend import train as bt
 from edge0.errors import Edge0Error
 from edge0.evaluate import evaluate
-from edge0.lora.serve import attach_lora, prerouter_hash
+from edge0.lora import distill as bd
+from edge0.lora.attach import attach_lora, prerouter_hash
 from edge0.store.format import manifest_hash, sha256_file
 
 PHASE1 = {"soft": "forward KL(teacher || student) on {text}",
@@ -49,7 +50,7 @@ class TrainOptions:
     val_window: int = 128
     val_windows: int = 8
     seed: int = 0
-    dequantize_resident: bool | None = None  # None: on the CPU only (see backend.distill)
+    dequantize_resident: bool | None = None  # None: on the CPU only (see backend.lora.dequantize_resident)
     init: str | None = None  # an adapter to continue training (its targets, r and alpha are kept)
 
 
@@ -148,7 +149,7 @@ def train(engine, teacher, text: str, opts: TrainOptions, *, data_name: str, tea
     B.seed(opts.seed)
     deq = opts.dequantize_resident if opts.dequantize_resident is not None else B.default_device() == "cpu"
     if deq:
-        bd.dequantize_resident(engine.model, engine.compute_dtype)
+        blora.dequantize_resident(engine.model, engine.compute_dtype)
     engine.model.freeze()  # only the LoRA matrices created below are trainable
     if opts.init:  # attach_lora checks that it was trained for this base, K and pre-router
         start = attach_lora(engine, opts.init, dtype="float32")  # float32 master weights, as a fresh adapter
@@ -192,7 +193,7 @@ def train(engine, teacher, text: str, opts: TrainOptions, *, data_name: str, tea
             "init": {"path": opts.init, "sha256": sha256_file(Path(opts.init))} if opts.init else None,
             "prerouter": str(engine.heads_path) if engine.prerouting is not None else None,
             "options": asdict(opts), "loss": {"phase1": PHASE1[opts.sft_targets].format(text=SFT_TEXT[opts.sft_text]), "phase2": PHASE2, "coarsening": COARSENING.format(k=opts.distill_top_k) if opts.distill_top_k else FULL_VOCAB},
-            "trainable_parameters": bd.n_trainable(engine.model),
+            "trainable_parameters": bt.n_trainable(engine.model),
             "validation": report, "date": datetime.date.today().isoformat(),
             "seconds": round(time.perf_counter() - t0, 1),
         },

@@ -4,16 +4,17 @@ tied to one store by its manifest hash."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import numpy as np
 
 from edge0.errors import Edge0Error
+from edge0.store.format import HEADS_FILE
+from edge0.store.sidecar import read_sidecar, write_sidecar
 
 FORMAT = "edge0-prerouter"
 VERSION = 1
-DEFAULT_NAME = "prerouter.safetensors"
+DEFAULT_NAME = HEADS_FILE
 
 
 def _retrain(store) -> str:
@@ -22,38 +23,18 @@ def _retrain(store) -> str:
 
 def save_heads(path, tensors: dict[str, np.ndarray], meta: dict) -> Path:
     """Write atomically (temp file, then rename)."""
-    from safetensors.numpy import save_file
-
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     header = {"format": FORMAT, "version": str(VERSION)}
     header.update({k: v if isinstance(v, str) else json.dumps(v) for k, v in meta.items()})
-    try:
-        save_file({k: np.ascontiguousarray(v, dtype=np.float32) for k, v in tensors.items()}, str(tmp), metadata=header)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path
+    return write_sidecar(path, tensors, header)
 
 
 def load_heads(path, manifest_sha256: str, spec_dict: dict, store) -> tuple[dict, dict]:
     """Read and check a heads file for the store whose manifest hash is `manifest_sha256`.
     Returns (tensors, metadata with JSON fields decoded)."""
-    from safetensors import SafetensorError, safe_open
-
     path = Path(path)
     if not path.is_file():
         raise Edge0Error(f"--prerouter {path}: no such file; {_retrain(store)}")
-    try:
-        with safe_open(str(path), framework="numpy") as f:
-            meta = dict(f.metadata() or {})
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
-    except (SafetensorError, OSError, ValueError) as e:
-        raise Edge0Error(f"{path}: not a readable pre-router heads file ({e}); {_retrain(store)}") from None
-    if meta.get("format") != FORMAT:
-        raise Edge0Error(f"{path}: not a pre-router heads file (format {meta.get('format')!r}); {_retrain(store)}")
-    if meta.get("version") != str(VERSION):
-        raise Edge0Error(f"{path}: heads format version {meta.get('version')}, this edge0 reads {VERSION}; {_retrain(store)}")
+    tensors, meta = read_sidecar(path, FORMAT, VERSION, "pre-router heads file", _retrain(store))
     try:
         decoded = {k: json.loads(v) if k not in ("format", "version", "manifest_sha256") else v for k, v in meta.items()}
     except json.JSONDecodeError:

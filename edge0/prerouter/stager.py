@@ -1,16 +1,25 @@
 """Cross-token stager: after step t's graph is launched, read each head's prediction (it is ready
 long before the step ends) and start reading those experts into the staged executors' next set;
-at the step boundary, swap them in. Consumer layers then run with no host sync of routing."""
+at the step boundary, swap them in. Consumer layers then run with no host sync of routing.
+
+It is the pre-router's StepHooks: the engine calls it at every step of a generation."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from edge0.backend import core as B
+from edge0.engine.hooks import StepHooks
 
 
-class PreRouterStager:
-    def __init__(self, prerouting, staged: dict):
-        self.pr, self.staged = prerouting, staged
+class PreRouterStager(StepHooks):
+    def __init__(self, prerouting, staged: dict, heads_path: Path | None = None):
+        self.pr, self.staged, self.heads_path = prerouting, staged, heads_path
         self.events: list[tuple] = []  # instrumentation: ("issue", step, layer) / ("done", step)
+        self.recall: dict[int, list[int]] = {}  # diagnostic mode: layer -> [agreeing, predicted]
+
+    def start(self, engine) -> None:
+        self.pr.reset()
 
     def after_forward(self, engine, step: int, launched) -> None:
         """Step `step`'s graph is built and `launched` (its outputs) is being evaluated: issue the
@@ -27,8 +36,9 @@ class PreRouterStager:
                     ex.stage(B.to_numpy(inds).ravel())
                 self.events.append(("issue", step + 1, layer))
 
-    def step_done(self, step: int) -> None:
+    def step_done(self, engine, step: int) -> None:
         self.events.append(("done", step))
+        self._collect_recall()
 
     def before_step(self, engine, step: int) -> None:
         """Boundary: swap the staged experts in; the predictions become this step's routes."""
@@ -42,3 +52,27 @@ class PreRouterStager:
         for ex in self.staged.values():
             ex.settle()
         self.pr.reset()
+
+    def teacher_forcing(self):
+        return self.pr.teacher_forcing()
+
+    def _collect_recall(self) -> None:
+        """Diagnostic mode: read the device-side counts of predicted experts the gate agreed with."""
+        pr = self.pr
+        if not pr.overlaps:
+            return
+        for layer, hits in pr.overlaps.items():
+            r = self.recall.setdefault(layer, [0, 0])
+            r[0] += sum(int(h.item()) for h in hits)
+            r[1] += len(hits) * pr.k
+        pr.overlaps = {}
+
+    def stats(self) -> dict:
+        pr = self.pr
+        return {"prerouter": {
+            "heads": str(self.heads_path),
+            "diagnostics": pr.diagnostics,
+            "routed_by_head": dict(pr.routed_by_head),
+            "routed_by_gate": dict(pr.routed_by_gate),
+            "recall": {l: h / n for l, (h, n) in sorted(self.recall.items()) if n} if pr.diagnostics else None,
+        }}

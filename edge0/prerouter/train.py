@@ -9,8 +9,11 @@ import time
 import numpy as np
 from tqdm import tqdm
 
+from edge0.backend import core as B
+from edge0.backend import heads as bheads
 from edge0.backend import nn as bnn
-from edge0.backend import prerouter as bpr
+from edge0.backend import train as bt
+from edge0.backend.routing import route
 from edge0.errors import Edge0Error
 from edge0.evaluate import windows
 from edge0.prerouter.heads import save_heads
@@ -55,6 +58,45 @@ def pairs(traces: list[dict], owner: int, consumer: int):
     return x, inds, probs
 
 
+def head_loss(head, x, target, topk, score_function: str, listwise: float, divergence: float = 1.0):
+    """`divergence` x divergence to the next router's distribution + `listwise` x mean
+    cross-entropy of the true top-k under the head's softmax."""
+    logits = head(x)
+    logp = logits - B.logsumexp(logits, axis=-1, keepdims=True)
+    if score_function == "sigmoid":
+        div = bt.binary_cross_entropy_with_logits(logits, target) * target.shape[-1]
+    else:
+        div = (target * (B.log(B.maximum(target, 1e-12)) - logp)).sum(axis=-1).mean()
+    return divergence * div - listwise * B.take_along_axis(logp, topk, axis=-1).mean()
+
+
+def train_head(init_linear: np.ndarray, x: np.ndarray, target: np.ndarray, topk: np.ndarray, *, hidden: int,
+               steps: int, lr: float, batch: int, listwise: float, score_function: str, seed: int = 0,
+               divergence: float = 1.0):
+    """Fit one head (see head_loss) with Adam on a cosine schedule. x [N, D], target [N, E] router
+    probabilities (softmax) or per-expert sigmoid scores, topk [N, K] indices. Returns (head, losses)."""
+    B.seed(seed)
+    head = bheads.new_head(init_linear, hidden)
+    trainer = bt.Trainer(head, bt.cosine(lr, steps))
+    xs, ts, ks = B.array(x.astype(np.float32)), B.array(target.astype(np.float32)), B.array(topk.astype(np.int32))
+
+    def objective(xb, tb, kb):
+        return head_loss(head, xb, tb, kb, score_function, listwise, divergence)
+
+    rng = np.random.default_rng(seed)
+    losses = []
+    for _ in range(steps):
+        idx = B.array(rng.integers(0, len(x), size=min(batch, len(x))))
+        losses.append(trainer.step(objective, xs[idx], ts[idx], ks[idx]))
+    return head, losses
+
+
+def head_topk(head, x: np.ndarray, spec, k: int, bias) -> np.ndarray:
+    """The route a head gives for features x [N, D] (indices [N, k])."""
+    inds, _ = route(head(B.array(x.astype(np.float32))), spec.routing, k, bias)
+    return B.to_numpy(inds)
+
+
 def recall(pred: np.ndarray, true: np.ndarray) -> float:
     """Mean fraction of the true experts that the prediction contains."""
     return float(np.mean([len(set(p) & set(t)) / len(t) for p, t in zip(pred.tolist(), true.tolist())]))
@@ -82,27 +124,26 @@ def train(engine, text: str, *, data_name: str, window: int = 256, max_tokens: i
         raise Edge0Error(f"--start-layer {start}: no MoE layer from there has a following MoE layer")
     for owner, consumer in tqdm(owners.items(), desc="train", unit="head", disable=not progress):
         x, inds, probs = pairs(train_tr, owner, consumer)
-        init = np.array(bpr.router_weight(blocks[consumer]))
-        head, losses = bpr.train_head(init, x, probs, inds, hidden=hidden, steps=steps, lr=lr, batch=batch,
+        init = B.to_numpy(blocks[consumer].router_weight())
+        head, losses = train_head(init, x, probs, inds, hidden=hidden, steps=steps, lr=lr, batch=batch,
                                       listwise=listwise, score_function=spec.routing.score_function
                                       if spec.routing.kind == "grouped" else "softmax", seed=seed + owner)
         vx, vinds, vprobs = pairs(val_tr, owner, consumer)
-        bias = bpr.router_bias(blocks[consumer])
-        untrained = bpr.Head(x.shape[1], init.shape[0], hidden)
-        untrained.linear.weight = bpr.mx.array(init)
+        bias = blocks[consumer].router_bias()
+        untrained = bheads.new_head(init, hidden)
         half = max(1, k // 2)
         report[consumer] = {
             "owner": owner,
             "train_pairs": len(x),
             "val_pairs": len(vx),
-            "recall_at_k": recall(bpr.head_topk(head, vx, spec, k, bias), vinds),
-            "recall_at_k_untrained": recall(bpr.head_topk(untrained, vx, spec, k, bias), vinds),
+            "recall_at_k": recall(head_topk(head, vx, spec, k, bias), vinds),
+            "recall_at_k_untrained": recall(head_topk(untrained, vx, spec, k, bias), vinds),
             # Gate's top-K/2 of the true scores (exact for softmax top-k routing).
-            "recall_at_half_k": recall(bpr.head_topk(head, vx, spec, half, bias), np.argsort(-vprobs, axis=1)[:, :half]),
+            "recall_at_half_k": recall(head_topk(head, vx, spec, half, bias), np.argsort(-vprobs, axis=1)[:, :half]),
             "first_loss": losses[0],
             "final_loss": float(np.mean(losses[-20:])),
         }
-        tensors.update(bpr.head_tensors(head, owner))
+        tensors.update(bheads.head_tensors(head, owner))
     meta = {
         "manifest_sha256": manifest_hash(engine.root),
         "spec": spec.to_dict(),

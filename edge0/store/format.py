@@ -13,6 +13,15 @@ FORMAT = "edge0-store"
 VERSION = 1
 MANIFEST = "edge0-manifest.json"
 RESIDENT_FILE = "model.safetensors"
+CONFIG_FILE = "config.json"
+# Sidecars a store may carry, each tied to the store's identity (manifest_hash).
+HEADS_FILE = "prerouter.safetensors"
+LORA_FILE = "lora.safetensors"
+
+
+def lora_file(k: int) -> str:
+    """The adapter trained for serving width K."""
+    return f"lora-k{k}.safetensors"
 
 
 def expert_file(layer: int) -> str:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from edge0.cache.flashmoe import FlashMoEModel, load_model
@@ -13,57 +12,17 @@ from edge0.errors import Edge0Error
 from edge0.store.format import manifest_hash
 from edge0.streaming.exact import ExactExecutor
 from edge0.streaming.hot import HotExecutor
-from edge0.streaming.pool import SlotSet, default_budget, format_size, parse_size, slots_per_layer
+from edge0.streaming.pool import SlotSet, default_budget, slots_per_layer
 from edge0.streaming.staged import StagedExecutor, collect_dropped
 from edge0.streaming.stats import ExecutorStats
 from edge0.streaming.whole import LayerPrefetcher, WholeLayerExecutor
+from edge0.units import format_size, parse_size
 
-PREFILL = ("whole", "exact")
-DECODE = ("staged", "hot", "exact")
-# Belady needs the future: it exists only in the simulator.
-LIVE_POLICIES = ("lru", "lfu", "arc", "smoe", "flashmoe")
+PREFILL_EXECUTORS = {"whole": WholeLayerExecutor, "exact": ExactExecutor}
+DECODE_EXECUTORS = {"staged": StagedExecutor, "hot": HotExecutor, "exact": ExactExecutor}
+WHOLE_LAYER_MIN_TOKENS = 32  # shorter prefill chunks use the exact path
+READ_THREADS = 4  # staged reads in flight
 TRAIN_WEIGHTS = "edge0 trace --model STORE --data FILE --out TRACE && edge0 train-cache-policy --trace TRACE --out FILE"
-
-
-@dataclass
-class StreamingOptions:
-    """How experts are streamed. `layer_executors` maps a layer to {"prefill": .., "decode": ..}."""
-
-    expert_cache: int | str | None = None  # bytes or "2GB"; None = derived from free memory
-    cache_policy: str = "lru"
-    prefill_executor: str = "whole"
-    decode_executor: str = "staged"
-    whole_layer_min_tokens: int = 32  # shorter prefill chunks use the exact path
-    layer_executors: dict = field(default_factory=dict)
-    read_threads: int = 4
-    cache_weights: str | None = None  # flashmoe: weights from edge0 train-cache-policy
-    smoe_window: int | None = None  # smoe: steps in the score window (None: the policy's default)
-    substitute_alpha: float = 0.0  # lossy substitution on staged decode layers; 0 = off
-
-    def check(self) -> None:
-        if self.cache_policy not in LIVE_POLICIES:
-            raise Edge0Error(f"--cache-policy {self.cache_policy!r}: the live expert cache supports {', '.join(LIVE_POLICIES)}; "
-                             "belady (offline only) runs in `edge0 simulate`")
-        if self.cache_policy == "flashmoe" and not self.cache_weights:
-            raise Edge0Error(f"--cache-policy flashmoe needs --cache-weights FILE; train one with: {TRAIN_WEIGHTS}")
-        if self.cache_weights and self.cache_policy != "flashmoe":
-            raise Edge0Error("--cache-weights is read only by the flashmoe policy; add --cache-policy flashmoe or drop --cache-weights")
-        if self.smoe_window is not None and self.cache_policy != "smoe":
-            raise Edge0Error("--smoe-window is read only by the smoe policy; add --cache-policy smoe or drop --smoe-window")
-        if self.smoe_window is not None and self.smoe_window < 1:
-            raise Edge0Error(f"--smoe-window {self.smoe_window}: must be >= 1 step")
-        if self.substitute_alpha < 0:
-            raise Edge0Error(f"--substitute-alpha {self.substitute_alpha}: must be >= 0 (0 turns substitution off)")
-        if self.substitute_alpha and self.decode_executor != "staged":
-            raise Edge0Error(f"--substitute-alpha needs the staged decode executor (it substitutes from the expert cache); "
-                             f"drop --decode-executor {self.decode_executor} or --substitute-alpha")
-        for layer, choice in {None: {"prefill": self.prefill_executor, "decode": self.decode_executor},
-                              **self.layer_executors}.items():
-            where = "" if layer is None else f" (layer {layer})"
-            if choice.get("prefill", "whole") not in PREFILL:
-                raise Edge0Error(f"--prefill-executor{where} {choice['prefill']!r}: choose one of {', '.join(PREFILL)}")
-            if choice.get("decode", "staged") not in DECODE:
-                raise Edge0Error(f"--decode-executor{where} {choice['decode']!r}: choose one of {', '.join(DECODE)}")
 
 
 def load_cache_weights(path, store) -> FlashMoEModel:
@@ -104,8 +63,8 @@ class LayerDispatch:
 class Streaming:
     """All executors of one engine, the expert pool they share, and their statistics."""
 
-    def __init__(self, store, compute_dtype: str, k: int, resident_bytes: int, options: StreamingOptions):
-        options.check()
+    def __init__(self, store, compute_dtype: str, k: int, resident_bytes: int, options):
+        """`options`: the engine's validated LoadOptions (expert cache, policy, executors)."""
         self.store, self.options = store, options
         self.stats = ExecutorStats()
         total = sum(store.expert_nbytes(l) * int(v["num_experts"]) for l, v in store.layers.items())
@@ -113,26 +72,26 @@ class Streaming:
         self.total_expert_bytes = total
         layers = sorted(store.layers)
         self.cache_weights = load_cache_weights(options.cache_weights, store) if options.cache_weights else None
-        need_slots = any(options.layer_executors.get(l, {}).get("decode", options.decode_executor) != "exact" for l in layers)
+        need_slots = any(options.executor(l, "decode") != "exact" for l in layers)
         self.n_slots = slots_per_layer(store, self.budget, k) if need_slots else 0
-        self.reader = ThreadPoolExecutor(max_workers=options.read_threads, thread_name_prefix="edge0-read")
+        self.reader = ThreadPoolExecutor(max_workers=READ_THREADS, thread_name_prefix="edge0-read")
         self.prefetcher = LayerPrefetcher(store, layers, ThreadPoolExecutor(max_workers=1, thread_name_prefix="edge0-layer"))
         self.layers: dict[int, LayerDispatch] = {}
         for l in layers:
-            choice = {"prefill": options.prefill_executor, "decode": options.decode_executor, **options.layer_executors.get(l, {})}
             exact = ExactExecutor(store, l, compute_dtype, self.stats)
             prefill = {"exact": exact}
-            if choice["prefill"] == "whole":
+            if options.executor(l, "prefill") == "whole":
                 prefill["whole"] = WholeLayerExecutor(store, l, compute_dtype, self.stats, self.prefetcher)
-            if choice["decode"] == "exact":
+            decode = options.executor(l, "decode")
+            if decode == "exact":
                 decode = exact
             else:
                 slots = SlotSet(store, l, self.n_slots, compute_dtype, options.cache_policy, self._policy_options(l))
-                if choice["decode"] == "staged":
+                if decode == "staged":
                     decode = StagedExecutor(store, l, compute_dtype, self.stats, slots, self.reader, options.substitute_alpha)
                 else:
                     decode = HotExecutor(store, l, compute_dtype, self.stats, slots)
-            self.layers[l] = LayerDispatch(prefill, decode, options.whole_layer_min_tokens)
+            self.layers[l] = LayerDispatch(prefill, decode, WHOLE_LAYER_MIN_TOKENS)
 
     def _policy_options(self, layer: int) -> dict:
         o = self.options

@@ -8,8 +8,6 @@ which expert a new one replaces. Only slots whose expert changed are rewritten.
 
 from __future__ import annotations
 
-import re
-
 import numpy as np
 
 from edge0.backend import core as B
@@ -17,28 +15,7 @@ from edge0.cache import ExpertCache, make_policy
 from edge0.errors import Edge0Error
 from edge0.store.reader import ExpertStore
 from edge0.streaming.exact import to_device
-
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-
-
-def parse_size(text) -> int:
-    """'2GB', '512MiB', '1.5G' or a plain byte count -> bytes."""
-    if isinstance(text, (int, float)):
-        return int(text)
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
-    unit = m.group(2).upper() if m else ""
-    unit = unit + "B" if unit in ("K", "M", "G", "T") else unit
-    if not m or unit not in _UNITS:
-        raise Edge0Error(f"--expert-cache {text!r}: not a size; use e.g. 2GB, 512MB or 1.5GiB")
-    return int(float(m.group(1)) * _UNITS[unit])
-
-
-def format_size(n: int) -> str:
-    for unit, f in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if n >= f:
-            return f"{n / f:.2f} {unit}"
-    return f"{n} B"
+from edge0.units import format_size
 
 
 def default_budget(total_expert_bytes: int, resident_bytes: int) -> int:

@@ -8,8 +8,9 @@ import os
 import sys
 from pathlib import Path
 
+from edge0.convert import convert
 from edge0.errors import Edge0Error
-from edge0.store.format import MANIFEST
+from edge0.store.format import CONFIG_FILE, MANIFEST
 
 BUNDLED_NAME = "edge0-demo-moe"
 CHECKPOINTS = Path(__file__).resolve().parents[1] / "checkpoints"
@@ -24,7 +25,7 @@ def cache_dir() -> Path:
 
 def bundled_checkpoint() -> Path:
     path = CHECKPOINTS / BUNDLED_NAME
-    if not (path / "config.json").is_file():
+    if not (path / CONFIG_FILE).is_file():
         raise Edge0Error(f"no --model given and the bundled model is missing ({path}); install edge0 from a "
                          "source checkout with `pip install -e .`, or pass --model <store dir>")
     return path
@@ -44,8 +45,6 @@ def _fingerprint(checkpoint: Path) -> str:
 
 def bundled_store() -> Path:
     """The bundled model's store in the user cache, converted on first use."""
-    from edge0.convert import convert
-
     checkpoint = bundled_checkpoint()
     store = cache_dir() / "stores" / f"{BUNDLED_NAME}-{_fingerprint(checkpoint)}"
     if not (store / MANIFEST).is_file():

@@ -9,14 +9,14 @@ import datetime
 import time
 from pathlib import Path
 
-from edge0 import __version__, tracefile
+from edge0.cache import tracefile
 from edge0.cache.flashmoe import FEATURES
 from edge0.cache.learn import train
-from edge0.cache.replay import parse_budgets, simulate
-from edge0.cli_util import run_main
+from edge0.cache.replay import ORDER, format_table, parse_budgets, simulate
+from edge0.cli.common import run_main
 from edge0.errors import Edge0Error
-from edge0.simulate import ORDER, format_table
 from edge0.store.format import sha256_file
+from edge0.version import __version__
 
 
 def main(argv=None) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from edge0.cli_util import run_main
+from edge0.cli.common import run_main
 from edge0.store import open_manifest
 
 

@@ -10,7 +10,7 @@ from edge0.backend import core as B
 from edge0.backend import lora as blora
 from edge0.errors import Edge0Error
 from edge0.lora.adapter import DEFAULT_NAME, read_adapter, retrain_hint
-from edge0.store.format import manifest_hash, sha256_file
+from edge0.store.format import lora_file, manifest_hash, sha256_file
 
 
 def prerouter_hash(engine):
@@ -42,7 +42,7 @@ def store_adapter(engine) -> tuple[Path | None, str]:
     it), so serving at another K or without the pre-router still starts."""
     from safetensors import safe_open
 
-    found = [p for p in (engine.root / f"lora-k{engine.k}.safetensors", engine.root / DEFAULT_NAME) if p.is_file()]
+    found = [p for p in (engine.root / lora_file(engine.k), engine.root / DEFAULT_NAME) if p.is_file()]
     ours, why = prerouter_hash(engine), []
     for p in found:
         try:  # the identity only: the tensors are read and checked by attach_lora
@@ -83,5 +83,5 @@ def attach_lora(engine, path, dtype: str | None = None) -> dict:
         raise Edge0Error(f"{path}: tensor {wrong[0]} has shape {tensors[wrong[0]].shape}, the model needs {shapes[wrong[0]]}; {hint}")
     wrapped = blora.apply_lora(engine.model, meta["targets"], meta["r"], meta["alpha"])
     blora.load_lora_tensors(wrapped, tensors, B.dtype(dtype or engine.compute_dtype))
-    engine.lora_path, engine.lora_meta = path, meta
+    engine.use_lora(path, meta)
     return meta

@@ -7,27 +7,12 @@ import argparse
 import json
 import sys
 
-from edge0 import tracefile
-from edge0.cache import POLICIES
+from edge0.cache import POLICIES, tracefile
 from edge0.cache.flashmoe import load_model
-from edge0.cache.replay import parse_budgets, parse_byte_budgets, simulate
+from edge0.cache.replay import ORDER, format_table, parse_budgets, parse_byte_budgets, simulate
 from edge0.cache.smoe import DEFAULT_WINDOW
-from edge0.cli_util import run_main
+from edge0.cli.common import run_main
 from edge0.errors import Edge0Error
-
-ORDER = ["lru", "lfu", "arc", "smoe", "flashmoe", "belady"]
-
-
-def format_table(results, budgets, num_experts: int, steps: int) -> str:
-    """Markdown table: one row per policy, one column per budget; hit rate and MiB read/token."""
-    head = "| policy | " + " | ".join(f"{b.label} ({b.capacity}/{num_experts})" for b in budgets) + " |"
-    lines = [head, "|---" * (len(budgets) + 1) + "|"]
-    by = {(r.policy, r.budget): r for r in results}
-    for p in dict.fromkeys(r.policy for r in results):
-        cells = [f"{100 * by[(p, b)].hit_rate:.1f}% ({by[(p, b)].bytes_read / steps / 2**20:.2f})" for b in budgets]
-        lines.append(f"| {p} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
 
 def to_json(trace, results) -> dict:
     return {

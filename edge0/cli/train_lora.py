@@ -7,7 +7,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from edge0.cli_util import run_main
+import edge0
+from edge0.cli.common import read_text, run_main
 from edge0.errors import Edge0Error
 
 
@@ -58,10 +59,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
-    import edge0
     from edge0.lora.adapter import save_adapter
+    from edge0.lora.distill import Teacher
     from edge0.lora.train import TrainOptions, train
-    from edge0.train_prerouter import read_text
 
     teacher_dir = Path(args.teacher).expanduser()
     if not (teacher_dir / "config.json").is_file():
@@ -71,11 +71,9 @@ def main(argv=None) -> int:
     # backward pass is done) and take a batch of sequences in one decode step.
     if args.init and not Path(args.init).is_file():
         raise Edge0Error(f"--init {args.init}: no such file; give an adapter written by edge0 train-lora")
-    engine = edge0.load(args.model, dtype=args.dtype, top_k=args.top_k,
-                        prefill_executor="exact", decode_executor="exact", prerouter=False if args.no_prerouter else args.prerouter, lora=False)
+    engine = edge0.load(args.model, dtype=args.dtype, top_k=args.top_k, prefill_executor="exact", decode_executor="exact",
+                        prerouter=False if args.no_prerouter else args.prerouter, lora=False)
     print(engine.describe(), file=sys.stderr)
-    from edge0.backend.distill import Teacher
-
     teacher = Teacher(teacher_dir)
     targets = [t.strip() for t in args.targets.split(",") if t.strip()] if args.targets else None
     opts = TrainOptions(r=args.r, alpha=args.alpha, targets=targets, sft_steps=args.sft_steps, distill_steps=args.distill_steps,

@@ -3,25 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
-from edge0.cli_util import run_main
-from edge0.errors import Edge0Error
-
-
-def read_text(path: Path) -> str:
-    """Plain text, or JSONL with a "text" field per line."""
-    if not path.is_file():
-        raise Edge0Error(f"--data {path}: no such file; pass a UTF-8 text or JSONL file")
-    raw = path.read_text(encoding="utf-8")
-    if path.suffix == ".jsonl":
-        try:
-            return "\n\n".join(json.loads(line)["text"] for line in raw.splitlines() if line.strip())
-        except (json.JSONDecodeError, KeyError, TypeError):
-            raise Edge0Error(f"--data {path}: every JSONL line needs a \"text\" field") from None
-    return raw
+import edge0
+from edge0.cli.common import read_text, run_main
 
 
 def main(argv=None) -> int:
@@ -37,9 +23,7 @@ def main(argv=None) -> int:
     p.add_argument("--start-layer", type=int, default=None, help="first owner layer (default: the first MoE layer)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    import edge0
     from edge0.prerouter.train import train, write
-
     engine = edge0.load(args.model, prerouter=False, lora=False, decode_executor="exact")
     text = read_text(Path(args.data))
     tensors, meta, report = train(engine, text, data_name=str(args.data), window=args.window, max_tokens=args.max_tokens,

@@ -6,20 +6,11 @@ lines into stdin reads only the replies from stdout. Commands: /reset, /stats, /
 
 from __future__ import annotations
 
-import argparse
 import sys
 
-from edge0.cli_util import run_main
-from edge0.generate import add_model_options, load_options
+from edge0.cli.common import OneLineParser, add_model_options, load_options, run_main
 
 COMMANDS = "/reset (forget the conversation), /stats (engine statistics), /exit"
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """An ArgumentParser whose usage errors are one line on stderr and exit code 2."""
-
-    def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def _size(n: float) -> str:

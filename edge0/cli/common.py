@@ -1,0 +1,125 @@
+"""What the verbs share: expected failures print one line and exit 2 without a traceback, the
+model-loading flags (made from LoadOptions' fields), reading training text, and stats lines."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import fields
+from pathlib import Path
+
+from edge0.errors import Edge0Error
+from edge0.options import LoadOptions, flag
+
+
+def run_main(main, argv=None) -> None:
+    """Run a verb's main(); Edge0Error -> 'edge0: error: ...' on stderr and exit code 2."""
+    try:
+        code = main(argv)
+    except Edge0Error as e:
+        print(f"edge0: error: {e}", file=sys.stderr)
+        code = 2
+    except KeyboardInterrupt:
+        print("edge0: interrupted", file=sys.stderr)
+        code = 130
+    sys.exit(code or 0)
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An ArgumentParser whose usage errors are one line on stderr and exit code 2."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+# -- model-loading flags ------------------------------------------------------------------------
+_TYPES = {"int": int, "float": float}
+
+
+def add_model_options(p: argparse.ArgumentParser) -> None:
+    """--model and one flag per LoadOptions field (a tristate field also gets --no-NAME)."""
+    p.add_argument("--model", default=None, help="edge0 store directory (default: the bundled demo model)")
+    for f in fields(LoadOptions):
+        m, name = f.metadata, flag(f.name)
+        kind = m["kind"]
+        if kind == "flag":
+            p.add_argument(name, dest=f.name, action="store_true", help=m["help"])
+        elif kind == "tristate":
+            g = p.add_mutually_exclusive_group()
+            g.add_argument(name, dest=f.name, default=None, metavar="FILE", help=m["help"])
+            g.add_argument(f"--no-{name[2:]}", dest=f.name, action="store_false", default=None, help=m["off_help"])
+        elif kind == "layer_executors":
+            p.add_argument(name, dest=f.name, action="append", default=[], metavar=m["metavar"], help=m["help"])
+        else:
+            p.add_argument(name, dest=f.name, default=f.default, type=_TYPES.get(kind, str),
+                           choices=None if m.get("checked_later") else m.get("choices"),
+                           metavar=m.get("metavar", "FILE" if kind == "path" else "SIZE" if kind == "size" else None),
+                           help=m["help"])
+
+
+def load_options(args, **overrides) -> dict:
+    """`edge0.load` keywords (LoadOptions fields) from parsed model-loading flags, with
+    `overrides` (a verb's own needs)."""
+    values = {f.name: getattr(args, f.name) for f in fields(LoadOptions)}
+    values["layer_executors"] = parse_layer_executors(values["layer_executors"])
+    return {**values, **overrides}
+
+
+def parse_layer_executors(specs: list[str]) -> dict:
+    """['3:decode=hot', ...] -> {3: {"decode": "hot"}}."""
+    out: dict = {}
+    for spec in specs:
+        try:
+            layer, rest = spec.split(":", 1)
+            phase, name = rest.split("=", 1)
+            if phase not in ("prefill", "decode"):
+                raise ValueError
+            out.setdefault(int(layer), {})[phase] = name
+        except ValueError:
+            raise Edge0Error(f"--layer-executor {spec!r}: expected LAYER:PHASE=NAME, e.g. 3:decode=hot") from None
+    return out
+
+
+def read_text(path: Path) -> str:
+    """Training text: plain text, or JSONL with a "text" field per line."""
+    if not path.is_file():
+        raise Edge0Error(f"--data {path}: no such file; pass a UTF-8 text or JSONL file")
+    raw = path.read_text(encoding="utf-8")
+    if path.suffix == ".jsonl":
+        try:
+            return "\n\n".join(json.loads(line)["text"] for line in raw.splitlines() if line.strip())
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise Edge0Error(f"--data {path}: every JSONL line needs a \"text\" field") from None
+    return raw
+
+
+# -- stats lines --------------------------------------------------------------------------------
+def format_stats(s: dict) -> str:
+    """One generation's stats on one line."""
+    hit = "n/a" if s.get("expert_hit_rate") is None else f"{100 * s['expert_hit_rate']:.0f}%"
+    sub = f", substitutions {s['substitutions']} (lossy)" if s.get("substitutions") else ""
+    return (
+        f"prompt {s['prompt_tokens']} tok ({s['prefill_tps']:.1f} tok/s prefill), "
+        f"generated {s['generation_tokens']} tok ({s['decode_tps']:.1f} tok/s), "
+        f"MLX peak {s['peak_memory_bytes'] / 2**20:.1f} MiB, RSS peak {s['peak_rss_bytes'] / 2**20:.0f} MiB, "
+        f"experts read {s['expert_bytes_read'] / 2**20:.1f} MiB, cache hits {hit}, "
+        f"stall {s.get('stall_ms_per_step', 0):.1f} ms/step{sub}"
+    )
+
+
+def format_layer_stats(st: dict) -> str:
+    """Per-layer executor statistics as a table."""
+    cols = ("calls", "host_syncs", "loads", "hits", "misses", "bytes_read", "read_amplification",
+            "stall_ms", "slot_rewrites", "slot_scatters", "fallbacks", "dropped", "substitutions")
+    rows = [" ".join(f"{c:>12}" for c in ("layer",) + cols)]
+    for name, s in list(st["layers"].items()) + [("total", st["totals"])]:
+        vals = [s[c] for c in cols]
+        rows.append(" ".join(f"{v:>12.2f}" if isinstance(v, float) else f"{'-' if v is None else v:>12}" for v in [name, *vals]))
+    rows.append(f"stall {st['stall_ms_per_step']:.2f} ms per decode step over {st['decode_steps']} steps")
+    pr = st.get("prerouter")
+    if pr:
+        rows.append(f"pre-router {pr['heads']}: routed by head {pr['routed_by_head']}, by gate {pr['routed_by_gate']}")
+        if pr["recall"] is not None:
+            rows.append("recall of predicted vs gate routes: " + ", ".join(f"layer {l} {r:.3f}" for l, r in pr["recall"].items()))
+    return "\n".join(rows)

@@ -1,0 +1,83 @@
+"""`edge0 eval`: perplexity on held-out text and next-token agreement with a reference run.
+
+Text is tokenized once and cut into windows of `--window` tokens; each window is one forward pass
+without a KV cache, or with `--decode` one decode step per token through the KV cache and the
+expert cache (slower; the mode in which cache policies and substitution act). Perplexity is over
+every predicted token of every window; expert bytes read are per token processed. With a reference
+(another edge0 store or engine options, or an mlx-lm / Hugging Face directory run resident by
+mlx-lm), it also reports how often the two models' argmax next tokens agree and the mean KL
+divergence KL(reference || model) per token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import edge0
+from edge0.cli.common import add_model_options, load_options, run_main
+from edge0.errors import Edge0Error
+from edge0.evaluate import evaluate
+from edge0.store.format import MANIFEST
+
+
+def reference_fn(path: str, options):
+    """Logits function for --reference: an edge0 store (loaded with `options`), or an mlx-lm / HF
+    model run resident."""
+    p = Path(path).expanduser()
+    if (p / MANIFEST).is_file():
+        return edge0.load(p, **options).logits
+    from edge0.backend.nn import resident_logits_fn
+
+    return resident_logits_fn(p)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="edge0 eval", description=__doc__.splitlines()[0])
+    add_model_options(p)
+    p.add_argument("--data", required=True, help="held-out text file (UTF-8)")
+    p.add_argument("--reference", default=None,
+                   help="edge0 store (run with gate routing, no adapter) or mlx-lm/HF model directory to compare with")
+    p.add_argument("--window", type=int, default=256, help="tokens per window (default 256)")
+    p.add_argument("--max-windows", type=int, default=None, help="evaluate only the first N windows")
+    p.add_argument("--decode", action="store_true",
+                   help="token by token through the KV cache and the expert cache, as decoding runs (slower); "
+                        "needed to measure --cache-policy and --substitute-alpha, which act on decode steps")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    args = p.parse_args(argv)
+    data = Path(args.data)
+    if not data.is_file():
+        raise Edge0Error(f"--data {data}: no such file; pass a UTF-8 text file")
+    engine = edge0.load(args.model, **load_options(args))
+    print(engine.describe(), file=sys.stderr)
+    tokens = engine.encode(data.read_text(encoding="utf-8"))
+    # the reference is the plain model: gate routing, no adapter
+    ref = reference_fn(args.reference, {"dtype": args.dtype, "prerouter": False, "lora": False}) if args.reference else None
+    # With a pre-router, every position is routed as decoding would route it.
+    logits = engine.decode_logits if args.decode else engine.prerouted_logits
+    result = evaluate(logits, tokens, args.window, args.max_windows, ref, progress=True)
+    st = engine.stats()
+    processed = result["tokens"] + result["windows"]  # a window's last token predicts nothing
+    result.update({"model": engine.model_id, "data": str(data), "top_k": engine.k,
+                   "prerouter": str(engine.heads_path) if engine.heads_path else None, "decode": args.decode,
+                   "cache_policy": st["cache_policy"], "substitute_alpha": st["substitute_alpha"],
+                   "expert_bytes_per_token": st["totals"]["bytes_read"] / processed,
+                   "expert_hit_rate": st["totals"]["hit_rate"], "substitutions": st["totals"]["substitutions"]})
+    if args.json:
+        print(json.dumps(result, indent=1))
+    else:
+        line = f"perplexity {result['perplexity']:.3f} over {result['tokens']} tokens ({result['windows']} windows of {args.window})"
+        if ref is not None:
+            line += f", agreement {100 * result['agreement']:.2f}%, KL {result['kl_to_reference']:.4f} nats/token"
+        hit = result["expert_hit_rate"]
+        line += (f"; experts read {result['expert_bytes_per_token'] / 2**20:.3f} MiB/token"
+                 + (f", cache hits {100 * hit:.1f}%" if hit is not None else "")
+                 + (f", substitutions {result['substitutions']} (lossy)" if result["substitutions"] else ""))
+        print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)

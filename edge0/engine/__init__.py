@@ -1,0 +1,9 @@
+"""The engine: a loaded model's generation loop (engine.py), how one is opened (load.py), the
+reusable KV cache (kv.py), the hooks features attach through (hooks.py), statistics (stats.py)
+and the passes used for checks and traces (diagnostics.py)."""
+
+from edge0.engine.engine import Engine, GenerationResult, Step
+from edge0.engine.hooks import StepHooks
+from edge0.engine.load import open_engine
+
+__all__ = ["Engine", "GenerationResult", "Step", "StepHooks", "open_engine"]

@@ -1,0 +1,53 @@
+"""Passes for checks, evaluation and traces, not for serving: teacher-forced logits (with gate
+routing, or along the routes decoding would use) and route observation."""
+
+from __future__ import annotations
+
+from edge0.backend import core as B
+from edge0.backend import nn as bnn
+from edge0.errors import Edge0Error
+
+
+def logits(engine, prompt):
+    """Float32 logits of every prompt position [T, V] (no cache; gate routing)."""
+    return bnn.full_logits(engine.model, engine.encode(prompt))
+
+
+def prerouted_logits(engine, prompt):
+    """Float32 logits [T, V] of every position in one forward pass, routed as decoding routes
+    them: with a pre-router, each pre-routed layer uses at position t the route its head
+    predicted at t-1 (position 0 uses the gate). Without one this is `logits`."""
+    with engine.hooks.teacher_forcing():
+        return bnn.full_logits(engine.model, engine.encode(prompt))
+
+
+def decode_logits(engine, prompt):
+    """Float32 log-probs [T, V] of every position, computed token by token through the KV cache
+    and the expert cache, as decoding does (teacher forcing)."""
+    tokens = engine.encode(prompt)
+    kept = []
+
+    def keep(logprobs):
+        kept.append(logprobs)
+        return B.argmax(logprobs, axis=-1)
+
+    engine.kv.reset()
+    engine.kv.cache = bnn.make_prompt_cache(engine.model)
+    engine.hooks.start(engine)
+    try:
+        for i, t in enumerate(tokens):
+            engine.step([t], i, keep)
+    finally:
+        engine.hooks.finish(engine)
+        engine.kv.reset()
+    out = B.to_numpy(B.concatenate(kept, axis=0).astype(B.float32))
+    return out.reshape(len(tokens), -1)
+
+
+def observe_routes(engine, fn) -> None:
+    """Call fn(layer, indices [T, K] int array, scores [T, E] float32) for every forward pass of
+    every spec'd MoE layer (None stops). Each call syncs to the host: for traces only."""
+    if engine.spec is None:
+        raise Edge0Error(f"{engine.model_id}: route tracing needs a spec'd family (this one is served at the universal level)")
+    for layer, block in bnn.moe_blocks(engine.model):
+        object.__setattr__(block, "observer", None if fn is None else (lambda i, s, layer=layer: fn(layer, i, s)))

@@ -1,0 +1,210 @@
+"""The engine: a loaded model's prefill and decode loop with streamed experts, sampling and stop
+strings. `edge0.engine.load.open_engine` builds one; features attach through `use_prerouter`,
+`use_lora` and the StepHooks interface (hooks.py)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from edge0.backend import core as B
+from edge0.backend import nn as bnn
+from edge0.engine import diagnostics
+from edge0.engine.hooks import StepHooks
+from edge0.engine.kv import PromptCache
+from edge0.engine.stats import call_stats, engine_stats
+from edge0.errors import Edge0Error
+from edge0.textstream import StopMatcher
+from edge0.units import format_size
+
+
+@dataclass
+class Step:
+    token: int
+    text: str
+    finish_reason: str | None = None
+    stats: dict | None = None
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    tokens: list[int]
+    finish_reason: str
+    stats: dict = field(default_factory=dict)
+
+
+class Engine:
+    """A loaded model. generate / stream_generate / chat; see docs/engine-api.md."""
+
+    def __init__(self, root: Path, model, tokenizer, store, streaming, spec, k, compute_dtype):
+        self.root = Path(root)
+        self.model_id = self.root.name
+        self.model = model
+        self.tokenizer = tokenizer
+        self.store = store
+        self.streaming = streaming
+        self.spec, self.k, self.compute_dtype = spec, k, compute_dtype
+        self.resident_bytes = bnn.resident_bytes(model)
+        self.kv = PromptCache(model)
+        self.hooks = StepHooks()  # the pre-router's stager once attached, or a test's oracle
+        # the pre-router, when attached (use_prerouter)
+        self.prerouting = None
+        self.heads_path: Path | None = None
+        self.heads_meta: dict | None = None
+        # the recovery adapter, when attached (use_lora); lora_note says why the store's is not served
+        self.lora_path: Path | None = None
+        self.lora_meta: dict | None = None
+        self.lora_note = ""
+
+    # -- features ------------------------------------------------------------------------------
+    def use_prerouter(self, prerouting, hooks: StepHooks, path: Path | None, meta: dict | None) -> None:
+        """Route pre-routed layers with `prerouting` (already installed in the MoE blocks) and run
+        `hooks` (its stager) in the generation loop."""
+        self.prerouting, self.hooks = prerouting, hooks
+        self.heads_path, self.heads_meta = (Path(path) if path else None), meta
+
+    def use_lora(self, path: Path, meta: dict) -> None:
+        """Record the adapter whose LoRALinear layers now wrap the model's targets."""
+        self.lora_path, self.lora_meta = Path(path), meta
+
+    # -- prompts -------------------------------------------------------------------------------
+    def encode(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        tokens = [int(t) for t in prompt]
+        if not tokens:
+            raise Edge0Error("prompt is empty; pass some text or token ids")
+        return tokens
+
+    def chat_prompt(self, messages, tools=None) -> list[int]:
+        """Token ids of `messages` rendered with the tokenizer's chat template."""
+        kwargs = {"tools": tools} if tools else {}
+        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs))
+
+    def chat(self, messages, tools=None, **kwargs) -> GenerationResult:
+        return self.generate(self.chat_prompt(messages, tools), **kwargs)
+
+    # -- generation ----------------------------------------------------------------------------
+    def reset_cache(self) -> None:
+        """Drop the reusable KV cache."""
+        self.kv.reset()
+
+    def stream_generate(self, prompt, max_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
+                        seed: int | None = None, stop=None, reuse_cache: bool = False, ignore_eos: bool = False):
+        """Yield one Step per generated token; the last Step carries finish_reason and stats."""
+        tokens = self.encode(prompt)
+        if max_tokens < 1:
+            raise Edge0Error(f"max_tokens must be >= 1 (got {max_tokens})")
+        if seed is not None:
+            B.seed(seed)
+        sampler = bnn.make_sampler(temp=temperature, top_p=top_p)
+        eos = set(self.tokenizer.eos_token_ids) if not ignore_eos else set()
+        hooks = self.hooks
+        try:
+            yield from self._generate(tokens, max_tokens, sampler, eos, stop, reuse_cache)
+        finally:
+            hooks.finish(self)
+
+    def step(self, tokens: list[int], step: int, sampler) -> int:
+        """One forward of `tokens` (the prompt's last token or a generated one) and a sample."""
+        hooks = self.hooks
+        if step > 0:
+            hooks.before_step(self, step)
+        logprobs = bnn.forward(self.model, tokens, self.kv.cache)
+        hooks.after_forward(self, step, logprobs)
+        y = bnn.sample(sampler, logprobs)
+        hooks.step_done(self, step)
+        self.streaming.end_step()
+        return y
+
+    def _prefill(self, tokens: list[int], reuse: bool, sampler) -> tuple[int, int]:
+        """Feed the prompt (all but the part the KV cache already holds); returns (the first
+        generated token, tokens prefilled)."""
+        kv = self.kv
+        new = tokens[kv.prepare(tokens, reuse):]
+        kv.dirty = True
+        bnn.prefill(self.model, new[:-1], kv.cache)
+        y = self.step(new[-1:], 0, sampler)
+        kv.tokens, kv.dirty = list(tokens), False
+        return y, len(new)
+
+    def _generate(self, tokens, max_tokens, sampler, eos, stop, reuse_cache):
+        before = self.streaming.stats.totals()
+        B.reset_peak_memory()
+        t0 = time.perf_counter()
+        self.hooks.start(self)
+        y, n_prefill = self._prefill(tokens, reuse_cache, sampler)
+        t_prefill = time.perf_counter() - t0
+
+        detok = self.tokenizer.detokenizer
+        detok.reset()
+        stopper = StopMatcher(stop or [])
+        generated: list[int] = []
+        t1 = time.perf_counter()
+        finish = None
+        while True:
+            generated.append(y)
+            if y in eos:
+                finish = "stop"
+                detok.finalize()
+                text = stopper.flush(detok.last_segment)
+            else:
+                detok.add_token(y)
+                text, hit = stopper.feed(detok.last_segment)
+                if hit:
+                    finish = "stop"
+                elif len(generated) >= max_tokens:
+                    finish = "length"
+                    detok.finalize()
+                    text += stopper.flush(detok.last_segment)
+            if finish:
+                stats = call_stats(before, self.streaming.stats.totals(), len(tokens), n_prefill, len(generated),
+                                   t_prefill, time.perf_counter() - t1)
+                yield Step(y, text, finish, stats)
+                return
+            yield Step(y, text)
+            self.kv.dirty = True
+            y = self.step([y], len(generated), sampler)
+            self.kv.tokens.append(generated[-1])
+            self.kv.dirty = False
+
+    def generate(self, prompt, max_tokens: int = 256, **kwargs) -> GenerationResult:
+        """Run to completion; returns text, generated token ids, finish_reason and stats."""
+        parts, tokens, last = [], [], None
+        for last in self.stream_generate(prompt, max_tokens, **kwargs):
+            parts.append(last.text)
+            tokens.append(last.token)
+        return GenerationResult("".join(parts), tokens, last.finish_reason, last.stats)
+
+    # -- checks, evaluation and traces (diagnostics.py) ----------------------------------------
+    def logits(self, prompt):
+        """Float32 logits of every prompt position [T, V] (no cache; gate routing)."""
+        return diagnostics.logits(self, prompt)
+
+    def prerouted_logits(self, prompt):
+        """Float32 logits [T, V] of every position, routed as decoding routes them (one pass)."""
+        return diagnostics.prerouted_logits(self, prompt)
+
+    def decode_logits(self, prompt):
+        """Float32 log-probs [T, V] of every position, token by token through the caches."""
+        return diagnostics.decode_logits(self, prompt)
+
+    def observe_routes(self, fn) -> None:
+        """fn(layer, indices, scores) for every spec'd MoE layer's forward (None stops)."""
+        diagnostics.observe_routes(self, fn)
+
+    # -- stats ---------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        """Cumulative engine statistics, with a per-layer breakdown."""
+        return engine_stats(self)
+
+    def describe(self) -> str:
+        """One line about the loaded model and how its experts are streamed."""
+        lora = f", LoRA {self.lora_path.name}" if self.lora_path else (f"; {self.lora_note}" if self.lora_note else "")
+        return f"{self.model_id}: {self.compute_dtype}, resident {format_size(self.resident_bytes)}, {self.streaming.describe()}{lora}"
+
+    def close(self) -> None:
+        self.streaming.close()
+        self.store.close()

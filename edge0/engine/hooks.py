@@ -1,0 +1,36 @@
+"""StepHooks: the declared interface through which a feature (the pre-router's stager, a test
+oracle) takes part in an engine's generation loop. Every hook has a default that does nothing,
+so a feature overrides only what it needs and the engine calls each one unconditionally."""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+
+class StepHooks:
+    """Hooks called by Engine, in this order for one generation: start; per step: before_step
+    (at the boundary, from step 1 on), after_forward (the step's graph is built), step_done
+    (its token was sampled); then finish."""
+
+    def start(self, engine) -> None:
+        """A generation or a teacher-forced pass begins: forget per-sequence state."""
+
+    def before_step(self, engine, step: int) -> None:
+        """Step boundary: the previous step was evaluated whole."""
+
+    def after_forward(self, engine, step: int, outputs) -> None:
+        """Step `step`'s graph is built; `outputs` are its (unevaluated) log-probabilities."""
+
+    def step_done(self, engine, step: int) -> None:
+        """Step `step` was evaluated and its token sampled."""
+
+    def finish(self, engine) -> None:
+        """The generation ended (or was abandoned): complete anything in flight."""
+
+    def teacher_forcing(self):
+        """Context for a full-sequence forward routed as decoding would route it."""
+        return nullcontext()
+
+    def stats(self) -> dict:
+        """Entries merged into Engine.stats()."""
+        return {}

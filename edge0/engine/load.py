@@ -1,0 +1,50 @@
+"""Open a store and assemble its engine: manifest checks, compute dtype, resident weights,
+the expert store and the executors. Features (pre-router, adapter) attach afterwards."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from edge0.backend import core as B
+from edge0.backend import io as bio
+from edge0.backend import nn as bnn
+from edge0.engine.engine import Engine
+from edge0.errors import Edge0Error
+from edge0.spec import MoESpec, text_config
+from edge0.store import ExpertStore, open_manifest
+from edge0.store.format import RESIDENT_FILE
+from edge0.streaming.dispatch import Streaming
+
+
+def open_engine(root: Path, options) -> Engine:
+    """The engine of the store at `root`, loaded with validated LoadOptions `options`."""
+    manifest = open_manifest(root, verify=options.verify)
+    config = bio.load_config(root)
+    spec = MoESpec.from_dict(manifest["spec"]) if manifest.get("spec") else None
+    if spec is None:
+        _universal_checks(manifest, options)
+    k = spec.serving_k(options.top_k) if spec else None
+    ckpt_dtype = next((t["dtype"] for l in manifest["expert_layers"] for n, t in l["tensors"].items() if n.endswith("scales")), "F32")
+    compute = B.pick_compute_dtype(options.dtype, B.ST_DTYPES.get(ckpt_dtype, "float32"))
+    store = ExpertStore(root, manifest, cold_reads=options.cold_reads)
+    model = bnn.assemble(root, RESIDENT_FILE, manifest, config, spec, k, compute)
+    streaming = Streaming(store, compute, k or _native_k(config), bnn.resident_bytes(model), options)
+    bnn.attach_executors(model, streaming.layers)
+    return Engine(root, model, bio.load_tokenizer(root), store, streaming, spec, k, compute)
+
+
+def _universal_checks(manifest: dict, options) -> None:
+    """Options that need Edge0's own routing, refused for a family served at the universal level."""
+    family = manifest["model_type"]
+    if options.top_k is not None:
+        raise Edge0Error(f"--top-k: {family} has no MoESpec (universal level); the serving width can only be changed for spec'd families")
+    if options.cache_policy == "smoe" or options.substitute_alpha:
+        flag = "--cache-policy smoe" if options.cache_policy == "smoe" else "--substitute-alpha"
+        raise Edge0Error(f"{flag} needs router scores, which Edge0 has only for spec'd families ({family} "
+                         "is served at the universal level); use --cache-policy lru, lfu or arc without substitution")
+
+
+def _native_k(config: dict) -> int:
+    """Experts per token of a universal-level family (its slot sets must hold one route)."""
+    c = text_config(config)
+    return int(c.get("num_experts_per_tok") or c.get("moe_top_k") or c.get("top_k") or 1)

@@ -1,0 +1,57 @@
+"""Engine statistics: per generation call, and cumulative with a per-layer breakdown."""
+
+from __future__ import annotations
+
+from edge0.backend import core as B
+
+
+def call_stats(totals_before: dict, totals_after: dict, n_prompt: int, n_prefill: int, n_gen: int,
+               t_prefill: float, t_decode: float) -> dict:
+    """The stats of one generate call (docs/engine-api.md, "Stats keys")."""
+    a, b = totals_after, totals_before
+    return {
+        "prompt_tokens": n_prompt,
+        "prefill_tokens": n_prefill,
+        "generation_tokens": n_gen,
+        "prefill_tps": n_prefill / t_prefill if t_prefill > 0 else 0.0,
+        "decode_tps": (n_gen - 1) / t_decode if n_gen > 1 and t_decode > 0 else 0.0,
+        "peak_memory_bytes": B.peak_memory(),
+        "peak_rss_bytes": B.peak_rss(),
+        "expert_bytes_read": a["bytes_read"] - b["bytes_read"],
+        "expert_hit_rate": _rate(a["hits"] - b["hits"], a["misses"] - b["misses"]),
+        "host_syncs": a["host_syncs"] - b["host_syncs"],
+        "stall_ms_per_step": (a["stall_ms"] - b["stall_ms"]) / max(1, n_gen),
+        "fallbacks": a["fallbacks"] - b["fallbacks"],
+        "dropped_experts": a["dropped"] - b["dropped"],
+        "substitutions": a["substitutions"] - b["substitutions"],
+    }
+
+
+def engine_stats(engine) -> dict:
+    """Cumulative statistics of `engine`, with a per-layer breakdown."""
+    st = engine.streaming
+    totals = st.stats.totals()
+    out = {
+        "model": engine.model_id,
+        "compute_dtype": engine.compute_dtype,
+        "serving_top_k": engine.k,
+        "resident_bytes": engine.resident_bytes,
+        "expert_cache_bytes": st.budget,
+        "slots_per_layer": st.n_slots,
+        "cache_policy": st.options.cache_policy,
+        "substitute_alpha": st.options.substitute_alpha,
+        "prefill_executor": st.options.prefill_executor,
+        "decode_executor": st.options.decode_executor,
+        "decode_steps": st.stats.decode_steps,
+        "stall_ms_per_step": totals["stall_ms"] / max(1, st.stats.decode_steps),
+        "totals": totals,
+        "layers": {n: s.as_dict() for n, s in sorted(st.stats.layers.items())},
+        "peak_rss_bytes": B.peak_rss(),
+        "prerouter": None,
+    }
+    out.update(engine.hooks.stats())
+    return out
+
+
+def _rate(hits: int, misses: int):
+    return hits / (hits + misses) if hits + misses else None

@@ -1,0 +1,106 @@
+"""LoadOptions: every option that changes how a model is loaded and served, declared once.
+
+Each field carries its default, its allowed values and its help text. The CLI's flags
+(`edge0.cli.common.add_model_options`), the keywords of `edge0.load`, the checks below and the
+table in docs/engine-api.md all come from these fields (a test keeps them in step).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+from edge0.cache import LIVE_POLICIES
+from edge0.errors import Edge0Error
+from edge0.streaming.dispatch import DECODE_EXECUTORS, PREFILL_EXECUTORS, TRAIN_WEIGHTS
+
+COMPUTE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def _opt(default, help: str, kind: str, **extra):
+    """A LoadOptions field. `kind` says how the CLI spells it: choice, int, float, size, path,
+    flag (a switch), tristate (FILE, or --no-NAME for False) or layer_executors (repeatable).
+    `checked_later`: the CLI leaves the choice to validate(), whose error explains more."""
+    factory = {"default_factory": dict} if default == {} else {"default": default}
+    return field(**factory, metadata={"help": help, "kind": kind, **extra})
+
+
+@dataclass
+class LoadOptions:
+    """How `edge0.load` opens a store and streams its experts (see docs/engine-api.md)."""
+
+    dtype: str = _opt("auto", "compute dtype (default auto: float32 on CPU, the checkpoint's dtype on GPU)",
+                      "choice", choices=COMPUTE_DTYPES)
+    top_k: int | None = _opt(None, "serving width: experts per token (default: the model's)", "int")
+    verify: bool = _opt(False, "check every store file's sha256 before loading", "flag")
+    expert_cache: int | str | None = _opt(None, "memory for cached experts, e.g. 2GB (default: from free memory "
+                                                "and model size)", "size")
+    cache_policy: str = _opt("lru", "expert-cache eviction policy: lru (default), lfu, arc, smoe (router scores), "
+                                    "flashmoe (learned)", "choice", choices=LIVE_POLICIES, checked_later=True)
+    cache_weights: str | None = _opt(None, "flashmoe: weights from edge0 train-cache-policy, trained on a trace of "
+                                           "this model", "path")
+    smoe_window: int | None = _opt(None, "smoe: steps over which router scores are averaged (default 32)", "int",
+                                   metavar="N")
+    substitute_alpha: float = _opt(0.0, "LOSSY, CHANGES OUTPUTS: a routed expert scoring in [S, (1+A)S] (S: best "
+                                        "unselected score) may be replaced by a cached one scoring in [(1-A)S, S], "
+                                        "saving its read (default 0: off)", "float", metavar="A")
+    prefill_executor: str = _opt("whole", "prefill: whole-layer reads (default) or exact per-expert reads",
+                                 "choice", choices=tuple(PREFILL_EXECUTORS))
+    decode_executor: str = _opt("staged", "decode: staged slots (default), hot set + exact misses, or exact",
+                                "choice", choices=tuple(DECODE_EXECUTORS))
+    layer_executors: dict = _opt({}, "per-layer override, e.g. 3:decode=hot (repeatable)", "layer_executors",
+                                 flag="--layer-executor", metavar="LAYER:PHASE=NAME")
+    prerouter: str | bool | None = _opt(None, "pre-router heads (default: the store's prerouter.safetensors, if any)",
+                                        "tristate", off_help="route every layer with its own gate")
+    prerouter_diagnostics: bool = _opt(False, "also evaluate the gate on pre-routed layers and report recall "
+                                              "(slower)", "flag")
+    lora: str | bool | None = _opt(None, "recovery LoRA adapter (default: the store's adapter for this K and "
+                                         "routing, if any)", "tristate", off_help="serve without the recovery LoRA")
+    cold_reads: bool = _opt(False, "drop every expert read from the OS page cache again (benchmarks of cold "
+                                   "storage)", "flag")
+
+    def validate(self) -> "LoadOptions":
+        """Check the options that need no model; errors name the flag and the fix."""
+        if self.dtype is None:
+            self.dtype = "auto"
+        _choice("dtype", self.dtype)
+        if self.top_k is not None and self.top_k < 1:
+            raise Edge0Error(f"--top-k {self.top_k}: must be >= 1 (the number of experts per token)")
+        _choice("cache_policy", self.cache_policy, hint="; belady needs the future, so it runs only in `edge0 simulate`")
+        if self.cache_policy == "flashmoe" and not self.cache_weights:
+            raise Edge0Error(f"--cache-policy flashmoe needs --cache-weights FILE; train one with: {TRAIN_WEIGHTS}")
+        if self.cache_weights and self.cache_policy != "flashmoe":
+            raise Edge0Error("--cache-weights is read only by the flashmoe policy; add --cache-policy flashmoe or "
+                             "drop --cache-weights")
+        if self.smoe_window is not None and self.cache_policy != "smoe":
+            raise Edge0Error("--smoe-window is read only by the smoe policy; add --cache-policy smoe or drop --smoe-window")
+        if self.smoe_window is not None and self.smoe_window < 1:
+            raise Edge0Error(f"--smoe-window {self.smoe_window}: must be >= 1 step")
+        if self.substitute_alpha < 0:
+            raise Edge0Error(f"--substitute-alpha {self.substitute_alpha}: must be >= 0 (0 turns substitution off)")
+        if self.substitute_alpha and self.decode_executor != "staged":
+            raise Edge0Error("--substitute-alpha needs the staged decode executor (it substitutes from the expert "
+                             f"cache); drop --decode-executor {self.decode_executor} or --substitute-alpha")
+        _choice("prefill_executor", self.prefill_executor)
+        _choice("decode_executor", self.decode_executor)
+        for layer, choice in self.layer_executors.items():
+            for phase, name in choice.items():
+                if phase not in ("prefill", "decode"):
+                    raise Edge0Error(f"--layer-executor {layer}:{phase}={name}: the phase is prefill or decode")
+                _choice(f"{phase}_executor", name, f" (layer {layer})")
+        return self
+
+    def executor(self, layer: int, phase: str) -> str:
+        """The executor `layer` uses in `phase` ("prefill" or "decode")."""
+        return self.layer_executors.get(layer, {}).get(phase, getattr(self, f"{phase}_executor"))
+
+
+def flag(name: str) -> str:
+    """The command-line flag of a LoadOptions field: expert_cache -> --expert-cache."""
+    f = next(f for f in fields(LoadOptions) if f.name == name)
+    return f.metadata.get("flag", "--" + name.replace("_", "-"))
+
+
+def _choice(name: str, value, where: str = "", hint: str = "") -> None:
+    choices = next(f for f in fields(LoadOptions) if f.name == name).metadata["choices"]
+    if value not in choices:
+        raise Edge0Error(f"{flag(name)}{where} {value!r}: choose one of {', '.join(choices)}{hint}")

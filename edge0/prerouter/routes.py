@@ -1,0 +1,85 @@
+"""Routes from the heads: the head owned by MoE layer N reads layer N's MoE input at token t and
+predicts layer N+1's router logits at token t+1. The prediction, routed by the family's own
+routing function, *is* layer N+1's route at t+1. PreRouting is the state the MoE blocks of one
+engine share (SpecMoEBlock calls `predicted`, `teacher_forced` and `predict`)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from contextlib import contextmanager
+
+from edge0.backend import core as B
+from edge0.backend.routing import expert_scores, route
+
+
+class PreRouting:
+    """Heads by owner layer, the predicted routes for this step (`pending`) and the ones made
+    during it for the next step (`next`)."""
+
+    def __init__(self, heads: dict, consumer: dict, biases: dict, spec, k: int, diagnostics: bool = False):
+        self.heads, self.consumer, self.biases = heads, consumer, biases
+        self.spec, self.k, self.diagnostics = spec, k, diagnostics
+        self.parallel = False  # full-sequence forward routed as decoding would (training, eval)
+        self.pending: dict = {}
+        self.next: dict = {}
+        self.next_scores: dict = {}  # consumer layer -> the head's scores over all experts (lazy)
+        self.overlaps: dict = {}  # consumer layer -> device scalars (diagnostic mode)
+        self.routed_by_head: Counter = Counter()  # decode calls per layer that used a prediction
+        self.routed_by_gate: Counter = Counter()  # ... and that evaluated the layer's own gate
+
+    def reset(self) -> None:
+        self.pending, self.next, self.next_scores, self.overlaps = {}, {}, {}, {}
+
+    @contextmanager
+    def teacher_forcing(self):
+        """A full-sequence forward inside this context routes every pre-routed layer at position t
+        with the head's prediction from t-1 (position 0 with the gate): the routes decoding uses."""
+        self.reset()
+        self.parallel = True
+        try:
+            yield
+        finally:
+            self.parallel = False
+            self.reset()
+
+    # -- the MoE block's hooks ------------------------------------------------------------------
+    def predicted(self, block, x):
+        """A decode call's route predicted at the previous token, or None (use the gate)."""
+        if x.shape[-2] != 1:
+            return None
+        r = self.pending.pop(block.layer, None)
+        (self.routed_by_gate if r is None else self.routed_by_head)[block.layer] += 1
+        if r is not None and self.diagnostics:
+            self.compare(block.layer, r[0], block.gate_route(x)[0])
+        return r
+
+    def teacher_forced(self, layer: int, inds, scores):
+        """In a teacher-forced pass, position t takes the head's route from t-1 (position 0 keeps
+        the gate's); otherwise the gate's route as it is."""
+        if not self.parallel or inds.shape[-2] == 1 or layer not in self.next:
+            return inds, scores
+        p_inds, p_scores = self.next.pop(layer)
+        return (B.concatenate([inds[..., :1, :], p_inds[..., :-1, :]], axis=-2),
+                B.concatenate([scores[..., :1, :], p_scores[..., :-1, :]], axis=-2))
+
+    def predict(self, layer: int, x) -> None:
+        """Owner layer hook: predict the consumer's route for the next token."""
+        if layer not in self.heads or (x.shape[-2] != 1 and not self.parallel):
+            return
+        c = self.consumer[layer]
+        logits = self.heads[layer](x.astype(B.float32))
+        self.next[c] = route(logits, self.spec.routing, self.k, self.biases[c])
+        self.next_scores[c] = expert_scores(logits, self.spec.routing)  # for the expert cache
+
+    def compare(self, layer: int, predicted, gate) -> None:
+        """Diagnostic mode: count predicted experts that the gate also picked (on the device)."""
+        hit = (predicted[..., :, None] == gate[..., None, :]).any(axis=-1).sum()
+        self.overlaps.setdefault(layer, []).append(hit)
+
+    # -- the step boundary ----------------------------------------------------------------------
+    def advance(self) -> None:
+        """The predictions made during this step become the next step's routes."""
+        self.pending, self.next, self.next_scores = self.next, {}, {}
+
+    def next_indices(self) -> dict:
+        return {c: inds for c, (inds, _) in self.next.items()}

@@ -1,0 +1,28 @@
+"""`edge0.load` put together: resolve the model (a store, or the bundled demo model), open its
+engine, then attach the features it serves with: pre-router heads, then the recovery adapter
+(whose identity includes the heads)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from edge0.bundled import resolve_model
+from edge0.engine import Engine, open_engine
+from edge0.lora.attach import attach_lora, store_adapter
+from edge0.options import LoadOptions
+from edge0.prerouter.attach import attach_prerouter, heads_path
+
+
+def load_engine(path, options: LoadOptions) -> Engine:
+    """The engine for `path` (None: the bundled demo model) with `options` (validated here)."""
+    options.validate()
+    root = resolve_model(path)
+    engine = open_engine(root, options)
+    heads = heads_path(root, options.prerouter, engine.spec)
+    if heads is not None:
+        attach_prerouter(engine, heads, diagnostics=options.prerouter_diagnostics)
+    if options.lora is not False:
+        adapter, engine.lora_note = (Path(options.lora).expanduser(), "") if options.lora is not None else store_adapter(engine)
+        if adapter is not None:
+            attach_lora(engine, adapter)
+    return engine

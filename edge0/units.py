@@ -1,0 +1,32 @@
+"""Byte sizes: one parser and one formatter for every option that takes a size."""
+
+from __future__ import annotations
+
+import re
+
+from edge0.errors import Edge0Error
+
+# Decimal units (KB = 1000) as disks and `df -H` count; binary ones spelled out (KiB = 1024).
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(text, field: str = "--expert-cache") -> int:
+    """'2GB', '512MiB', '1.5G', '64k' or a plain byte count -> bytes. `field` names the option in
+    the error."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        return int(text)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
+    unit = m.group(2).upper() if m else ""
+    unit = unit + "B" if unit in ("K", "M", "G", "T") else unit
+    if not m or unit not in _UNITS:
+        raise Edge0Error(f"{field} {text!r}: not a size; use e.g. 2GB, 512MB or 1.5GiB")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def format_size(n: int) -> str:
+    """Bytes as a short decimal size: '2.25 GB'."""
+    for unit, f in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= f:
+            return f"{n / f:.2f} {unit}"
+    return f"{n} B"

@@ -19,8 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import edge0  # noqa: E402
 from edge0.backend import nn as bnn  # noqa: E402
-from edge0.backend import prerouter as bpr  # noqa: E402
-from edge0.prerouter.train import collect, owner_layers, pairs, recall  # noqa: E402
+from edge0.prerouter.train import collect, head_topk, owner_layers, pairs, recall, train_head  # noqa: E402
 
 VARIANTS = {"kl": (1.0, 0.0), "kl+listwise": (1.0, 0.5), "listwise": (0.0, 1.0)}
 
@@ -45,13 +44,13 @@ def main() -> None:
     for owner, consumer in owner_layers(engine).items():
         x, inds, probs = pairs(tr, owner, consumer)
         vx, vinds, _ = pairs(va, owner, consumer)
-        init = np.array(bpr.router_weight(blocks[consumer]))
-        bias = bpr.router_bias(blocks[consumer])
+        init = np.array(blocks[consumer].router_weight())
+        bias = blocks[consumer].router_bias()
         rows[consumer] = {}
         for name, (w_div, w_list) in VARIANTS.items():
-            head, _ = bpr.train_head(init, x, probs, inds, hidden=64, steps=args.steps, lr=2e-3, batch=512,
-                                     listwise=w_list, divergence=w_div, score_function="softmax", seed=owner)
-            rows[consumer][name] = recall(bpr.head_topk(head, vx, engine.spec, k, bias), vinds)
+            head, _ = train_head(init, x, probs, inds, hidden=64, steps=args.steps, lr=2e-3, batch=512,
+                                 listwise=w_list, divergence=w_div, score_function="softmax", seed=owner)
+            rows[consumer][name] = recall(head_topk(head, vx, engine.spec, k, bias), vinds)
         print(consumer, {n: round(r, 4) for n, r in rows[consumer].items()}, flush=True)
     mean = {n: float(np.mean([r[n] for r in rows.values()])) for n in VARIANTS}
     print("mean", {n: round(r, 4) for n, r in mean.items()})

@@ -47,9 +47,9 @@ def main() -> None:
                 spent[label] += time.perf_counter() - t0
         setattr(obj, name, wrapper)
 
-    if e.stager is not None:
-        timed(e.stager, "before_step", "swap (stager.before_step)")
-        timed(e.stager, "after_forward", "launch + stage (stager.after_forward)")
+    if e.prerouting is not None:
+        timed(e.hooks, "before_step", "swap (stager.before_step)")
+        timed(e.hooks, "after_forward", "launch + stage (stager.after_forward)")
     timed(bnn, "forward", "graph build (forward)")
     timed(bnn, "sample", "sample (waits for the step)")
     timed(e.streaming, "end_step", "end of step (dropped counters)")

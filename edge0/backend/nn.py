@@ -38,8 +38,8 @@ class StreamingExperts(nn.Module):
 
     Per call, `executor(indices, scores)` returns [(tensors of some experts, the route's indices
     mapped into them)]; the original mlx-lm module runs its own math on each and the parts are
-    summed. `scores` (router scores over all experts, lazy) come from a SpecMoEBlock's gate; mlx-lm's
-    own blocks pass none.
+    summed; then `executor.done(output)`. `scores` (router scores over all experts, lazy) come
+    from a SpecMoEBlock's gate; mlx-lm's own blocks pass none.
     """
 
     def __init__(self, inner: nn.Module, layer: int):
@@ -61,8 +61,7 @@ class StreamingExperts(nn.Module):
             part = self.inner(x, local)
             y = part if y is None else y + part
         self.inner.update(self.blank)  # the lazy graph keeps what it needs
-        if hasattr(self.executor, "done"):
-            self.executor.done(y)
+        self.executor.done(y)
         return y
 
 

@@ -1,12 +1,9 @@
 """`edge0 eval`: perplexity on held-out text and next-token agreement with a reference run.
 
-Text is tokenized once and cut into windows of `--window` tokens; each window is one forward pass
-without a KV cache, or with `--decode` one decode step per token through the KV cache and the
-expert cache (slower; the mode in which cache policies and substitution act). Perplexity is over
-every predicted token of every window; expert bytes read are per token processed. With a reference
-(another edge0 store or engine options, or an mlx-lm / Hugging Face directory run resident by
-mlx-lm), it also reports how often the two models' argmax next tokens agree and the mean KL
-divergence KL(reference || model) per token.
+How windows, perplexity, agreement and KL are computed: edge0/evaluate.py. `--decode` runs one
+decode step per token through the KV cache and the expert cache (slower; the mode in which cache
+policies and substitution act). The reference is another edge0 store (gate routing, no adapter)
+or an mlx-lm / Hugging Face directory run resident by mlx-lm.
 """
 
 from __future__ import annotations

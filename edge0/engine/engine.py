@@ -10,7 +10,7 @@ from pathlib import Path
 
 from edge0.backend import core as B
 from edge0.backend import nn as bnn
-from edge0.engine import diagnostics
+from edge0.engine.diagnostics import decode_logits, logits, observe_routes, prerouted_logits
 from edge0.engine.hooks import StepHooks
 from edge0.engine.kv import PromptCache
 from edge0.engine.stats import call_stats, engine_stats
@@ -181,19 +181,19 @@ class Engine:
     # -- checks, evaluation and traces (diagnostics.py) ----------------------------------------
     def logits(self, prompt):
         """Float32 logits of every prompt position [T, V] (no cache; gate routing)."""
-        return diagnostics.logits(self, prompt)
+        return logits(self, prompt)
 
     def prerouted_logits(self, prompt):
         """Float32 logits [T, V] of every position, routed as decoding routes them (one pass)."""
-        return diagnostics.prerouted_logits(self, prompt)
+        return prerouted_logits(self, prompt)
 
     def decode_logits(self, prompt):
         """Float32 log-probs [T, V] of every position, token by token through the caches."""
-        return diagnostics.decode_logits(self, prompt)
+        return decode_logits(self, prompt)
 
     def observe_routes(self, fn) -> None:
         """fn(layer, indices, scores) for every spec'd MoE layer's forward (None stops)."""
-        diagnostics.observe_routes(self, fn)
+        observe_routes(self, fn)
 
     # -- stats ---------------------------------------------------------------------------------
     def stats(self) -> dict:

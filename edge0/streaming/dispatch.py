@@ -56,8 +56,7 @@ class LayerDispatch:
         return ex(indices, scores)
 
     def done(self, y) -> None:
-        if hasattr(self.last, "done"):
-            self.last.done(y)
+        self.last.done(y)
 
 
 class Streaming:

@@ -74,3 +74,6 @@ class ExactExecutor:
     def __call__(self, indices, scores=None):
         """`scores` (router scores) are for cache policies; the exact path has no cache."""
         return self.run(self.host_ids(indices))
+
+    def done(self, y) -> None:
+        """Called with the layer's output once its graph is built; only whole-layer acts on it."""

@@ -3,6 +3,12 @@ from stacked hot tensors; misses go through the exact path and the two parts are
 
 Each (token, k) pair is computed by exactly one part; the other part maps it to an all-zero
 expert row, whose output is exactly zero, so the sum equals the exact path bit for bit.
+
+The hot set is refreshed at the start of a call, before that call's parts are built: the parts
+hand the slot tensors themselves to the layer, so a refresh after building them would run this
+call's hot positions (mapped by the old table) on the new slot contents. At that point nothing
+launched reads this layer's slots (the engine's invariant, see staged.py), so slots are
+rewritten in place.
 """
 
 from __future__ import annotations
@@ -23,20 +29,24 @@ class HotExecutor(ExactExecutor):
         self.counts = np.zeros(slots.num_experts)
         self.decay, self.refresh = decay, refresh
         self.hot: set[int] = set()
+        self.due = False  # a refresh is due at the start of the next call
 
     def _refresh_hot(self) -> None:
-        """Swap the hot set to the current top-N by decayed counts (only changed slots)."""
+        """Swap the hot set to the current top-N by decayed counts (only changed slots, in place:
+        called only where no launched computation reads this layer's slots)."""
         n = self.slots.n_slots
         want = set(np.argsort(-self.counts, kind="stable")[:n].tolist()) - {e for e in range(len(self.counts)) if self.counts[e] == 0}
         out, new = sorted(self.hot - want), sorted(want - self.hot)
         slots = self.slots.assign(new, out)
-        # called while this step's graph, which reads the slots, is still unevaluated: scatter
-        self.stats.slot_scatters += self.slots.apply(out, new, slots, self.read(new) if new else None)
+        self.stats.slot_scatters += self.slots.apply(out, new, slots, self.read(new) if new else None, in_place=True)
         self.stats.slot_rewrites += len(new)
         self.hot = want
+        self.due = False
 
     def __call__(self, indices, scores=None):
         """The hot set follows its own use counts; router `scores` are not needed."""
+        if self.due:  # before this call's parts exist: they read the slots and the table as they are now
+            self._refresh_hot()
         ids = self.host_ids(indices)
         uniq = np.unique(ids)
         s = self.stats
@@ -61,6 +71,5 @@ class HotExecutor(ExactExecutor):
                       for p, parts_ in params.items()}
             local = np.where(hit, zero, np.searchsorted(missed, ids)).astype(np.uint32)
             parts.append((params, B.array(local)))
-        if s.calls % self.refresh == 0:
-            self._refresh_hot()
+        self.due = s.calls % self.refresh == 0
         return parts

@@ -13,7 +13,7 @@ PKG = Path(__file__).resolve().parents[1] / "edge0"
 # (floor, module prefixes). A module belongs to the floor of its longest matching prefix;
 # "edge0" alone is the package's __init__, the public `edge0.load`.
 FLOORS = [
-    ("base", ["edge0.errors", "edge0.version", "edge0.units", "edge0.spec", "edge0.textstream"]),
+    ("base", ["edge0.errors", "edge0.version", "edge0.units", "edge0.spec", "edge0.textstream", "edge0.sampling"]),
     ("backend", ["edge0.backend"]),
     ("data", ["edge0.store", "edge0.cache", "edge0.families"]),
     ("streaming", ["edge0.streaming"]),

@@ -15,6 +15,7 @@ from edge0.engine.hooks import StepHooks
 from edge0.engine.kv import PromptCache
 from edge0.engine.stats import call_stats, engine_stats
 from edge0.errors import Edge0Error
+from edge0.sampling import check_sampling
 from edge0.textstream import StopMatcher
 from edge0.units import format_size
 
@@ -97,6 +98,7 @@ class Engine:
         tokens = self.encode(prompt)
         if max_tokens < 1:
             raise Edge0Error(f"max_tokens must be >= 1 (got {max_tokens})")
+        check_sampling(temperature, top_p, seed)
         if seed is not None:
             B.seed(seed)
         sampler = bnn.make_sampler(temp=temperature, top_p=top_p)

@@ -1,0 +1,22 @@
+"""The valid ranges of the sampling parameters, checked once here for every surface (CLI flags,
+server requests, the Python API). Errors name the field so each surface can report it."""
+
+from __future__ import annotations
+
+import math
+
+from edge0.errors import Edge0Error
+
+SEED_MAX = 2**64 - 1  # the random generator takes an unsigned 64-bit seed
+
+
+def check_sampling(temperature: float, top_p: float, seed: int | None, names: dict | None = None) -> None:
+    """Raise Edge0Error unless temperature >= 0 and finite, 0 < top_p <= 1 and seed is None or an
+    integer in [0, 2**64 - 1]. `names` maps a parameter to the name the caller shows (a flag)."""
+    n = {"temperature": "temperature", "top_p": "top_p", "seed": "seed", **(names or {})}
+    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature >= 0):
+        raise Edge0Error(f"{n['temperature']} {temperature}: must be a finite number >= 0 (0 is greedy)")
+    if not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
+        raise Edge0Error(f"{n['top_p']} {top_p}: must be in (0, 1] (1 keeps every token)")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= SEED_MAX):
+        raise Edge0Error(f"{n['seed']} {seed}: must be an integer from 0 to {SEED_MAX}")

@@ -20,7 +20,7 @@ FLOORS = [
     ("engine", ["edge0.options", "edge0.engine", "edge0.evaluate", "edge0.convert", "edge0.trace"]),
     ("features", ["edge0.prerouter", "edge0.lora", "edge0.bundled"]),
     ("api", ["edge0.runtime", "edge0"]),
-    ("apps", ["edge0.server", "edge0.bench", "edge0.plan"]),
+    ("apps", ["edge0.server", "edge0.bench", "edge0.plan", "edge0.forecast"]),
     ("cli", ["edge0.cli", "edge0.__main__", "edge0.serve"]),
 ]
 RANK = {prefix: i for i, (_, prefixes) in enumerate(FLOORS) for prefix in prefixes}

@@ -9,14 +9,16 @@ import mlx.core as mx
 import numpy as np
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map
-from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import (can_trim_prompt_cache, load_prompt_cache, make_prompt_cache, save_prompt_cache,
+                                  trim_prompt_cache)
 from mlx_lm.sample_utils import make_sampler
 from mlx_lm.utils import common_prefix_len
 
 from edge0.backend import io as bio
 from edge0.backend.routing import expert_scores, route
 
-__all__ = ["make_prompt_cache", "make_sampler", "can_trim_prompt_cache", "trim_prompt_cache", "common_prefix_len"]
+__all__ = ["make_prompt_cache", "make_sampler", "can_trim_prompt_cache", "trim_prompt_cache", "common_prefix_len",
+           "save_prompt_cache", "load_prompt_cache"]
 
 
 def get_module(root, path: str):

@@ -1,0 +1,233 @@
+"""Fit and speed before download (`edge0 plan --hf-path`): from a checkpoint's config.json and
+safetensors headers alone (a local directory, or a Hugging Face repo through its metadata calls),
+the store Edge0 would make, what stays resident, the expert cache that fits a memory size, a
+decode-speed band and the longest context, with a one-word verdict.
+
+Speed model, per decode token: compute time for the bytes of weights a token touches (measured
+int4 matmul throughput on this machine) plus a per-layer graph cost (measured), plus the expert
+bytes that miss the cache read at the disk's measured expert-read rate. The band's ends are two
+routing regimes: uniform routing (hit rate = cache share, the worst case) and routing with the
+locality of a real MoE model (the synthetic routes fitted to Qwen3-30B-A3B, edge0.cache.synthetic).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from edge0.errors import Edge0Error
+from edge0.spec import text_config
+from edge0.store.pagecache import evict
+
+# Routed-expert tensors: per expert (`experts.3.gate_proj.weight`, `experts.3.w1.weight`), fused
+# (`experts.gate_up_proj`) or stacked by mlx-lm (`switch_mlp.gate_proj.weight`). Shared experts
+# (`shared_experts.gate_proj`) do not match.
+ROUTED = re.compile(r"(^|\.)(experts\.(\d+\.|gate_up_proj|down_proj)|switch_mlp\.)")
+_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "U32": 4, "I16": 2, "I8": 1, "U8": 1,
+             "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+VERDICTS = ((20.0, "FAST"), (8.0, "GOOD"), (2.0, "USABLE"), (0.0, "SLOW"))
+# int4 with one scale and one bias per 64 weights in a 2-byte dtype: what `mlx_lm convert -q` writes
+INT4_BYTES_PER_PARAM = 0.5 + 2 * 2 / 64
+
+
+@dataclass
+class Checkpoint:
+    """What the headers and config say about a model."""
+
+    source: str
+    model_type: str
+    num_layers: int
+    moe_layers: int
+    num_experts: int
+    top_k: int
+    hidden: int
+    max_context: int
+    kv_bytes_per_token: int  # float32 K and V of every full-attention layer
+    resident_bytes: int  # in memory after conversion (int4 linears, float32 scales and the rest on CPU)
+    expert_bytes: int  # one expert of one layer, as stored
+    checkpoint_bytes: int  # the source's own tensors
+
+    @property
+    def expert_store_bytes(self) -> int:
+        return self.expert_bytes * self.num_experts * self.moe_layers
+
+
+def read_headers(path: Path) -> dict[str, tuple[str, list[int]]]:
+    """{tensor: (dtype, shape)} from one safetensors file's header (the data is not read)."""
+    with open(path, "rb") as fh:
+        n = struct.unpack("<Q", fh.read(8))[0]
+        header = json.loads(fh.read(n))
+    return {k: (v["dtype"], v["shape"]) for k, v in header.items() if k != "__metadata__"}
+
+
+def read_checkpoint(src: str) -> tuple[dict, dict]:
+    """(config, {tensor: (dtype, shape)}) of a local directory or a Hugging Face repo id, reading
+    only config.json and the safetensors headers."""
+    p = Path(src).expanduser()
+    if p.is_dir():
+        files = sorted(p.glob("*.safetensors"))
+        if not (p / "config.json").is_file() or not files:
+            raise Edge0Error(f"--hf-path {p}: needs config.json and *.safetensors (a Hugging Face or mlx-lm model directory)")
+        try:
+            config = json.loads((p / "config.json").read_text())
+            tensors = {k: v for f in files for k, v in read_headers(f).items()}
+        except (OSError, ValueError, struct.error) as e:
+            raise Edge0Error(f"--hf-path {p}: unreadable config.json or safetensors header ({e})") from None
+        return config, tensors
+    if p.exists() or src.startswith((".", "/", "~")):
+        raise Edge0Error(f"--hf-path {src}: not a directory; pass a model directory or a Hugging Face repo id")
+    from huggingface_hub import get_safetensors_metadata, hf_hub_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    try:
+        config = json.loads(Path(hf_hub_download(src, "config.json")).read_text())
+        meta = get_safetensors_metadata(src)
+    except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as e:
+        raise Edge0Error(f"--hf-path {src}: could not read its metadata from the Hugging Face Hub "
+                         f"({type(e).__name__}); check the repo id and network, or pass a local directory") from None
+    tensors = {k: (t.dtype, list(t.shape)) for f in meta.files_metadata.values() for k, t in f.tensors.items()}
+    return config, tensors
+
+
+def summarize(config: dict, tensors: dict, source: str) -> Checkpoint:
+    """Sizes Edge0 would have for this checkpoint (converted to int4 unless already quantized)."""
+    c = text_config(config)
+    quantized = "quantization" in config
+    experts = int(c.get("num_experts") or c.get("n_routed_experts") or c.get("num_local_experts") or 0)
+    top_k = int(c.get("num_experts_per_tok") or c.get("moe_top_k") or c.get("top_k") or 0)
+    if not experts or not top_k:
+        raise Edge0Error(f"--hf-path {source}: config.json has no routed experts (num_experts / num_experts_per_tok); "
+                         "edge0 runs MoE models")
+    routed, resident, ckpt = 0, 0, 0
+    moe_layers = set()
+    for name, (dtype, shape) in tensors.items():
+        n = int(np.prod(shape)) if shape else 1
+        nbytes = n * _ITEMSIZE.get(dtype, 2)
+        ckpt += nbytes
+        if ROUTED.search(name):
+            layer = re.search(r"layers\.(\d+)\.", name)
+            moe_layers.add(int(layer.group(1)) if layer else -1)
+            routed += nbytes if quantized else n * INT4_BYTES_PER_PARAM
+        elif quantized:
+            # scales and biases are widened to float32 on the CPU (docs/dtype.md)
+            resident += n * 4 if name.endswith((".scales", ".biases")) or dtype in ("F16", "BF16") else nbytes
+        else:
+            resident += n * (0.5 + 2 * 4 / 64) if len(shape) == 2 else n * 4
+    if not moe_layers:
+        raise Edge0Error(f"--hf-path {source}: no routed-expert tensors in the safetensors headers (expected names "
+                         "like model.layers.N.mlp.experts.E.gate_proj.weight)")
+    layers = int(c.get("num_hidden_layers"))
+    kv_heads = int(c.get("num_key_value_heads") or c.get("num_attention_heads"))
+    head_dim = int(c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"])
+    # hybrid models (linear attention) keep a KV cache only on every n-th layer
+    full = layers // int(c.get("full_attention_interval") or 1)
+    return Checkpoint(
+        source=source, model_type=str(config.get("model_type")), num_layers=layers, moe_layers=len(moe_layers),
+        num_experts=experts, top_k=top_k, hidden=int(c["hidden_size"]),
+        max_context=int(c.get("max_position_embeddings") or 4096),
+        kv_bytes_per_token=2 * full * kv_heads * head_dim * 4, resident_bytes=int(resident),
+        expert_bytes=int(routed / (len(moe_layers) * experts)), checkpoint_bytes=ckpt)
+
+
+# -- probes ---------------------------------------------------------------------------------------
+def probe_disk(where: Path, expert_bytes: int, total: int = 96 << 20) -> dict:
+    """Seconds per cold read of one expert-sized range, and sequential MB/s, from a scratch file in
+    `where` evicted from the page cache (the disk a store there would be read from)."""
+    rng = np.random.default_rng(0)
+    size = max(total, 8 * expert_bytes)
+    fd, name = tempfile.mkstemp(prefix=".edge0-probe-", dir=where)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            chunk = rng.integers(0, 255, size=8 << 20, dtype=np.uint8).tobytes()
+            for _ in range(size // len(chunk)):
+                fh.write(chunk)
+            fh.flush()
+            os.fsync(fh.fileno())
+        size = os.path.getsize(name)
+        cold = evict([name]) is not None
+        with open(name, "rb", buffering=0) as fh:
+            offsets = rng.integers(0, max(1, size // expert_bytes - 1), size=16) * expert_bytes
+            t0 = time.perf_counter()
+            for off in offsets:
+                os.pread(fh.fileno(), expert_bytes, int(off))
+            per_read = (time.perf_counter() - t0) / len(offsets)
+            evict([name])
+            t0 = time.perf_counter()
+            while fh.read(8 << 20):
+                pass
+            seq = size / (time.perf_counter() - t0)
+    finally:
+        os.unlink(name)
+    return {"expert_read_s": per_read, "sequential_bytes_per_s": seq, "cold": cold}
+
+
+def probe_compute(config: dict, hidden: int) -> dict:
+    """Int4 matmul throughput at this model's expert shape, and the per-layer cost of a decode
+    step's graph (a decode step of the bundled demo model, whose weights are tiny, per layer)."""
+    import edge0
+    from edge0.backend.probe import int4_matmul_rate
+
+    c = text_config(config)
+    inter = int(c.get("moe_intermediate_size") or c.get("intermediate_size") or 4 * hidden)
+    rate = int4_matmul_rate(inter, hidden)
+    demo = edge0.load(None, prerouter=False, lora=False)
+    demo.generate("The", max_tokens=4, ignore_eos=True)  # first-use costs are not per-step costs
+    stats = demo.generate("The", max_tokens=24, ignore_eos=True).stats
+    layer_s = 1.0 / stats["decode_tps"] / len(demo.store.layers)
+    demo.close()
+    return {"bytes_per_s": rate, "layer_s": layer_s}
+
+
+def forecast(ck: Checkpoint, memory: int, disk: dict, compute: dict) -> dict:
+    """The fit and the decode-speed band of `ck` in `memory` bytes, from the probes."""
+    from edge0.cache.synthetic import generate
+
+    overhead = 256 << 20  # runtime, tokenizer, MLX temporaries
+    context = 4096
+    kv = ck.kv_bytes_per_token * context
+    free = memory - ck.resident_bytes - overhead - kv
+    min_cache = ck.top_k * ck.expert_bytes * ck.moe_layers  # one token's route in every layer
+    cache = int(min(max(free, 0), ck.expert_store_bytes))
+    fits = free >= min_cache
+    share = cache / ck.expert_store_bytes if ck.expert_store_bytes else 1.0
+    slots = max(ck.top_k, int(share * ck.num_experts)) if fits else ck.top_k
+    hit_local = _lru_hit_rate(generate, ck.num_experts, ck.top_k, slots)
+    hit_uniform = min(1.0, slots / ck.num_experts)
+    touched = ck.resident_bytes + ck.top_k * ck.moe_layers * ck.expert_bytes  # weights one token reads
+    compute_s = touched / compute["bytes_per_s"] + ck.num_layers * compute["layer_s"]
+
+    def tok_s(hit):
+        misses = (1 - hit) * ck.top_k * ck.moe_layers
+        return 1.0 / (compute_s + misses * disk["expert_read_s"])
+
+    low, high = tok_s(hit_uniform), tok_s(hit_local)
+    longest = max(0, (memory - ck.resident_bytes - overhead - min_cache) // max(1, ck.kv_bytes_per_token))
+    verdict = "DOES-NOT-FIT" if not fits else next(v for t, v in VERDICTS if high >= t)
+    return {"store_bytes": ck.resident_bytes + ck.expert_store_bytes, "resident_bytes": ck.resident_bytes,
+            "expert_cache_bytes": cache if fits else 0, "experts_cached_per_layer": slots,
+            "hit_rate_uniform": hit_uniform, "hit_rate_local": hit_local,
+            "tok_s_low": low, "tok_s_high": high, "longest_context": int(min(longest, ck.max_context)),
+            "verdict": verdict, "memory_bytes": memory}
+
+
+def _lru_hit_rate(generate, num_experts: int, top_k: int, slots: int, steps: int = 600, layers: int = 2) -> float:
+    """LRU hit rate of `slots` cached experts per layer on synthetic Qwen3-like routes."""
+    from edge0.cache import make_policy
+    from edge0.cache.replay import replay_layer
+
+    if slots >= num_experts:
+        return 1.0
+    routes, _ = generate(num_experts, top_k, layers, steps, seed=0)
+    hits = total = 0
+    for r in routes:
+        cache, _ = replay_layer(r, None, make_policy("lru", slots, num_experts))
+        hits, total = hits + cache.hits, total + cache.hits + cache.misses
+    return hits / total

@@ -1,5 +1,6 @@
 """What the verbs share: expected failures print one line and exit 2 without a traceback, the
-model-loading flags (made from LoadOptions' fields), reading training text, and stats lines."""
+model-loading and sampling flags (the former made from LoadOptions' fields), reading training
+text, and stats lines."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 
 from edge0.errors import Edge0Error
 from edge0.options import LoadOptions, flag
+from edge0.sampling import check_sampling
 
 
 def run_main(main, argv=None) -> None:
@@ -56,6 +58,24 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
                            choices=None if m.get("checked_later") else m.get("choices"),
                            metavar=m.get("metavar", "FILE" if kind == "path" else "SIZE" if kind == "size" else None),
                            help=m["help"])
+
+
+def add_sampling_options(p: argparse.ArgumentParser, max_tokens: int, what: str) -> None:
+    """--max-tokens (default `max_tokens`, most tokens per `what`), --temp, --top-p, --seed."""
+    p.add_argument("--max-tokens", type=int, default=max_tokens, help=f"most tokens per {what} (default {max_tokens})")
+    p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold, in (0, 1] (default 1)")
+    p.add_argument("--seed", type=int, default=None, help="random seed for sampling, 0 to 2**64-1")
+
+
+def check_sampling_options(p: argparse.ArgumentParser, args) -> None:
+    """The sampling flags' ranges, checked before the model loads: a usage error naming the flag."""
+    try:
+        if args.max_tokens < 1:
+            raise Edge0Error(f"--max-tokens {args.max_tokens}: must be >= 1")
+        check_sampling(args.temp, args.top_p, args.seed, {"temperature": "--temp", "top_p": "--top-p", "seed": "--seed"})
+    except Edge0Error as e:
+        p.error(str(e))
 
 
 def load_options(args, **overrides) -> dict:

@@ -8,13 +8,12 @@ or an mlx-lm / Hugging Face directory run resident by mlx-lm.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
 import edge0
-from edge0.cli.common import add_model_options, load_options, run_main
+from edge0.cli.common import OneLineParser, add_model_options, load_options, run_main
 from edge0.errors import Edge0Error
 from edge0.evaluate import evaluate
 from edge0.store.format import MANIFEST
@@ -32,7 +31,7 @@ def reference_fn(path: str, options):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="edge0 eval", description=__doc__.splitlines()[0])
+    p = OneLineParser(prog="edge0 eval", description=__doc__.splitlines()[0])
     add_model_options(p)
     p.add_argument("--data", required=True, help="held-out text file (UTF-8)")
     p.add_argument("--reference", default=None,

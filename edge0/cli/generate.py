@@ -2,25 +2,21 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
 
-from edge0.cli.common import add_model_options, format_layer_stats, format_stats, load_options, run_main
+from edge0.cli.common import (OneLineParser, add_model_options, add_sampling_options, check_sampling_options,
+                              format_layer_stats, format_stats, load_options, run_main)
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="edge0 generate", description=__doc__.splitlines()[0])
+    p = OneLineParser(prog="edge0 generate", description=__doc__.splitlines()[0])
     add_model_options(p)
     p.add_argument("--prompt", required=True, help="prompt text ('-' reads stdin)")
-    p.add_argument("--max-tokens", type=int, default=100)
-    p.add_argument("--temp", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
+    add_sampling_options(p, 100, "completion")
     p.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")
     p.add_argument("--stats", action="store_true", help="print per-layer expert statistics too")
     args = p.parse_args(argv)
-    if args.max_tokens < 1:
-        p.error("--max-tokens must be >= 1")
+    check_sampling_options(p, args)
 
     import edge0
 

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 import edge0
-from edge0.cli.common import read_text, run_main
+from edge0.cli.common import OneLineParser, read_text, run_main
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="edge0 train-prerouter", description=__doc__.splitlines()[0])
+    p = OneLineParser(prog="edge0 train-prerouter", description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="edge0 store (default: the bundled demo model)")
     p.add_argument("--data", required=True, help="training text (.txt) or JSONL with a text field")
     p.add_argument("--out", required=True, help="heads file to write (put it in the store as prerouter.safetensors to use it by default)")

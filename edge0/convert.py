@@ -17,7 +17,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from edge0.errors import Edge0Error
-from edge0.families import spec_for
+from edge0.families import spec_for, supported
 from edge0.store.format import CONFIG_FILE, FORMAT, HEADS_FILE, LORA_FILE, MANIFEST, RESIDENT_FILE, VERSION, expert_file
 from edge0.store.writer import SafetensorsWriter
 from edge0.version import __version__
@@ -64,11 +64,11 @@ def convert(hf_path: str, out: str | os.PathLike, *, dtype: str | None = None, q
     if out.exists():
         raise Edge0Error(f"-o {out}: already exists; choose a new output directory or delete it")
     src = resolve_source(hf_path)
-    if not (src / CONFIG_FILE).is_file():
-        raise Edge0Error(f"{src}: no config.json; pass a Hugging Face or mlx-lm model directory")
     t0 = time.perf_counter()
-    config = bio.load_config(src)
-    bio.expert_modules(bio.build_model(config, src), src)  # fail early on a dense model
+    config = bio.read_config(src, "pass a Hugging Face or mlx-lm model directory")
+    if not any(src.glob("*.safetensors")):
+        raise Edge0Error(f"{src}: no *.safetensors weights; pass a Hugging Face or mlx-lm model directory")
+    bio.expert_modules(bio.build_model(config, src), src, supported())  # fail early on a dense model
     # mlx-lm writes a "quantization" entry; such checkpoints are indexed, not re-quantized.
     already = "quantization" in config
     if already:

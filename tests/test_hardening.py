@@ -1,17 +1,28 @@
-"""Issue 18, the CLI / convert / load items. Every expected failure is one line on stderr and
-exit code 2, without usage text or a traceback."""
+"""Issue 18, the CLI / convert / load items: concurrent first use and convert, partial directories
+of killed conversions, flag values out of range, and bad model directories. Every expected
+failure is one line on stderr and exit code 2."""
 
 import json
+import os
 import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
 
 import pytest
 
 import edge0
 from edge0.cli import VERBS
 from edge0.cli import main as cli_main
+from edge0.convert import convert
 from edge0.errors import Edge0Error
 from tests.fixtures.make import fixture_config, fixture_dir
 from tests.test_errors import assert_one_line_error
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_verb(capsys, *argv):
@@ -19,6 +30,131 @@ def run_verb(capsys, *argv):
     with pytest.raises(SystemExit) as e:
         cli_main(list(argv))
     return e.value.code, capsys.readouterr().err.strip()
+
+
+def start(script: str, *args, env=None) -> subprocess.Popen:
+    """A Python process running `script` with `args` as sys.argv[1:], in this checkout."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(script), *map(str, args)], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish(p: subprocess.Popen, timeout=120):
+    out, err = p.communicate(timeout=timeout)
+    return p.returncode, out, err.strip()
+
+
+def leftovers(parent: Path, name: str) -> list[str]:
+    """Partial directories and lock files of conversions to `parent/name`."""
+    return sorted(p.name for p in parent.iterdir() if p.name.startswith(f".{name}."))
+
+
+# -- 1. concurrent first use and convert ---------------------------------------------------------
+# Both processes import everything first, then meet at a barrier (a file each in a directory) so
+# that they reach the conversion at the same moment.
+RACE = """
+    import os, sys, time, pathlib
+    import edge0.cli, edge0.cli.convert, edge0.cli.generate, edge0.backend.quant
+    barrier = pathlib.Path(sys.argv[1])
+    (barrier / str(os.getpid())).touch()
+    while len(list(barrier.iterdir())) < 2:
+        time.sleep(0.002)
+    edge0.cli.main(sys.argv[2:])
+"""
+
+
+def race(tmp_path, *argv, env=None):
+    barrier = tmp_path / "barrier"
+    barrier.mkdir()
+    procs = [start(RACE, barrier, *argv, env=env) for _ in range(2)]
+    return [finish(p) for p in procs]
+
+
+def test_first_use_of_the_bundled_model_by_two_processes_at_once(tmp_path):
+    cache = tmp_path / "cache"
+    results = race(tmp_path, "generate", "--prompt", "hi", "--max-tokens", "2", "--no-chat-template",
+                   env={"EDGE0_CACHE": str(cache)})
+    for code, _, err in results:
+        assert code == 0 and "Traceback" not in err, err
+        assert "tok/s" in err
+    (store,) = (cache / "stores").iterdir()
+    assert (store / "edge0-manifest.json").is_file()
+    assert leftovers(store.parent, store.name) == []
+
+
+def test_two_converts_to_the_same_output(tmp_path):
+    out = tmp_path / "store"
+    results = sorted(race(tmp_path, "convert", "--hf-path", fixture_dir("qwen3_moe"), "-o", out))
+    (ok, _, _), (code, _, err) = results
+    assert ok == 0
+    # the loser either met the running conversion or, arriving after it, its store
+    assert_one_line_error(code, err, f"-o {out}")
+    assert "another conversion" in err or "already exists" in err
+    assert (out / "edge0-manifest.json").is_file() and leftovers(tmp_path, "store") == []
+    edge0.load(out)
+
+
+def test_convert_while_another_holds_the_output(tmp_path):
+    from edge0.convert import _output_lock
+
+    out = tmp_path / "store"
+    with _output_lock(out, wait=False, quiet=True):
+        with pytest.raises(Edge0Error, match=f"another conversion \\(pid {os.getpid()}\\) is writing it"):
+            convert(str(fixture_dir("qwen3_moe")), out, quiet=True)
+    assert not out.exists() and leftovers(tmp_path, "store") == []
+
+
+# -- 2. partial directories of killed conversions ------------------------------------------------
+# A conversion that stops after writing its first tensor, so that it can be killed mid-write.
+STALLED = """
+    import sys, time, pathlib
+    import edge0.cli
+    from edge0.store.writer import SafetensorsWriter
+    write = SafetensorsWriter.write
+    def stall(self, *a):
+        write(self, *a)
+        pathlib.Path(sys.argv[1]).touch()
+        time.sleep(600)
+    SafetensorsWriter.write = stall
+    edge0.cli.main(sys.argv[2:])
+"""
+
+
+def stalled_convert(tmp_path, out):
+    mid = tmp_path / "mid"
+    p = start(STALLED, mid, "convert", "--hf-path", fixture_dir("qwen3_moe"), "-o", out)
+    deadline = time.time() + 120
+    while not mid.exists():
+        assert p.poll() is None, p.communicate()
+        assert time.time() < deadline
+        time.sleep(0.01)
+    partial = out.parent / f".{out.name}.partial-{p.pid}"
+    assert (partial / "model.safetensors").is_file()
+    return p, partial
+
+
+def test_rerun_removes_the_partial_directory_of_a_killed_convert(tmp_path, capsys):
+    out = tmp_path / "store"
+    p, partial = stalled_convert(tmp_path, out)
+    p.kill()
+    p.wait()
+    assert partial.is_dir()
+    live = out.parent / f".{out.name}.partial-1"  # pid 1 is always running: not ours to remove
+    live.mkdir()
+    code, err = run_verb(capsys, "convert", "--hf-path", str(fixture_dir("qwen3_moe")), "-o", str(out))
+    assert code == 0, err
+    assert f"removing {partial}" in err
+    assert not partial.exists() and live.is_dir()
+    assert (out / "edge0-manifest.json").is_file()
+
+
+def test_sigterm_during_convert_leaves_nothing(tmp_path):
+    out = tmp_path / "store"
+    p, partial = stalled_convert(tmp_path, out)
+    p.terminate()
+    code, _, err = finish(p)
+    assert code == 128 + signal.SIGTERM and "Traceback" not in err, err
+    assert not out.exists() and leftovers(tmp_path, "store") == []
 
 
 # -- 3. flag values ------------------------------------------------------------------------------

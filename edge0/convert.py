@@ -76,6 +76,8 @@ def convert(hf_path: str, out: str | os.PathLike, *, dtype: str | None = None, q
     if out.exists():
         raise Edge0Error(f"-o {out}: already exists; choose a new output directory or delete it")
     src = resolve_source(hf_path)
+    if (src / MANIFEST).is_file():
+        raise Edge0Error(f"--hf-path {src}: already an edge0 store; load it with --model {src}")
     config = bio.read_config(src, "pass a Hugging Face or mlx-lm model directory")
     if not any(src.glob("*.safetensors")):
         raise Edge0Error(f"{src}: no *.safetensors weights; pass a Hugging Face or mlx-lm model directory")

@@ -2,6 +2,7 @@
 of killed conversions, flag values out of range, and bad model directories. Every expected
 failure is one line on stderr and exit code 2."""
 
+import io
 import json
 import os
 import shutil
@@ -252,3 +253,73 @@ def test_bad_config_in_a_convert_source(capsys, tmp_path, name, content, needles
     code, err = run_verb(capsys, "convert", "--hf-path", str(src), "-o", str(tmp_path / "out"))
     assert_one_line_error(code, err, *needles)
     assert not (tmp_path / "out").exists()
+
+
+# -- hostile pass over the verbs -----------------------------------------------------------------
+def assert_last_line_error(code, err, *needles):
+    """An error found after the model loaded: its describe line, then the one-line error."""
+    assert code == 2 and "Traceback" not in err, err
+    assert err.splitlines()[-1].startswith("edge0: error: ") and all(n in err.splitlines()[-1] for n in needles), err
+
+
+@pytest.fixture
+def files(tmp_path):
+    (tmp_path / "binary.txt").write_bytes(bytes(range(128, 256)) * 8)
+    (tmp_path / "text.txt").write_text("Lists are mutable sequences. " * 20)
+    (tmp_path / "empty").mkdir()
+    return tmp_path
+
+
+@pytest.mark.parametrize("argv, needles", [
+    pytest.param(["generate", "--prompt", "hi", "--substitute-alpha", "nan"], ["--substitute-alpha nan", "finite"],
+                 id="alpha-nan"),
+    pytest.param(["generate", "--prompt", "hi", "--substitute-alpha", "inf"], ["--substitute-alpha inf"], id="alpha-inf"),
+    pytest.param(["generate", "--prompt", "\udcff"], ["--prompt: not UTF-8 text"], id="prompt-not-utf8"),
+    pytest.param(["eval", "--data", "{f}/binary.txt"], ["binary.txt: not UTF-8 text"], id="eval-data-binary"),
+    pytest.param(["eval", "--data", "{f}/text.txt", "--window", "1"], ["--window 1: must be >= 2"], id="eval-window"),
+    pytest.param(["eval", "--data", "{f}/text.txt", "--max-windows", "0"], ["--max-windows 0"], id="eval-max-windows"),
+    pytest.param(["eval", "--data", "{f}/text.txt", "--reference", "{f}/nowhere"], ["--reference", "no such directory"],
+                 id="eval-reference-missing"),
+    pytest.param(["eval", "--data", "{f}/text.txt", "--reference", "{f}/empty"], ["empty/config.json: missing"],
+                 id="eval-reference-empty"),
+    pytest.param(["train-prerouter", "--data", "{f}/text.txt", "--out", "{f}/h", "--window", "0"], ["--window >= 2"],
+                 id="prerouter-window"),
+    pytest.param(["train-prerouter", "--data", "{f}/text.txt", "--out", "{f}/h", "--listwise", "nan"],
+                 ["--listwise nan"], id="prerouter-listwise"),
+    pytest.param(["train-prerouter", "--data", "{f}/binary.txt", "--out", "{f}/h"], ["binary.txt: not UTF-8 text"],
+                 id="prerouter-data-binary"),
+])
+def test_hostile_inputs_are_one_line(capsys, store_for, files, argv, needles):
+    argv = [a.format(f=files) for a in argv]
+    code, err = run_verb(capsys, argv[0], "--model", str(store_for("qwen3_moe")), *argv[1:])
+    assert_one_line_error(code, err, *needles)
+
+
+def test_empty_or_undecodable_prompt(capsys, store_for, monkeypatch):
+    store = str(store_for("qwen3_moe"))
+    code, err = run_verb(capsys, "generate", "--model", store, "--prompt", "", "--no-chat-template")
+    assert_last_line_error(code, err, "--prompt '': no tokens")
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"\xff\xfe"), errors="surrogateescape"))
+    code, err = run_verb(capsys, "generate", "--model", store, "--prompt", "-")
+    assert_one_line_error(code, err, "--prompt -: standard input: not UTF-8 text")
+
+
+def test_chat_skips_a_line_that_is_not_utf8(capsys, store_for, monkeypatch):
+    lines = b"\xff\xfe hello\n"
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(lines), errors="surrogateescape"))
+    code, err = run_verb(capsys, "chat", "--model", str(store_for("qwen3_moe")), "--max-tokens", "2")
+    assert code == 0 and "[not UTF-8 text; line skipped]" in err
+
+
+def test_convert_of_a_store(capsys, store_for, tmp_path):
+    code, err = run_verb(capsys, "convert", "--hf-path", str(store_for("qwen3_moe")), "-o", str(tmp_path / "out"))
+    assert_one_line_error(code, err, "already an edge0 store", "--model")
+
+
+def test_simulate_substitute_alpha_nan(capsys, tmp_path):
+    from edge0.cache import tracefile
+    from tests.test_trace import synthetic_trace
+
+    trace = tracefile.write(tmp_path / "t.npz", synthetic_trace(layers=1, steps=20, experts=8, k=2))
+    code, err = run_verb(capsys, "simulate", "--trace", str(trace), "--substitute-alpha", "nan")
+    assert_one_line_error(code, err, "--substitute-alpha nan")

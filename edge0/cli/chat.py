@@ -95,6 +95,16 @@ def _read_line(interactive: bool) -> str | None:
             print()
 
 
+def _is_utf8(text: str) -> bool:
+    """False for lines whose bytes were not UTF-8 (Python reads them as lone surrogates, which
+    the tokenizer rejects)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def repl(session: Session) -> None:
     """Read lines until /exit or end of input; everything that is not a command is a user turn."""
     interactive = sys.stdin.isatty()
@@ -103,6 +113,9 @@ def repl(session: Session) -> None:
     while (line := _read_line(interactive)) is not None:
         text = line.strip()
         if not text:
+            continue
+        if not _is_utf8(text):
+            print("[not UTF-8 text; line skipped]", file=sys.stderr, flush=True)
             continue
         if text in ("/exit", "/quit"):
             break

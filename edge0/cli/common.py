@@ -101,11 +101,19 @@ def parse_layer_executors(specs: list[str]) -> dict:
     return out
 
 
+def read_utf8(path: Path, flag: str = "--data") -> str:
+    """The contents of the text file given as `flag`; Edge0Error if it is missing or not UTF-8."""
+    if not path.is_file():
+        raise Edge0Error(f"{flag} {path}: no such file; pass a UTF-8 text file")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise Edge0Error(f"{flag} {path}: not UTF-8 text ({e.reason} at byte {e.start}); pass a UTF-8 text file") from None
+
+
 def read_text(path: Path) -> str:
     """Training text: plain text, or JSONL with a "text" field per line."""
-    if not path.is_file():
-        raise Edge0Error(f"--data {path}: no such file; pass a UTF-8 text or JSONL file")
-    raw = path.read_text(encoding="utf-8")
+    raw = read_utf8(path)
     if path.suffix == ".jsonl":
         try:
             return "\n\n".join(json.loads(line)["text"] for line in raw.splitlines() if line.strip())

@@ -54,8 +54,8 @@ def main(argv=None) -> int:
             raise Edge0Error("--policies: flashmoe needs --cache-weights FILE (from edge0 train-cache-policy)")
     else:
         policies = [x for x in ORDER if x != "flashmoe" or args.cache_weights]
-    if args.substitute_alpha < 0:
-        raise Edge0Error("--substitute-alpha: must be >= 0")
+    if not 0 <= args.substitute_alpha < float("inf"):
+        raise Edge0Error(f"--substitute-alpha {args.substitute_alpha}: must be a finite number >= 0")
     if args.substitute_alpha and "belady" in policies:
         policies.remove("belady")  # it knows only the unsubstituted routes: no longer a bound
     if args.smoe_window < 1:

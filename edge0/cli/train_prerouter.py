@@ -22,6 +22,10 @@ def main(argv=None) -> int:
     p.add_argument("--start-layer", type=int, default=None, help="first owner layer (default: the first MoE layer)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    if min(args.max_tokens, args.steps, args.hidden) < 1 or args.window < 2:
+        p.error("--max-tokens, --steps and --hidden must be >= 1, --window >= 2")
+    if not 0 <= args.listwise < float("inf"):
+        p.error(f"--listwise {args.listwise}: must be a finite number >= 0")
     from edge0.prerouter.train import train, write
     engine = edge0.load(args.model, prerouter=False, lora=False, decode_executor="exact")
     text = read_text(Path(args.data))

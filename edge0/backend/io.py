@@ -36,6 +36,8 @@ def read_config(root: Path, fix: str) -> dict:
             data = json.loads(path.read_text(encoding="utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise Edge0Error(f"{path}: not a JSON file ({type(e).__name__}: {e}); {fix}") from None
+        except OSError as e:
+            raise Edge0Error(f"{path}: cannot be read ({e.strerror}); {fix}") from None
         if not isinstance(data, dict):
             raise Edge0Error(f"{path}: a JSON {type(data).__name__}, not an object; {fix}")
         if required and not isinstance(data.get("model_type"), str):

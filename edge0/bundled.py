@@ -49,12 +49,13 @@ def bundled_store() -> Path:
     store = cache_dir() / "stores" / f"{BUNDLED_NAME}-{_fingerprint(checkpoint)}"
     if not (store / MANIFEST).is_file():
         print(f"edge0: first use of the bundled model: converting {checkpoint} into {store}", file=sys.stderr)
-        store.parent.mkdir(parents=True, exist_ok=True)
         try:
-            convert(str(checkpoint), store)
-        except Edge0Error:
-            if not (store / MANIFEST).is_file():  # another process may have finished first
-                raise
+            store.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise Edge0Error(f"{store.parent}: cannot create the model cache ({e.strerror}); set EDGE0_CACHE to a "
+                             "writable directory") from None
+        # Processes starting at once share one conversion: the others wait for it and use its store.
+        convert(str(checkpoint), store, reuse=True)
     return store
 
 

@@ -7,6 +7,7 @@ table in docs/engine-api.md all come from these fields (a test keeps them in ste
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 
 from edge0.cache import LIVE_POLICIES
@@ -75,8 +76,9 @@ class LoadOptions:
             raise Edge0Error("--smoe-window is read only by the smoe policy; add --cache-policy smoe or drop --smoe-window")
         if self.smoe_window is not None and self.smoe_window < 1:
             raise Edge0Error(f"--smoe-window {self.smoe_window}: must be >= 1 step")
-        if self.substitute_alpha < 0:
-            raise Edge0Error(f"--substitute-alpha {self.substitute_alpha}: must be >= 0 (0 turns substitution off)")
+        if not 0 <= self.substitute_alpha < math.inf:
+            raise Edge0Error(f"--substitute-alpha {self.substitute_alpha}: must be a finite number >= 0 (0 turns "
+                             "substitution off)")
         if self.substitute_alpha and self.decode_executor != "staged":
             raise Edge0Error("--substitute-alpha needs the staged decode executor (it substitutes from the expert "
                              f"cache); drop --decode-executor {self.decode_executor} or --substitute-alpha")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from edge0.errors import Edge0Error
+
 
 @dataclass(frozen=True)
 class RoutingSpec:
@@ -83,11 +85,11 @@ class MoESpec:
         return cls(**d)
 
     def serving_k(self, k: int | None) -> int:
-        """Validate a serving width: any 1 <= K <= the model's native top-k."""
+        """Validate a serving width: any 1 <= K <= the model's native top-k (else Edge0Error)."""
         if k is None:
             return self.top_k
         if not 1 <= k <= self.top_k:
-            raise ValueError(
+            raise Edge0Error(
                 f"--top-k {k} is out of range: this {self.family} model routes to "
                 f"{self.top_k} experts per token, so use 1..{self.top_k}"
             )

@@ -24,7 +24,7 @@ def test_k_override_reads_fewer_experts_and_changes_route(store_for):
     assert narrow.k == 1 and full.k == full.spec.top_k == 2
     assert 0 < b.stats["expert_bytes_read"] < a.stats["expert_bytes_read"]
     assert not np.allclose(full.logits(prompt), narrow.logits(prompt))
-    with pytest.raises(ValueError, match="--top-k"):
+    with pytest.raises(Edge0Error, match="--top-k 3 is out of range"):
         edge0.load(store_for("qwen3_moe"), top_k=3)
 
 

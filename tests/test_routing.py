@@ -7,6 +7,7 @@ import pytest
 from mlx.utils import tree_flatten, tree_unflatten
 
 from edge0.backend.nn import SpecMoEBlock
+from edge0.errors import Edge0Error
 from edge0.families import spec_for
 from edge0.backend.routing import route
 from edge0.spec import RoutingSpec
@@ -111,5 +112,5 @@ def test_k_equal_native_is_native_and_out_of_range_rejected():
     spec = spec_for(fixture_config("qwen3_moe"))
     assert spec.serving_k(None) == spec.top_k == spec.serving_k(spec.top_k)
     for bad in (0, spec.top_k + 1):
-        with pytest.raises(ValueError, match="--top-k"):
+        with pytest.raises(Edge0Error, match="--top-k"):
             spec.serving_k(bad)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -21,6 +22,29 @@ ST_DTYPE = {mx.float32: "F32", mx.float16: "F16", mx.bfloat16: "BF16", mx.uint32
             mx.uint8: "U8", mx.int32: "I32", mx.int64: "I64"}
 
 
+def read_config(root: Path, fix: str) -> dict:
+    """`root`/config.json as mlx-lm reads it, after checking that it and generation_config.json
+    (if present) are JSON objects and that config.json names a model_type; else an Edge0Error
+    that names the file, what it holds, and `fix`."""
+    for name, required in (("config.json", True), ("generation_config.json", False)):
+        path = root / name
+        if not path.is_file():
+            if required:
+                raise Edge0Error(f"{path}: missing; {fix}")
+            continue
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise Edge0Error(f"{path}: not a JSON file ({type(e).__name__}: {e}); {fix}") from None
+        except OSError as e:
+            raise Edge0Error(f"{path}: cannot be read ({e.strerror}); {fix}") from None
+        if not isinstance(data, dict):
+            raise Edge0Error(f"{path}: a JSON {type(data).__name__}, not an object; {fix}")
+        if required and not isinstance(data.get("model_type"), str):
+            raise Edge0Error(f"{path}: no model_type (the mlx-lm model family); {fix}")
+    return load_config(root)
+
+
 def model_classes(config: dict, where: Path):
     try:
         return _get_classes(config)
@@ -34,7 +58,12 @@ def model_classes(config: dict, where: Path):
 def build_model(config: dict, where: Path) -> nn.Module:
     """An mlx-lm model for `config` with lazily initialised (never evaluated) parameters."""
     model_class, args_class = model_classes(config, where)
-    return model_class(args_class.from_dict(config))
+    try:
+        return model_class(args_class.from_dict(config))
+    except (TypeError, ValueError, KeyError, AttributeError) as e:
+        # Nothing but config.json goes in here, so a failure is a field missing or of the wrong type.
+        raise Edge0Error(f"{where / 'config.json'}: mlx-lm cannot build a {config['model_type']!r} model from it "
+                         f"({type(e).__name__}: {e}); the file is damaged or incomplete") from None
 
 
 def layer_index(path: str) -> int:
@@ -42,8 +71,9 @@ def layer_index(path: str) -> int:
     return int(_LAYER.search(path + ".").group(1))
 
 
-def expert_modules(model: nn.Module, where: Path) -> list[tuple[str, int]]:
-    """(path, layer index) of every SwitchGLU/SwitchMLP module: the routed experts."""
+def expert_modules(model: nn.Module, where: Path, supported: str = "") -> list[tuple[str, int]]:
+    """(path, layer index) of every SwitchGLU/SwitchMLP module: the routed experts. A model
+    without any is an Edge0Error; `supported` says in it which models edge0 runs."""
     found = []
     for path, m in model.named_modules():
         if isinstance(m, (SwitchGLU, SwitchMLP)):
@@ -55,7 +85,7 @@ def expert_modules(model: nn.Module, where: Path) -> list[tuple[str, int]]:
         raise Edge0Error(
             f"{where / 'config.json'}: model_type {getattr(model, 'model_type', '?')!r} "
             "has no MoE block with routed experts (no SwitchGLU/SwitchMLP layers); edge0 runs "
-            "MoE models only, use mlx-lm for dense models"
+            f"MoE models only{f' ({supported})' if supported else ''}; use mlx-lm for dense models"
         )
     return sorted(found, key=lambda p: p[1])
 

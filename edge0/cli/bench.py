@@ -15,6 +15,7 @@ from edge0.bench.arms import SIZES, select_arms
 from edge0.bench.model import resolve_model
 from edge0.bench.report import SCHEMA, append_docs, git_commit, machine_info, markdown, package_versions, plot, summary
 from edge0.bench.runner import run_suite
+from edge0.cli.common import OneLineParser
 from edge0.errors import Edge0Error
 
 USAGE = """`edge0 bench`: Edge0 against resident mlx-lm, warm and cold storage, under a memory cap.
@@ -31,9 +32,8 @@ docs/benchmarks.md with --append-docs) and a PNG plot (needs matplotlib). See do
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="edge0 bench", description=USAGE.splitlines()[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="\n".join(USAGE.splitlines()[6:]))
+    p = OneLineParser(prog="edge0 bench", description=USAGE.splitlines()[0],
+                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog="\n".join(USAGE.splitlines()[6:]))
     g = p.add_argument_group("model")
     g.add_argument("--model", help="bench-model directory (store/ + mlx/, from scripts/make_bench_model.py) or an "
                    "edge0 store (default: the bench model in the user cache, built on first use)")

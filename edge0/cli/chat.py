@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import sys
 
-from edge0.cli.common import OneLineParser, add_model_options, load_options, run_main
+from edge0.cli.common import (OneLineParser, add_model_options, add_sampling_options, check_sampling_options,
+                              load_options, run_main)
 
 COMMANDS = "/reset (forget the conversation), /stats (engine statistics), /exit"
 
@@ -94,6 +95,16 @@ def _read_line(interactive: bool) -> str | None:
             print()
 
 
+def _is_utf8(text: str) -> bool:
+    """False for lines whose bytes were not UTF-8 (Python reads them as lone surrogates, which
+    the tokenizer rejects)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def repl(session: Session) -> None:
     """Read lines until /exit or end of input; everything that is not a command is a user turn."""
     interactive = sys.stdin.isatty()
@@ -102,6 +113,9 @@ def repl(session: Session) -> None:
     while (line := _read_line(interactive)) is not None:
         text = line.strip()
         if not text:
+            continue
+        if not _is_utf8(text):
+            print("[not UTF-8 text; line skipped]", file=sys.stderr, flush=True)
             continue
         if text in ("/exit", "/quit"):
             break
@@ -120,17 +134,9 @@ def main(argv=None) -> int:
     p = OneLineParser(prog="edge0 chat", description=__doc__.splitlines()[0])
     add_model_options(p)
     p.add_argument("--system", default=None, help="system prompt")
-    p.add_argument("--max-tokens", type=int, default=512, help="most tokens per reply (default 512)")
-    p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (default 1)")
-    p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    add_sampling_options(p, 512, "reply")
     args = p.parse_args(argv)
-    if args.max_tokens < 1:
-        p.error("--max-tokens must be >= 1")
-    if args.temp < 0:
-        p.error("--temp must be >= 0")
-    if not 0 < args.top_p <= 1:
-        p.error("--top-p must be in (0, 1]")
+    check_sampling_options(p, args)
 
     import edge0
 

@@ -1,5 +1,6 @@
 """What the verbs share: expected failures print one line and exit 2 without a traceback, the
-model-loading flags (made from LoadOptions' fields), reading training text, and stats lines."""
+model-loading and sampling flags (the former made from LoadOptions' fields), reading training
+text, and stats lines."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 
 from edge0.errors import Edge0Error
 from edge0.options import LoadOptions, flag
+from edge0.sampling import check_sampling
 
 
 def run_main(main, argv=None) -> None:
@@ -58,6 +60,24 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
                            help=m["help"])
 
 
+def add_sampling_options(p: argparse.ArgumentParser, max_tokens: int, what: str) -> None:
+    """--max-tokens (default `max_tokens`, most tokens per `what`), --temp, --top-p, --seed."""
+    p.add_argument("--max-tokens", type=int, default=max_tokens, help=f"most tokens per {what} (default {max_tokens})")
+    p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold, in (0, 1] (default 1)")
+    p.add_argument("--seed", type=int, default=None, help="random seed for sampling, 0 to 2**64-1")
+
+
+def check_sampling_options(p: argparse.ArgumentParser, args) -> None:
+    """The sampling flags' ranges, checked before the model loads: a usage error naming the flag."""
+    try:
+        if args.max_tokens < 1:
+            raise Edge0Error(f"--max-tokens {args.max_tokens}: must be >= 1")
+        check_sampling(args.temp, args.top_p, args.seed, {"temperature": "--temp", "top_p": "--top-p", "seed": "--seed"})
+    except Edge0Error as e:
+        p.error(str(e))
+
+
 def load_options(args, **overrides) -> dict:
     """`edge0.load` keywords (LoadOptions fields) from parsed model-loading flags, with
     `overrides` (a verb's own needs)."""
@@ -81,11 +101,19 @@ def parse_layer_executors(specs: list[str]) -> dict:
     return out
 
 
+def read_utf8(path: Path, flag: str = "--data") -> str:
+    """The contents of the text file given as `flag`; Edge0Error if it is missing or not UTF-8."""
+    if not path.is_file():
+        raise Edge0Error(f"{flag} {path}: no such file; pass a UTF-8 text file")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise Edge0Error(f"{flag} {path}: not UTF-8 text ({e.reason} at byte {e.start}); pass a UTF-8 text file") from None
+
+
 def read_text(path: Path) -> str:
     """Training text: plain text, or JSONL with a "text" field per line."""
-    if not path.is_file():
-        raise Edge0Error(f"--data {path}: no such file; pass a UTF-8 text or JSONL file")
-    raw = path.read_text(encoding="utf-8")
+    raw = read_utf8(path)
     if path.suffix == ".jsonl":
         try:
             return "\n\n".join(json.loads(line)["text"] for line in raw.splitlines() if line.strip())

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import argparse
-
-from edge0.cli.common import run_main
+from edge0.cli.common import OneLineParser, run_main
 from edge0.convert import convert
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="edge0 convert", description=__doc__.splitlines()[0])
+    p = OneLineParser(prog="edge0 convert", description=__doc__.splitlines()[0])
     p.add_argument("--hf-path", required=True, help="Hugging Face repo id or local model directory")
     p.add_argument("-o", "--out", required=True, help="output store directory (must not exist)")
     p.add_argument("--dtype", choices=["float16", "bfloat16", "float32"], default=None,

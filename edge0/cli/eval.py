@@ -8,13 +8,12 @@ or an mlx-lm / Hugging Face directory run resident by mlx-lm.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
 import edge0
-from edge0.cli.common import add_model_options, load_options, run_main
+from edge0.cli.common import OneLineParser, add_model_options, load_options, read_utf8, run_main
 from edge0.errors import Edge0Error
 from edge0.evaluate import evaluate
 from edge0.store.format import MANIFEST
@@ -31,8 +30,20 @@ def reference_fn(path: str, options):
     return resident_logits_fn(p)
 
 
+def check_reference(path: str) -> None:
+    """Before anything loads: --reference must be a store or a model directory with a config.json."""
+    from edge0.backend import io as bio
+
+    p = Path(path).expanduser()
+    fix = "pass an edge0 store or an mlx-lm / Hugging Face model directory"
+    if not p.is_dir():
+        raise Edge0Error(f"--reference {path}: no such directory; {fix}")
+    if not (p / MANIFEST).is_file():
+        bio.read_config(p, fix)
+
+
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="edge0 eval", description=__doc__.splitlines()[0])
+    p = OneLineParser(prog="edge0 eval", description=__doc__.splitlines()[0])
     add_model_options(p)
     p.add_argument("--data", required=True, help="held-out text file (UTF-8)")
     p.add_argument("--reference", default=None,
@@ -44,12 +55,17 @@ def main(argv=None) -> int:
                         "needed to measure --cache-policy and --substitute-alpha, which act on decode steps")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     args = p.parse_args(argv)
+    if args.window < 2:
+        p.error(f"--window {args.window}: must be >= 2 (a window's last token predicts nothing)")
+    if args.max_windows is not None and args.max_windows < 1:
+        p.error(f"--max-windows {args.max_windows}: must be >= 1")
     data = Path(args.data)
-    if not data.is_file():
-        raise Edge0Error(f"--data {data}: no such file; pass a UTF-8 text file")
+    text = read_utf8(data)
+    if args.reference:
+        check_reference(args.reference)
     engine = edge0.load(args.model, **load_options(args))
     print(engine.describe(), file=sys.stderr)
-    tokens = engine.encode(data.read_text(encoding="utf-8"))
+    tokens = engine.encode(text)
     # the reference is the plain model: gate routing, no adapter
     ref = reference_fn(args.reference, {"dtype": args.dtype, "prerouter": False, "lora": False}) if args.reference else None
     # With a pre-router, every position is routed as decoding would route it.

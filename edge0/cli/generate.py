@@ -2,33 +2,34 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
 
-from edge0.cli.common import add_model_options, format_layer_stats, format_stats, load_options, run_main
+from edge0.cli.common import (OneLineParser, add_model_options, add_sampling_options, check_sampling_options,
+                              format_layer_stats, format_stats, load_options, run_main)
+from edge0.errors import Edge0Error
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="edge0 generate", description=__doc__.splitlines()[0])
+    p = OneLineParser(prog="edge0 generate", description=__doc__.splitlines()[0])
     add_model_options(p)
     p.add_argument("--prompt", required=True, help="prompt text ('-' reads stdin)")
-    p.add_argument("--max-tokens", type=int, default=100)
-    p.add_argument("--temp", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
+    add_sampling_options(p, 100, "completion")
     p.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")
     p.add_argument("--stats", action="store_true", help="print per-layer expert statistics too")
     args = p.parse_args(argv)
-    if args.max_tokens < 1:
-        p.error("--max-tokens must be >= 1")
+    check_sampling_options(p, args)
+    text = _prompt_text(args.prompt)
 
     import edge0
 
     engine = edge0.load(args.model, **load_options(args))
     print(engine.describe(), file=sys.stderr)
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if not args.no_chat_template and engine.tokenizer.chat_template is not None:
-        prompt = engine.chat_prompt([{"role": "user", "content": prompt}])
+        prompt = engine.chat_prompt([{"role": "user", "content": text}])
+    else:
+        prompt = engine.encode(text)
+    if not prompt:
+        raise Edge0Error(f"--prompt {args.prompt!r}: no tokens to start from; pass some text")
     stats = None
     for step in engine.stream_generate(prompt, args.max_tokens, temperature=args.temp, top_p=args.top_p, seed=args.seed):
         print(step.text, end="", flush=True)
@@ -39,6 +40,17 @@ def main(argv=None) -> int:
     if args.stats:
         print(format_layer_stats(engine.stats()), file=sys.stderr)
     return 0
+
+
+def _prompt_text(prompt: str) -> str:
+    """--prompt, or standard input for '-'; undecodable bytes arrive as errors or as surrogates
+    (Python's surrogateescape), which the tokenizer rejects with a TypeError."""
+    try:
+        text = sys.stdin.read() if prompt == "-" else prompt
+        text.encode("utf-8")
+    except (UnicodeDecodeError, UnicodeEncodeError):
+        raise Edge0Error(f"--prompt{' -: standard input' if prompt == '-' else ''}: not UTF-8 text") from None
+    return text
 
 
 if __name__ == "__main__":

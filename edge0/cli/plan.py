@@ -4,7 +4,6 @@ measured on this machine), and recommend a budget."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -14,14 +13,14 @@ import numpy as np
 import edge0
 from edge0.cache import POLICIES, tracefile
 from edge0.cache.replay import parse_budgets, simulate
-from edge0.cli.common import add_model_options, load_options, run_main
+from edge0.cli.common import OneLineParser, add_model_options, load_options, run_main
 from edge0.errors import Edge0Error
 from edge0.plan import PROMPTS, measure_decode, measure_reads, per_layer, predict, recommend
 from edge0.store.format import manifest_hash
 from edge0.trace import record, record_file
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="edge0 plan", description=__doc__.splitlines()[0])
+    p = OneLineParser(prog="edge0 plan", description=__doc__.splitlines()[0])
     add_model_options(p)
     p.add_argument("--trace", default=None, help="trace of this model (default: record one now)")
     p.add_argument("--data", type=Path, default=None, help="text to record the trace on (default: generate from built-in prompts)")

@@ -3,7 +3,6 @@ print hit rates, with Belady's offline optimum as the upper bound."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
@@ -11,7 +10,7 @@ from edge0.cache import POLICIES, tracefile
 from edge0.cache.flashmoe import load_model
 from edge0.cache.replay import ORDER, format_table, parse_budgets, parse_byte_budgets, simulate
 from edge0.cache.smoe import DEFAULT_WINDOW
-from edge0.cli.common import run_main
+from edge0.cli.common import OneLineParser, run_main
 from edge0.errors import Edge0Error
 
 def to_json(trace, results) -> dict:
@@ -27,7 +26,7 @@ def to_json(trace, results) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="edge0 simulate", description=__doc__.splitlines()[0])
+    p = OneLineParser(prog="edge0 simulate", description=__doc__.splitlines()[0])
     p.add_argument("--trace", required=True, help="trace file from edge0 trace")
     p.add_argument("--budget", default=None, help="experts cached per layer: fractions and/or counts, e.g. 1/8,1/4,3/8 (default) or 4,8")
     p.add_argument("--budget-bytes", default=None, help="total cache bytes over all MoE layers, e.g. 16MiB,64MiB")
@@ -55,8 +54,8 @@ def main(argv=None) -> int:
             raise Edge0Error("--policies: flashmoe needs --cache-weights FILE (from edge0 train-cache-policy)")
     else:
         policies = [x for x in ORDER if x != "flashmoe" or args.cache_weights]
-    if args.substitute_alpha < 0:
-        raise Edge0Error("--substitute-alpha: must be >= 0")
+    if not 0 <= args.substitute_alpha < float("inf"):
+        raise Edge0Error(f"--substitute-alpha {args.substitute_alpha}: must be a finite number >= 0")
     if args.substitute_alpha and "belady" in policies:
         policies.remove("belady")  # it knows only the unsubstituted routes: no longer a bound
     if args.smoe_window < 1:

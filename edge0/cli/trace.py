@@ -3,17 +3,16 @@ held-out text (teacher-forced) and then generates from it."""
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 from edge0.cache import tracefile
-from edge0.cli.common import add_model_options, load_options, run_main
+from edge0.cli.common import OneLineParser, add_model_options, load_options, run_main
 from edge0.errors import Edge0Error
 from edge0.trace import record_file
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="edge0 trace", description=__doc__.splitlines()[0])
+    p = OneLineParser(prog="edge0 trace", description=__doc__.splitlines()[0])
     add_model_options(p)
     p.add_argument("--data", required=True, type=Path, help="text file; documents separated by <|endoftext|> lines")
     p.add_argument("--out", required=True, type=Path, help="trace file to write (.npz)")

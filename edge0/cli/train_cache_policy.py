@@ -4,7 +4,6 @@ and save its weights (safetensors) with provenance."""
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import time
 from pathlib import Path
@@ -13,14 +12,14 @@ from edge0.cache import tracefile
 from edge0.cache.flashmoe import FEATURES
 from edge0.cache.learn import train
 from edge0.cache.replay import ORDER, format_table, parse_budgets, simulate
-from edge0.cli.common import run_main
+from edge0.cli.common import OneLineParser, run_main
 from edge0.errors import Edge0Error
 from edge0.store.format import sha256_file
 from edge0.version import __version__
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="edge0 train-cache-policy", description=__doc__.splitlines()[0])
+    p = OneLineParser(prog="edge0 train-cache-policy", description=__doc__.splitlines()[0])
     p.add_argument("--trace", required=True, help="trace file from edge0 trace")
     p.add_argument("--out", required=True, type=Path, help="weights file to write (.safetensors)")
     p.add_argument("--holdout", type=float, default=0.2, help="fraction of the trace's steps (the tail) held out for evaluation (default 0.2)")

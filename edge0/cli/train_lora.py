@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import edge0
-from edge0.cli.common import read_text, run_main
+from edge0.cli.common import OneLineParser, read_text, run_main
 from edge0.errors import Edge0Error
 
 
@@ -16,7 +16,7 @@ def _parser() -> argparse.ArgumentParser:
     from edge0.lora.train import TrainOptions
 
     d = TrainOptions()
-    p = argparse.ArgumentParser(prog="edge0 train-lora", description=__doc__.splitlines()[0])
+    p = OneLineParser(prog="edge0 train-lora", description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="edge0 store (default: the bundled demo model)")
     p.add_argument("--teacher", required=True, help="full-precision Hugging Face / mlx-lm checkpoint the store was converted from")
     p.add_argument("--data", required=True, help="text (.txt) or JSONL with a text field: prompts are drawn from it, its tail is held out")

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 import edge0
-from edge0.cli.common import read_text, run_main
+from edge0.cli.common import OneLineParser, read_text, run_main
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="edge0 train-prerouter", description=__doc__.splitlines()[0])
+    p = OneLineParser(prog="edge0 train-prerouter", description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="edge0 store (default: the bundled demo model)")
     p.add_argument("--data", required=True, help="training text (.txt) or JSONL with a text field")
     p.add_argument("--out", required=True, help="heads file to write (put it in the store as prerouter.safetensors to use it by default)")
@@ -23,6 +22,10 @@ def main(argv=None) -> int:
     p.add_argument("--start-layer", type=int, default=None, help="first owner layer (default: the first MoE layer)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    if min(args.max_tokens, args.steps, args.hidden) < 1 or args.window < 2:
+        p.error("--max-tokens, --steps and --hidden must be >= 1, --window >= 2")
+    if not 0 <= args.listwise < float("inf"):
+        p.error(f"--listwise {args.listwise}: must be a finite number >= 0")
     from edge0.prerouter.train import train, write
     engine = edge0.load(args.model, prerouter=False, lora=False, decode_executor="exact")
     text = read_text(Path(args.data))

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import argparse
-
-from edge0.cli.common import run_main
+from edge0.cli.common import OneLineParser, run_main
 from edge0.store import open_manifest
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="edge0 verify", description=__doc__.splitlines()[0])
+    p = OneLineParser(prog="edge0 verify", description=__doc__.splitlines()[0])
     p.add_argument("model", help="store directory")
     args = p.parse_args(argv)
     manifest = open_manifest(args.model, verify=True)

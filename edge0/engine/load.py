@@ -10,6 +10,7 @@ from edge0.backend import io as bio
 from edge0.backend import nn as bnn
 from edge0.engine.engine import Engine
 from edge0.errors import Edge0Error
+from edge0.families import supported
 from edge0.spec import MoESpec, text_config
 from edge0.store import ExpertStore, open_manifest
 from edge0.store.format import RESIDENT_FILE
@@ -19,7 +20,9 @@ from edge0.streaming.dispatch import Streaming
 def open_engine(root: Path, options) -> Engine:
     """The engine of the store at `root`, loaded with validated LoadOptions `options`."""
     manifest = open_manifest(root, verify=options.verify)
-    config = bio.load_config(root)
+    config = bio.read_config(root, f"{REBUILD}, or put back the config.json it was converted with")
+    _check_config(root, config, manifest)
+    _check_layer_executors(options, manifest)
     spec = MoESpec.from_dict(manifest["spec"]) if manifest.get("spec") else None
     if spec is None:
         _universal_checks(manifest, options)
@@ -31,6 +34,43 @@ def open_engine(root: Path, options) -> Engine:
     streaming = Streaming(store, compute, k or _native_k(config), bnn.resident_bytes(model), options)
     bnn.attach_executors(model, streaming.layers)
     return Engine(root, model, bio.load_tokenizer(root), store, streaming, spec, k, compute)
+
+
+REBUILD = "convert the checkpoint again (edge0 convert --hf-path SRC -o DIR)"
+
+
+def _check_config(root: Path, config: dict, manifest: dict) -> None:
+    """config.json must describe the MoE model the manifest indexes: the same model_type, routed
+    experts in the same modules (assembly replaces them by path)."""
+    path = root / "config.json"
+    found = bio.expert_modules(bio.build_model(config, root), root, supported())
+    if config["model_type"] != manifest["model_type"]:
+        raise Edge0Error(f"{path}: model_type {config['model_type']!r}, but the store holds a "
+                         f"{manifest['model_type']!r} model; {REBUILD}")
+    if {p for p, _ in found} != {l["module"] for l in manifest["expert_layers"]}:
+        raise Edge0Error(f"{path}: its model has routed experts in {len(found)} layers, not in the "
+                         f"{len(manifest['expert_layers'])} MoE layers the store holds; {REBUILD}")
+
+
+def _check_layer_executors(options, manifest: dict) -> None:
+    """--layer-executor must name MoE layers of this store (other layers have no executor)."""
+    moe = sorted(l["layer"] for l in manifest["expert_layers"])
+    for layer, choice in sorted(options.layer_executors.items()):
+        if layer not in moe:
+            spec = ",".join(f"{layer}:{phase}={name}" for phase, name in choice.items())
+            raise Edge0Error(f"--layer-executor {spec}: layer {layer} is not a MoE layer of this store; "
+                             f"its MoE layers are {_spans(moe)}")
+
+
+def _spans(layers: list[int]) -> str:
+    """[1, 2, 3, 5] -> "1-3, 5"."""
+    runs: list[list[int]] = []
+    for n in layers:
+        if runs and n == runs[-1][1] + 1:
+            runs[-1][1] = n
+        else:
+            runs.append([n, n])
+    return ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in runs)
 
 
 def _universal_checks(manifest: dict, options) -> None:

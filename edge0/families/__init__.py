@@ -17,3 +17,9 @@ def spec_for(config: dict) -> MoESpec | None:
     """The MoESpec of a spec'd family, or None for a family served at the universal level."""
     family = FAMILIES.get(config.get("model_type"))
     return family.build_spec(config) if family else None
+
+
+def supported() -> str:
+    """Which models edge0 runs, for errors about a model it cannot run."""
+    return (f"spec'd families: {', '.join(sorted(FAMILIES))}; other mlx-lm families whose routed experts are "
+            "SwitchGLU/SwitchMLP modules, at the universal level")

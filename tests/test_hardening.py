@@ -323,3 +323,11 @@ def test_simulate_substitute_alpha_nan(capsys, tmp_path):
     trace = tracefile.write(tmp_path / "t.npz", synthetic_trace(layers=1, steps=20, experts=8, k=2))
     code, err = run_verb(capsys, "simulate", "--trace", str(trace), "--substitute-alpha", "nan")
     assert_one_line_error(code, err, "--substitute-alpha nan")
+
+
+def test_empty_string_prompt_is_an_edge0_error(store_for):
+    import edge0
+
+    e = edge0.load(store_for("qwen3_moe"), prerouter=False, lora=False)
+    with pytest.raises(Edge0Error, match="prompt is empty"):
+        e.generate("", max_tokens=2)

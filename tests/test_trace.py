@@ -124,3 +124,17 @@ def test_trace_cli_errors(tmp_path, store_for):
         main(["--model", str(store_for("qwen3_moe")), "--data", str(tmp_path / "none.txt"), "--out", str(tmp_path / "t.npz")])
     with pytest.raises(Edge0Error, match="does not exist"):
         main(["--model", "x", "--data", "x", "--out", str(tmp_path / "no" / "t.npz")])
+
+
+def test_trace_records_the_routes_pre_routed_layers_use(tmp_path):
+    """The bundled model serves with its pre-router by default: decode steps of consumer layers
+    take the predicted routes, and the trace records them (one row per token in every layer)."""
+    from edge0.cli.trace import main
+
+    data = tmp_path / "text.txt"
+    data.write_text("The Python tutorial explains lists, dictionaries and modules. " * 8)
+    out = tmp_path / "t.npz"
+    assert main(["--data", str(data), "--out", str(out), "--prompts", "1", "--prompt-tokens", "12", "--max-tokens", "6"]) == 0
+    tr = tracefile.read(out)
+    assert tr.routes.shape[:2] == (6, 12 + 6 - 1)
+    assert tr.phase.sum() == 5

@@ -115,6 +115,8 @@ class SpecMoEBlock(nn.Module):
         probs = None  # router scores over all experts, for the expert cache (lazy: free if unused)
         if predicted is not None:  # the route was predicted at the previous token
             inds, scores = predicted
+            if self.observer is not None:  # a trace records the routes used, with the router's scores
+                self._observe(x, inds, expert_scores(self.router_logits(x), spec.routing))
         else:
             inds, scores, logits = self.gate_route(x)
             probs = expert_scores(logits, spec.routing)

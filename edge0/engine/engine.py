@@ -72,9 +72,7 @@ class Engine:
 
     # -- prompts -------------------------------------------------------------------------------
     def encode(self, prompt) -> list[int]:
-        if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt)
-        tokens = [int(t) for t in prompt]
+        tokens = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         if not tokens:
             raise Edge0Error("prompt is empty; pass some text or token ids")
         return tokens

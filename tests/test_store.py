@@ -9,7 +9,7 @@ from safetensors.numpy import load_file
 
 from edge0.convert import convert
 from edge0.errors import Edge0Error
-from edge0.store import ExpertStore, open_manifest
+from edge0.store import VERSION, ExpertStore, open_manifest
 from edge0.store.writer import SafetensorsWriter
 from tests.fixtures.make import fixture_dir
 
@@ -56,7 +56,7 @@ def test_reader_returns_exact_expert_byte_ranges(store_for):
 def test_manifest_records_format_spec_and_checksums(store_for):
     root = store_for("deepseek_v3")
     m = json.loads((root / "edge0-manifest.json").read_text())
-    assert (m["format"], m["version"]) == ("edge0-store", 1)
+    assert (m["format"], m["version"]) == ("edge0-store", VERSION)
     assert m["spec"]["routing"]["kind"] == "grouped"
     assert set(m["files"]) == {"model.safetensors", *(l["file"] for l in m["expert_layers"])}
     assert all(len(f["sha256"]) == 64 for f in m["files"].values())

@@ -45,8 +45,12 @@ def test_reader_returns_exact_expert_byte_ranges(store_for):
     stacked = mx.load(str(root / layer["file"]))
     got = store.read(layer["layer"], [5, 2])
     for name, (buf, st_dtype, shape) in got.items():
-        full = np.array(stacked[f"{layer['module']}.{name}"].view(mx.uint8) if st_dtype != "BF16" else stacked[f"{layer['module']}.{name}"].view(mx.uint16))
-        full = full.reshape(full.shape[0], -1).view(np.uint8)
+        if layer.get("layout") == "expert-major":  # one uint8 [E, expert_stride] tensor
+            t = layer["tensors"][name]
+            full = np.array(stacked[f"{layer['module']}.experts"])[:, t["expert_offset"]:t["expert_offset"] + t["expert_nbytes"]]
+        else:
+            full = np.array(stacked[f"{layer['module']}.{name}"].view(mx.uint8) if st_dtype != "BF16" else stacked[f"{layer['module']}.{name}"].view(mx.uint16))
+            full = full.reshape(full.shape[0], -1).view(np.uint8)
         assert buf.shape == (2, full.shape[1])
         np.testing.assert_array_equal(buf[0], full[5])
         np.testing.assert_array_equal(buf[1], full[2])

@@ -10,6 +10,7 @@ import sys
 import threading
 from pathlib import Path
 
+import mlx.core as mx
 import numpy as np
 import pytest
 from safetensors import safe_open
@@ -23,16 +24,39 @@ from edge0.store.readers import STRATEGIES, choose_io, cgroup_available, memory_
 from edge0.store.relayout import relayout_store
 from edge0.store.writer import SafetensorsWriter, write_expert_layer
 from edge0.streaming.exact import to_device
-from edge0.streaming.pool import host_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def tensor_major_copy(src: Path, out: Path) -> Path:
+    """A version 1 (tensor-major) copy of expert-major store `src`, written as the version 1
+    converter did (read through safetensors, not through the store's reader)."""
+    shutil.copytree(src, out)
+    m = json.loads((src / "edge0-manifest.json").read_text())
+    layers = []
+    for entry in m["expert_layers"]:
+        with safe_open(str(src / entry["file"]), framework="numpy") as f:
+            rows = f.get_tensor(f"{entry['module']}.experts")
+        names = [f"{entry['module']}.{n}" for n in entry["tensors"]]
+        w = SafetensorsWriter(out / entry["file"], [(k, t["dtype"], tuple(t["shape"])) for k, t in zip(names, entry["tensors"].values())],
+                              {"format": "mlx"})
+        for k, t in zip(names, entry["tensors"].values()):
+            w.write(k, np.ascontiguousarray(rows[:, t["expert_offset"]: t["expert_offset"] + t["expert_nbytes"]]).tobytes())
+        m["files"][entry["file"]] = w.close()
+        layers.append({k: entry[k] for k in ("layer", "module", "file", "num_experts")} | {"tensors": {
+            n: {"dtype": t["dtype"], "shape": t["shape"], "offset": w.offsets[k], "expert_nbytes": t["expert_nbytes"]}
+            for (n, t), k in zip(entry["tensors"].items(), names)}})
+    (out / "edge0-manifest.json").write_text(json.dumps({**m, "version": 1, "expert_layers": layers}))
+    return out
+
+
 @pytest.fixture(scope="module")
 def stores(store_for, tmp_path_factory):
-    """(tensor-major store from the converter, its expert-major relayout)."""
-    v1 = store_for("qwen3_moe")
-    return v1, relayout_store(v1, tmp_path_factory.mktemp("v2") / "store")
+    """(a tensor-major store, the same store expert-major), whichever layout the converter writes."""
+    conv = store_for("qwen3_moe")
+    if open_manifest(conv)["expert_layers"][0].get("layout") == EXPERT_MAJOR:
+        return tensor_major_copy(conv, tmp_path_factory.mktemp("v1") / "store"), conv
+    return conv, relayout_store(conv, tmp_path_factory.mktemp("v2") / "store")
 
 
 def reference(root, layer: int) -> dict[str, np.ndarray]:
@@ -85,14 +109,24 @@ def test_every_strategy_reads_the_same_bytes(stores, layout, io):
         store.close()
 
 
-def test_odd_sizes_round_trip_through_both_layouts(tmp_path):
-    """Tensors whose per-expert sizes are not multiples of 64 or 4096, in every dtype width."""
+@pytest.mark.parametrize("sizes", ["odd", "pages"])
+def test_sizes_round_trip_through_both_layouts(tmp_path, sizes, monkeypatch):
+    """"odd": per-expert sizes that are not multiples of 64 or 4096, in every dtype width (rows
+    with padding; direct reads go through its bounce buffer). "pages": every tensor a multiple of
+    4 KiB (as on real models), so direct reads scatter straight into the output arrays."""
+    from edge0.store.readers import DirectReader
+
     rng = np.random.default_rng(0)
     module, num = "m.experts", 5
-    arrays = {f"{module}.a.weight": rng.integers(0, 2**32, (num, 3, 7), dtype=np.uint32),
-              f"{module}.a.scales": rng.standard_normal((num, 3, 1)).astype(np.float16),
-              f"{module}.b": rng.integers(0, 255, (num, 4097), dtype=np.uint8),
-              f"{module}.c": rng.standard_normal((num, 11)).astype(np.float32)}
+    if sizes == "odd":
+        arrays = {f"{module}.a.weight": rng.integers(0, 2**32, (num, 3, 7), dtype=np.uint32),
+                  f"{module}.a.scales": rng.standard_normal((num, 3, 1)).astype(np.float16),
+                  f"{module}.b": rng.integers(0, 255, (num, 4097), dtype=np.uint8),
+                  f"{module}.c": rng.standard_normal((num, 11)).astype(np.float32)}
+    else:
+        arrays = {f"{module}.a.weight": rng.integers(0, 2**32, (num, 8, 256), dtype=np.uint32),
+                  f"{module}.a.scales": rng.standard_normal((num, 2048)).astype(np.float16)}
+        monkeypatch.setattr(DirectReader, "_bounce", lambda self, n: pytest.fail("aligned tensors were bounced"))
     dt = {np.uint32: "U32", np.float16: "F16", np.uint8: "U8", np.float32: "F32"}
     tensors = [(k, dt[a.dtype.type], a.shape) for k, a in arrays.items()]
     (tmp_path / "v1").mkdir()
@@ -109,7 +143,8 @@ def test_odd_sizes_round_trip_through_both_layouts(tmp_path):
 
     info, fields = write_expert_layer(tmp_path / "v2" / "l.safetensors", module, tensors, get_bytes)
     assert calls == list(arrays)  # one stacked tensor at a time, in order
-    assert fields["tensor_major"] == v1_info and fields["expert_stride"] == 2 * ALIGN  # 84+6+4097+44 bytes, 64-aligned starts
+    assert fields["tensor_major"] == v1_info
+    assert fields["expert_stride"] == 2 * ALIGN if sizes == "odd" else 3 * ALIGN  # odd: 84+6+4097+44 bytes, 64-aligned starts
     assert info["size"] == (tmp_path / "v2" / "l.safetensors").stat().st_size == fields["offset"] + num * fields["expert_stride"]
     assert [p.name for p in (tmp_path / "v2").iterdir()] == ["l.safetensors"]  # no partial file left
     v1_entry = {"layer": 0, "module": module, "file": "l.safetensors", "num_experts": num,
@@ -136,20 +171,28 @@ def test_interrupted_expert_layer_write_leaves_nothing(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_column_views_feed_the_device_and_slot_paths(stores):
-    """Expert-major reads return column views of one buffer; the backend and the slot writer take them."""
+def test_arrays_are_contiguous_and_separate(stores):
+    """mx.array of a strided numpy view copies (and keeps) its whole base buffer: every tensor
+    must come back as its own contiguous array, whatever the layout and reader."""
+    for root in stores:
+        for io in STRATEGIES:
+            store = ExpertStore(root, open_manifest(root), io=io)
+            for got in (store.read(0, [6, 1, 2]), store.read_layer(0)):
+                bufs = [b for b, _, _ in got.values()]
+                assert all(b.flags.c_contiguous for b in bufs)
+                assert not any(np.shares_memory(a, b) for i, a in enumerate(bufs) for b in bufs[i + 1:])
+            store.close()
     v1, v2 = stores
-    a, b = (ExpertStore(r, open_manifest(r), io="pread") for r in (v1, v2))
-    ids = [6, 1, 2]
-    ra, rb = a.read(0, ids), b.read(0, ids)
-    assert not next(iter(rb.values()))[0].flags.c_contiguous
-    pa, pb = to_device(ra, len(ids), "float32"), to_device(rb, len(ids), "float32")
+    ra, rb = (ExpertStore(r, open_manifest(r), io="pread").read(0, [6, 1, 2]) for r in (v1, v2))
+    pa, pb = to_device(ra, 3, "float32"), to_device(rb, 3, "float32")
     for proj in pa:
         for part in pa[proj]:
             np.testing.assert_array_equal(np.array(pa[proj][part]), np.array(pb[proj][part]))
-    for name, (buf, st_dtype, _) in rb.items():
-        np.testing.assert_array_equal(host_rows(buf, st_dtype, np.dtype("float32") if st_dtype == "F32" else np.dtype("uint32")),
-                                      host_rows(ra[name][0], st_dtype, np.dtype("float32") if st_dtype == "F32" else np.dtype("uint32")))
+    del pa, pb
+    B.reset_peak_memory()
+    base = mx.get_active_memory()  # arrays other tests keep count towards the peak too
+    to_device(rb, 3, "float32")
+    assert B.peak_memory() - base <= 2 * sum(b.nbytes for b, _, _ in rb.values())  # one copy each, not their bases
 
 
 def test_engine_tokens_match_on_both_layouts(stores):

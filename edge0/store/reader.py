@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from edge0.store.format import EXPERT_MAJOR, RELAYOUT
-from edge0.store.readers import DEFAULT_QUEUE_DEPTH, aligned_empty, choose_io, make_reader, split
+from edge0.store.readers import CHUNK, DEFAULT_QUEUE_DEPTH, IOV_MAX, aligned_empty, choose_io, make_reader, split
 
 
 def _runs(ids: list[int]):
@@ -69,26 +69,36 @@ class ExpertStore:
         """Read experts `ids` (None: all, in large reads) of one layer into fresh arrays."""
         n = int(info["num_experts"]) if ids is None else len(ids)
         runs = [(0, 0, n)] if ids is None else list(_runs(ids))
-        out, ranges = {}, []
+        tensors = info["tensors"]
+        # one contiguous, 4 KiB-aligned array per tensor: MLX copies a strided view's whole base
+        out = {name: aligned_empty(n * int(t["expert_nbytes"])).reshape(n, int(t["expert_nbytes"])) for name, t in tensors.items()}
+        ranges = []
         if info.get("layout") == EXPERT_MAJOR:
             stride = int(info["expert_stride"])
-            rows = aligned_empty(n * stride).reshape(n, stride)
+            row, pos = [], 0  # one expert's row: (gap before, tensor name), then the tail padding
+            for name, t in sorted(tensors.items(), key=lambda kv: kv[1]["expert_offset"]):
+                row.append((int(t["expert_offset"]) - pos, name))
+                pos = int(t["expert_offset"]) + int(t["expert_nbytes"])
+            tail = stride - pos
+            # experts per read: at most CHUNK bytes and IOV_MAX segments
+            per = max(1, min(CHUNK // stride, IOV_MAX // (2 * len(row) + 1)))
             for i, e, k in runs:
-                ranges += split(int(info["offset"]) + e * stride, rows[i:i + k].reshape(-1))
-            for name, t in info["tensors"].items():
-                lo = int(t["expert_offset"])
-                out[name] = (rows[:, lo:lo + int(t["expert_nbytes"])], t["dtype"], tuple(t["shape"][1:]))
+                for j in range(0, k, per):
+                    segments = []
+                    for r in range(i + j, i + min(k, j + per)):
+                        for gap, name in row:
+                            segments += [gap, out[name][r]] if gap else [out[name][r]]
+                        segments += [tail] if tail else []
+                    ranges.append((int(info["offset"]) + (e + j) * stride, segments))
         else:
-            for name, t in info["tensors"].items():
+            for name, t in tensors.items():
                 size = int(t["expert_nbytes"])
-                buf = np.empty((n, size), dtype=np.uint8)
                 for i, e, k in runs:
-                    ranges += split(int(t["offset"]) + e * size, buf[i:i + k].reshape(-1))
-                out[name] = (buf, t["dtype"], tuple(t["shape"][1:]))
+                    ranges += split(int(t["offset"]) + e * size, out[name][i:i + k].reshape(-1))
         self._reader.read(info["file"], ranges)
         with self._lock:
-            self.bytes_read += sum(b.nbytes for b, _, _ in out.values())
-        return out
+            self.bytes_read += sum(b.nbytes for b in out.values())
+        return {name: (out[name], t["dtype"], tuple(t["shape"][1:])) for name, t in tensors.items()}
 
     def read(self, layer: int, ids) -> dict[str, tuple[np.ndarray, str, tuple]]:
         """Copy experts `ids` of `layer` out of the file: one read per run of consecutive ids
@@ -96,9 +106,9 @@ class ExpertStore:
 
         Returns {tensor name: (uint8 bytes [len(ids), expert_nbytes], safetensors dtype,
         per-expert shape)}; tensor names are relative to the layer's expert module
-        (e.g. "gate_proj.scales"). The arrays are fresh for each call and never reused by the
-        store; with an expert-major layer they are column views of one [len(ids), expert_stride]
-        buffer (rows contiguous, not the whole array), which `view(dtype)` and reshape accept.
+        (e.g. "gate_proj.scales"). The arrays are C-contiguous, fresh for each call and never
+        reused by the store. With an expert-major layer, one read fills all tensors of an expert
+        (a vectored read, or a run of adjacent experts at once).
         """
         return self._fill(self.layers[layer], [int(e) for e in ids])
 

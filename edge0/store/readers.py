@@ -1,13 +1,18 @@
 """Ways to copy byte ranges of the expert layer files into caller buffers, behind one interface.
 
-- `mmap`: copy out of a memory map (page faults; fastest when the file is in the page cache);
-- `pread`: `os.preadv` straight into the caller's buffer, no page faults on the file and no
-  buffer per read; the ranges of one call run on a small thread pool (the GIL is released
+A range is (file offset, segments): the file bytes from the offset are scattered, in order,
+into the segments, each a flat contiguous uint8 array or an int (bytes to skip). So one read
+fills one expert's tensors, each into its own array, with the row's padding skipped.
+
+- `mmap`: copy out of a memory map (page faults; slow unless the file is in the page cache);
+- `pread`: one `os.preadv` per range straight into the segments, no page faults on the file and
+  no buffer per read; the ranges of one call run on a small thread pool (the GIL is released
   during the syscall);
 - `direct`: like `pread` on a descriptor that bypasses the page cache (O_DIRECT on Linux,
   F_NOCACHE on macOS), for stores that do not fit in memory. O_DIRECT needs 4 KiB-aligned
-  offsets, lengths and buffers, which expert-major layer files give. Where the file system or
-  layout refuses it, that file is read with `pread` and the fallback is counted with its reason.
+  offsets, lengths and buffers, which expert-major layer files give; segments that are not
+  aligned go through a reused per-thread buffer. Where the file system or layout refuses it,
+  that file is read with `pread` and the fallback is counted with its reason.
 
 `choose_io` picks one from the store's size and the memory this process can use.
 """
@@ -42,9 +47,27 @@ def aligned_empty(nbytes: int) -> np.ndarray:
     return raw[skip:skip + nbytes]
 
 
-def split(offset: int, dest: np.ndarray, chunk: int = CHUNK) -> list[tuple[int, np.ndarray]]:
-    """One range (file offset, flat uint8 destination) as pieces of at most `chunk` bytes."""
-    return [(offset + i, dest[i:i + chunk]) for i in range(0, dest.nbytes, chunk)] or [(offset, dest)]
+IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 1024
+_JUNK = aligned_empty(ALIGN)  # padding lands here; nobody reads it, so threads may share it
+
+
+def split(offset: int, dest: np.ndarray, chunk: int = CHUNK) -> list[tuple[int, list]]:
+    """One range into a single flat destination, as pieces of at most `chunk` bytes."""
+    return [(offset + i, [dest[i:i + chunk]]) for i in range(0, dest.nbytes, chunk)] or [(offset, [dest])]
+
+
+def _length(segments) -> int:
+    return sum(s if isinstance(s, int) else s.nbytes for s in segments)
+
+
+def _iovecs(segments) -> list[memoryview]:
+    out = []
+    for s in segments:
+        if isinstance(s, int):
+            out += [memoryview(_JUNK)[:min(ALIGN, s - i)] for i in range(0, s, ALIGN)]
+        else:
+            out.append(memoryview(s))
+    return out
 
 
 class RangeReader:
@@ -64,12 +87,12 @@ class RangeReader:
         self.fallbacks = 0
         self.fallback_reasons: list[str] = []
 
-    def read(self, rel: str, ranges: list[tuple[int, np.ndarray]]) -> None:
-        """Fill every destination from its offset in file `rel` (relative to root)."""
+    def read(self, rel: str, ranges: list[tuple[int, list]]) -> None:
+        """Fill every range's segments from its offset in file `rel` (relative to root)."""
         k = min(self.queue_depth, len(ranges))
         if k <= 1:
-            for offset, dest in ranges:
-                self._timed(rel, offset, dest)
+            for offset, segments in ranges:
+                self._timed(rel, offset, segments)
             return
         it, take = iter(ranges), threading.Lock()
 
@@ -91,19 +114,19 @@ class RangeReader:
             for f in futures:
                 f.result()
 
-    def _timed(self, rel: str, offset: int, dest: np.ndarray) -> None:
+    def _timed(self, rel: str, offset: int, segments: list) -> None:
         with self._lock:
             self.reads += 1
-            self.bytes_issued += dest.nbytes
+            self.bytes_issued += _length(segments)
             self.in_flight += 1
             self.max_in_flight = max(self.max_in_flight, self.in_flight)
         try:
-            self._read(rel, offset, dest)
+            self._read(rel, offset, segments)
         finally:
             with self._lock:
                 self.in_flight -= 1
 
-    def _read(self, rel: str, offset: int, dest: np.ndarray) -> None:
+    def _read(self, rel: str, offset: int, segments: list) -> None:
         raise NotImplementedError
 
     def stats(self) -> dict:
@@ -119,14 +142,18 @@ class RangeReader:
                 self._fds[rel] = os.open(self.root / rel, os.O_RDONLY)
             return self._fds[rel]
 
-    def _pread(self, fd: int, rel: str, offset: int, dest: np.ndarray) -> None:
-        view, done = memoryview(dest), 0
-        while done < dest.nbytes:  # preadv may return short counts
-            got = os.preadv(fd, [view[done:]], offset + done)
+    def _pread(self, fd: int, rel: str, offset: int, segments: list) -> None:
+        iov = _iovecs(segments)
+        while iov:  # preadv may return short counts: drop what was filled and go on
+            got = os.preadv(fd, iov[:IOV_MAX], offset)
             if got == 0:
-                raise Edge0Error(f"{self.root / rel} ends before byte {offset + dest.nbytes}; "
+                raise Edge0Error(f"{self.root / rel} ends before byte {offset + sum(len(v) for v in iov)}; "
                                  f"the store is damaged: check it with edge0 verify {self.root}")
-            done += got
+            offset += got
+            while iov and got >= len(iov[0]):
+                got -= len(iov.pop(0))
+            if got:
+                iov[0] = iov[0][got:]
 
     def _drop(self, rel: str, offset: int, n: int) -> None:
         if self.cold_reads:
@@ -160,13 +187,16 @@ class MmapReader(RangeReader):
                 self._maps[rel] = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
             return self._maps[rel]
 
-    def _read(self, rel, offset, dest):
+    def _read(self, rel, offset, segments):
         mm = self._map(rel)
-        n = dest.nbytes
-        dest[:] = np.frombuffer(mm, dtype=np.uint8, count=n, offset=offset)
+        pos = offset
+        for seg in segments:
+            if not isinstance(seg, int):
+                seg[:] = np.frombuffer(mm, dtype=np.uint8, count=seg.nbytes, offset=pos)
+            pos += seg if isinstance(seg, int) else seg.nbytes
         lo = offset - offset % _PAGE
-        mm.madvise(mmap.MADV_DONTNEED, lo, offset + n - lo)
-        self._drop(rel, offset, n)
+        mm.madvise(mmap.MADV_DONTNEED, lo, pos - lo)
+        self._drop(rel, offset, pos - offset)
 
     def close(self):
         with self._lock:
@@ -179,9 +209,9 @@ class MmapReader(RangeReader):
 class PreadReader(RangeReader):
     name = "pread"
 
-    def _read(self, rel, offset, dest):
-        self._pread(self._fd(rel), rel, offset, dest)
-        self._drop(rel, offset, dest.nbytes)
+    def _read(self, rel, offset, segments):
+        self._pread(self._fd(rel), rel, offset, segments)
+        self._drop(rel, offset, _length(segments))
 
 
 class DirectReader(RangeReader):
@@ -192,6 +222,7 @@ class DirectReader(RangeReader):
     def __init__(self, *a, **kw):
         super().__init__(*a, **kw)
         self._direct: dict[str, int | None] = {}  # None: this file fell back to pread
+        self._local = threading.local()
         self._retired: list[int] = []  # closed only in close(): another thread may still read one
 
     def _fall_back(self, rel: str, reason: str) -> None:
@@ -236,20 +267,36 @@ class DirectReader(RangeReader):
             self._direct[rel] = fd
             return fd
 
-    def _read(self, rel, offset, dest):
+    def _bounce(self, n: int) -> np.ndarray:
+        """This thread's aligned buffer of at least `n` bytes (kept for its next reads)."""
+        buf = getattr(self._local, "buf", None)
+        if buf is None or buf.nbytes < n:
+            buf = self._local.buf = aligned_empty(n)
+        return buf[:n]
+
+    def _read(self, rel, offset, segments):
         fd = self._direct_fd(rel)
-        n = dest.nbytes
-        if fd is not None and (offset % ALIGN or n % ALIGN or dest.ctypes.data % ALIGN):
+        n = _length(segments)
+        if fd is not None and (offset % ALIGN or n % ALIGN):
             self._fall_back(rel, "ranges not 4 KiB-aligned (tensor-major layout)")
             fd = None
         if fd is not None:
             try:
-                return self._pread(fd, rel, offset, dest)
+                if all(not isinstance(s, int) and s.ctypes.data % ALIGN == 0 and s.nbytes % ALIGN == 0 for s in segments):
+                    return self._pread(fd, rel, offset, segments)
+                # padding or unaligned tensors: read the aligned range whole, then scatter it
+                buf, pos = self._bounce(n), 0
+                self._pread(fd, rel, offset, [buf])
+                for s in segments:
+                    if not isinstance(s, int):
+                        s[:] = buf[pos:pos + s.nbytes]
+                    pos += s if isinstance(s, int) else s.nbytes
+                return
             except OSError as e:
                 if e.errno != errno.EINVAL:
                     raise
                 self._fall_back(rel, f"{(self.root / rel).parent}: O_DIRECT read refused (EINVAL)")
-        self._pread(self._fd(rel), rel, offset, dest)
+        self._pread(self._fd(rel), rel, offset, segments)
         self._drop(rel, offset, n)
 
     def close(self):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from edge0.store.format import EXPERT_MAJOR, RELAYOUT
+from edge0.store.format import ALIGN, EXPERT_MAJOR, RELAYOUT
 from edge0.store.readers import CHUNK, DEFAULT_QUEUE_DEPTH, IOV_MAX, aligned_empty, choose_io, make_reader, split
 
 
@@ -70,9 +70,16 @@ class ExpertStore:
         n = int(info["num_experts"]) if ids is None else len(ids)
         runs = [(0, 0, n)] if ids is None else list(_runs(ids))
         tensors = info["tensors"]
-        # one contiguous, 4 KiB-aligned array per tensor: MLX copies a strided view's whole base
-        out = {name: aligned_empty(n * int(t["expert_nbytes"])).reshape(n, int(t["expert_nbytes"])) for name, t in tensors.items()}
-        ranges = []
+        # One contiguous, 4 KiB-aligned array per tensor (MLX copies a strided view's whole base),
+        # carved from one block per call: one allocation, which the C allocator then reuses.
+        starts, total = {}, 0
+        for name, t in tensors.items():
+            starts[name] = total
+            total += -(-n * int(t["expert_nbytes"]) // ALIGN) * ALIGN
+        block = aligned_empty(total)
+        out = {name: block[starts[name]: starts[name] + n * int(t["expert_nbytes"])].reshape(n, int(t["expert_nbytes"]))
+               for name, t in tensors.items()}
+        ranges, aligned = [], False
         if info.get("layout") == EXPERT_MAJOR:
             stride = int(info["expert_stride"])
             row, pos = [], 0  # one expert's row: (gap before, tensor name), then the tail padding
@@ -80,6 +87,8 @@ class ExpertStore:
                 row.append((int(t["expert_offset"]) - pos, name))
                 pos = int(t["expert_offset"]) + int(t["expert_nbytes"])
             tail = stride - pos
+            # every segment an aligned array (no padding, page-multiple tensors): direct I/O in place
+            aligned = not tail and all(gap == 0 and int(tensors[name]["expert_nbytes"]) % ALIGN == 0 for gap, name in row)
             # experts per read: at most CHUNK bytes and IOV_MAX segments
             per = max(1, min(CHUNK // stride, IOV_MAX // (2 * len(row) + 1)))
             for i, e, k in runs:
@@ -89,13 +98,13 @@ class ExpertStore:
                         for gap, name in row:
                             segments += [gap, out[name][r]] if gap else [out[name][r]]
                         segments += [tail] if tail else []
-                    ranges.append((int(info["offset"]) + (e + j) * stride, segments))
+                    ranges.append((int(info["offset"]) + (e + j) * stride, (min(k, j + per) - j) * stride, segments))
         else:
             for name, t in tensors.items():
                 size = int(t["expert_nbytes"])
                 for i, e, k in runs:
                     ranges += split(int(t["offset"]) + e * size, out[name][i:i + k].reshape(-1))
-        self._reader.read(info["file"], ranges)
+        self._reader.read(info["file"], ranges, aligned)
         with self._lock:
             self.bytes_read += sum(b.nbytes for b in out.values())
         return {name: (out[name], t["dtype"], tuple(t["shape"][1:])) for name, t in tensors.items()}
@@ -106,8 +115,8 @@ class ExpertStore:
 
         Returns {tensor name: (uint8 bytes [len(ids), expert_nbytes], safetensors dtype,
         per-expert shape)}; tensor names are relative to the layer's expert module
-        (e.g. "gate_proj.scales"). The arrays are C-contiguous, fresh for each call and never
-        reused by the store. With an expert-major layer, one read fills all tensors of an expert
+        (e.g. "gate_proj.scales"). The arrays are C-contiguous, disjoint parts of one block
+        allocated for this call, never reused by the store. With an expert-major layer, one read fills all tensors of an expert
         (a vectored read, or a run of adjacent experts at once).
         """
         return self._fill(self.layers[layer], [int(e) for e in ids])

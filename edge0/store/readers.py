@@ -1,8 +1,8 @@
 """Ways to copy byte ranges of the expert layer files into caller buffers, behind one interface.
 
-A range is (file offset, segments): the file bytes from the offset are scattered, in order,
-into the segments, each a flat contiguous uint8 array or an int (bytes to skip). So one read
-fills one expert's tensors, each into its own array, with the row's padding skipped.
+A range is (file offset, length, segments): the file bytes from the offset are scattered, in
+order, into the segments, each a flat contiguous uint8 array or an int (bytes to skip). So one
+read fills one expert's tensors, each into its own array, with the row's padding skipped.
 
 - `mmap`: copy out of a memory map (page faults; slow unless the file is in the page cache);
 - `pread`: one `os.preadv` per range straight into the segments, no page faults on the file and
@@ -10,8 +10,9 @@ fills one expert's tensors, each into its own array, with the row's padding skip
   during the syscall);
 - `direct`: like `pread` on a descriptor that bypasses the page cache (O_DIRECT on Linux,
   F_NOCACHE on macOS), for stores that do not fit in memory. O_DIRECT needs 4 KiB-aligned
-  offsets, lengths and buffers, which expert-major layer files give; segments that are not
-  aligned go through a reused per-thread buffer. Where the file system or layout refuses it,
+  offsets, lengths and buffers, which expert-major layer files give; where the caller cannot
+  promise aligned segments (tensors of odd sizes), the range goes through a reused per-thread
+  buffer. Where the file system or layout refuses it,
   that file is read with `pread` and the fallback is counted with its reason.
 
 `choose_io` picks one from the store's size and the memory this process can use.
@@ -51,22 +52,19 @@ IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 1024
 _JUNK = aligned_empty(ALIGN)  # padding lands here; nobody reads it, so threads may share it
 
 
-def split(offset: int, dest: np.ndarray, chunk: int = CHUNK) -> list[tuple[int, list]]:
+def split(offset: int, dest: np.ndarray, chunk: int = CHUNK) -> list[tuple[int, int, list]]:
     """One range into a single flat destination, as pieces of at most `chunk` bytes."""
-    return [(offset + i, [dest[i:i + chunk]]) for i in range(0, dest.nbytes, chunk)] or [(offset, [dest])]
+    return [(offset + i, min(chunk, dest.nbytes - i), [dest[i:i + chunk]]) for i in range(0, dest.nbytes, chunk)]
 
 
-def _length(segments) -> int:
-    return sum(s if isinstance(s, int) else s.nbytes for s in segments)
-
-
-def _iovecs(segments) -> list[memoryview]:
+def _iovecs(segments) -> list[np.ndarray]:
+    """Buffers for preadv: the arrays themselves, and the shared junk buffer for skipped bytes."""
     out = []
     for s in segments:
         if isinstance(s, int):
-            out += [memoryview(_JUNK)[:min(ALIGN, s - i)] for i in range(0, s, ALIGN)]
+            out += [_JUNK[:min(ALIGN, s - i)] for i in range(0, s, ALIGN)]
         else:
-            out.append(memoryview(s))
+            out.append(s)
     return out
 
 
@@ -87,12 +85,14 @@ class RangeReader:
         self.fallbacks = 0
         self.fallback_reasons: list[str] = []
 
-    def read(self, rel: str, ranges: list[tuple[int, list]]) -> None:
-        """Fill every range's segments from its offset in file `rel` (relative to root)."""
+    def read(self, rel: str, ranges: list[tuple[int, int, list]], aligned: bool = False) -> None:
+        """Fill every range's segments from its offset in file `rel` (relative to root).
+        `aligned`: the caller promises 4 KiB-aligned offsets, and segments that are all arrays
+        with aligned addresses and sizes (direct I/O can then fill them in place)."""
         k = min(self.queue_depth, len(ranges))
         if k <= 1:
-            for offset, segments in ranges:
-                self._timed(rel, offset, segments)
+            for r in ranges:
+                self._timed(rel, *r, aligned)
             return
         it, take = iter(ranges), threading.Lock()
 
@@ -102,7 +102,7 @@ class RangeReader:
                     r = next(it, None)
                 if r is None:
                     return
-                self._timed(rel, *r)
+                self._timed(rel, *r, aligned)
 
         with self._lock:
             if self._pool is None:
@@ -114,19 +114,19 @@ class RangeReader:
             for f in futures:
                 f.result()
 
-    def _timed(self, rel: str, offset: int, segments: list) -> None:
+    def _timed(self, rel: str, offset: int, n: int, segments: list, aligned: bool) -> None:
         with self._lock:
             self.reads += 1
-            self.bytes_issued += _length(segments)
+            self.bytes_issued += n
             self.in_flight += 1
             self.max_in_flight = max(self.max_in_flight, self.in_flight)
         try:
-            self._read(rel, offset, segments)
+            self._read(rel, offset, n, segments, aligned)
         finally:
             with self._lock:
                 self.in_flight -= 1
 
-    def _read(self, rel: str, offset: int, segments: list) -> None:
+    def _read(self, rel: str, offset: int, n: int, segments: list, aligned: bool) -> None:
         raise NotImplementedError
 
     def stats(self) -> dict:
@@ -187,7 +187,7 @@ class MmapReader(RangeReader):
                 self._maps[rel] = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
             return self._maps[rel]
 
-    def _read(self, rel, offset, segments):
+    def _read(self, rel, offset, n, segments, aligned):
         mm = self._map(rel)
         pos = offset
         for seg in segments:
@@ -195,8 +195,8 @@ class MmapReader(RangeReader):
                 seg[:] = np.frombuffer(mm, dtype=np.uint8, count=seg.nbytes, offset=pos)
             pos += seg if isinstance(seg, int) else seg.nbytes
         lo = offset - offset % _PAGE
-        mm.madvise(mmap.MADV_DONTNEED, lo, pos - lo)
-        self._drop(rel, offset, pos - offset)
+        mm.madvise(mmap.MADV_DONTNEED, lo, offset + n - lo)
+        self._drop(rel, offset, n)
 
     def close(self):
         with self._lock:
@@ -209,9 +209,9 @@ class MmapReader(RangeReader):
 class PreadReader(RangeReader):
     name = "pread"
 
-    def _read(self, rel, offset, segments):
+    def _read(self, rel, offset, n, segments, aligned):
         self._pread(self._fd(rel), rel, offset, segments)
-        self._drop(rel, offset, _length(segments))
+        self._drop(rel, offset, n)
 
 
 class DirectReader(RangeReader):
@@ -274,17 +274,16 @@ class DirectReader(RangeReader):
             buf = self._local.buf = aligned_empty(n)
         return buf[:n]
 
-    def _read(self, rel, offset, segments):
+    def _read(self, rel, offset, n, segments, aligned):
         fd = self._direct_fd(rel)
-        n = _length(segments)
         if fd is not None and (offset % ALIGN or n % ALIGN):
             self._fall_back(rel, "ranges not 4 KiB-aligned (tensor-major layout)")
             fd = None
         if fd is not None:
             try:
-                if all(not isinstance(s, int) and s.ctypes.data % ALIGN == 0 and s.nbytes % ALIGN == 0 for s in segments):
+                if aligned:
                     return self._pread(fd, rel, offset, segments)
-                # padding or unaligned tensors: read the aligned range whole, then scatter it
+                # padding or odd-sized tensors: read the aligned range whole, then scatter it
                 buf, pos = self._bounce(n), 0
                 self._pread(fd, rel, offset, [buf])
                 for s in segments:

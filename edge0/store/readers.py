@@ -12,8 +12,8 @@ read fills one expert's tensors, each into its own array, with the row's padding
   F_NOCACHE on macOS), for stores that do not fit in memory. O_DIRECT needs 4 KiB-aligned
   offsets, lengths and buffers, which expert-major layer files give; where the caller cannot
   promise aligned segments (tensors of odd sizes), the range goes through a reused per-thread
-  buffer. Where the file system or layout refuses it,
-  that file is read with `pread` and the fallback is counted with its reason.
+  buffer. Where the file system or layout refuses it, that file is read with `pread` and the
+  fallback is counted with its reason.
 
 `choose_io` picks one from the store's size and the memory this process can use.
 """
@@ -34,7 +34,7 @@ from edge0.errors import Edge0Error
 from edge0.store.format import ALIGN
 
 STRATEGIES = ("mmap", "pread", "direct")
-DEFAULT_QUEUE_DEPTH = 4
+DEFAULT_QUEUE_DEPTH = 4  # within 15% of the best for one read per expert (docs/benchmarks.md)
 # Large reads (whole layers, runs of adjacent experts) are split so several are in flight.
 CHUNK = 8 << 20
 _PAGE = mmap.PAGESIZE
@@ -69,8 +69,8 @@ def _iovecs(segments) -> list[np.ndarray]:
 
 
 class RangeReader:
-    """Fills (file offset, flat uint8 buffer) ranges of files under `root`. Thread-safe: each
-    call writes only its own buffers; up to `queue_depth` reads of one call are in flight."""
+    """Fills (offset, length, segments) ranges of files under `root`. Thread-safe: each call
+    writes only its own buffers; up to `queue_depth` reads of one call are in flight."""
 
     name = ""
 
@@ -381,6 +381,7 @@ def choose_io(store_bytes: int, available: tuple[int, str] | None = None) -> tup
 
 
 def make_reader(strategy: str, root, queue_depth: int, cold_reads: bool) -> RangeReader:
+    """The reader for `strategy` ("mmap", "pread" or "direct") over the files under `root`."""
     if strategy not in READERS:
-        raise Edge0Error(f"--io {strategy!r}: choose one of auto, {', '.join(STRATEGIES)}")
+        raise Edge0Error(f"expert reader io={strategy!r}: choose one of auto, {', '.join(STRATEGIES)}")
     return READERS[strategy](root, queue_depth, cold_reads)

@@ -25,7 +25,7 @@ from tqdm import tqdm
 from edge0.errors import Edge0Error
 from edge0.families import spec_for, supported
 from edge0.store.format import CONFIG_FILE, FORMAT, HEADS_FILE, LORA_FILE, MANIFEST, RESIDENT_FILE, VERSION, expert_file
-from edge0.store.writer import SafetensorsWriter
+from edge0.store.writer import SafetensorsWriter, write_expert_layer
 from edge0.version import __version__
 
 PARTS = ("weight", "scales", "biases", "bias")
@@ -113,29 +113,13 @@ def _convert(src: Path, hf_path: str, out: Path, config: dict, dtype: str | None
     try:
         shutil.rmtree(tmp, ignore_errors=True)
         (tmp / "experts").mkdir(parents=True)
-        files[RESIDENT_FILE] = _write(tmp / RESIDENT_FILE, resident, weights, bar)[0]
+        files[RESIDENT_FILE] = _write(tmp / RESIDENT_FILE, resident, weights, bar)
         expert_layers = []
         for path, layer, names in layers:
             rel = expert_file(layer)
-            shapes = {k: weights[k].shape for k in names}
-            dtypes = {k: bio.st_dtype(weights[k]) for k in names}
-            files[rel], offsets, sizes = _write(tmp / rel, names, weights, bar)
-            num = shapes[names[0]][0]
-            expert_layers.append({
-                "layer": layer,
-                "module": path,
-                "file": rel,
-                "num_experts": num,
-                "tensors": {
-                    k[len(path) + 1:]: {
-                        "dtype": dtypes[k],
-                        "shape": list(shapes[k]),
-                        "offset": offsets[k],
-                        "expert_nbytes": sizes[k] // num,
-                    }
-                    for k in names
-                },
-            })
+            entries = [(k, bio.st_dtype(weights[k]), tuple(weights[k].shape)) for k in names]
+            files[rel], fields = write_expert_layer(tmp / rel, path, entries, lambda k: _materialize(weights, k, bar))
+            expert_layers.append({"layer": layer, "module": path, "file": rel, **fields})
         bar.close()
         bio.save_config(dict(config), config_path=tmp / CONFIG_FILE)
         tokenizer.save_pretrained(str(tmp))
@@ -263,17 +247,22 @@ def _exit_on_signal(signum, frame):
     raise SystemExit(128 + signum)
 
 
-def _write(path: Path, names: list[str], weights: dict, bar):
-    """Evaluate and write `names` one by one, freeing each after it is written.
-    Returns ({"size", "sha256"}, absolute offsets, byte sizes)."""
+def _materialize(weights: dict, name: str, bar):
+    """Evaluate one tensor and drop the converter's reference to it; returns its raw bytes."""
     from edge0.backend import io as bio
 
-    entries = [(k, bio.st_dtype(weights[k]), tuple(weights[k].shape)) for k in names]
-    w = SafetensorsWriter(path, entries, {"format": "mlx"})
+    a = weights.pop(name)
+    bio.materialize([a])
+    bar.update(a.nbytes)
+    return bio.raw_bytes(a)
+
+
+def _write(path: Path, names: list[str], weights: dict, bar) -> dict:
+    """Evaluate and write `names` one by one, freeing each after it is written; returns
+    {"size", "sha256"}."""
+    from edge0.backend import io as bio
+
+    w = SafetensorsWriter(path, [(k, bio.st_dtype(weights[k]), tuple(weights[k].shape)) for k in names], {"format": "mlx"})
     for k in names:
-        a = weights.pop(k)
-        bio.materialize([a])
-        w.write(k, bio.raw_bytes(a))
-        bar.update(a.nbytes)
-        del a
-    return w.close(), w.offsets, w.sizes
+        w.write(k, _materialize(weights, k, bar))
+    return w.close()

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import edge0
+from edge0.backend import core as B
 from edge0.backend.nn import StreamingExperts
 from edge0.engine import StepHooks
 from edge0.errors import Edge0Error
@@ -24,7 +25,8 @@ def rel_l2(a, b) -> float:
 def dequantized_reference(store, layer, x, inds):
     """float32 SwiGLU experts computed from dequantized int4 weights, one (token, k) at a time."""
     info = store.layers[layer]
-    t = mx.load(str(store.root / info["file"]))
+    t = {f"{info['module']}.{name}": B.from_raw(buf, dt, (info["num_experts"], *shape))
+         for name, (buf, dt, shape) in store.read_layer(layer).items()}
     w = {}
     for proj in ("gate_proj", "up_proj", "down_proj"):
         p = f"{info['module']}.{proj}"

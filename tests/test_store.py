@@ -9,7 +9,7 @@ from safetensors.numpy import load_file
 
 from edge0.convert import convert
 from edge0.errors import Edge0Error
-from edge0.store import ExpertStore, open_manifest
+from edge0.store import VERSION, ExpertStore, open_manifest
 from edge0.store.writer import SafetensorsWriter
 from tests.fixtures.make import fixture_dir
 
@@ -45,8 +45,12 @@ def test_reader_returns_exact_expert_byte_ranges(store_for):
     stacked = mx.load(str(root / layer["file"]))
     got = store.read(layer["layer"], [5, 2])
     for name, (buf, st_dtype, shape) in got.items():
-        full = np.array(stacked[f"{layer['module']}.{name}"].view(mx.uint8) if st_dtype != "BF16" else stacked[f"{layer['module']}.{name}"].view(mx.uint16))
-        full = full.reshape(full.shape[0], -1).view(np.uint8)
+        if layer.get("layout") == "expert-major":  # one uint8 [E, expert_stride] tensor
+            t = layer["tensors"][name]
+            full = np.array(stacked[f"{layer['module']}.experts"])[:, t["expert_offset"]:t["expert_offset"] + t["expert_nbytes"]]
+        else:
+            full = np.array(stacked[f"{layer['module']}.{name}"].view(mx.uint8) if st_dtype != "BF16" else stacked[f"{layer['module']}.{name}"].view(mx.uint16))
+            full = full.reshape(full.shape[0], -1).view(np.uint8)
         assert buf.shape == (2, full.shape[1])
         np.testing.assert_array_equal(buf[0], full[5])
         np.testing.assert_array_equal(buf[1], full[2])
@@ -56,7 +60,7 @@ def test_reader_returns_exact_expert_byte_ranges(store_for):
 def test_manifest_records_format_spec_and_checksums(store_for):
     root = store_for("deepseek_v3")
     m = json.loads((root / "edge0-manifest.json").read_text())
-    assert (m["format"], m["version"]) == ("edge0-store", 1)
+    assert (m["format"], m["version"]) == ("edge0-store", VERSION)
     assert m["spec"]["routing"]["kind"] == "grouped"
     assert set(m["files"]) == {"model.safetensors", *(l["file"] for l in m["expert_layers"])}
     assert all(len(f["sha256"]) == 64 for f in m["files"].values())

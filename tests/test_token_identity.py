@@ -8,6 +8,8 @@ from mlx_lm.generate import generate_step
 from mlx_lm.utils import load as mlx_load
 
 import edge0
+from edge0.backend import core as B
+from edge0.store import ExpertStore, open_manifest
 from tests.fixtures.families import SPECD, UNIVERSAL
 from tests.fixtures.make import reference_dir
 
@@ -49,9 +51,11 @@ def test_converted_tensors_bit_identical_to_mlx_lm_convert(family, dtype, store_
     ref = {}
     for f in sorted(reference_dir(family, dtype=dtype).glob("model*.safetensors")):
         ref.update(mx.load(str(f)))
-    ours = {}
-    for f in [store / "model.safetensors", *sorted((store / "experts").glob("*.safetensors"))]:
-        ours.update(mx.load(str(f)))
+    ours = dict(mx.load(str(store / "model.safetensors")))
+    experts = ExpertStore(store, open_manifest(store))
+    for layer, info in experts.layers.items():
+        ours.update({f"{info['module']}.{name}": B.from_raw(buf, dt, (info["num_experts"], *shape))
+                     for name, (buf, dt, shape) in experts.read_layer(layer).items()})
     assert set(ours) == set(ref)
     for k in ref:
         assert ours[k].dtype == ref[k].dtype, k

@@ -22,6 +22,7 @@ VERBS = {
     "plan": ("edge0.cli.plan", "predict hit rate and speed per expert-cache budget"),
     "bench": ("edge0.cli.bench", "benchmark suite: Edge0 against resident mlx-lm"),
     "verify": ("edge0.cli.verify", "check a store's files against its manifest checksums"),
+    "relayout": ("edge0.cli.relayout", "rewrite an older store's expert files in the current layout"),
 }
 
 

@@ -27,7 +27,7 @@ def main(argv=None) -> int:
     if not args.no_chat_template and engine.tokenizer.chat_template is not None:
         prompt = engine.chat_prompt([{"role": "user", "content": text}])
     else:
-        prompt = engine.encode(text)
+        prompt = engine.tokenizer.encode(text)
     if not prompt:
         raise Edge0Error(f"--prompt {args.prompt!r}: no tokens to start from; pass some text")
     stats = None

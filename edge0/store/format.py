@@ -1,5 +1,5 @@
 """The store's manifest: a magic format name and a version, the MoE spec, every file's size
-and sha256, and the byte layout of the layer-stacked expert tensors. See docs/store-format.md."""
+and sha256, and the byte layout of the expert layer files. See docs/store-format.md."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ from pathlib import Path
 from edge0.errors import Edge0Error
 
 FORMAT = "edge0-store"
-VERSION = 1
+VERSION = 2
+# Version 1 stores (tensor-major layer files, 9 ranges per expert) still load; see docs/store-format.md.
+READS_VERSIONS = (1, 2)
 MANIFEST = "edge0-manifest.json"
 RESIDENT_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
@@ -22,6 +24,13 @@ LORA_FILE = "lora.safetensors"
 def lora_file(k: int) -> str:
     """The adapter trained for serving width K."""
     return f"lora-k{k}.safetensors"
+
+
+# A layer entry with this "layout" keeps each expert's tensors in one 4 KiB-aligned row; without
+# it the layer file is tensor-major (version 1). The reader decides per layer, not per version.
+EXPERT_MAJOR = "expert-major"
+ALIGN = 4096
+RELAYOUT = "edge0 relayout"
 
 
 def expert_file(layer: int) -> str:
@@ -49,14 +58,33 @@ def open_manifest(root, verify: bool = False) -> dict:
         raise Edge0Error(f"{path} is not valid JSON ({e}); {_regenerate(root)}") from None
     if manifest.get("format") != FORMAT:
         raise Edge0Error(f"{path}: format is {manifest.get('format')!r}, not {FORMAT!r}; {_regenerate(root)}")
-    if manifest.get("version") != VERSION:
+    if manifest.get("version") not in READS_VERSIONS:
         raise Edge0Error(
             f"{path}: store format version {manifest.get('version')} but this edge0 reads "
-            f"version {VERSION}; {_regenerate(root)}"
+            f"versions {' and '.join(map(str, READS_VERSIONS))}; {_regenerate(root)}"
         )
     for rel, info in manifest["files"].items():
         check_file(root, rel, info, verify)
+    for entry in manifest["expert_layers"]:
+        check_layout(path, root, entry)
     return manifest
+
+
+def check_layout(path: Path, root: Path, entry: dict) -> None:
+    """An expert-major entry must describe rows that lie inside its 4 KiB-aligned file."""
+    layout = entry.get("layout")
+    if layout is None:  # tensor-major (version 1 layout)
+        return
+    if layout != EXPERT_MAJOR:
+        raise Edge0Error(f"{path}: layer {entry.get('layer')} has unknown layout {layout!r}; {_regenerate(root)}")
+    try:
+        offset, stride, num = int(entry["offset"]), int(entry["expert_stride"]), int(entry["num_experts"])
+        ends = [int(t["expert_offset"]) + int(t["expert_nbytes"]) for t in entry["tensors"].values()]
+    except (KeyError, TypeError, ValueError):
+        raise Edge0Error(f"{path}: layer {entry.get('layer')} lacks expert-major layout fields; {_regenerate(root)}") from None
+    size = (root / entry["file"]).stat().st_size
+    if offset % ALIGN or stride % ALIGN or max(ends) > stride or offset + num * stride != size:
+        raise Edge0Error(f"{root / entry['file']}: layout in the manifest does not match the file; {_regenerate(root)}")
 
 
 def check_file(root: Path, rel: str, info: dict, verify: bool) -> None:
@@ -81,7 +109,16 @@ def sha256_file(path: Path, chunk: int = 1 << 24) -> str:
 def manifest_hash(root) -> str:
     """Identifies a store for heads and adapters trained on it: sha256 of its model type, spec
     and files (sizes and checksums). Conversion is deterministic, so every conversion of the same
-    checkpoint has the same identity, wherever it was converted from."""
+    checkpoint has the same identity, wherever it was converted from.
+
+    The identity is that of the store's tensor-major (version 1) form: an expert-major layer
+    contributes the size and sha256 its tensor-major file would have (`tensor_major` in its
+    entry), so heads, adapters and traces carry over between layouts."""
     m = json.loads((Path(root) / MANIFEST).read_text())
-    ident = {k: m.get(k) for k in ("format", "version", "model_type", "spec", "quantization", "files")}
+    files = dict(m.get("files") or {})
+    for entry in m.get("expert_layers") or []:
+        if entry.get("layout") == EXPERT_MAJOR:
+            files[entry["file"]] = entry["tensor_major"]
+    ident = {k: m.get(k) for k in ("format", "model_type", "spec", "quantization")}
+    ident.update(version=1, files=files)
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()

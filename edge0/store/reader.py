@@ -1,103 +1,151 @@
-"""mmap reader for layer-stacked expert tensors: expert e of a tensor is the byte range
-[offset + e * expert_nbytes, offset + (e + 1) * expert_nbytes) of its layer file."""
+"""Expert reads from the layer files of a store, through one of the strategies in readers.py.
+
+Expert-major layers (format version 2): expert e is the row [offset + e * expert_stride,
+offset + (e + 1) * expert_stride), one read. Tensor-major layers (version 1): expert e of a
+tensor is [offset + e * expert_nbytes, offset + (e + 1) * expert_nbytes), one read per tensor.
+"""
 
 from __future__ import annotations
 
-import mmap
-import os
 import threading
 from pathlib import Path
 
 import numpy as np
 
+from edge0.store.format import ALIGN, EXPERT_MAJOR, RELAYOUT
+from edge0.store.readers import CHUNK, DEFAULT_QUEUE_DEPTH, IOV_MAX, aligned_empty, choose_io, make_reader, split
 
-_PAGE = mmap.PAGESIZE
 
-
-def _release(mm: mmap.mmap, start: int, n: int) -> None:
-    """Unmap pages we copied from, so touched file pages do not pile up in this process's RSS
-    (they stay in the OS page cache, where the kernel can reclaim them)."""
-    lo = start - start % _PAGE
-    mm.madvise(mmap.MADV_DONTNEED, lo, start + n - lo)
+def _runs(ids: list[int]):
+    """(output row, first expert, count) for each run of consecutive expert ids: one read each."""
+    i = 0
+    while i < len(ids):
+        j = i + 1
+        while j < len(ids) and ids[j] == ids[j - 1] + 1:
+            j += 1
+        yield i, ids[i], j - i
+        i = j
 
 
 class ExpertStore:
     """Byte-range access to every MoE layer's experts. Thread-safe; counts bytes read.
 
+    `io`: "auto" (chosen from the store's size and the memory available; see readers.choose_io),
+    "mmap", "pread" or "direct". `queue_depth`: reads of one call in flight at once.
     `cold_reads` drops every range it reads from the OS page cache too, so each read comes from
     storage: a benchmark knob that simulates a model much larger than RAM on a machine where it
     would otherwise stay cached."""
 
-    def __init__(self, root, manifest: dict, cold_reads: bool = False):
+    def __init__(self, root, manifest: dict, cold_reads: bool = False, io: str = "auto",
+                 queue_depth: int = DEFAULT_QUEUE_DEPTH):
         self.root = Path(root)
         self.layers = {int(l["layer"]): l for l in manifest["expert_layers"]}
-        self._maps: dict[str, mmap.mmap] = {}
-        self._fds: dict[str, int] = {}
+        self.reason = "requested"
+        if io == "auto":
+            files = manifest.get("files", {})
+            io, self.reason = choose_io(sum(files.get(l["file"], {}).get("size", 0) for l in self.layers.values()))
+        self._reader = make_reader(io, self.root, queue_depth, cold_reads)
         self._lock = threading.Lock()
         self.bytes_read = 0
-        self.cold_reads = cold_reads
 
-    def _map(self, rel: str) -> mmap.mmap:
-        with self._lock:
-            if rel not in self._maps:
-                fd = os.open(self.root / rel, os.O_RDONLY)
-                self._fds[rel] = fd
-                self._maps[rel] = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
-            return self._maps[rel]
+    @property
+    def io(self) -> str:
+        """The read strategy in use."""
+        return self._reader.name
 
-    def _done(self, rel: str, mm: mmap.mmap, start: int, n: int) -> None:
-        _release(mm, start, n)
-        if self.cold_reads:
-            os.posix_fadvise(self._fds[rel], start, n, os.POSIX_FADV_DONTNEED)
+    @property
+    def cold_reads(self) -> bool:
+        return self._reader.cold_reads
+
+    @cold_reads.setter
+    def cold_reads(self, value: bool) -> None:
+        self._reader.cold_reads = value
 
     def expert_nbytes(self, layer: int) -> int:
-        """Bytes of one expert of `layer` (all its tensors)."""
+        """Bytes of one expert of `layer` (all its tensors, without row padding)."""
         return sum(t["expert_nbytes"] for t in self.layers[layer]["tensors"].values())
 
+    def _fill(self, info: dict, ids: list[int] | None) -> dict[str, tuple[np.ndarray, str, tuple]]:
+        """Read experts `ids` (None: all, in large reads) of one layer into fresh arrays."""
+        n = int(info["num_experts"]) if ids is None else len(ids)
+        runs = [(0, 0, n)] if ids is None else list(_runs(ids))
+        tensors = info["tensors"]
+        # One contiguous, 4 KiB-aligned array per tensor (MLX copies a strided view's whole base),
+        # carved from one block per call: one allocation, which the C allocator then reuses.
+        starts, total = {}, 0
+        for name, t in tensors.items():
+            starts[name] = total
+            total += -(-n * int(t["expert_nbytes"]) // ALIGN) * ALIGN
+        block = aligned_empty(total)
+        out = {name: block[starts[name]: starts[name] + n * int(t["expert_nbytes"])].reshape(n, int(t["expert_nbytes"]))
+               for name, t in tensors.items()}
+        ranges, aligned = [], False
+        if info.get("layout") == EXPERT_MAJOR:
+            stride = int(info["expert_stride"])
+            row, pos = [], 0  # one expert's row: (gap before, tensor name), then the tail padding
+            for name, t in sorted(tensors.items(), key=lambda kv: kv[1]["expert_offset"]):
+                row.append((int(t["expert_offset"]) - pos, name))
+                pos = int(t["expert_offset"]) + int(t["expert_nbytes"])
+            tail = stride - pos
+            # every segment an aligned array (no padding, page-multiple tensors): direct I/O in place
+            aligned = not tail and all(gap == 0 and int(tensors[name]["expert_nbytes"]) % ALIGN == 0 for gap, name in row)
+            # experts per read: at most CHUNK bytes and IOV_MAX segments
+            per = max(1, min(CHUNK // stride, IOV_MAX // (2 * len(row) + 1)))
+            for i, e, k in runs:
+                for j in range(0, k, per):
+                    segments = []
+                    for r in range(i + j, i + min(k, j + per)):
+                        for gap, name in row:
+                            segments += [gap, out[name][r]] if gap else [out[name][r]]
+                        segments += [tail] if tail else []
+                    ranges.append((int(info["offset"]) + (e + j) * stride, (min(k, j + per) - j) * stride, segments))
+        else:
+            for name, t in tensors.items():
+                size = int(t["expert_nbytes"])
+                for i, e, k in runs:
+                    ranges += split(int(t["offset"]) + e * size, out[name][i:i + k].reshape(-1))
+        self._reader.read(info["file"], ranges, aligned)
+        with self._lock:
+            self.bytes_read += sum(b.nbytes for b in out.values())
+        return {name: (out[name], t["dtype"], tuple(t["shape"][1:])) for name, t in tensors.items()}
+
     def read(self, layer: int, ids) -> dict[str, tuple[np.ndarray, str, tuple]]:
-        """Copy experts `ids` of `layer` out of the file.
+        """Copy experts `ids` of `layer` out of the file: one read per run of consecutive ids
+        (expert-major) or per tensor and run (tensor-major), up to `queue_depth` in flight.
 
         Returns {tensor name: (uint8 bytes [len(ids), expert_nbytes], safetensors dtype,
         per-expert shape)}; tensor names are relative to the layer's expert module
-        (e.g. "gate_proj.scales").
+        (e.g. "gate_proj.scales"). The arrays are C-contiguous, disjoint parts of one block
+        allocated for this call, never reused by the store. With an expert-major layer, one read fills all tensors of an expert
+        (a vectored read, or a run of adjacent experts at once).
         """
-        info = self.layers[layer]
-        mm = self._map(info["file"])
-        out, total = {}, 0
-        for name, t in info["tensors"].items():
-            n = t["expert_nbytes"]
-            buf = np.empty((len(ids), n), dtype=np.uint8)
-            for i, e in enumerate(ids):
-                start = t["offset"] + int(e) * n
-                buf[i] = np.frombuffer(mm, dtype=np.uint8, count=n, offset=start)
-                self._done(info["file"], mm, start, n)
-            out[name] = (buf, t["dtype"], tuple(t["shape"][1:]))
-            total += buf.nbytes
-        with self._lock:
-            self.bytes_read += total
-        return out
+        return self._fill(self.layers[layer], [int(e) for e in ids])
 
     def read_layer(self, layer: int) -> dict[str, tuple[np.ndarray, str, tuple]]:
-        """All experts of `layer`: one large read per stacked tensor (same layout as `read`)."""
-        info = self.layers[layer]
-        mm = self._map(info["file"])
-        num = int(info["num_experts"])
-        out, total = {}, 0
-        for name, t in info["tensors"].items():
-            n = t["expert_nbytes"] * num
-            buf = np.frombuffer(mm, dtype=np.uint8, count=n, offset=t["offset"]).copy()
-            self._done(info["file"], mm, t["offset"], n)
-            out[name] = (buf.reshape(num, -1), t["dtype"], tuple(t["shape"][1:]))
-            total += n
-        with self._lock:
-            self.bytes_read += total
-        return out
+        """All experts of `layer` in large sequential reads (same layout as `read`)."""
+        return self._fill(self.layers[layer], None)
+
+    def io_stats(self) -> dict:
+        """Which reader ran and why, reads issued, bytes issued (with row padding) and read
+        (tensor bytes), the most reads in flight at once, and direct-I/O fallbacks."""
+        d = self._reader.stats()
+        d.update(reason=self.reason, bytes_read=self.bytes_read)
+        d["tensor_major_layers"] = sum(l.get("layout") != EXPERT_MAJOR for l in self.layers.values())
+        return d
+
+    def describe_io(self) -> str:
+        """One line: reader, queue depth, why, layout, and any fallback."""
+        s = self.io_stats()
+        line = f"expert reads: {s['reader']}, queue depth {s['queue_depth']} ({s['reason']})"
+        if s["tensor_major_layers"]:
+            per = max(len(l["tensors"]) for l in self.layers.values())
+            line += (f"; {s['tensor_major_layers']} tensor-major layers (format version 1): {per} reads per expert, "
+                     f"re-lay out with: {RELAYOUT} {self.root} <new dir>")
+        else:
+            line += "; expert-major layout: 1 read per expert"
+        if s["direct_fallbacks"]:
+            line += f"; page-cache bypass fell back to pread for {s['direct_fallbacks']} files: {'; '.join(s['direct_fallback_reasons'])}"
+        return line
 
     def close(self) -> None:
-        with self._lock:
-            for m in self._maps.values():
-                m.close()
-            for fd in self._fds.values():
-                os.close(fd)
-            self._maps.clear()
-            self._fds.clear()
+        self._reader.close()

@@ -1,4 +1,5 @@
-"""Streaming safetensors writer.
+"""Streaming safetensors writers: tensor-major files (resident weights, version 1 layer files)
+and expert-major layer files (version 2).
 
 The safetensors library writes a whole dict at once; the converter must write tensor by tensor
 so memory does not grow with model size. The header only needs names, dtypes and shapes, which
@@ -9,10 +10,36 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import struct
 from pathlib import Path
 
+from edge0.store.format import ALIGN, EXPERT_MAJOR, sha256_file
+
 _ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2, "U32": 4, "U8": 1, "I32": 4, "I64": 8}
+# Start of each tensor inside an expert row: keeps every tensor aligned for any dtype view.
+ROW_ALIGN = 64
+
+
+def _nbytes(st_dtype: str, shape) -> int:
+    n = _ITEMSIZE[st_dtype]
+    for d in shape:
+        n *= d
+    return n
+
+
+def _header(entries: list[tuple[str, str, tuple]], metadata: dict | None, align: int) -> tuple[bytes, dict]:
+    """(length prefix + JSON header padded so the data starts `align`-aligned, {name: relative offset})."""
+    header, pos = {}, 0
+    for name, st_dtype, shape in entries:
+        n = _nbytes(st_dtype, shape)
+        header[name] = {"dtype": st_dtype, "shape": list(shape), "data_offsets": [pos, pos + n]}
+        pos += n
+    if metadata:
+        header["__metadata__"] = metadata
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-(8 + len(blob)) % align)
+    return struct.pack("<Q", len(blob)) + blob, {k: v["data_offsets"][0] for k, v in header.items() if k != "__metadata__"}
 
 
 class SafetensorsWriter:
@@ -20,25 +47,14 @@ class SafetensorsWriter:
 
     def __init__(self, path: Path, entries: list[tuple[str, str, tuple]], metadata: dict | None = None):
         self.path = Path(path)
-        header, pos = {}, 0
-        self.sizes = {}
-        for name, st_dtype, shape in entries:
-            n = _ITEMSIZE[st_dtype]
-            for d in shape:
-                n *= d
-            header[name] = {"dtype": st_dtype, "shape": list(shape), "data_offsets": [pos, pos + n]}
-            self.sizes[name] = n
-            pos += n
-        if metadata:
-            header["__metadata__"] = metadata
-        blob = json.dumps(header, separators=(",", ":")).encode()
-        blob += b" " * (-len(blob) % 8)  # data starts 8-byte aligned
-        self.data_start = 8 + len(blob)
-        self.offsets = {k: self.data_start + v["data_offsets"][0] for k, v in header.items() if k != "__metadata__"}
+        head, rel = _header(entries, metadata, 8)
+        self.sizes = {name: _nbytes(dt, shape) for name, dt, shape in entries}
+        self.data_start = len(head)
+        self.offsets = {k: self.data_start + v for k, v in rel.items()}
         self._order = [e[0] for e in entries]
         self._sha = hashlib.sha256()
         self._fh = open(self.path, "wb")
-        self._put(struct.pack("<Q", len(blob)) + blob)
+        self._put(head)
 
     def _put(self, b) -> None:
         self._fh.write(b)
@@ -61,3 +77,63 @@ class SafetensorsWriter:
             raise ValueError(f"{self.path}: tensors never written: {self._order[:3]}")
         self._fh.close()
         return {"size": self.path.stat().st_size, "sha256": self._sha.hexdigest()}
+
+
+def expert_major_layout(module: str, tensors: list[tuple[str, str, tuple]]) -> tuple[int, int, dict]:
+    """(num_experts, expert_stride, {relative name: dtype, shape, expert_offset, expert_nbytes})
+    of an expert-major row holding `tensors` (full names under `module`, stacked shapes [E, ...])."""
+    num = int(tensors[0][2][0])
+    out, pos = {}, 0
+    for name, st_dtype, shape in tensors:
+        if not name.startswith(module + ".") or int(shape[0]) != num:
+            raise ValueError(f"{name} {tuple(shape)}: not a stacked tensor of {module} with {num} experts")
+        pos += -pos % ROW_ALIGN
+        n = _nbytes(st_dtype, shape[1:])
+        out[name[len(module) + 1:]] = {"dtype": st_dtype, "shape": [int(d) for d in shape],
+                                       "expert_offset": pos, "expert_nbytes": n}
+        pos += n
+    return num, pos + (-pos % ALIGN), out
+
+
+def write_expert_layer(path, module: str, tensors: list[tuple[str, str, tuple]], get_bytes) -> tuple[dict, dict]:
+    """Write one MoE layer as an expert-major file (store format version 2).
+
+    `tensors`: [(full name, safetensors dtype, stacked shape [E, ...])] in tensor-major write
+    order; `get_bytes(name)` returns the raw bytes of that stacked tensor and is called once per
+    tensor, in order, so at most one stacked tensor is held at a time. The file is one safetensors
+    tensor `{module}.experts` uint8 [E, expert_stride] whose data starts 4 KiB-aligned; row e holds
+    expert e's tensors at their `expert_offset`s, padded with zeros to a multiple of 4 KiB.
+    Written to a temporary file beside `path` and renamed. Returns ({"size", "sha256"} of the
+    file, the manifest layer entry's layout fields), where `tensor_major` is the size and sha256
+    of the tensor-major file the same tensors would make (the store's identity; see
+    format.manifest_hash)."""
+    path = Path(path)
+    num, stride, layout = expert_major_layout(module, tensors)
+    meta = {"format": "edge0-expert-major", "tensors": json.dumps(layout, separators=(",", ":"))}
+    head, _ = _header([(f"{module}.experts", "U8", (num, stride))], meta, ALIGN)
+    tm_head, _ = _header(tensors, {"format": "mlx"}, 8)  # what SafetensorsWriter would write
+    tm_sha, tm_size = hashlib.sha256(tm_head), len(tm_head)
+    tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(head)
+            fh.truncate(len(head) + num * stride)  # the padding reads back as zeros
+            for name, _, _ in tensors:
+                t = layout[name[len(module) + 1:]]
+                n = t["expert_nbytes"]
+                data = memoryview(get_bytes(name)).cast("B")
+                if len(data) != num * n:
+                    raise ValueError(f"tensor {name!r}: {len(data)} bytes, expected {num * n}")
+                tm_sha.update(data)
+                tm_size += len(data)
+                for e in range(num):
+                    fh.seek(len(head) + e * stride + t["expert_offset"])
+                    fh.write(data[e * n:(e + 1) * n])
+                del data
+        info = {"size": tmp.stat().st_size, "sha256": sha256_file(tmp)}
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return info, {"num_experts": num, "layout": EXPERT_MAJOR, "offset": len(head), "expert_stride": stride,
+                  "tensors": layout, "tensor_major": {"size": tm_size, "sha256": tm_sha.hexdigest()}}

@@ -1,46 +1,69 @@
-"""OpenAI response bodies and SSE chunks for chat completions and text completions."""
+"""OpenAI Chat Completions and Completions: response bodies and server-sent events."""
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 
-from edge0.server.generation import Finish
+from edge0.server.errors import APIError, openai_error
+from edge0.server.generation import Finish, Usage
+from edge0.server.pipeline import sse
 from edge0.server.tools import Segment
 
 
-def sse(data: dict | str) -> str:
-    """One server-sent event carrying `data` (a dict is sent as JSON)."""
-    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
+def openai_usage(usage: Usage) -> dict:
+    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+            "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
 
 
-class ChatFormat:
-    """Shapes chat.completion and chat.completion.chunk objects for one response."""
+class _OpenAIStream:
+    """What both formats share: usage in a last chunk when asked, `data: [DONE]`, errors as
+    `data: {"error": ...}` (the openai client raises on it)."""
 
-    def __init__(self, model: str):
-        self.id, self.created, self.model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model
+    object_name = ""
+
+    def __init__(self, model: str, prefix: str, include_usage: bool):
+        self.id, self.created, self.model = f"{prefix}-{uuid.uuid4().hex}", int(time.time()), model
+        self.include_usage = include_usage
+
+    def _object(self, **fields) -> dict:
+        return {"id": self.id, "object": self.object_name, "created": self.created, "model": self.model, **fields}
+
+    def stream_end(self, finish: Finish):
+        yield sse(self._last_chunk(finish))
+        if self.include_usage:
+            yield sse(self._object(choices=[], usage=openai_usage(finish.usage)))
+        yield sse("[DONE]")
+
+    def stream_error(self, error: APIError) -> str:
+        return sse(openai_error(error))
+
+
+class ChatFormat(_OpenAIStream):
+    """chat.completion and chat.completion.chunk objects for one response."""
+
+    object_name = "chat.completion.chunk"
+
+    def __init__(self, model: str, include_usage: bool = False):
+        super().__init__(model, "chatcmpl", include_usage)
         self._tool_index = 0
 
     def _chunk(self, delta: dict, finish: str | None = None) -> dict:
-        return {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
-                "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}
+        return self._object(choices=[{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}])
 
-    def start(self) -> dict:
-        return self._chunk({"role": "assistant", "content": ""})
+    def stream_start(self, prompt_tokens: int):
+        yield sse(self._chunk({"role": "assistant", "content": ""}))
 
-    def delta(self, segment: Segment) -> dict:
+    def stream_delta(self, segment: Segment):
         if isinstance(segment, str):
-            return self._chunk({"content": segment})
-        self._tool_index += 1
-        return self._chunk({"tool_calls": [{"index": self._tool_index - 1, **segment}]})
+            yield sse(self._chunk({"content": segment}))
+        else:
+            self._tool_index += 1
+            yield sse(self._chunk({"tool_calls": [{"index": self._tool_index - 1, **segment}]}))
 
-    def end(self, finish: Finish) -> dict:
+    def _last_chunk(self, finish: Finish) -> dict:
         return self._chunk({}, finish.reason)
-
-    def usage_chunk(self, finish: Finish) -> dict:
-        return {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
-                "choices": [], "usage": finish.usage}
 
     def body(self, segments: list[Segment], finish: Finish) -> dict:
         text = "".join(s for s in segments if isinstance(s, str))
@@ -48,33 +71,30 @@ class ChatFormat:
         message = {"role": "assistant", "content": text or (None if calls else "")}
         if calls:
             message["tool_calls"] = calls
-        return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
-                "choices": [{"index": 0, "message": message, "finish_reason": finish.reason, "logprobs": None}],
-                "usage": finish.usage}
+        return {**self._object(choices=[{"index": 0, "message": message, "finish_reason": finish.reason,
+                                         "logprobs": None}], usage=openai_usage(finish.usage)),
+                "object": "chat.completion"}
 
 
-class CompletionFormat:
-    """Shapes text_completion objects (streamed chunks have the same object type)."""
+class CompletionFormat(_OpenAIStream):
+    """text_completion objects (streamed chunks have the same object type)."""
 
-    def __init__(self, model: str):
-        self.id, self.created, self.model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), model
+    object_name = "text_completion"
+
+    def __init__(self, model: str, include_usage: bool = False):
+        super().__init__(model, "cmpl", include_usage)
 
     def _chunk(self, text: str, finish: str | None = None) -> dict:
-        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}]}
+        return self._object(choices=[{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}])
 
-    def start(self) -> None:
-        return None
+    def stream_start(self, prompt_tokens: int):
+        return ()
 
-    def delta(self, segment: Segment) -> dict:
-        return self._chunk(segment)
+    def stream_delta(self, segment: Segment):
+        yield sse(self._chunk(segment))
 
-    def end(self, finish: Finish) -> dict:
+    def _last_chunk(self, finish: Finish) -> dict:
         return self._chunk("", finish.reason)
 
-    def usage_chunk(self, finish: Finish) -> dict:
-        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                "choices": [], "usage": finish.usage}
-
     def body(self, segments: list[Segment], finish: Finish) -> dict:
-        return {**self._chunk("".join(segments), finish.reason), "usage": finish.usage}
+        return {**self._chunk("".join(segments), finish.reason), "usage": openai_usage(finish.usage)}

@@ -124,6 +124,7 @@ class FakeEngine:
         self.root = root
         self.delay, self.prefill_delay = delay, prefill_delay
         self.interrupt_at: int | None = None  # raise KeyboardInterrupt once, at this step (Ctrl-C)
+        self.fail_at: int | None = None  # raise RuntimeError once, at this step (a failing generation)
         self.calls: list[Call] = []
         self.max_active = 0
         self._active = 0
@@ -182,6 +183,9 @@ class FakeEngine:
                 if self.interrupt_at == i:
                     self.interrupt_at = None
                     raise KeyboardInterrupt
+                if self.fail_at == i:
+                    self.fail_at = None
+                    raise RuntimeError("the fake engine failed")
                 finish = "stop" if tok in self.tokenizer.eos_token_ids else None
                 if not finish:
                     pending += self.tokenizer.token_bytes(tok)

@@ -1,4 +1,5 @@
-"""The app factory: `create_app(engine, config)` wires an Engine into the FastAPI app; `run` serves it."""
+"""The app factory: `create_app(engine, config)` wires an Engine into the FastAPI app serving the
+OpenAI Chat Completions API and Anthropic's Messages API; `run` serves it."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from contextlib import asynccontextmanager
 import uvicorn
 from fastapi import FastAPI
 
+from edge0.server import anthropic
 from edge0.server.config import ServerConfig
 from edge0.server.errors import install_error_handlers
 from edge0.server.middleware import Guard
@@ -36,7 +38,8 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
     app.state.token_chars = max(map(len, engine.tokenizer.get_vocab()))
     install_error_handlers(app)
     app.add_middleware(Guard, api_key=config.api_key, max_body_bytes=config.max_body_bytes)
-    app.include_router(router)
+    for routes in (router, anthropic.router):
+        app.include_router(routes)
     return app
 
 

@@ -1,5 +1,5 @@
 """The app factory: `create_app(engine, config)` wires an Engine into the FastAPI app serving the
-OpenAI Chat Completions API and Anthropic's Messages API; `run` serves it."""
+OpenAI Chat Completions and Responses APIs and Anthropic's Messages API; `run` serves it."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from contextlib import asynccontextmanager
 import uvicorn
 from fastapi import FastAPI
 
-from edge0.server import anthropic
+from edge0.server import anthropic, responses_api
 from edge0.server.config import ServerConfig
 from edge0.server.errors import install_error_handlers
 from edge0.server.middleware import Guard
@@ -38,7 +38,7 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
     app.state.token_chars = max(map(len, engine.tokenizer.get_vocab()))
     install_error_handlers(app)
     app.add_middleware(Guard, api_key=config.api_key, max_body_bytes=config.max_body_bytes)
-    for routes in (router, anthropic.router):
+    for routes in (router, anthropic.router, responses_api.router):
         app.include_router(routes)
     return app
 

@@ -288,6 +288,29 @@ def test_client_leaving_during_prefill_frees_the_engine():
         assert time.monotonic() - started < 2
 
 
+@pytest.mark.parametrize("path,body,error_of", [
+    ("/v1/chat/completions", {**VALID, "messages": user("count 50")}, lambda events: events[-1]["error"]["type"]),
+    ("/v1/messages", {**VALID, "messages": user("count 50"), "max_tokens": 100},
+     lambda events: events[-1]["error"]["type"]),
+    ("/v1/responses", {"model": MODEL, "input": "count 50"}, lambda events: events[-1]["type"]),
+])
+def test_a_generation_failing_mid_stream_ends_it_with_an_error_in_the_apis_shape(url, client, engine, path, body,
+                                                                                  error_of):
+    engine.fail_at = 10
+    with httpx.stream("POST", url + path, json={**body, "stream": True}, headers={"Authorization": f"Bearer {KEY}"},
+                      timeout=20) as r:
+        lines = [line for line in r.iter_lines() if line]
+    assert r.status_code == 200 and "fake engine failed" in lines[-1]
+    events = [json.loads(line.removeprefix("data: ")) for line in lines if line.startswith("data: {")]
+    assert error_of(events) in ("server_error", "api_error", "error")
+    if path != "/v1/chat/completions":
+        assert lines[-2] == "event: error"
+    engine.fail_at = 10
+    r = post(url, body, path=path)  # not streamed: a 500 in the API's shape
+    assert r.status_code == 500 and "fake engine failed" in r.text
+    assert_ok(client)
+
+
 def test_oversized_chunked_body_is_refused(url, client):
     chunks = (b" " * 4096 for _ in range(8))  # no Content-Length: the size is counted as it arrives
     r = httpx.post(url + "/v1/chat/completions", content=chunks, timeout=20,
@@ -456,3 +479,46 @@ def test_real_engine_on_a_fixture_store(store_for):
         r = client.chat.completions.create(**kwargs, tools=WEATHER)  # the fixture's template takes tools
         assert r.usage.prompt_tokens > len(engine.chat_prompt(user("hello world")))
         assert client.completions.create(model=engine.model_id, prompt="Once upon", max_tokens=4).usage.completion_tokens >= 1
+
+
+def test_real_engine_stops_between_prefill_chunks_and_stays_consistent(store_for):
+    """should_stop: checked between 512-token prefill chunks and between decode steps; a stop in
+    prefill drops the partial KV cache, StepHooks.finish runs, and the next generation is right."""
+    import edge0
+    from edge0.engine.engine import CANCELLABLE_PREFILL_CHUNK
+    from edge0.engine.hooks import StepHooks
+
+    class Recorder(StepHooks):
+        def __init__(self):
+            self.events = []
+
+        def start(self, engine):
+            self.events.append("start")
+
+        def finish(self, engine):
+            self.events.append("finish")
+
+    engine = edge0.load(store_for("qwen3_moe"), prerouter=False)
+    engine.hooks = hooks = Recorder()
+    prompt = [(7 * i) % 200 + 10 for i in range(2 * CANCELLABLE_PREFILL_CHUNK + 100)]  # three chunks
+    expected = engine.generate(prompt, max_tokens=6).tokens  # no should_stop: one 2048-token chunk
+
+    checks = []
+    engine.reset_cache()
+    steps = list(engine.stream_generate(prompt, max_tokens=6, reuse_cache=True,
+                                        should_stop=lambda: checks.append(1) or len(checks) >= 2))
+    assert steps == [] and len(checks) == 2  # stopped before the second chunk
+    assert hooks.events[-2:] == ["start", "finish"]
+    again = engine.generate(prompt, max_tokens=6, reuse_cache=True)
+    assert again.stats["prefill_tokens"] == len(prompt)  # nothing of the abandoned prompt was kept
+    assert again.tokens == expected
+
+    chunked = engine.generate(prompt + [3], max_tokens=6, should_stop=lambda: False)
+    engine.reset_cache()
+    assert chunked.tokens == engine.generate(prompt + [3], max_tokens=6).tokens  # chunking changes nothing
+
+    checks.clear()  # a stop between decode steps: the tokens so far, no final step. Prefill checks
+    # 4 times (before each of 3 chunks and before the first step), then once after each step.
+    steps = list(engine.stream_generate(prompt, max_tokens=6, should_stop=lambda: checks.append(1) or len(checks) > 6))
+    assert [s.token for s in steps] == expected[:3] and all(s.finish_reason is None for s in steps)
+    assert engine.generate(prompt, max_tokens=6, reuse_cache=True).tokens == expected

@@ -294,3 +294,73 @@ def test_hostile_battery_leaves_the_server_answering_and_its_memory_back(capsys)
         print(f"\nhostile battery: RSS idle {idle / 1024:.1f} MiB, peak {peak / 1024:.1f} MiB, "
               f"after {after / 1024:.1f} MiB ({100 * (after - idle) / idle:+.1f}%); server counters {stats}")
     assert after <= idle * 1.2
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_real_bundled_model_refuses_a_4mb_prompt_cancels_prefill_and_stops_on_sigterm(capsys):
+    """`python -m edge0.serve` with the bundled model (context 4096): the numbers in docs/server.md.
+    Run with `python -m pytest -m slow tests/test_server_hostile.py -s`."""
+    port = _free_port()
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "edge0.serve", "--port", str(port), "--log-level", "warning"],
+                                cwd=ROOT, stdout=log, stderr=log)
+        base, out = f"http://127.0.0.1:{port}", {}
+        try:
+            deadline = time.monotonic() + 120
+            while True:
+                with contextlib.suppress(httpx.TransportError):
+                    if httpx.get(base + "/health", timeout=1).status_code == 200:
+                        break
+                assert time.monotonic() < deadline and proc.poll() is None, "the server did not start"
+                time.sleep(0.2)
+            model = httpx.get(base + "/v1/models").json()["data"][0]["id"]
+            ask = {"model": model, "prompt": "The Python tutorial", "max_tokens": 8, "temperature": 0}
+            assert httpx.post(base + COMPLETIONS, json=ask, timeout=120).status_code == 200
+            out["idle"] = rss_kib(proc.pid)
+
+            started = time.monotonic()
+            r = httpx.post(base + CHAT, json={"model": model, "messages": user("x" * 4_000_000)}, timeout=60)
+            out["reject_s"] = time.monotonic() - started
+            check_error(CHAT, r, 400)
+            assert r.json()["error"]["code"] == "context_length_exceeded"
+            out["after_4mb"] = rss_kib(proc.pid)
+
+            words = open(ROOT / "data" / "valid.txt", encoding="utf-8").read().split()
+            long = {"model": model, "prompt": " ".join(words[:2400]), "max_tokens": 8, "stream": True}
+            with httpx.stream("POST", base + COMPLETIONS, json=long, timeout=120) as r:
+                assert r.status_code == 200
+                time.sleep(2)  # the client gives up during prefill
+            left = time.monotonic()
+            assert httpx.post(base + COMPLETIONS, json=ask, timeout=120).status_code == 200
+            out["freed_s"] = time.monotonic() - left
+
+            lines = []
+            reader = threading.Thread(target=read_stream, args=(base, COMPLETIONS, long, lines))
+            reader.start()
+            time.sleep(3)  # mid-prefill
+            sent = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=60)
+            out["exit_s"] = time.monotonic() - sent
+            reader.join(10)
+            assert lines[0] == 200 and "server_shutting_down" in [l for l in lines[1:] if l][-1]
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+            log.seek(0)
+            text = log.read()
+    with capsys.disabled():
+        print(f"\nbundled model: RSS idle {out['idle'] / 1024:.0f} MiB; 4 MB prompt refused in {out['reject_s']:.2f} s, "
+              f"RSS after {out['after_4mb'] / 1024:.0f} MiB; client gone 2 s into prefill -> next answer after "
+              f"{out['freed_s']:.1f} s; SIGTERM mid-prefill -> exit in {out['exit_s']:.1f} s")
+    assert out["reject_s"] < 2 and out["after_4mb"] <= out["idle"] * 1.2, text[-3000:]
+    assert out["exit_s"] < 15, text[-3000:]

@@ -147,9 +147,13 @@ class ResponseFormat:
                      else request.tool_choice or "auto"}
         self.output: list[dict] = []
         self._message: dict | None = None  # the message item receiving text, while open
+        self._message_index = 0
         self._sequence = 0
 
-    def _response(self, status: str, finish: Finish | None = None) -> dict:
+    def _response(self, finish: Finish | None = None) -> dict:
+        """The response object: in progress without `finish`; else completed, or incomplete when
+        max_output_tokens cut it."""
+        status = "in_progress" if finish is None else "incomplete" if finish.reason == "length" else "completed"
         incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
         return {"id": self.id, "object": "response", "created_at": self.created, "status": status,
                 "model": self.model, "output": self.output if finish else [], "error": None,
@@ -158,12 +162,13 @@ class ResponseFormat:
                 "usage": _usage(finish.usage) if finish else None, **self.echo}
 
     def _event(self, kind: str, **fields) -> str:
+        # Serialized now, so the items mutated later (text appended, status) show as they are now.
         self._sequence += 1
         return sse({"type": kind, "sequence_number": self._sequence - 1, **fields}, kind)
 
     def stream_start(self, prompt_tokens: int):
-        yield self._event("response.created", response=self._response("in_progress"))
-        yield self._event("response.in_progress", response=self._response("in_progress"))
+        yield self._event("response.created", response=self._response())
+        yield self._event("response.in_progress", response=self._response())
 
     def stream_delta(self, segment: Segment):
         if isinstance(segment, str):
@@ -171,8 +176,8 @@ class ResponseFormat:
                 self._message = {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "status": "in_progress",
                                  "role": "assistant", "content": []}
                 self.output.append(self._message)
-                yield self._event("response.output_item.added", output_index=len(self.output) - 1,
-                                  item={**self._message, "content": []})
+                self._message_index = len(self.output) - 1
+                yield self._event("response.output_item.added", output_index=self._message_index, item=self._message)
                 self._message["content"].append({"type": "output_text", "text": "", "annotations": [], "logprobs": []})
                 yield self._event("response.content_part.added", **self._where(), part=self._message["content"][0])
             self._message["content"][0]["text"] += segment
@@ -184,7 +189,7 @@ class ResponseFormat:
                 "call_id": segment["id"], "name": fn["name"], "arguments": ""}
         self.output.append(item)
         index = len(self.output) - 1
-        yield self._event("response.output_item.added", output_index=index, item=dict(item))
+        yield self._event("response.output_item.added", output_index=index, item=item)
         item.update(arguments=fn["arguments"], status="completed")
         yield self._event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
                           delta=fn["arguments"])
@@ -193,7 +198,7 @@ class ResponseFormat:
         yield self._event("response.output_item.done", output_index=index, item=item)
 
     def _where(self) -> dict:
-        return {"item_id": self._message["id"], "output_index": self.output.index(self._message), "content_index": 0}
+        return {"item_id": self._message["id"], "output_index": self._message_index, "content_index": 0}
 
     def _close_message(self):
         if self._message is None:
@@ -202,13 +207,13 @@ class ResponseFormat:
         yield self._event("response.output_text.done", **self._where(), text=part["text"], logprobs=[])
         yield self._event("response.content_part.done", **self._where(), part=part)
         self._message["status"] = "completed"
-        yield self._event("response.output_item.done", output_index=self._where()["output_index"], item=self._message)
+        yield self._event("response.output_item.done", output_index=self._message_index, item=self._message)
         self._message = None
 
     def stream_end(self, finish: Finish):
         yield from self._close_message()
-        status = "incomplete" if finish.reason == "length" else "completed"
-        yield self._event(f"response.{status}", response=self._response(status, finish))
+        response = self._response(finish)
+        yield self._event(f"response.{response['status']}", response=response)
 
     def stream_error(self, error: APIError) -> str:
         return self._event("error", code=error.code, message=error.message, param=error.param)
@@ -219,4 +224,4 @@ class ResponseFormat:
                 pass
         for _ in self._close_message():
             pass
-        return self._response("incomplete" if finish.reason == "length" else "completed", finish)
+        return self._response(finish)

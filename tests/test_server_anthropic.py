@@ -3,7 +3,6 @@ real server (tests/fake_server.py) around the fake engine."""
 
 from __future__ import annotations
 
-import json
 
 import anthropic
 import httpx

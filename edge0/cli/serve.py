@@ -39,7 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=_count(0, 65535), default=8080, help="port, 0 to 65535 (default 8080)")
     p.add_argument("--api-key", default=os.environ.get("EDGE0_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $EDGE0_API_KEY, else none)")
+                   help="require the key on /v1/*, as 'Authorization: Bearer KEY' or 'x-api-key: KEY' "
+                   "(default: $EDGE0_API_KEY, else none)")
     p.add_argument("--max-queue", type=_count(0), default=16,
                    help="requests that may wait behind the running one; more get 429 (default 16)")
     p.add_argument("--max-body-bytes", type=_count(1), default=4 << 20, help="request body limit (default 4 MiB)")

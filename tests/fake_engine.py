@@ -8,6 +8,9 @@ few ChatML special tokens. The "model" answers from the last message of the prom
 - `count N` -> "0 1 2 ... N-1" (long replies for queue and disconnect tests);
 - anything else -> "Echo: TEXT"; raw prompts (no template) -> "Echo: PROMPT".
 
+With `prefill_delay` it spends that many seconds per prompt token before the first one, in
+chunks of PREFILL_CHUNK tokens, checking `should_stop` between chunks as the real engine does.
+
 It records every call in `calls` and the highest number of generations running at once.
 """
 
@@ -19,11 +22,13 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from edge0.sampling import check_sampling
 from edge0.textstream import StopMatcher
 
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 SPECIALS = [IM_START, IM_END, "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
 _SPLIT = re.compile("(" + "|".join(re.escape(s) for s in SPECIALS) + ")")
+PREFILL_CHUNK = 64
 
 
 class FakeTokenizer:
@@ -38,7 +43,15 @@ class FakeTokenizer:
     def tool_parser(text, tools=None):
         return json.loads(text.strip())
 
+    def __init__(self):
+        self.encoded_chars = 0  # characters tokenized so far
+
+    def get_vocab(self) -> dict[str, int]:
+        return {**{bytes([i]).decode("latin-1"): i for i in range(256)},
+                **{s: 256 + i for i, s in enumerate(SPECIALS)}}
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        self.encoded_chars += len(text)
         ids: list[int] = []
         for part in _SPLIT.split(text):
             if part in SPECIALS:
@@ -94,20 +107,24 @@ class Call:
     prompt: list[int]
     kwargs: dict
     prefill_tokens: int = 0
+    prefilled: int = 0  # prompt tokens fed so far (prefill_delay)
     steps: int = 0
     finish_reason: str | None = None
-    closed_early: bool = False
+    closed_early: bool = False  # ended before a finish: closed, or should_stop said so
 
 
 class FakeEngine:
-    """Implements the Engine contract; `delay` is seconds per generated token."""
+    """Implements the Engine contract; `delay` is seconds per generated token, `prefill_delay`
+    seconds per prefilled prompt token."""
 
     model_id = "fake-moe"
 
-    def __init__(self, delay: float = 0.0):
+    def __init__(self, delay: float = 0.0, prefill_delay: float = 0.0, root=None):
         self.tokenizer = FakeTokenizer()
-        self.delay = delay
+        self.root = root
+        self.delay, self.prefill_delay = delay, prefill_delay
         self.interrupt_at: int | None = None  # raise KeyboardInterrupt once, at this step (Ctrl-C)
+        self.fail_at: int | None = None  # raise RuntimeError once, at this step (a failing generation)
         self.calls: list[Call] = []
         self.max_active = 0
         self._active = 0
@@ -134,7 +151,8 @@ class FakeEngine:
         return self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True)
 
     def stream_generate(self, prompt, max_tokens=256, temperature=0.0, top_p=1.0, seed=None, stop=None,
-                        reuse_cache=False):
+                        reuse_cache=False, should_stop=None):
+        check_sampling(temperature, top_p, seed)  # as the real engine does (an Edge0Error)
         tokens = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         call = Call(tokens, dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
                                  stop=stop, reuse_cache=reuse_cache))
@@ -153,12 +171,21 @@ class FakeEngine:
             self.max_active = max(self.max_active, self._active)
         pending, stopper = b"", StopMatcher(stop or [])
         try:
+            for start in range(0, call.prefill_tokens, PREFILL_CHUNK):
+                if should_stop and should_stop():
+                    call.closed_early, self._cache_tokens = True, []
+                    return
+                time.sleep(self.prefill_delay * min(PREFILL_CHUNK, call.prefill_tokens - start))
+                call.prefilled = min(start + PREFILL_CHUNK, call.prefill_tokens)
             for i, tok in enumerate(target[:max_tokens]):
                 if self.delay:
                     time.sleep(self.delay)
                 if self.interrupt_at == i:
                     self.interrupt_at = None
                     raise KeyboardInterrupt
+                if self.fail_at == i:
+                    self.fail_at = None
+                    raise RuntimeError("the fake engine failed")
                 finish = "stop" if tok in self.tokenizer.eos_token_ids else None
                 if not finish:
                     pending += self.tokenizer.token_bytes(tok)
@@ -174,6 +201,9 @@ class FakeEngine:
                 call.steps, call.finish_reason = i + 1, finish
                 yield Step(tok, text, finish, self._stats(call) if finish else None)
                 if finish:
+                    return
+                if should_stop and should_stop():
+                    call.closed_early = True
                     return
                 self._cache_tokens.append(tok)
         except GeneratorExit:

@@ -6,23 +6,21 @@ multi-byte character is split across tokens).
 
 from __future__ import annotations
 
-import contextlib
 import json
-import socket
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
 import pytest
-import uvicorn
 
-from edge0.server.app import create_app
-from edge0.server.config import ServerConfig
+from edge0.errors import Edge0Error
+from edge0.sampling import SEED_MAX, check_sampling
+from edge0.server.config import ServerConfig, model_context_length
 from edge0.server.tools import ToolCallSplitter
 from edge0.textstream import StopMatcher
 from tests.fake_engine import FakeEngine, FakeTokenizer
+from tests.fake_server import running_server
 
 KEY = "sk-test"
 MODEL = FakeEngine.model_id
@@ -30,25 +28,6 @@ WEATHER = [{"type": "function", "function": {"name": "get_weather", "description
             "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
 LIMITS = ServerConfig(api_key=KEY, max_queue=16, max_body_bytes=16_384, max_tokens=256, default_max_tokens=128,
                       max_prompt_tokens=1000, max_messages=8)
-
-
-@contextlib.contextmanager
-def running_server(engine, config):
-    """A real uvicorn server on a free port, in a thread; yields its base URL."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, config), log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(10)
 
 
 @pytest.fixture(scope="module")
@@ -225,6 +204,109 @@ def test_bad_input_gets_openai_error_and_server_keeps_serving(url, client, body,
     assert_ok(client)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("field,value", [
+    ("seed", -1), ("seed", 2**70), ("seed", SEED_MAX + 1), ("temperature", -0.5), ("temperature", 2.5),
+    ("top_p", 0), ("top_p", 1.5), ("max_tokens", 0), ("max_tokens", 2**70), ("max_completion_tokens", 0),
+    ("n", 2), ("seed", 1.5), ("max_tokens", 1.0),
+])
+def test_out_of_range_numbers_are_400_before_any_stream(url, client, field, value, stream):
+    r = post(url, {**VALID, field: value, "stream": stream})
+    assert r.status_code == 400 and r.headers["content-type"] == "application/json", r.text
+    assert r.json()["error"]["param"] == field and r.json()["error"]["type"] == "invalid_request_error"
+    assert_ok(client)
+
+
+@pytest.mark.parametrize("raw", ["NaN", "Infinity", "-Infinity", "1e400"])
+def test_non_finite_numbers_are_400(url, raw):
+    body = f'{{"model": "{MODEL}", "messages": [{{"role": "user", "content": "x"}}], "temperature": {raw}}}'
+    r = post(url, body.encode())
+    assert r.status_code == 400 and r.json()["error"]["param"] == "temperature", r.text
+
+
+@pytest.mark.parametrize("field,value", [("seed", -1), ("seed", 0), ("seed", SEED_MAX), ("seed", SEED_MAX + 1),
+                                         ("temperature", -1e-9), ("temperature", 0.0), ("temperature", 2.0),
+                                         ("top_p", 0.0), ("top_p", 1e-9), ("top_p", 1.0), ("top_p", 1.0 + 1e-9)])
+def test_request_ranges_are_edge0_samplings(url, engine, field, value):
+    """What the schema accepts is what edge0.sampling.check_sampling accepts (below OpenAI's 2 cap)."""
+    sampling = {"temperature": 0.0, "top_p": 1.0, "seed": None, field: value}
+    try:
+        check_sampling(**sampling)
+        valid = True
+    except Edge0Error:
+        valid = False
+    r = post(url, {**VALID, field: value, "max_tokens": 2})
+    assert r.status_code == (200 if valid else 400), r.text
+    if valid:
+        assert engine.calls[-1].kwargs[field] == value
+
+
+def test_an_oversized_prompt_is_refused_before_tokenizing():
+    engine = FakeEngine()  # tokens of at most 16 characters: 100 tokens hold at most 1600
+    with running_server(engine, ServerConfig(max_prompt_tokens=100)) as base:
+        client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=20)
+        for body, path in [({"model": MODEL, "messages": user("x" * 3_000_000)}, "/v1/chat/completions"),
+                           ({"model": MODEL, "prompt": "y" * 1601}, "/v1/completions")]:
+            before = engine.tokenizer.encoded_chars
+            started = time.monotonic()
+            r = post(base, body, path=path)
+            assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+            assert "characters" in r.json()["error"]["message"] and "--max-prompt-tokens" in r.json()["error"]["message"]
+            assert engine.tokenizer.encoded_chars == before  # never tokenized
+            assert time.monotonic() - started < 2
+        r = post(base, {"model": MODEL, "messages": user("z" * 150)})  # fits in characters, not in tokens
+        assert r.status_code == 400 and "150" not in r.json()["error"]["message"]
+        assert "tokens, above this server's limit of 100" in r.json()["error"]["message"]
+        assert_ok(client)
+
+
+def test_client_leaving_during_prefill_frees_the_engine():
+    engine = FakeEngine(prefill_delay=0.002)  # a 3000-token prompt: 6 s of prefill, in 64-token chunks
+    with running_server(engine, ServerConfig()) as base:
+        client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=20)
+        body = {"model": MODEL, "messages": user("p" * 3000), "stream": True}
+        with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=20) as r:
+            next(r.iter_lines())  # the role chunk: the request is in, its prefill has started
+            wait_for(lambda: engine.calls and engine.calls[-1].prefilled > 0)
+        left = time.monotonic()
+        call = engine.calls[-1]
+        wait_for(lambda: call.closed_early, timeout=3)
+        assert call.steps == 0 and call.prefilled < len(call.prompt)
+        assert time.monotonic() - left < 2  # within a few 0.13 s chunks, not the 6 s of the whole prompt
+        with pytest.raises(httpx.ReadTimeout):  # a non-streamed request whose client gives up
+            httpx.post(base + "/v1/chat/completions", json={**body, "stream": False}, timeout=0.5)
+        call = engine.calls[-1]
+        wait_for(lambda: call.closed_early, timeout=3)
+        assert call.steps == 0 and call.prefilled < len(call.prompt)
+        engine.prefill_delay = 0
+        started = time.monotonic()
+        assert_ok(client)
+        assert time.monotonic() - started < 2
+
+
+@pytest.mark.parametrize("path,body,error_of", [
+    ("/v1/chat/completions", {**VALID, "messages": user("count 50")}, lambda events: events[-1]["error"]["type"]),
+    ("/v1/messages", {**VALID, "messages": user("count 50"), "max_tokens": 100},
+     lambda events: events[-1]["error"]["type"]),
+    ("/v1/responses", {"model": MODEL, "input": "count 50"}, lambda events: events[-1]["type"]),
+])
+def test_a_generation_failing_mid_stream_ends_it_with_an_error_in_the_apis_shape(url, client, engine, path, body,
+                                                                                  error_of):
+    engine.fail_at = 10
+    with httpx.stream("POST", url + path, json={**body, "stream": True}, headers={"Authorization": f"Bearer {KEY}"},
+                      timeout=20) as r:
+        lines = [line for line in r.iter_lines() if line]
+    assert r.status_code == 200 and "fake engine failed" in lines[-1]
+    events = [json.loads(line.removeprefix("data: ")) for line in lines if line.startswith("data: {")]
+    assert error_of(events) in ("server_error", "api_error", "error")
+    if path != "/v1/chat/completions":
+        assert lines[-2] == "event: error"
+    engine.fail_at = 10
+    r = post(url, body, path=path)  # not streamed: a 500 in the API's shape
+    assert r.status_code == 500 and "fake engine failed" in r.text
+    assert_ok(client)
+
+
 def test_oversized_chunked_body_is_refused(url, client):
     chunks = (b" " * 4096 for _ in range(8))  # no Content-Length: the size is counted as it arrives
     r = httpx.post(url + "/v1/chat/completions", content=chunks, timeout=20,
@@ -321,16 +403,27 @@ def test_client_timeout_cancels_a_non_streaming_request(url, client, engine):
     assert_ok(client)
 
 
-def test_serve_main_wires_flags_and_warns_on_a_public_host(monkeypatch, caplog):
+def _serve_main(monkeypatch, tmp_path, argv, config_json=None):
+    """Run `edge0 serve` with a fake engine whose store config is `config_json`; returns what
+    it would serve (no socket is opened)."""
     import edge0
     from edge0.cli import serve
+    from edge0.server import app as server_app
 
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 4096} if config_json is None else config_json))
     ran = {}
-    monkeypatch.setattr(edge0, "load", lambda path=None, **options: ran.update(path=path, options=options) or FakeEngine())
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: ran.update(app=app, **kw))
+    monkeypatch.setattr(edge0, "load", lambda path=None, **options: ran.update(path=path, options=options)
+                        or FakeEngine(root=tmp_path))
+    monkeypatch.setattr(server_app, "run", lambda app, **kw: ran.update(app=app, **kw))
+    assert serve.main(argv) == 0
+    return ran
+
+
+def test_serve_main_wires_flags_and_warns_on_a_public_host(monkeypatch, tmp_path, caplog):
     with caplog.at_level("WARNING", logger="edge0.server"):
-        assert serve.main(["--model", "m", "--host", "0.0.0.0", "--port", "9999", "--max-queue", "3",
-                           "--max-tokens", "100", "--default-max-tokens", "50", "--no-lora"]) == 0
+        ran = _serve_main(monkeypatch, tmp_path, ["--model", "m", "--host", "0.0.0.0", "--port", "9999",
+                                                  "--max-queue", "3", "--max-tokens", "100",
+                                                  "--default-max-tokens", "50", "--no-lora"])
     assert (ran["path"], ran["host"], ran["port"]) == ("m", "0.0.0.0", 9999)
     assert ran["options"]["lora"] is False and ran["options"]["prerouter"] is None
     config = ran["app"].state.config
@@ -338,7 +431,21 @@ def test_serve_main_wires_flags_and_warns_on_a_public_host(monkeypatch, caplog):
     assert "reachable from other machines" in caplog.text and "without --api-key" in caplog.text
 
 
-@pytest.mark.parametrize("argv", [["--max-queue", "-1"], ["--port", "http"], ["--default-max-tokens", "9999"]])
+@pytest.mark.parametrize("config_json,argv,expected", [
+    ({"max_position_embeddings": 4096}, [], 4096),  # the bundled model's context
+    ({"text_config": {"max_position_embeddings": 2048}}, [], 2048),  # a multimodal config
+    ({"max_position_embeddings": 4096}, ["--max-prompt-tokens", "100"], 100),
+    ({}, [], 32768),  # declares none: the old default, with a warning
+])
+def test_prompt_limit_defaults_to_the_models_context(monkeypatch, tmp_path, caplog, config_json, argv, expected):
+    with caplog.at_level("WARNING", logger="edge0.server"):
+        ran = _serve_main(monkeypatch, tmp_path, argv, config_json)
+    assert ran["app"].state.config.max_prompt_tokens == expected
+    assert ("declares no context length" in caplog.text) == (not config_json)
+
+
+@pytest.mark.parametrize("argv", [["--max-queue", "-1"], ["--port", "http"], ["--default-max-tokens", "9999"],
+                                  ["--port", "70000"], ["--port", "-1"]])
 def test_serve_usage_errors_are_one_line_exit_2(capsys, argv):
     from edge0.cli import serve
 
@@ -353,6 +460,8 @@ def test_real_engine_on_a_fixture_store(store_for):
     import edge0
 
     engine = edge0.load(store_for("qwen3_moe"))
+    assert model_context_length(engine.root) == json.loads((engine.root / "config.json").read_text())[
+        "max_position_embeddings"] > 0
     with running_server(engine, ServerConfig()) as base:
         client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=60)
         kwargs = dict(model=engine.model_id, messages=user("hello world"), max_tokens=12, temperature=0)
@@ -368,3 +477,46 @@ def test_real_engine_on_a_fixture_store(store_for):
         r = client.chat.completions.create(**kwargs, tools=WEATHER)  # the fixture's template takes tools
         assert r.usage.prompt_tokens > len(engine.chat_prompt(user("hello world")))
         assert client.completions.create(model=engine.model_id, prompt="Once upon", max_tokens=4).usage.completion_tokens >= 1
+
+
+def test_real_engine_stops_between_prefill_chunks_and_stays_consistent(store_for):
+    """should_stop: checked between 512-token prefill chunks and between decode steps; a stop in
+    prefill drops the partial KV cache, StepHooks.finish runs, and the next generation is right."""
+    import edge0
+    from edge0.engine.engine import CANCELLABLE_PREFILL_CHUNK
+    from edge0.engine.hooks import StepHooks
+
+    class Recorder(StepHooks):
+        def __init__(self):
+            self.events = []
+
+        def start(self, engine):
+            self.events.append("start")
+
+        def finish(self, engine):
+            self.events.append("finish")
+
+    engine = edge0.load(store_for("qwen3_moe"), prerouter=False)
+    engine.hooks = hooks = Recorder()
+    prompt = [(7 * i) % 200 + 10 for i in range(2 * CANCELLABLE_PREFILL_CHUNK + 100)]  # three chunks
+    expected = engine.generate(prompt, max_tokens=6).tokens  # no should_stop: one 2048-token chunk
+
+    checks = []
+    engine.reset_cache()
+    steps = list(engine.stream_generate(prompt, max_tokens=6, reuse_cache=True,
+                                        should_stop=lambda: checks.append(1) or len(checks) >= 2))
+    assert steps == [] and len(checks) == 2  # stopped before the second chunk
+    assert hooks.events[-2:] == ["start", "finish"]
+    again = engine.generate(prompt, max_tokens=6, reuse_cache=True)
+    assert again.stats["prefill_tokens"] == len(prompt)  # nothing of the abandoned prompt was kept
+    assert again.tokens == expected
+
+    chunked = engine.generate(prompt + [3], max_tokens=6, should_stop=lambda: False)
+    engine.reset_cache()
+    assert chunked.tokens == engine.generate(prompt + [3], max_tokens=6).tokens  # chunking changes nothing
+
+    checks.clear()  # a stop between decode steps: the tokens so far, no final step. Prefill checks
+    # 4 times (before each of 3 chunks and before the first step), then once after each step.
+    steps = list(engine.stream_generate(prompt, max_tokens=6, should_stop=lambda: checks.append(1) or len(checks) > 6))
+    assert [s.token for s in steps] == expected[:3] and all(s.finish_reason is None for s in steps)
+    assert engine.generate(prompt, max_tokens=6, reuse_cache=True).tokens == expected

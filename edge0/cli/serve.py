@@ -1,4 +1,4 @@
-"""`edge0 serve`: an OpenAI-compatible HTTP server (see docs/server.md)."""
+"""`edge0 serve`: an OpenAI- and Anthropic-compatible HTTP server (see docs/server.md)."""
 
 from __future__ import annotations
 
@@ -13,14 +13,15 @@ from edge0.cli.common import OneLineParser, add_model_options, load_options, run
 log = logging.getLogger("edge0.server")
 
 
-def _count(minimum: int):
+def _count(minimum: int, maximum: int | None = None):
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        if value < minimum or (maximum is not None and value > maximum):
+            bound = f"from {minimum} to {maximum}" if maximum is not None else f">= {minimum}"
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {value}")
         return value
     return parse
 
@@ -36,16 +37,18 @@ def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="edge0 serve", description=__doc__.splitlines()[0])
     add_model_options(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=_count(0), default=8080, help="port (default 8080)")
+    p.add_argument("--port", type=_count(0, 65535), default=8080, help="port, 0 to 65535 (default 8080)")
     p.add_argument("--api-key", default=os.environ.get("EDGE0_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $EDGE0_API_KEY, else none)")
+                   help="require the key on /v1/*, as 'Authorization: Bearer KEY' or 'x-api-key: KEY' "
+                   "(default: $EDGE0_API_KEY, else none)")
     p.add_argument("--max-queue", type=_count(0), default=16,
                    help="requests that may wait behind the running one; more get 429 (default 16)")
     p.add_argument("--max-body-bytes", type=_count(1), default=4 << 20, help="request body limit (default 4 MiB)")
     p.add_argument("--max-tokens", type=_count(1), default=4096, help="largest max_tokens a request may ask (default 4096)")
     p.add_argument("--default-max-tokens", type=_count(1), default=512,
                    help="max_tokens when a request gives none (default 512)")
-    p.add_argument("--max-prompt-tokens", type=_count(1), default=32768, help="prompt length limit (default 32768)")
+    p.add_argument("--max-prompt-tokens", type=_count(1), default=None,
+                   help="prompt length limit in tokens (default: the model's context length, max_position_embeddings)")
     p.add_argument("--max-messages", type=_count(1), default=512, help="messages per chat request (default 512)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
@@ -61,18 +64,25 @@ def main(argv=None) -> int:
         log.warning("binding to %s: the server is reachable from other machines%s", args.host,
                     "" if args.api_key else ", and without --api-key anyone who reaches it can use it")
 
-    import uvicorn
-
     import edge0
-    from edge0.server.app import create_app
-    from edge0.server.config import ServerConfig
+    from edge0.server.app import create_app, run
+    from edge0.server.config import DEFAULT_MAX_PROMPT_TOKENS, ServerConfig, model_context_length
 
     engine = edge0.load(args.model, **load_options(args))
     print(engine.describe(), file=sys.stderr)
+    max_prompt_tokens = args.max_prompt_tokens
+    if max_prompt_tokens is None:
+        context = model_context_length(engine.root)
+        if context is None:
+            log.warning("the model's config.json declares no context length (max_position_embeddings); "
+                        "--max-prompt-tokens defaults to %d", DEFAULT_MAX_PROMPT_TOKENS)
+        max_prompt_tokens = context or DEFAULT_MAX_PROMPT_TOKENS
     config = ServerConfig(api_key=args.api_key, max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
                           max_tokens=args.max_tokens, default_max_tokens=args.default_max_tokens,
-                          max_prompt_tokens=args.max_prompt_tokens, max_messages=args.max_messages)
-    uvicorn.run(create_app(engine, config), host=args.host, port=args.port, log_level=args.log_level)
+                          max_prompt_tokens=max_prompt_tokens, max_messages=args.max_messages)
+    log.info("limits: prompt %d tokens (--max-prompt-tokens), max_tokens %d (--max-tokens), queue %d (--max-queue)",
+             config.max_prompt_tokens, config.max_tokens, config.max_queue)
+    run(create_app(engine, config), host=args.host, port=args.port, log_level=args.log_level)
     return 0
 
 

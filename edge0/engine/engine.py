@@ -19,6 +19,11 @@ from edge0.sampling import check_sampling
 from edge0.textstream import StopMatcher
 from edge0.units import format_size
 
+# Prefill chunk when the caller can cancel: mlx-lm's 2048-token chunks take tens of seconds on a
+# CPU, and a cancellation is only seen between chunks. The whole-layer executor reads each layer's
+# experts once per chunk, so smaller chunks cost reads; 512 keeps both bounded.
+CANCELLABLE_PREFILL_CHUNK = 512
+
 
 @dataclass
 class Step:
@@ -91,8 +96,13 @@ class Engine:
         self.kv.reset()
 
     def stream_generate(self, prompt, max_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
-                        seed: int | None = None, stop=None, reuse_cache: bool = False, ignore_eos: bool = False):
-        """Yield one Step per generated token; the last Step carries finish_reason and stats."""
+                        seed: int | None = None, stop=None, reuse_cache: bool = False, ignore_eos: bool = False,
+                        should_stop=None):
+        """Yield one Step per generated token; the last Step carries finish_reason and stats.
+
+        `should_stop()`, if given, is checked between prefill chunks (of CANCELLABLE_PREFILL_CHUNK
+        tokens) and between decode steps; once it returns True the generator ends without a final
+        Step. A stop during prefill drops the KV cache, which then holds part of the prompt."""
         tokens = self.encode(prompt)
         if max_tokens < 1:
             raise Edge0Error(f"max_tokens must be >= 1 (got {max_tokens})")
@@ -103,7 +113,7 @@ class Engine:
         eos = set(self.tokenizer.eos_token_ids) if not ignore_eos else set()
         hooks = self.hooks
         try:
-            yield from self._generate(tokens, max_tokens, sampler, eos, stop, reuse_cache)
+            yield from self._generate(tokens, max_tokens, sampler, eos, stop, reuse_cache, should_stop)
         finally:
             hooks.finish(self)
 
@@ -119,23 +129,32 @@ class Engine:
         self.streaming.end_step()
         return y
 
-    def _prefill(self, tokens: list[int], reuse: bool, sampler) -> tuple[int, int]:
+    def _prefill(self, tokens: list[int], reuse: bool, sampler, should_stop) -> tuple[int | None, int]:
         """Feed the prompt (all but the part the KV cache already holds); returns (the first
-        generated token, tokens prefilled)."""
+        generated token, or None if `should_stop` said so between chunks, and tokens prefilled)."""
         kv = self.kv
         new = tokens[kv.prepare(tokens, reuse):]
         kv.dirty = True
-        bnn.prefill(self.model, new[:-1], kv.cache)
+        chunk = CANCELLABLE_PREFILL_CHUNK if should_stop else len(new)
+        for i in range(0, len(new) - 1, chunk):
+            if should_stop and should_stop():
+                return None, i
+            bnn.prefill(self.model, new[i:min(i + chunk, len(new) - 1)], kv.cache)
+        if should_stop and should_stop():
+            return None, len(new) - 1
         y = self.step(new[-1:], 0, sampler)
         kv.tokens, kv.dirty = list(tokens), False
         return y, len(new)
 
-    def _generate(self, tokens, max_tokens, sampler, eos, stop, reuse_cache):
+    def _generate(self, tokens, max_tokens, sampler, eos, stop, reuse_cache, should_stop):
         before = self.streaming.stats.totals()
         B.reset_peak_memory()
         t0 = time.perf_counter()
         self.hooks.start(self)
-        y, n_prefill = self._prefill(tokens, reuse_cache, sampler)
+        y, n_prefill = self._prefill(tokens, reuse_cache, sampler, should_stop)
+        if y is None:  # cancelled: the cache holds part of the prompt, which nothing can reuse
+            self.kv.reset()
+            return
         t_prefill = time.perf_counter() - t0
 
         detok = self.tokenizer.detokenizer
@@ -165,6 +184,8 @@ class Engine:
                 yield Step(y, text, finish, stats)
                 return
             yield Step(y, text)
+            if should_stop and should_stop():
+                return
             self.kv.dirty = True
             y = self.step([y], len(generated), sampler)
             self.kv.tokens.append(generated[-1])

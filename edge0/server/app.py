@@ -1,12 +1,17 @@
-"""The app factory: `create_app(engine, config)` wires an Engine into the FastAPI app."""
+"""The app factory: `create_app(engine, config)` wires an Engine into the FastAPI app serving the
+OpenAI Chat Completions and Responses APIs and Anthropic's Messages API; `run` serves it."""
 
 from __future__ import annotations
 
+import asyncio
+import socket
 import time
 from contextlib import asynccontextmanager
 
+import uvicorn
 from fastapi import FastAPI
 
+from edge0.server import anthropic, responses_api
 from edge0.server.config import ServerConfig
 from edge0.server.errors import install_error_handlers
 from edge0.server.middleware import Guard
@@ -15,19 +20,44 @@ from edge0.server.scheduler import Scheduler
 
 
 def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
-    """An OpenAI-compatible app serving `engine` (anything implementing docs/engine-api.md)."""
+    """The app serving `engine` (anything implementing docs/engine-api.md)."""
     config = config or ServerConfig()
     scheduler = Scheduler(config.max_queue)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
+        scheduler.loop = asyncio.get_running_loop()
         yield
         scheduler.shutdown()
 
-    app = FastAPI(title="edge0", summary="OpenAI-compatible server for an edge0 MoE engine", lifespan=lifespan)
+    app = FastAPI(title="edge0", summary="OpenAI- and Anthropic-compatible server for an edge0 MoE engine",
+                  lifespan=lifespan)
     app.state.engine, app.state.config, app.state.scheduler = engine, config, scheduler
     app.state.started = int(time.time())
+    # The longest vocabulary entry bounds the characters one token can hold (pipeline.respond).
+    app.state.token_chars = max(map(len, engine.tokenizer.get_vocab()))
     install_error_handlers(app)
     app.add_middleware(Guard, api_key=config.api_key, max_body_bytes=config.max_body_bytes)
-    app.include_router(router)
+    for routes in (router, anthropic.router, responses_api.router):
+        app.include_router(routes)
     return app
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server; on SIGTERM or Ctrl-C it first ends running and queued generations, so
+    open streams end (with an error event) instead of holding the shutdown until they finish."""
+
+    def __init__(self, config: uvicorn.Config, scheduler: Scheduler):
+        super().__init__(config)
+        self.scheduler = scheduler
+
+    def handle_exit(self, sig, frame) -> None:
+        self.scheduler.stop_soon()
+        super().handle_exit(sig, frame)
+
+
+def run(app: FastAPI, host: str = "127.0.0.1", port: int = 8080, log_level: str = "info",
+        sock: socket.socket | None = None) -> None:
+    """Serve `app` until SIGTERM / SIGINT (on `sock` if given, else host:port)."""
+    server = _Server(uvicorn.Config(app, host=host, port=port, log_level=log_level), app.state.scheduler)
+    server.run(sockets=[sock] if sock else None)

@@ -2,17 +2,31 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
+
+from edge0.store.format import CONFIG_FILE
+
+DEFAULT_MAX_PROMPT_TOKENS = 32768  # for a model whose config declares no context length
 
 
 @dataclass(frozen=True)
 class ServerConfig:
     """Each limit is named after the flag that sets it, so error messages can cite the flag."""
 
-    api_key: str | None = None  # --api-key: require "Authorization: Bearer <key>" on /v1/*
+    api_key: str | None = None  # --api-key: require the key (Bearer or x-api-key) on /v1/*
     max_queue: int = 16  # --max-queue: requests that may wait behind the running one
     max_body_bytes: int = 4 << 20  # --max-body-bytes
     max_tokens: int = 4096  # --max-tokens: the most a request may ask for
     default_max_tokens: int = 512  # --default-max-tokens: used when a request gives none
-    max_prompt_tokens: int = 32768  # --max-prompt-tokens
+    max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS  # --max-prompt-tokens (the CLI: the model's context)
     max_messages: int = 512  # --max-messages
+
+
+def model_context_length(root: Path) -> int | None:
+    """The context length a model was trained for: `max_position_embeddings` in its config.json
+    (in `text_config` for a multimodal config), or None if it declares none."""
+    config = json.loads((Path(root) / CONFIG_FILE).read_text())
+    value = config.get("max_position_embeddings") or (config.get("text_config") or {}).get("max_position_embeddings")
+    return value if isinstance(value, int) and value > 0 else None

@@ -1,4 +1,9 @@
-"""Errors in OpenAI's shape: {"error": {"message", "type", "param", "code"}}, for every failure."""
+"""Errors in each API's own shape, for every failure.
+
+OpenAI (Chat Completions, Completions, Responses, everything else):
+`{"error": {"message", "type", "param", "code"}}`. Anthropic (`/v1/messages...`):
+`{"type": "error", "error": {"type", "message"}}`. The path of the request decides.
+"""
 
 from __future__ import annotations
 
@@ -11,26 +16,38 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger("edge0.server")
 
-_TYPES = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error"}
-
-
-def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
-    """The JSON body of an error response."""
-    kind = _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
-
-
-def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
-                   headers: dict | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
+ANTHROPIC_PREFIX = "/v1/messages"
+_OPENAI_TYPES = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error"}
+_ANTHROPIC_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+                    413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
 
 
 class APIError(Exception):
-    """Raised by handlers; turned into an OpenAI-shaped JSON error response."""
+    """Raised by handlers; turned into an error response in the API's shape."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+
+
+def is_anthropic(path: str) -> bool:
+    return path == ANTHROPIC_PREFIX or path.startswith(ANTHROPIC_PREFIX + "/")
+
+
+def openai_error(error: APIError) -> dict:
+    kind = _OPENAI_TYPES.get(error.status, "server_error" if error.status >= 500 else "invalid_request_error")
+    return {"error": {"message": error.message, "type": kind, "param": error.param, "code": error.code}}
+
+
+def anthropic_error(error: APIError) -> dict:
+    kind = _ANTHROPIC_TYPES.get(error.status, "api_error" if error.status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": error.message}}
+
+
+def error_response(path: str, error: APIError, headers: dict | None = None) -> JSONResponse:
+    """`error` as a JSON response in the shape of the API that `path` belongs to."""
+    body = anthropic_error(error) if is_anthropic(path) else openai_error(error)
+    return JSONResponse(body, status_code=error.status, headers=headers)
 
 
 def _validation_message(errors: list[dict]) -> tuple[str, str | None]:
@@ -54,22 +71,24 @@ def _validation_message(errors: list[dict]) -> tuple[str, str | None]:
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    """Route validation errors (400, not FastAPI's 422), HTTP errors and crashes to OpenAI's shape."""
+    """Route validation errors (400, not FastAPI's 422), HTTP errors and crashes to the API's shape."""
 
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError):
-        return error_response(exc.status, exc.message, exc.param, exc.code)
+    async def _api_error(request: Request, exc: APIError):
+        return error_response(request.url.path, exc)
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError):
+    async def _invalid(request: Request, exc: RequestValidationError):
         message, param = _validation_message(list(exc.errors()))
-        return error_response(400, message, param, "invalid_value" if param else "invalid_request")
+        return error_response(request.url.path, APIError(400, message, param,
+                                                         "invalid_value" if param else "invalid_request"))
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException):
-        return error_response(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
+    async def _http(request: Request, exc: StarletteHTTPException):
+        return error_response(request.url.path, APIError(exc.status_code, str(exc.detail)),
+                              headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
-    async def _crash(_: Request, exc: Exception):
+    async def _crash(request: Request, exc: Exception):
         log.exception("request failed")
-        return error_response(500, f"Internal error: {type(exc).__name__}: {exc}")
+        return error_response(request.url.path, APIError(500, f"Internal error: {type(exc).__name__}: {exc}"))

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Generator, Union
 
 from edge0.server.tools import Segment, ToolCallSplitter
+from edge0.textstream import find_first
 
 
 @dataclass(frozen=True)
@@ -24,37 +25,37 @@ class Params:
 
 
 @dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int  # prompt tokens whose KV was reused, not prefilled
+
+
+@dataclass(frozen=True)
 class Finish:
     """The last event of a generation."""
 
     reason: str  # "stop" | "length" | "tool_calls"
-    usage: dict
-
-
-def usage(prompt_tokens: int, completion_tokens: int, stats: dict) -> dict:
-    """OpenAI usage; cached_tokens are the prompt tokens whose KV was reused, not prefilled."""
-    cached = prompt_tokens - stats.get("prefill_tokens", prompt_tokens)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": max(cached, 0)}}
+    usage: Usage
+    stop_sequence: str | None = None  # the stop string that ended it (reason "stop", not an EOS token)
 
 
 def generation_events(engine, prompt: list[int], params: Params, tools: list[dict] | None,
                       cancelled: threading.Event) -> Generator[Union[Segment, Finish], None, None]:
     """Yield content strings and tool calls as they are decided, then one Finish.
 
-    Returns without a Finish once `cancelled` is set; closing this generator closes the
-    engine's, so the engine stops generating at once.
+    Returns without a Finish once `cancelled` is set; the engine checks it between prefill
+    chunks, and closing this generator closes the engine's, so the engine stops at once.
     """
     splitter = ToolCallSplitter(engine.tokenizer, tools) if tools else None
     # reuse_cache: the engine keeps the KV of the longest prefix shared with the previous request.
     steps = engine.stream_generate(prompt, max_tokens=params.max_tokens, temperature=params.temperature,
                                    top_p=params.top_p, seed=params.seed, stop=params.stop or None,
-                                   reuse_cache=True)
-    count = 0
+                                   reuse_cache=True, should_stop=cancelled.is_set)
+    tokens, step = [], None
     try:
         for step in steps:
-            count += 1
+            tokens.append(step.token)
             if step.text:
                 yield from splitter.feed(step.text) if splitter else (step.text,)
             if step.finish_reason or cancelled.is_set():
@@ -65,7 +66,13 @@ def generation_events(engine, prompt: list[int], params: Params, tools: list[dic
         return
     if splitter:
         yield from splitter.finish()
-    reason = step.finish_reason
+    reason, stop_sequence = step.finish_reason, None
+    if reason == "stop" and step.token not in engine.tokenizer.eos_token_ids:
+        # The engine cut the text before the stop string; find which one it was.
+        hit = find_first(engine.tokenizer.decode(tokens), params.stop)
+        stop_sequence = hit[1] if hit else None
     if reason == "stop" and splitter and splitter.calls:
         reason = "tool_calls"
-    yield Finish(reason, usage(len(prompt), count, step.stats or {}))
+    stats = step.stats or {}
+    cached = len(prompt) - stats.get("prefill_tokens", len(prompt))
+    yield Finish(reason, Usage(len(prompt), len(tokens), max(cached, 0)), stop_sequence)

@@ -8,11 +8,15 @@ from __future__ import annotations
 
 import hmac
 
-from edge0.server.errors import error_response
+from edge0.server.errors import APIError, error_response
 
 
 class Guard:
-    """Bearer-token auth on /v1/* (when an api key is set) and a request-body size limit."""
+    """API-key auth on /v1/* (when a key is set) and a request-body size limit.
+
+    The key is accepted as `Authorization: Bearer KEY` (OpenAI clients) or `x-api-key: KEY`
+    (Anthropic clients), on every route.
+    """
 
     def __init__(self, app, api_key: str | None, max_body_bytes: int):
         self.app, self.api_key, self.max_body_bytes = app, api_key, max_body_bytes
@@ -20,11 +24,12 @@ class Guard:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        path = scope["path"]
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        if self.api_key and scope["path"].startswith("/v1") and not self._authorized(headers):
-            response = error_response(401, "Missing or invalid API key: send 'Authorization: Bearer <key>'",
-                                      code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-            return await response(scope, receive, send)
+        if self.api_key and path.startswith("/v1") and not self._authorized(headers):
+            error = APIError(401, "Missing or invalid API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
+                             code="invalid_api_key")
+            return await error_response(path, error, {"WWW-Authenticate": "Bearer"})(scope, receive, send)
         declared = headers.get("content-length", "")
         if declared.isdigit() and int(declared) > self.max_body_bytes:
             return await self._too_large(scope, receive, send)
@@ -47,9 +52,11 @@ class Guard:
 
     def _authorized(self, headers: dict) -> bool:
         scheme, _, token = headers.get("authorization", "").partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key.encode())
+        if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+            return True
+        return hmac.compare_digest(headers.get("x-api-key", "").strip().encode(), self.api_key.encode())
 
     async def _too_large(self, scope, receive, send):
-        response = error_response(413, f"Request body is larger than {self.max_body_bytes} bytes (--max-body-bytes)",
-                                  code="request_too_large")
-        await response(scope, receive, send)
+        error = APIError(413, f"Request body is larger than {self.max_body_bytes} bytes (--max-body-bytes)",
+                         code="request_too_large")
+        await error_response(scope["path"], error)(scope, receive, send)

@@ -3,7 +3,8 @@
 The engine is synchronous (a Python generator) and owns one KV cache, so every engine call runs
 on one dedicated thread, in arrival order. Each job's events are handed to the event loop
 through an asyncio queue. Cancelling a job (client gone) makes the thread stop iterating the
-engine generator, which frees the engine for the next job.
+engine generator, and the engine checks for it between prefill chunks, which frees the engine
+for the next job.
 """
 
 from __future__ import annotations
@@ -13,11 +14,9 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator, Callable, Generator
 
+from edge0.server.errors import APIError
+
 _END = object()
-
-
-class QueueFull(Exception):
-    """The bounded queue has no room for another request."""
 
 
 class Job:
@@ -30,6 +29,11 @@ class Job:
 
     def cancel(self) -> None:
         self.cancelled.set()
+
+    def abort(self, error: APIError) -> None:
+        """Cancel, and make `events()` raise `error` after what was already produced (event loop only)."""
+        self.cancel()
+        self._queue.put_nowait(error)
 
     def _put(self, item) -> None:  # called from the engine thread
         try:
@@ -50,6 +54,8 @@ class Scheduler:
 
     def __init__(self, max_queue: int):
         self.max_queue = max_queue
+        self.loop: asyncio.AbstractEventLoop | None = None  # the server's, set when it starts
+        self.stopping = False
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edge0-engine")
         self._lock = threading.Lock()
         self._jobs: set[Job] = set()  # waiting + running
@@ -63,13 +69,16 @@ class Scheduler:
     def submit(self, produce: Callable[[threading.Event], Generator]) -> Job:
         """Queue `produce(cancelled)`, a generator of events run on the engine thread.
 
-        Raises QueueFull when `max_queue` requests are already waiting.
+        Raises APIError 429 when `max_queue` requests are already waiting, 503 once stopping.
         """
+        if self.stopping:
+            raise APIError(503, "The server is shutting down", code="server_shutting_down")
         job = Job(asyncio.get_running_loop())
         with self._lock:
             if len(self._jobs) > self.max_queue:
                 self.counters["rejected"] += 1
-                raise QueueFull(f"{self.max_queue} requests are already waiting (--max-queue)")
+                raise APIError(429, f"Server busy: {self.max_queue} requests are already waiting (--max-queue); "
+                               "retry later", code="queue_full")
             self._jobs.add(job)
         self._executor.submit(self._run, job, produce)
         return job
@@ -95,6 +104,23 @@ class Scheduler:
             with self._lock:
                 self._jobs.discard(job)
                 self.counters[outcome] += 1
+
+    def stop(self) -> None:
+        """The server is stopping (event loop only): refuse new jobs, and end every running or
+        queued one with a 503 error, which open streams send as their last event."""
+        self.stopping = True
+        with self._lock:
+            jobs = list(self._jobs)
+        for job in jobs:
+            job.abort(APIError(503, "The server is shutting down; this generation was cancelled",
+                               code="server_shutting_down"))
+
+    def stop_soon(self) -> None:
+        """`stop()` from a signal handler: it may interrupt the loop's thread anywhere, even
+        inside this scheduler's lock, so the work is handed to the loop."""
+        self.stopping = True
+        if self.loop is not None:
+            self.loop.call_soon_threadsafe(self.stop)
 
     def shutdown(self) -> None:
         """Cancel every job so the engine thread ends promptly when the server stops."""

@@ -1,7 +1,8 @@
-"""Pydantic schemas for the OpenAI-compatible endpoints.
+"""Pydantic schemas: the numeric fields every API shares, and the OpenAI Chat Completions and
+Completions requests and responses.
 
-Requests are strict (no "5" for 5, no true for 1), as OpenAI's API is, and unknown fields are
-ignored so that clients sending options we do not implement still work.
+Requests are strict (no "5" for 5, no true for 1), as OpenAI's and Anthropic's APIs are, and
+unknown fields are ignored so that clients sending options we do not implement still work.
 """
 
 from __future__ import annotations
@@ -11,30 +12,51 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from edge0.sampling import SEED_MAX
 from edge0.server.errors import APIError
+from edge0.server.pipeline import ToolChoice
 
 
-class _Strict(BaseModel):
+class Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
 
-class TextPart(_Strict):
+# Sampling fields with edge0.sampling's ranges (check_sampling), so the engine never sees a value
+# it refuses; each API may narrow them (OpenAI caps temperature at 2, Anthropic at 1).
+def temperature_field(most: float):
+    """An optional temperature from 0 (greedy) to `most`."""
+    return Annotated[Optional[float], Field(ge=0, le=most, allow_inf_nan=False)]
+
+
+OpenAITemperature = temperature_field(2)
+TopP = Annotated[Optional[float], Field(gt=0, le=1, allow_inf_nan=False)]
+Seed = Annotated[Optional[int], Field(ge=0, le=SEED_MAX)]
+TokenCount = Annotated[Optional[int], Field(ge=1)]  # the server's --max-tokens caps it
+Stops = Annotated[list[str], Field(max_length=16)]
+
+
+def join_text(parts) -> str:
+    """The text of a list of text parts or blocks, as one message content."""
+    return "".join(p.text for p in parts)
+
+
+class TextPart(Strict):
     type: Literal["text"]
     text: str
 
 
-class FunctionCall(_Strict):
+class FunctionCall(Strict):
     name: str
     arguments: Union[str, dict[str, Any]]
 
 
-class ToolCall(_Strict):
+class ToolCall(Strict):
     id: Optional[str] = None
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class Message(_Strict):
+class Message(Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[TextPart], None] = None
     name: Optional[str] = None
@@ -42,48 +64,60 @@ class Message(_Strict):
     tool_call_id: Optional[str] = None
 
 
-class FunctionDef(_Strict):
+class FunctionDef(Strict):
     name: str
     description: Optional[str] = None
     parameters: Optional[dict[str, Any]] = None
 
 
-class Tool(_Strict):
+class Tool(Strict):
     type: Literal["function"]
     function: FunctionDef
 
 
-class StreamOptions(_Strict):
+class StreamOptions(Strict):
     include_usage: bool = False
 
 
-class SamplingRequest(_Strict):
+class SamplingRequest(Strict):
     model: Optional[str] = None
-    max_tokens: Optional[int] = Field(None, ge=1)
-    temperature: Optional[float] = Field(None, ge=0, le=2)
-    top_p: Optional[float] = Field(None, gt=0, le=1)
-    seed: Optional[int] = None
+    max_tokens: TokenCount = None
+    temperature: OpenAITemperature = None
+    top_p: TopP = None
+    seed: Seed = None
     n: int = Field(1, ge=1, le=1)  # one choice per request
-    stop: Union[str, Annotated[list[str], Field(max_length=16)], None] = None
+    stop: Union[str, Stops, None] = None
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
 
     def stop_list(self) -> list[str]:
-        stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
-        return [s for s in stops if s]
+        return [self.stop] if isinstance(self.stop, str) else self.stop or []
+
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class NamedFunction(Strict):
+    name: str
+
+
+class NamedToolChoice(Strict):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatRequest(SamplingRequest):
     messages: list[Message] = Field(min_length=1)
     # Newer OpenAI clients send this instead of max_tokens.
-    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    max_completion_tokens: TokenCount = None
     tools: Optional[list[Tool]] = None
+    tool_choice: Union[Literal["auto", "none", "required"], NamedToolChoice, None] = None
 
     def template_messages(self) -> list[dict]:
         """Messages as the chat template expects them: text content, tool-call arguments as dicts."""
         out = []
         for i, m in enumerate(self.messages):
-            content = m.content if not isinstance(m.content, list) else "".join(p.text for p in m.content)
+            content = m.content if not isinstance(m.content, list) else join_text(m.content)
             # Most chat templates know no "developer" role; it is OpenAI's new name for system.
             msg = {"role": "system" if m.role == "developer" else m.role, "content": content or ""}
             if m.name is not None:
@@ -97,6 +131,9 @@ class ChatRequest(SamplingRequest):
 
     def tool_dicts(self) -> list[dict] | None:
         return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+
+    def tool_mode(self) -> ToolChoice:
+        return "auto" if self.tool_choice in (None, "auto") else "none" if self.tool_choice == "none" else "forced"
 
 
 def _template_tool_call(call: ToolCall, index: int) -> dict:

@@ -77,6 +77,9 @@ class ToolCallSplitter:
 
 def _openai_call(call: dict) -> dict:
     args = call["arguments"]
+    # Every API carries arguments as a JSON object (Anthropic's tool_use input is one).
+    if not isinstance(json.loads(args) if isinstance(args, str) else args, dict):
+        raise ValueError("the arguments are not a JSON object")
     return {
         "id": f"call_{uuid.uuid4().hex[:24]}",
         "type": "function",

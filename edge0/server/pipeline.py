@@ -1,0 +1,176 @@
+"""What the three APIs (Chat Completions, Anthropic Messages, Responses) share once a request is
+parsed: the served model, sampling parameters and their limits, the prompt limits, the queue,
+and turning a generation's events into a streamed or a whole response through the API's Format.
+
+Each API supplies a Format: how its stream starts, carries a text or tool-call segment, ends,
+or reports an error (server-sent events, as strings), and the body of a non-streamed answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from dataclasses import dataclass
+from functools import partial
+from typing import Iterable, Literal, Protocol
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.background import BackgroundTask
+from starlette.concurrency import run_in_threadpool
+
+from edge0.server.errors import APIError
+from edge0.server.generation import Finish, Params, generation_events
+from edge0.server.scheduler import Job
+from edge0.server.tools import Segment
+
+log = logging.getLogger("edge0.server")
+
+
+def sse(data: dict | str, event: str | None = None) -> str:
+    """One server-sent event carrying `data` (a dict is sent as JSON), named `event` if given."""
+    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+    return (f"event: {event}\n" if event else "") + f"data: {payload}\n\n"
+
+
+class Format(Protocol):
+    """One API's shape of a response (one instance per request)."""
+
+    def stream_start(self, prompt_tokens: int) -> Iterable[str]: ...
+    def stream_delta(self, segment: Segment) -> Iterable[str]: ...
+    def stream_end(self, finish: Finish) -> Iterable[str]: ...
+    def stream_error(self, error: APIError) -> str: ...
+    def body(self, segments: list[Segment], finish: Finish) -> dict: ...
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """What the engine continues: chat `messages` (and `tools`) rendered with the chat template,
+    or raw `text`. `param` is the request field that errors about the prompt name."""
+
+    param: str
+    messages: list[dict] | None = None
+    tools: list[dict] | None = None
+    text: str | None = None
+
+
+def check_model(request: Request, model: str | None) -> None:
+    served = request.app.state.engine.model_id
+    if model is not None and model != served:
+        raise APIError(404, f"The model '{model}' does not exist; this server serves '{served}'",
+                       "model", "model_not_found")
+
+
+def sampling_params(request: Request, max_tokens: int | None, max_tokens_field: str, temperature: float | None,
+                    top_p: float | None, seed: int | None = None, stop: list[str] | None = None) -> Params:
+    """Params with the APIs' common defaults (temperature 1, top_p 1) and the --max-tokens limit."""
+    config = request.app.state.config
+    max_tokens = max_tokens or config.default_max_tokens
+    if max_tokens > config.max_tokens:
+        raise APIError(400, f"{max_tokens_field} is {max_tokens}, above this server's limit of {config.max_tokens} "
+                       "(--max-tokens)", max_tokens_field, "max_tokens_exceeded")
+    return Params(max_tokens, 1.0 if temperature is None else temperature, 1.0 if top_p is None else top_p,
+                  seed, [s for s in stop or [] if s])
+
+
+ToolChoice = Literal["auto", "none", "forced"]
+
+
+def chosen_tools(tools: list[dict] | None, choice: ToolChoice, param: str) -> list[dict] | None:
+    """The tools to render: none for "none". Forcing a call is refused: the engine cannot make
+    the model call a tool."""
+    if choice == "forced":
+        raise APIError(400, "Forcing a tool call is not supported; use automatic tool choice", param,
+                       "unsupported_value")
+    return tools if choice == "auto" else None
+
+
+def _text_chars(value) -> int:
+    """Characters in every string of a JSON-like value (the text a prompt is made of)."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(_text_chars(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_text_chars(v) for v in value)
+    return 0
+
+
+async def respond(request: Request, fmt: Format, prompt: Prompt, params: Params, stream: bool):
+    """Check the prompt against the limits, queue its generation, and answer: server-sent events
+    when `stream`, else one JSON body. Raises APIError for a request the limits refuse."""
+    state = request.app.state
+    engine, config = state.engine, state.config
+    if prompt.messages is not None and len(prompt.messages) > config.max_messages:
+        raise APIError(400, f"{len(prompt.messages)} messages is above this server's limit of "
+                       f"{config.max_messages} (--max-messages)", prompt.param, "too_many_messages")
+    if prompt.tools and not engine.tokenizer.has_tool_calling:
+        raise APIError(400, "This model's tokenizer declares no tool-call format", "tools", "tools_unsupported")
+    # No token is longer than the longest vocabulary entry, so more characters than this cannot
+    # fit in the token limit: refuse them before paying for the template and the tokenizer.
+    chars, most = _text_chars([prompt.messages, prompt.tools, prompt.text]), config.max_prompt_tokens * state.token_chars
+    if chars > most:
+        raise APIError(400, f"The prompt is {chars} characters, more than this server's limit of "
+                       f"{config.max_prompt_tokens} tokens (--max-prompt-tokens) can hold (tokens of this model "
+                       f"are at most {state.token_chars} characters)", prompt.param, "context_length_exceeded")
+    tokens = await run_in_threadpool(_tokenize, engine, prompt)
+    if len(tokens) > config.max_prompt_tokens:
+        raise APIError(400, f"The prompt is {len(tokens)} tokens, above this server's limit of "
+                       f"{config.max_prompt_tokens} (--max-prompt-tokens)", prompt.param, "context_length_exceeded")
+    job = state.scheduler.submit(partial(generation_events, engine, tokens, params, prompt.tools))
+    if stream:
+        # The background task also covers a client that leaves before the stream starts.
+        return StreamingResponse(_stream(job, fmt, len(tokens)), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"}, background=BackgroundTask(job.cancel))
+    return JSONResponse(await _collect(request, job, fmt))
+
+
+def _tokenize(engine, prompt: Prompt) -> list[int]:
+    if prompt.text is not None:
+        return engine.tokenizer.encode(prompt.text)
+    try:
+        return engine.chat_prompt(prompt.messages, prompt.tools)
+    except Exception as e:  # the template (Jinja) rejects some conversations, e.g. bad role order
+        raise APIError(400, f"Could not apply the chat template: {e}", prompt.param, "invalid_messages") from None
+
+
+async def _stream(job: Job, fmt: Format, prompt_tokens: int):
+    """SSE body. Leaving this generator early (client gone) cancels the job."""
+    try:
+        for event in fmt.stream_start(prompt_tokens):
+            yield event
+        async for item in job.events():
+            for event in fmt.stream_end(item) if isinstance(item, Finish) else fmt.stream_delta(item):
+                yield event
+    except APIError as e:  # headers are sent: report the failure in-stream, as the APIs do
+        yield fmt.stream_error(e)
+    except Exception as e:
+        log.exception("generation failed")
+        yield fmt.stream_error(APIError(500, f"Generation failed: {type(e).__name__}: {e}"))
+    finally:
+        job.cancel()
+
+
+async def _collect(request: Request, job: Job, fmt: Format) -> dict:
+    """Run a job to the end for a non-streaming response, cancelling it if the client leaves."""
+
+    async def watch_disconnect():
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        job.cancel()
+
+    watcher = asyncio.create_task(watch_disconnect())
+    segments, finish = [], None
+    try:
+        async for event in job.events():
+            if isinstance(event, Finish):
+                finish = event
+            else:
+                segments.append(event)
+    finally:
+        watcher.cancel()
+        job.cancel()
+    if finish is None:  # cancelled: the client is gone, nobody reads this
+        raise APIError(499, "Client closed the request", code="cancelled")
+    return fmt.body(segments, finish)

@@ -1,0 +1,61 @@
+"""The real server around tests/fake_engine.py: in a thread (`running_server`), or as its own
+process (`python -m tests.fake_server`, for signals and memory), started the way `edge0 serve`
+starts it (edge0.server.app.run).
+
+As a process it prints `port N` on stdout once it listens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import socket
+import threading
+import time
+
+import uvicorn
+
+from edge0.server.app import create_app, run
+from edge0.server.config import ServerConfig
+from tests.fake_engine import FakeEngine
+
+
+@contextlib.contextmanager
+def running_server(engine, config):
+    """A real uvicorn server on a free port, in a thread; yields its base URL."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(create_app(engine, config), log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--api-key")
+    p.add_argument("--delay", type=float, default=0.0, help="seconds per generated token")
+    p.add_argument("--prefill-delay", type=float, default=0.0, help="seconds per prompt token")
+    p.add_argument("--max-queue", type=int, default=16)
+    p.add_argument("--max-body-bytes", type=int, default=4 << 20)
+    p.add_argument("--max-prompt-tokens", type=int, default=4096)
+    args = p.parse_args(argv)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    config = ServerConfig(api_key=args.api_key, max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
+                          max_prompt_tokens=args.max_prompt_tokens)
+    app = create_app(FakeEngine(delay=args.delay, prefill_delay=args.prefill_delay), config)
+    print(f"port {sock.getsockname()[1]}", flush=True)
+    run(app, log_level="warning", sock=sock)
+
+
+if __name__ == "__main__":
+    main()

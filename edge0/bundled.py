@@ -10,7 +10,7 @@ from pathlib import Path
 
 from edge0.convert import convert
 from edge0.errors import Edge0Error
-from edge0.store.format import CONFIG_FILE, MANIFEST
+from edge0.store.format import CONFIG_FILE, FORMAT, MANIFEST, VERSION
 
 BUNDLED_NAME = "edge0-demo-moe"
 CHECKPOINTS = Path(__file__).resolve().parents[1] / "checkpoints"
@@ -33,9 +33,9 @@ def bundled_checkpoint() -> Path:
 
 def _fingerprint(checkpoint: Path) -> str:
     """Changes whenever a checkpoint file is replaced (names, sizes and modification times: a
-    retrained adapter keeps its size), so the store is re-converted; stat only, no reading at
-    start-up."""
-    h = hashlib.sha256()
+    retrained adapter keeps its size) or the store format changes, so the store is re-converted;
+    stat only, no reading at start-up."""
+    h = hashlib.sha256(f"{FORMAT}:{VERSION}".encode())
     for f in sorted(checkpoint.iterdir()):
         if f.is_file():
             st = f.stat()

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, fields
 
 from edge0.cache import LIVE_POLICIES
 from edge0.errors import Edge0Error
+from edge0.store.readers import STRATEGIES
 from edge0.streaming.dispatch import DECODE_EXECUTORS, PREFILL_EXECUTORS, TRAIN_WEIGHTS
 
 COMPUTE_DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -56,6 +57,9 @@ class LoadOptions:
                                               "(slower)", "flag")
     lora: str | bool | None = _opt(None, "recovery LoRA adapter (default: the store's adapter for this K and "
                                          "routing, if any)", "tristate", off_help="serve without the recovery LoRA")
+    io: str = _opt("auto", "how expert bytes are read: auto (default: pread when the experts fit in half the memory "
+                           "available, else direct), mmap, pread (preallocated buffers, reads in flight), direct "
+                           "(bypasses the page cache)", "choice", choices=("auto", *STRATEGIES))
     cold_reads: bool = _opt(False, "drop every expert read from the OS page cache again (benchmarks of cold "
                                    "storage)", "flag")
 
@@ -64,6 +68,7 @@ class LoadOptions:
         if self.dtype is None:
             self.dtype = "auto"
         _choice("dtype", self.dtype)
+        _choice("io", self.io)
         if self.top_k is not None and self.top_k < 1:
             raise Edge0Error(f"--top-k {self.top_k}: must be >= 1 (the number of experts per token)")
         _choice("cache_policy", self.cache_policy, hint="; belady needs the future, so it runs only in `edge0 simulate`")

@@ -35,7 +35,7 @@ BASES = (
     Base("prerouter-lora", "edge0", {"decode_executor": "staged", "prerouter": PREROUTER, "lora": LORA},
          needs_prerouter=True, needs_lora=True, storages=("warm",)),
 )
-CAPPED = ("mlx-lm", "staged")  # run under the memory cap
+CAPPED = ("mlx-lm", "exact", "staged", "prerouter")  # run under the memory cap
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,8 @@ def all_arms() -> list[Arm]:
 # Per-arm numbers (positive and finite, or null where they do not apply).
 METRICS = ("decode_tps", "prefill_tps", "ttft_s", "load_s", "wall_s", "mlx_peak_bytes", "mlx_decode_peak_bytes",
            "mlx_load_peak_bytes", "peak_rss_bytes", "resident_bytes", "expert_cache_bytes", "expert_bytes_read",
-           "decode_expert_bytes_read", "hit_rate", "stall_ms_per_step", "host_syncs_per_step",
+           "decode_expert_bytes_read", "hit_rate", "stall_ms_per_step", "host_syncs_per_step", "expert_reads_per_step",
+           "io_max_queue_depth",
            "prompt_tokens", "generation_tokens")
 COUNTERS = ("fallbacks", "dropped_experts")
 

@@ -38,7 +38,11 @@ def summary(result: dict) -> dict:
         "staged_warm_decode_peak_vs_resident": ratio(m("staged-warm", "mlx_decode_peak_bytes"), m("mlx-lm-resident", "mlx_decode_peak_bytes")),
         "prerouter_cold_vs_exact_cold_decode": ratio(m("prerouter-cold", "decode_tps"), m("exact-cold", "decode_tps")),
         "lora_warm_vs_prerouter_warm_decode": ratio(m("prerouter-lora-warm", "decode_tps"), m("prerouter-warm", "decode_tps")),
-        "targets": {"decode_vs_resident": 0.9, "mlx_peak_vs_resident": 0.3, "lora_vs_no_lora": 0.95},
+        "staged_capped_vs_staged_cold_decode": ratio(m("staged-capped", "decode_tps"), m("staged-cold", "decode_tps")),
+        "staged_capped_vs_staged_warm_decode": ratio(m("staged-capped", "decode_tps"), m("staged-warm", "decode_tps")),
+        "prerouter_capped_vs_exact_capped_decode": ratio(m("prerouter-capped", "decode_tps"), m("exact-capped", "decode_tps")),
+        "targets": {"decode_vs_resident": 0.9, "mlx_peak_vs_resident": 0.3, "lora_vs_no_lora": 0.95,
+                    "staged_capped_vs_cold_and_warm": 0.8, "prerouter_capped_vs_exact_capped": 1.5},
     }
     out["capped"] = {n[: -len("-capped")]: arms[n]["status"] for n in arms if n.endswith("-capped")}
     return out
@@ -49,13 +53,13 @@ def markdown(result: dict) -> str:
     ref = next((a for a in result["arms"] if a["name"] == "mlx-lm-resident" and a["status"] == "ok"), None)
     ref_tps = ref["metrics"]["decode_tps"] if ref else None
     lines = ["| arm | storage | decode tok/s | vs resident | prefill tok/s | TTFT s | MLX peak | MLX peak (decode) "
-             "| peak RSS | expert bytes read | hit rate | stall ms/step | tokens = resident |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| peak RSS | expert bytes read | hit rate | stall ms/step | reads/step (reader) | tokens = resident |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for a in result["arms"]:
         m = a["metrics"]
         if a["status"] != "ok":
             reason = str(a["reason"]).replace("|", "/").replace("\n", " ")
-            lines.append(f"| {a['name']} | {a['storage']} | {a['status']}: {reason} |" + " |" * 10)
+            lines.append(f"| {a['name']} | {a['storage']} | {a['status']}: {reason} |" + " |" * 11)
             continue
         vs = m["decode_tps"] / ref_tps if ref_tps and m["decode_tps"] else None
         match = a.get("tokens_match_resident")
@@ -63,7 +67,7 @@ def markdown(result: dict) -> str:
             f"| {a['name']} | {a['storage']} | {_f(m['decode_tps'])} | {_f(vs, '{:.2f}x')} | {_f(m['prefill_tps'])} "
             f"| {_f(m['ttft_s'], '{:.1f}')} | {_gb(m['mlx_peak_bytes'])} | {_gb(m['mlx_decode_peak_bytes'])} "
             f"| {_gb(m['peak_rss_bytes'])} | {_gb(m['expert_bytes_read'])} | {_f(m['hit_rate'], '{:.0%}')} "
-            f"| {_f(m['stall_ms_per_step'], '{:.0f}')} | {'-' if match is None else ('yes' if match else 'no')} |")
+            f"| {_f(m['stall_ms_per_step'], '{:.0f}')} | {_reads(a)} | {'-' if match is None else ('yes' if match else 'no')} |")
     cap = s["memory_cap"]
     if cap.get("cap_bytes"):
         lines.append("")
@@ -74,6 +78,12 @@ def markdown(result: dict) -> str:
         lines.append("")
         lines.append(f"Memory-cap arms skipped: {cap.get('skipped')}.")
     return "\n".join(lines)
+
+
+def _reads(arm: dict) -> str:
+    io = arm.get("io")
+    n = arm["metrics"].get("expert_reads_per_step")
+    return "-" if io is None or n is None else f"{n:.0f} ({io['reader']})"
 
 
 def plot(result: dict, path: Path) -> str:

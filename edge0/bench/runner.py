@@ -125,6 +125,7 @@ def run_suite(args, model: Model, arms: list[Arm]) -> dict:
                "runs": [{k: v for k, v in r.items() if k != "tokens"} for r in runs]}
         if ok:
             row["describe"] = ok[0].get("describe")
+            row["io"] = ok[0].get("io")
             row["prompt_digest"] = ok[0].get("prompt_digest")
             row["tokens_match_resident"] = (ok[0]["tokens"] == ref_tokens) if ref_tokens is not None and arm.name != "mlx-lm-resident" else None
         if arm.storage == "capped" and runs:

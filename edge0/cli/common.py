@@ -131,7 +131,7 @@ def format_stats(s: dict) -> str:
         f"prompt {s['prompt_tokens']} tok ({s['prefill_tps']:.1f} tok/s prefill), "
         f"generated {s['generation_tokens']} tok ({s['decode_tps']:.1f} tok/s), "
         f"MLX peak {s['peak_memory_bytes'] / 2**20:.1f} MiB, RSS peak {s['peak_rss_bytes'] / 2**20:.0f} MiB, "
-        f"experts read {s['expert_bytes_read'] / 2**20:.1f} MiB, cache hits {hit}, "
+        f"experts read {s['expert_bytes_read'] / 2**20:.1f} MiB in {s['expert_reads']} reads ({s['io_reader']}), cache hits {hit}, "
         f"stall {s.get('stall_ms_per_step', 0):.1f} ms/step{sub}"
     )
 
@@ -145,6 +145,10 @@ def format_layer_stats(st: dict) -> str:
         vals = [s[c] for c in cols]
         rows.append(" ".join(f"{v:>12.2f}" if isinstance(v, float) else f"{'-' if v is None else v:>12}" for v in [name, *vals]))
     rows.append(f"stall {st['stall_ms_per_step']:.2f} ms per decode step over {st['decode_steps']} steps")
+    io = st.get("io")
+    if io:
+        rows.append(f"expert reads: {io['reader']} ({io['reason']}), {io['reads']} reads, {io['bytes_issued'] / 2**20:.1f} MiB "
+                    f"issued, at most {io['max_queue_depth']} in flight, {io['direct_fallbacks']} direct-I/O fallbacks")
     pr = st.get("prerouter")
     if pr:
         rows.append(f"pre-router {pr['heads']}: routed by head {pr['routed_by_head']}, by gate {pr['routed_by_gate']}")

@@ -148,6 +148,7 @@ class Engine:
 
     def _generate(self, tokens, max_tokens, sampler, eos, stop, reuse_cache, should_stop):
         before = self.streaming.stats.totals()
+        io_before = self.store.io_stats()
         B.reset_peak_memory()
         t0 = time.perf_counter()
         self.hooks.start(self)
@@ -179,7 +180,8 @@ class Engine:
                     detok.finalize()
                     text += stopper.flush(detok.last_segment)
             if finish:
-                stats = call_stats(before, self.streaming.stats.totals(), len(tokens), n_prefill, len(generated),
+                stats = call_stats(before, self.streaming.stats.totals(), io_before, self.store.io_stats(),
+                                   len(tokens), n_prefill, len(generated),
                                    t_prefill, time.perf_counter() - t1)
                 yield Step(y, text, finish, stats)
                 return
@@ -224,7 +226,8 @@ class Engine:
     def describe(self) -> str:
         """One line about the loaded model and how its experts are streamed."""
         lora = f", LoRA {self.lora_path.name}" if self.lora_path else (f"; {self.lora_note}" if self.lora_note else "")
-        return f"{self.model_id}: {self.compute_dtype}, resident {format_size(self.resident_bytes)}, {self.streaming.describe()}{lora}"
+        return (f"{self.model_id}: {self.compute_dtype}, resident {format_size(self.resident_bytes)}, {self.streaming.describe()}{lora}; "
+                f"{self.store.describe_io()}")
 
     def close(self) -> None:
         self.streaming.close()

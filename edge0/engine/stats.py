@@ -5,9 +5,10 @@ from __future__ import annotations
 from edge0.backend import core as B
 
 
-def call_stats(totals_before: dict, totals_after: dict, n_prompt: int, n_prefill: int, n_gen: int,
-               t_prefill: float, t_decode: float) -> dict:
-    """The stats of one generate call (docs/engine-api.md, "Stats keys")."""
+def call_stats(totals_before: dict, totals_after: dict, io_before: dict, io_after: dict, n_prompt: int,
+               n_prefill: int, n_gen: int, t_prefill: float, t_decode: float) -> dict:
+    """The stats of one generate call (docs/engine-api.md, "Stats keys"), from executor totals
+    and the store's read counters before and after it."""
     a, b = totals_after, totals_before
     return {
         "prompt_tokens": n_prompt,
@@ -24,6 +25,9 @@ def call_stats(totals_before: dict, totals_after: dict, n_prompt: int, n_prefill
         "fallbacks": a["fallbacks"] - b["fallbacks"],
         "dropped_experts": a["dropped"] - b["dropped"],
         "substitutions": a["substitutions"] - b["substitutions"],
+        "expert_reads": io_after["reads"] - io_before["reads"],
+        "io_reader": io_after["reader"],
+        "io_max_queue_depth": io_after["max_queue_depth"],
     }
 
 
@@ -47,6 +51,7 @@ def engine_stats(engine) -> dict:
         "totals": totals,
         "layers": {n: s.as_dict() for n, s in sorted(st.stats.layers.items())},
         "peak_rss_bytes": B.peak_rss(),
+        "io": engine.store.io_stats(),
         "prerouter": None,
     }
     out.update(engine.hooks.stats())

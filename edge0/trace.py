@@ -80,3 +80,17 @@ def record_file(engine, data: Path, prompts: int, prompt_tokens: int, max_tokens
     source = {"data": str(data), "sha256": hashlib.sha256(raw).hexdigest(), "prompts": len(chosen),
               "prompt_tokens": prompt_tokens, "max_tokens": max_tokens}
     return record(engine, chosen, max_tokens, source)
+
+
+def synthetic_record(engine, steps: int, seed: int = 0) -> tracefile.Trace:
+    """A trace of `steps` qwen3-like synthetic routes (edge0.cache.synthetic) with this engine's
+    shape (experts, top-k, MoE layers, expert bytes) and identity: no model run."""
+    from edge0.cache.synthetic import synthetic_trace
+
+    if engine.spec is None:
+        raise Edge0Error(f"--routing qwen3-like: {engine.model_id} is served at the universal level; synthetic routes need a spec'd family")
+    layers = sorted(engine.store.layers)
+    meta = {"model": engine.model_id, "manifest_hash": manifest_hash(engine.root),
+            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    return synthetic_trace(engine.spec.num_experts, engine.k, layers, [engine.store.expert_nbytes(l) for l in layers],
+                           steps, seed, meta)

@@ -120,3 +120,12 @@ def test_simulated_substitution_saves_reads(synth, synth_file, capsys):
     assert main(["--trace", str(synth_file), "--budget", "3", "--substitute-alpha", "0.2"]) == 0
     out = capsys.readouterr().out
     assert "CHANGES OUTPUTS" in out and "| belady |" not in out
+
+
+def test_simulate_on_synthetic_routes(capsys):
+    from edge0.cli.simulate import main
+
+    assert main(["--routing", "qwen3-like", "--layers", "2", "--steps", "600", "--budget", "1/4", "--policies", "lru,belady", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    rates = {r["policy"]: r["hit_rate"] for r in out["results"]}
+    assert out["steps"] == 600 and 0.74 < rates["lru"] < 0.88 and rates["belady"] > rates["lru"]

@@ -138,3 +138,15 @@ def test_trace_records_the_routes_pre_routed_layers_use(tmp_path):
     tr = tracefile.read(out)
     assert tr.routes.shape[:2] == (6, 12 + 6 - 1)
     assert tr.phase.sum() == 5
+
+
+def test_trace_of_synthetic_routes_has_the_model_shape(tmp_path, store_for):
+    from edge0.cli.trace import main
+    from edge0.store.format import manifest_hash
+
+    out = tmp_path / "s.npz"
+    assert main(["--model", str(store_for("qwen3_moe")), "--routing", "qwen3-like", "--out", str(out),
+                 "--prompts", "2", "--prompt-tokens", "10", "--max-tokens", "5"]) == 0
+    tr = tracefile.read(out)
+    assert tr.routes.shape == (2, 30, 2) and tr.num_experts == 8
+    assert tr.meta["manifest_hash"] == manifest_hash(store_for("qwen3_moe")) and tr.meta["source"]["routing"] == "qwen3-like"

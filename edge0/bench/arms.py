@@ -90,9 +90,12 @@ def arm_spec(arm: Arm, model: Model, args, budget: int, sizes: dict) -> dict:
         load = resolved_load(arm, args)
         load["expert_cache"] = budget
         load["dtype"] = args.dtype
+        if args.routing != "uniform":  # synthetic routes replace the gates; the pre-router arms read one step ahead
+            load.update(prerouter=False, lora=False)
+            spec.update(routing=args.routing, lookahead=arm.base.needs_prerouter)
         if arm.storage == "cold":
             load["cold_reads"] = True  # every expert read comes from storage, as with a model > RAM
-        spec.update(store=str(model.store), load=load, prerouter_required=arm.base.needs_prerouter,
+        spec.update(store=str(model.store), load=load, prerouter_required=arm.base.needs_prerouter and args.routing == "uniform",
                     lora_required=arm.base.needs_lora)
         files = sorted(model.store.rglob("*.safetensors"))
     if arm.storage in ("cold", "capped"):
@@ -105,7 +108,9 @@ def arm_spec(arm: Arm, model: Model, args, budget: int, sizes: dict) -> dict:
 def skip_reason(arm: Arm, model: Model, args, cgroup_parent) -> str:
     if arm.runtime == "mlx-lm" and model.mlx is None:
         return model.mlx_missing_reason
-    if arm.base.needs_prerouter and args.prerouter is None and not (model.store / HEADS_FILE).is_file():
+    if args.routing != "uniform" and arm.base.needs_lora:
+        return f"--routing {args.routing}: the recovery LoRA is trained for the model's own routes"
+    if args.routing == "uniform" and arm.base.needs_prerouter and args.prerouter is None and not (model.store / HEADS_FILE).is_file():
         return ("no pre-router heads for this model: the store has no prerouter.safetensors and --prerouter "
                 "was not given (train some with edge0 train-prerouter)")
     if arm.base.needs_lora and args.lora is None and not any(model.store.glob("lora*.safetensors")):

@@ -119,7 +119,11 @@ def run_edge0(spec: dict) -> dict:
         if want_prerouter:
             return {"status": "skipped", "reason": f"loading with the pre-router failed: {type(e).__name__}: {e}"}
         raise
-    if want_prerouter and getattr(engine, "prerouting", None) is None:
+    if spec.get("routing", "uniform") != "uniform":
+        from edge0.bench.routing import use_synthetic_routing
+
+        use_synthetic_routing(engine, seed=0, lookahead=spec.get("lookahead", False))
+    elif want_prerouter and engine.prerouting is None:
         return {"status": "skipped", "reason": "no pre-router heads were attached (the store has no "
                 "prerouter.safetensors and --prerouter was not given)"}
     if spec.get("lora_required") and engine.lora_path is None:
@@ -147,7 +151,9 @@ def run_edge0(spec: dict) -> dict:
     n_dec = max(1, out["generation_tokens"] - 1)
     out.update({
         "status": "ok",
-        "describe": engine.describe() + (f", pre-router {engine.heads_path}" if getattr(engine, "prerouting", None) else ""),
+        "describe": engine.describe() + (f", pre-router {engine.heads_path}" if engine.heads_path else "")
+        + (f", routing {spec['routing']}" + (" (routes staged one step ahead)" if spec.get("lookahead") else "")
+           if spec.get("routing", "uniform") != "uniform" else ""),
         "load_s": load_s,
         "mlx_load_peak_bytes": load_peak,
         "resident_bytes": engine.resident_bytes,

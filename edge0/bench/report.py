@@ -68,6 +68,15 @@ def markdown(result: dict) -> str:
             f"| {_f(m['ttft_s'], '{:.1f}')} | {_gb(m['mlx_peak_bytes'])} | {_gb(m['mlx_decode_peak_bytes'])} "
             f"| {_gb(m['peak_rss_bytes'])} | {_gb(m['expert_bytes_read'])} | {_f(m['hit_rate'], '{:.0%}')} "
             f"| {_f(m['stall_ms_per_step'], '{:.0f}')} | {_reads(a)} | {'-' if match is None else ('yes' if match else 'no')} |")
+    if s.get("routing", "uniform") != "uniform":
+        lines.append("")
+        lines.append(f"Routing: {s['routing']}. Every Edge0 arm computes with synthetic routes fitted to published "
+                     "Qwen3-30B-A3B cache statistics (docs/synthetic-routing.md), not a real model's: reads, slot "
+                     "rewrites, stalls and compute are real, the choice of experts is not. Tokens are not compared "
+                     "with mlx-lm (the routes differ by design); the mlx-lm arms route with the model's own gates "
+                     "(every weight resident, so routing does not change what they read). The pre-router arms take "
+                     "the generated route of step t+1 as their prediction, one step ahead, as the pre-router does "
+                     "by construction.")
     cap = s["memory_cap"]
     if cap.get("cap_bytes"):
         lines.append("")

@@ -109,7 +109,9 @@ def run_suite(args, model: Model, arms: list[Arm]) -> dict:
                 results[arm.name].update(status="skipped", reason=out["reason"])
             print(f"edge0 bench: {label}: {_one_line(out)}", file=sys.stderr, flush=True)
 
-    ref_tokens = next((r["tokens"] for r in results.get("mlx-lm-resident", {}).get("runs", []) if r.get("status") == "ok"), None)
+    # synthetic routes differ from the gates by design: tokens are compared only with the model's own routing
+    ref_tokens = None if args.routing != "uniform" else next(
+        (r["tokens"] for r in results.get("mlx-lm-resident", {}).get("runs", []) if r.get("status") == "ok"), None)
     rows = []
     for arm in arms:
         res = results[arm.name]
@@ -133,7 +135,7 @@ def run_suite(args, model: Model, arms: list[Arm]) -> dict:
         rows.append(row)
     return {"settings": {"prompt_tokens": args.prompt_tokens, "decode_tokens": args.decode_tokens,
                          "expert_cache": args.expert_cache, "expert_cache_bytes": budget, "dtype": args.dtype or "auto",
-                         "repeats": args.repeats, "greedy": True, "memory_cap": cap_info, **sizes},
+                         "repeats": args.repeats, "greedy": True, "memory_cap": cap_info, "routing": args.routing, **sizes},
             "arms": rows, "reference_tokens": ref_tokens}
 
 

@@ -11,10 +11,15 @@ always the top-k of the scores. See docs/synthetic-routing.md.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from statistics import NormalDist
 
 import numpy as np
+
+
+# The routing regimes benchmarks offer: the model's own gates (a random-weight bench model routes
+# nearly uniformly, the worst case for caching) or these synthetic routes.
+ROUTINGS = ("uniform", "qwen3-like")
 
 
 @dataclass(frozen=True)
@@ -97,3 +102,16 @@ def generate(num_experts: int, top_k: int, layers: int, steps: int, seed: int,
     for t in range(steps):
         routes[:, t], scores[:, t] = src.step()
     return routes, scores
+
+
+def synthetic_trace(num_experts: int, top_k: int, layers: list[int], expert_bytes: list[int], steps: int, seed: int,
+                    meta: dict | None = None, params: RoutingParams = QWEN3_LIKE):
+    """A routing trace (edge0.cache.tracefile) of `steps` generated tokens for a model of this
+    shape, for the simulator and the planner: one prompt, every step marked as generated."""
+    from edge0.cache.tracefile import Trace
+
+    routes, scores = generate(num_experts, top_k, len(layers), steps, seed, params)
+    info = {"num_experts": num_experts, "top_k": top_k, "layers": list(layers), "expert_bytes": list(expert_bytes),
+            "score_kind": "softmax", "source": {"routing": "qwen3-like", "seed": seed, "params": asdict(params)}}
+    return Trace(routes, scores.astype(np.float16), np.zeros(steps, np.int32), np.ones(steps, np.uint8),
+                 np.zeros(1, np.int64), {**(meta or {}), **info})

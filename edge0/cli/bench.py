@@ -15,6 +15,7 @@ from edge0.bench.arms import SIZES, select_arms
 from edge0.bench.model import resolve_model
 from edge0.bench.report import SCHEMA, append_docs, git_commit, machine_info, markdown, package_versions, plot, summary
 from edge0.bench.runner import run_suite
+from edge0.cache.synthetic import ROUTINGS
 from edge0.cli.common import OneLineParser
 from edge0.errors import Edge0Error
 
@@ -45,6 +46,9 @@ def parse_args(argv):
     g = p.add_argument_group("workload")
     g.add_argument("--prompt-tokens", type=int, help="prompt length (default 40)")
     g.add_argument("--decode-tokens", type=int, help="greedy tokens generated (default 32)")
+    g.add_argument("--routing", default="uniform", choices=ROUTINGS,
+                   help="uniform (default): the bench model's own gates, which route nearly uniformly (the worst case); "
+                        "qwen3-like: synthetic routes fitted to Qwen3-30B-A3B's cache statistics (docs/synthetic-routing.md)")
     g.add_argument("--expert-cache", default="20%", help="edge0 expert cache: a share of all experts (20%%) or a size (400MB)")
     g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="compute dtype of both runtimes (default: edge0's auto choice, float32 on CPU)")

@@ -17,7 +17,7 @@ from edge0.cli.common import OneLineParser, add_model_options, load_options, run
 from edge0.errors import Edge0Error
 from edge0.plan import PROMPTS, measure_decode, measure_reads, per_layer, predict, recommend
 from edge0.store.format import manifest_hash
-from edge0.trace import record, record_file
+from edge0.trace import record, record_file, synthetic_record
 
 def main(argv=None) -> int:
     p = OneLineParser(prog="edge0 plan", description=__doc__.splitlines()[0])
@@ -27,6 +27,9 @@ def main(argv=None) -> int:
     p.add_argument("--prompts", type=int, default=4, help="prompts when recording (default 4)")
     p.add_argument("--prompt-tokens", type=int, default=256, help="teacher-forced tokens per prompt when recording from --data")
     p.add_argument("--max-tokens", type=int, default=64, help="generated tokens per prompt when recording (default 64)")
+    p.add_argument("--routing", choices=["model", "qwen3-like"], default="model",
+                   help="model (default): simulate on the model's own routes (--trace, or recorded now); qwen3-like: on synthetic "
+                        "routes fitted to Qwen3-30B-A3B's cache statistics, with this model's shape (docs/synthetic-routing.md)")
     p.add_argument("--budget", default="1/8,1/4,3/8,1/2,3/4,1/1", help="experts cached per layer (default 1/8,1/4,3/8,1/2,3/4,1/1)")
     p.add_argument("--json", type=Path, default=None, help="also write the measurements and predictions here, to check against later runs")
     args = p.parse_args(argv)
@@ -40,7 +43,11 @@ def main(argv=None) -> int:
 
     # The engine for recording and read timing needs no slots (the thing planned here).
     engine = edge0.load(args.model, **load_options(args, decode_executor="exact"))
-    if args.trace:
+    if args.routing == "qwen3-like":
+        if args.trace or args.data:
+            raise Edge0Error("--routing qwen3-like: the routes are generated; drop --trace / --data")
+        trace = synthetic_record(engine, 2000)
+    elif args.trace:
         trace = tracefile.read(args.trace)
         if trace.meta.get("manifest_hash") != manifest_hash(engine.root):
             raise Edge0Error(f"--trace: {args.trace} was recorded on another store; record one with: edge0 trace --model {engine.root} --data FILE --out TRACE")

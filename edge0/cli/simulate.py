@@ -10,8 +10,13 @@ from edge0.cache import POLICIES, tracefile
 from edge0.cache.flashmoe import load_model
 from edge0.cache.replay import ORDER, format_table, parse_budgets, parse_byte_budgets, simulate
 from edge0.cache.smoe import DEFAULT_WINDOW
+from edge0.cache.synthetic import synthetic_trace
 from edge0.cli.common import OneLineParser, run_main
 from edge0.errors import Edge0Error
+
+# int4 bytes of one Qwen3-30B-A3B expert: 3 x 2048 x 768 weights, 4 bits + a 16-bit scale and bias per 64
+QWEN3_30B_EXPERT_BYTES = 3 * 2048 * 768 * 9 // 16
+
 
 def to_json(trace, results) -> dict:
     return {
@@ -27,7 +32,16 @@ def to_json(trace, results) -> dict:
 
 def main(argv=None) -> int:
     p = OneLineParser(prog="edge0 simulate", description=__doc__.splitlines()[0])
-    p.add_argument("--trace", required=True, help="trace file from edge0 trace")
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--trace", help="trace file from edge0 trace")
+    g.add_argument("--routing", choices=["qwen3-like"],
+                   help="instead of a trace: synthetic routes fitted to Qwen3-30B-A3B's cache statistics (docs/synthetic-routing.md), "
+                        "of --experts/--top-k/--layers/--steps; MiB columns assume Qwen3-30B-A3B's int4 expert (2.65 MB)")
+    p.add_argument("--experts", type=int, default=128, help="--routing: experts per layer (default 128)")
+    p.add_argument("--top-k", type=int, default=8, help="--routing: experts per token (default 8)")
+    p.add_argument("--layers", type=int, default=8, help="--routing: MoE layers (default 8)")
+    p.add_argument("--steps", type=int, default=2000, help="--routing: tokens (default 2000)")
+    p.add_argument("--seed", type=int, default=0, help="--routing: seed (default 0)")
     p.add_argument("--budget", default=None, help="experts cached per layer: fractions and/or counts, e.g. 1/8,1/4,3/8 (default) or 4,8")
     p.add_argument("--budget-bytes", default=None, help="total cache bytes over all MoE layers, e.g. 16MiB,64MiB")
     p.add_argument("--policies", default=None, help=f"comma-separated subset of {','.join(ORDER)} (default: all available)")
@@ -38,7 +52,13 @@ def main(argv=None) -> int:
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     args = p.parse_args(argv)
 
-    trace = tracefile.read(args.trace)
+    if args.routing:
+        if not (1 <= args.top_k <= args.experts and args.layers >= 1 and args.steps >= 1 and args.seed >= 0):
+            p.error("--routing: needs 1 <= --top-k <= --experts, --layers >= 1, --steps >= 1 and --seed >= 0")
+        trace = synthetic_trace(args.experts, args.top_k, list(range(args.layers)), [QWEN3_30B_EXPERT_BYTES] * args.layers,
+                                args.steps, args.seed, {"model": f"synthetic {args.routing}"})
+    else:
+        trace = tracefile.read(args.trace)
     E = trace.num_experts
     budgets = parse_budgets(args.budget, E) if args.budget else []
     if args.budget_bytes:
@@ -70,8 +90,9 @@ def main(argv=None) -> int:
         print()
         return 0
     src = trace.meta.get("source", {})
-    print(f"trace {args.trace}: {trace.meta.get('model')}, {trace.num_steps} steps x {len(trace.layers)} MoE layers, "
-          f"{E} experts, top-{trace.top_k}, source {src.get('data', '?')}")
+    source = f"source {src.get('data', '?')}" if args.trace else f"seed {args.seed} (synthetic, not a real model's routes)"
+    print(f"trace {args.trace or args.routing}: {trace.meta.get('model')}, {trace.num_steps} steps x {len(trace.layers)} MoE layers, "
+          f"{E} experts, top-{trace.top_k}, {source}")
     print("hit rate (MiB read per token); columns: budget (experts cached per layer / experts)\n")
     print(format_table(results, budgets, E, trace.num_steps))
     small = [b.label for b in budgets if b.capacity < trace.top_k]

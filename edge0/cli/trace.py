@@ -8,18 +8,25 @@ from pathlib import Path
 from edge0.cache import tracefile
 from edge0.cli.common import OneLineParser, add_model_options, load_options, run_main
 from edge0.errors import Edge0Error
-from edge0.trace import record_file
+from edge0.trace import record_file, synthetic_record
 
 
 def main(argv=None) -> int:
     p = OneLineParser(prog="edge0 trace", description=__doc__.splitlines()[0])
     add_model_options(p)
-    p.add_argument("--data", required=True, type=Path, help="text file; documents separated by <|endoftext|> lines")
+    p.add_argument("--data", type=Path, help="text file; documents separated by <|endoftext|> lines (with --routing model)")
     p.add_argument("--out", required=True, type=Path, help="trace file to write (.npz)")
     p.add_argument("--prompts", type=int, default=8, help="number of prompts taken from --data (default 8)")
     p.add_argument("--prompt-tokens", type=int, default=512, help="teacher-forced tokens per prompt (default 512)")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens generated after each prompt (default 64; 0: none)")
+    p.add_argument("--routing", choices=["model", "qwen3-like"], default="model",
+                   help="model (default): record the model's own routes on --data; qwen3-like: write synthetic routes fitted to "
+                        "Qwen3-30B-A3B's cache statistics, with this model's shape, one per token of prompts x (prompt-tokens + "
+                        "max-tokens) (docs/synthetic-routing.md)")
+    p.add_argument("--routing-seed", type=int, default=0, help="seed of the synthetic routes (default 0)")
     args = p.parse_args(argv)
+    if args.routing == "model" and args.data is None:
+        p.error("--data is required (or --routing qwen3-like)")
     if args.prompts < 1 or args.prompt_tokens < 2 or args.max_tokens < 0:
         p.error("--prompts must be >= 1, --prompt-tokens >= 2 and --max-tokens >= 0")
     if not args.out.parent.is_dir():
@@ -28,7 +35,10 @@ def main(argv=None) -> int:
     import edge0
 
     engine = edge0.load(args.model, **load_options(args))
-    trace = record_file(engine, args.data, args.prompts, args.prompt_tokens, args.max_tokens)
+    if args.routing == "qwen3-like":
+        trace = synthetic_record(engine, args.prompts * (args.prompt_tokens + args.max_tokens), args.routing_seed)
+    else:
+        trace = record_file(engine, args.data, args.prompts, args.prompt_tokens, args.max_tokens)
     tracefile.write(args.out, trace)
     gen = int(trace.phase.sum())
     print(f"{args.out}: {trace.num_steps} steps ({trace.num_steps - gen} teacher-forced, {gen} generated), "

@@ -1,0 +1,46 @@
+"""Synthetic routing in a live engine (`edge0 bench --routing qwen3-like`): every MoE layer
+computes with the generator's routes, and the pre-router arms' stager reads them one step ahead."""
+
+from __future__ import annotations
+
+import numpy as np
+
+import edge0
+from edge0.bench.routing import use_synthetic_routing
+from edge0.cache.synthetic import generate
+
+
+def load(store, **kw):
+    return edge0.load(store, prerouter=False, lora=False, prefill_executor="exact", **kw)
+
+
+def test_layers_compute_with_the_generated_routes(store_for):
+    e = load(store_for("qwen3_moe"), decode_executor="exact")
+    use_synthetic_routing(e, seed=3)
+    seen = {}
+    e.observe_routes(lambda layer, inds, scores: seen.setdefault(layer, []).append(inds))
+    prompt = e.encode("hello world, once upon a time")
+    e.generate(prompt, max_tokens=6, ignore_eos=True)
+    layers = sorted(seen)
+    used = np.stack([np.concatenate(seen[l]) for l in layers])  # [L, T, K]
+    want, _ = generate(e.spec.num_experts, e.k, len(layers), used.shape[1], seed=3)
+    assert used.shape[1] == len(prompt) + 5
+    np.testing.assert_array_equal(used, want)
+
+
+def test_lookahead_staging_reads_ahead_with_no_drops_or_syncs(store_for):
+    store = store_for("qwen3_moe")
+    ref = load(store, decode_executor="exact")
+    use_synthetic_routing(ref, seed=1)
+    prompt = ref.encode("hello world, once upon a time")
+    want = ref.generate(prompt, max_tokens=16, ignore_eos=True)
+    per_slot = sum(ref.store.expert_nbytes(l) for l in ref.store.layers)
+    e = load(store, decode_executor="staged", expert_cache=(ref.k + 1) * per_slot)
+    use_synthetic_routing(e, seed=1, lookahead=True)
+    got = e.generate(prompt, max_tokens=16, ignore_eos=True)
+    assert got.tokens == want.tokens  # the same routes, computed from the slots
+    n_layers = len(e.store.layers)
+    assert got.stats["dropped_experts"] == 0
+    assert got.stats["host_syncs"] == 2 * n_layers  # the exact prefill and the first step only
+    t = e.stats()["totals"]
+    assert t["slot_rewrites"] > 0 and t["hits"] > 0

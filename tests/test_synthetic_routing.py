@@ -65,3 +65,15 @@ def test_lru_hit_rate_in_fitted_band():
         cache, _ = replay_layer(layer, None, make_policy("lru", 32, 128))
         hits, total = hits + cache.hits, total + cache.hits + cache.misses
     assert 78.0 <= 100.0 * hits / total <= 84.0
+
+
+def test_text_seed_keeps_the_model_and_changes_the_tokens():
+    from edge0.cache.synthetic import generate
+
+    a, _ = generate(32, 4, 2, 400, seed=5, text_seed=1)
+    b, _ = generate(32, 4, 2, 400, seed=5, text_seed=2)
+    c, _ = generate(32, 4, 2, 400, seed=6, text_seed=1)
+    assert not np.array_equal(a, b)
+    freq = lambda r: np.bincount(r.reshape(2, -1)[0], minlength=32)  # noqa: E731
+    # the same model routes to the same popular experts; another model to others
+    assert np.corrcoef(freq(a), freq(b))[0, 1] > np.corrcoef(freq(a), freq(c))[0, 1] + 0.3

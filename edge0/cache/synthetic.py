@@ -43,7 +43,10 @@ class RouteSource:
     Deterministic for a seed: call n (from 0) gives `generate(..., seed)`'s routes[:, n] and
     scores[:, n]; `next()` and `step()` may be mixed, each advances one token."""
 
-    def __init__(self, num_experts: int, top_k: int, layers: int, seed: int, params: RoutingParams = QWEN3_LIKE):
+    def __init__(self, num_experts: int, top_k: int, layers: int, seed: int, params: RoutingParams = QWEN3_LIKE,
+                 text_seed: int | None = None):
+        """`seed` fixes the model (which experts are popular in each layer); `text_seed`, when
+        given, draws the token-by-token process separately: another text through the same model."""
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k must be in 1..{num_experts} (got {top_k})")
         if layers < 1:
@@ -57,6 +60,8 @@ class RouteSource:
         # skew, so hit rates vary less between layers and seeds than with drawn popularities.
         quantiles = np.array([NormalDist().inv_cdf((i + 0.5) / num_experts) for i in range(num_experts)])
         self._popularity = params.popularity * self._rng.permuted(np.tile(quantiles, (layers, 1)), axis=1)
+        if text_seed is not None:
+            self._rng = np.random.default_rng([seed, text_seed])
         # Start the topic from its stationary distribution, so the process has no warm-up drift.
         self._topic = params.topic * self._rng.standard_normal(shape)
         self._rho = 0.5 ** (1.0 / params.topic_halflife)
@@ -93,10 +98,10 @@ class RouteSource:
 
 
 def generate(num_experts: int, top_k: int, layers: int, steps: int, seed: int,
-             params: RoutingParams = QWEN3_LIKE) -> tuple[np.ndarray, np.ndarray]:
+             params: RoutingParams = QWEN3_LIKE, text_seed: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """`steps` tokens of routing: (routes int64 [layers, steps, top_k], scores float32
     [layers, steps, num_experts]); the same as `steps` calls of RouteSource(...).step()."""
-    src = RouteSource(num_experts, top_k, layers, seed, params)
+    src = RouteSource(num_experts, top_k, layers, seed, params, text_seed)
     routes = np.empty((layers, steps, top_k), dtype=np.int64)
     scores = np.empty((layers, steps, num_experts), dtype=np.float32)
     for t in range(steps):
@@ -105,13 +110,13 @@ def generate(num_experts: int, top_k: int, layers: int, steps: int, seed: int,
 
 
 def synthetic_trace(num_experts: int, top_k: int, layers: list[int], expert_bytes: list[int], steps: int, seed: int,
-                    meta: dict | None = None, params: RoutingParams = QWEN3_LIKE):
+                    meta: dict | None = None, params: RoutingParams = QWEN3_LIKE, text_seed: int | None = None):
     """A routing trace (edge0.cache.tracefile) of `steps` generated tokens for a model of this
     shape, for the simulator and the planner: one prompt, every step marked as generated."""
     from edge0.cache.tracefile import Trace
 
-    routes, scores = generate(num_experts, top_k, len(layers), steps, seed, params)
+    routes, scores = generate(num_experts, top_k, len(layers), steps, seed, params, text_seed)
     info = {"num_experts": num_experts, "top_k": top_k, "layers": list(layers), "expert_bytes": list(expert_bytes),
-            "score_kind": "softmax", "source": {"routing": "qwen3-like", "seed": seed, "params": asdict(params)}}
+            "score_kind": "softmax", "source": {"routing": "qwen3-like", "seed": seed, "text_seed": text_seed, "params": asdict(params)}}
     return Trace(routes, scores.astype(np.float16), np.zeros(steps, np.int32), np.ones(steps, np.uint8),
                  np.zeros(1, np.int64), {**(meta or {}), **info})

@@ -41,7 +41,8 @@ def main(argv=None) -> int:
     p.add_argument("--top-k", type=int, default=8, help="--routing: experts per token (default 8)")
     p.add_argument("--layers", type=int, default=8, help="--routing: MoE layers (default 8)")
     p.add_argument("--steps", type=int, default=2000, help="--routing: tokens (default 2000)")
-    p.add_argument("--seed", type=int, default=0, help="--routing: seed (default 0)")
+    p.add_argument("--seed", type=int, default=0, help="--routing: seed of the synthetic model: which experts are popular (default 0)")
+    p.add_argument("--text-seed", type=int, default=None, help="--routing: seed of the token process, for another text through the same model")
     p.add_argument("--budget", default=None, help="experts cached per layer: fractions and/or counts, e.g. 1/8,1/4,3/8 (default) or 4,8")
     p.add_argument("--budget-bytes", default=None, help="total cache bytes over all MoE layers, e.g. 16MiB,64MiB")
     p.add_argument("--policies", default=None, help=f"comma-separated subset of {','.join(ORDER)} (default: all available)")
@@ -56,7 +57,7 @@ def main(argv=None) -> int:
         if not (1 <= args.top_k <= args.experts and args.layers >= 1 and args.steps >= 1 and args.seed >= 0):
             p.error("--routing: needs 1 <= --top-k <= --experts, --layers >= 1, --steps >= 1 and --seed >= 0")
         trace = synthetic_trace(args.experts, args.top_k, list(range(args.layers)), [QWEN3_30B_EXPERT_BYTES] * args.layers,
-                                args.steps, args.seed, {"model": f"synthetic {args.routing}"})
+                                args.steps, args.seed, {"model": f"synthetic {args.routing}"}, text_seed=args.text_seed)
     else:
         trace = tracefile.read(args.trace)
     E = trace.num_experts

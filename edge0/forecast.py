@@ -52,12 +52,18 @@ class Checkpoint:
     max_context: int
     kv_bytes_per_token: int  # float32 K and V of every full-attention layer
     resident_bytes: int  # in memory after conversion (int4 linears, float32 scales and the rest on CPU)
+    resident_store_bytes: int  # the same tensors as stored (2-byte scales and biases)
+    untouched_bytes: int  # resident bytes a decode token does not read: the input embedding (one row used)
     expert_bytes: int  # one expert of one layer, as stored
     checkpoint_bytes: int  # the source's own tensors
 
     @property
     def expert_store_bytes(self) -> int:
         return self.expert_bytes * self.num_experts * self.moe_layers
+
+    @property
+    def store_bytes(self) -> int:
+        return self.resident_store_bytes + self.expert_store_bytes
 
 
 def read_headers(path: Path) -> dict[str, tuple[str, list[int]]]:
@@ -106,8 +112,9 @@ def summarize(config: dict, tensors: dict, source: str) -> Checkpoint:
     if not experts or not top_k:
         raise Edge0Error(f"--hf-path {source}: config.json has no routed experts (num_experts / num_experts_per_tok); "
                          "edge0 runs MoE models")
-    routed, resident, ckpt = 0, 0, 0
+    routed, resident, stored, embedding, ckpt = 0, 0, 0, 0, 0
     moe_layers = set()
+    tied = bool(c.get("tie_word_embeddings"))
     for name, (dtype, shape) in tensors.items():
         n = int(np.prod(shape)) if shape else 1
         nbytes = n * _ITEMSIZE.get(dtype, 2)
@@ -116,11 +123,16 @@ def summarize(config: dict, tensors: dict, source: str) -> Checkpoint:
             layer = re.search(r"layers\.(\d+)\.", name)
             moe_layers.add(int(layer.group(1)) if layer else -1)
             routed += nbytes if quantized else n * INT4_BYTES_PER_PARAM
-        elif quantized:
+            continue
+        if quantized:
             # scales and biases are widened to float32 on the CPU (docs/dtype.md)
-            resident += n * 4 if name.endswith((".scales", ".biases")) or dtype in ("F16", "BF16") else nbytes
+            mem = n * 4 if name.endswith((".scales", ".biases")) or dtype in ("F16", "BF16") else nbytes
+            disk = nbytes
         else:
-            resident += n * (0.5 + 2 * 4 / 64) if len(shape) == 2 else n * 4
+            mem, disk = (n * (0.5 + 2 * 4 / 64), n * INT4_BYTES_PER_PARAM) if len(shape) == 2 else (n * 4, nbytes)
+        resident, stored = resident + mem, stored + disk
+        if "embed_tokens" in name and not tied:
+            embedding += mem
     if not moe_layers:
         raise Edge0Error(f"--hf-path {source}: no routed-expert tensors in the safetensors headers (expected names "
                          "like model.layers.N.mlp.experts.E.gate_proj.weight)")
@@ -134,6 +146,7 @@ def summarize(config: dict, tensors: dict, source: str) -> Checkpoint:
         num_experts=experts, top_k=top_k, hidden=int(c["hidden_size"]),
         max_context=int(c.get("max_position_embeddings") or 4096),
         kv_bytes_per_token=2 * full * kv_heads * head_dim * 4, resident_bytes=int(resident),
+        resident_store_bytes=int(stored), untouched_bytes=int(embedding),
         expert_bytes=int(routed / (len(moe_layers) * experts)), checkpoint_bytes=ckpt)
 
 
@@ -201,7 +214,7 @@ def forecast(ck: Checkpoint, memory: int, disk: dict, compute: dict) -> dict:
     slots = max(ck.top_k, int(share * ck.num_experts)) if fits else ck.top_k
     hit_local = _lru_hit_rate(generate, ck.num_experts, ck.top_k, slots)
     hit_uniform = min(1.0, slots / ck.num_experts)
-    touched = ck.resident_bytes + ck.top_k * ck.moe_layers * ck.expert_bytes  # weights one token reads
+    touched = ck.resident_bytes - ck.untouched_bytes + ck.top_k * ck.moe_layers * ck.expert_bytes  # weights one token reads
     compute_s = touched / compute["bytes_per_s"] + ck.num_layers * compute["layer_s"]
 
     def tok_s(hit):
@@ -211,7 +224,7 @@ def forecast(ck: Checkpoint, memory: int, disk: dict, compute: dict) -> dict:
     low, high = tok_s(hit_uniform), tok_s(hit_local)
     longest = max(0, (memory - ck.resident_bytes - overhead - min_cache) // max(1, ck.kv_bytes_per_token))
     verdict = "DOES-NOT-FIT" if not fits else next(v for t, v in VERDICTS if high >= t)
-    return {"store_bytes": ck.resident_bytes + ck.expert_store_bytes, "resident_bytes": ck.resident_bytes,
+    return {"store_bytes": ck.store_bytes, "resident_bytes": ck.resident_bytes,
             "expert_cache_bytes": cache if fits else 0, "experts_cached_per_layer": slots,
             "hit_rate_uniform": hit_uniform, "hit_rate_local": hit_local,
             "tok_s_low": low, "tok_s_high": high, "longest_context": int(min(longest, ck.max_context)),

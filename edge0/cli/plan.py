@@ -18,6 +18,8 @@ from edge0.errors import Edge0Error
 from edge0.plan import PROMPTS, measure_decode, measure_reads, per_layer, predict, recommend
 from edge0.store.format import manifest_hash
 from edge0.trace import record, record_file, synthetic_record
+from edge0.units import format_size, parse_size
+
 
 def main(argv=None) -> int:
     p = OneLineParser(prog="edge0 plan", description=__doc__.splitlines()[0])
@@ -32,7 +34,15 @@ def main(argv=None) -> int:
                         "routes fitted to Qwen3-30B-A3B's cache statistics, with this model's shape (docs/synthetic-routing.md)")
     p.add_argument("--budget", default="1/8,1/4,3/8,1/2,3/4,1/1", help="experts cached per layer (default 1/8,1/4,3/8,1/2,3/4,1/1)")
     p.add_argument("--json", type=Path, default=None, help="also write the measurements and predictions here, to check against later runs")
+    g = p.add_argument_group("forecast before download (reads only config.json and the safetensors headers)")
+    g.add_argument("--hf-path", default=None, metavar="REPO_OR_DIR",
+                   help="a Hugging Face repo id or a local model directory, not yet converted: forecast instead of plan")
+    g.add_argument("--memory", default=None, metavar="SIZE", help="--hf-path: the memory to plan for (default: available now)")
     args = p.parse_args(argv)
+    if args.hf_path:
+        return forecast_main(args)
+    if args.memory:
+        p.error("--memory goes with --hf-path")
     if args.cache_policy not in POLICIES or args.cache_policy in ("belady", "flashmoe"):
         raise Edge0Error(f"--cache-policy: {args.cache_policy!r} cannot be planned; use one of lru, lfu, arc, smoe")
     if args.substitute_alpha:
@@ -97,3 +107,35 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     run_main(main)
+
+
+def forecast_main(args) -> int:
+    """`edge0 plan --hf-path`: fit and speed of a checkpoint before it is downloaded."""
+    from edge0.backend import core as B
+    from edge0.bundled import cache_dir
+    from edge0.forecast import forecast, probe_compute, probe_disk, read_checkpoint, summarize
+
+    memory = parse_size(args.memory, "--memory") if args.memory else B.available_memory()
+    config, tensors = read_checkpoint(args.hf_path)
+    ck = summarize(config, tensors, args.hf_path)
+    where = Path(args.hf_path).expanduser() if Path(args.hf_path).expanduser().is_dir() else cache_dir()
+    where.mkdir(parents=True, exist_ok=True)
+    disk, compute = probe_disk(where, ck.expert_bytes), probe_compute(config, ck.hidden)
+    f = forecast(ck, memory, disk, compute)
+    print(f"{args.hf_path}: {ck.model_type}, {ck.num_layers} layers ({ck.moe_layers} MoE) x {ck.num_experts} experts, "
+          f"top-{ck.top_k}; checkpoint {format_size(ck.checkpoint_bytes)}")
+    print(f"probes: expert read {1e3 * disk['expert_read_s']:.2f} ms {'cold' if disk['cold'] else 'warm'} "
+          f"({format_size(ck.expert_bytes)}), sequential {disk['sequential_bytes_per_s'] / 1e6:.0f} MB/s, int4 matmul "
+          f"{compute['bytes_per_s'] / 1e9:.1f} GB/s of weights, {1e3 * compute['layer_s']:.2f} ms per layer of graph")
+    print(f"store size       {format_size(f['store_bytes'])}")
+    print(f"resident         {format_size(f['resident_bytes'])}")
+    print(f"expert cache     {format_size(f['expert_cache_bytes'])} of {format_size(ck.expert_store_bytes)} "
+          f"({f['experts_cached_per_layer']} of {ck.num_experts} experts per layer) in {format_size(memory)}")
+    print(f"decode           {f['tok_s_low']:.1f}-{f['tok_s_high']:.1f} tok/s (uniform routing, hit rate "
+          f"{100 * f['hit_rate_uniform']:.0f}%, to qwen3-like locality, {100 * f['hit_rate_local']:.0f}%)")
+    print(f"longest context  {f['longest_context']} tokens")
+    print(f"verdict          {f['verdict']}")
+    if args.json:
+        args.json.write_text(json.dumps({"checkpoint": ck.__dict__, "probes": {"disk": disk, "compute": compute}, **f}, indent=1) + "\n")
+        print(f"wrote {args.json}", file=sys.stderr)
+    return 0

@@ -24,7 +24,8 @@ from tqdm import tqdm
 
 from edge0.errors import Edge0Error
 from edge0.families import spec_for, supported
-from edge0.store.format import CONFIG_FILE, FORMAT, HEADS_FILE, LORA_FILE, MANIFEST, RESIDENT_FILE, VERSION, expert_file
+from edge0.store.format import (CONFIG_FILE, FORMAT, HEADS_FILE, LORA_FILE, MANIFEST, RESIDENT_FILE, VERSION, expert_file,
+                                seal, sha256_file)
 from edge0.store.writer import SafetensorsWriter, write_expert_layer
 from edge0.version import __version__
 
@@ -129,6 +130,10 @@ def _convert(src: Path, hf_path: str, out: Path, config: dict, dtype: str | None
                 p.name for p in src.glob("lora-k*.safetensors"))):
             if (src / extra).is_file():
                 shutil.copy(src / extra, tmp / extra)
+        for f in sorted(tmp.rglob("*")):  # config, tokenizer and sidecars: covered by `edge0 verify`
+            rel = f.relative_to(tmp).as_posix()
+            if f.is_file() and rel not in files:
+                files[rel] = {"size": f.stat().st_size, "sha256": sha256_file(f)}
         manifest = {
             "format": FORMAT,
             "version": VERSION,
@@ -140,7 +145,7 @@ def _convert(src: Path, hf_path: str, out: Path, config: dict, dtype: str | None
             "files": files,
             "expert_layers": expert_layers,
         }
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        (tmp / MANIFEST).write_text(json.dumps(seal(manifest), indent=1))
         os.rename(tmp, out)
     except BaseException:
         bar.close()

@@ -20,7 +20,8 @@ COMPUTE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 def _opt(default, help: str, kind: str, **extra):
     """A LoadOptions field. `kind` says how the CLI spells it: choice, int, float, size, path,
-    flag (a switch), tristate (FILE, or --no-NAME for False) or layer_executors (repeatable).
+    flag (--NAME sets it), switch (--NAME / --no-NAME), tristate (FILE, or --no-NAME for False) or
+    layer_executors (repeatable).
     `checked_later`: the CLI leaves the choice to validate(), whose error explains more."""
     factory = {"default_factory": dict} if default == {} else {"default": default}
     return field(**factory, metadata={"help": help, "kind": kind, **extra})
@@ -60,6 +61,8 @@ class LoadOptions:
     io: str = _opt("auto", "how expert bytes are read: auto (default: pread when the experts fit in half the memory "
                            "available, else direct), mmap, pread (preallocated buffers, reads in flight), direct "
                            "(bypasses the page cache)", "choice", choices=("auto", *STRATEGIES))
+    check_experts: bool = _opt(True, "check each expert against its crc32 in the manifest the first time this process "
+                                     "reads it (default on; --no-check-experts turns it off)", "switch")
     cold_reads: bool = _opt(False, "drop every expert read from the OS page cache again (benchmarks of cold "
                                    "storage)", "flag")
 

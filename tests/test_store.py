@@ -62,7 +62,10 @@ def test_manifest_records_format_spec_and_checksums(store_for):
     m = json.loads((root / "edge0-manifest.json").read_text())
     assert (m["format"], m["version"]) == ("edge0-store", VERSION)
     assert m["spec"]["routing"]["kind"] == "grouped"
-    assert set(m["files"]) == {"model.safetensors", *(l["file"] for l in m["expert_layers"])}
+    # every file of the store but the manifest (which carries a checksum of its own)
+    every = {f.relative_to(root).as_posix() for f in root.rglob("*") if f.is_file()} - {"edge0-manifest.json"}
+    assert set(m["files"]) == every and {"model.safetensors", "config.json", "tokenizer.json"} <= every
+    assert len(m["manifest_sha256"]) == 64
     assert all(len(f["sha256"]) == 64 for f in m["files"].values())
     t = m["expert_layers"][0]["tensors"]["gate_proj.weight"]
     assert t["dtype"] == "U32" and t["shape"][-1] * 8 == 64  # int4 packed 8 per uint32

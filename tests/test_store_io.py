@@ -46,6 +46,7 @@ def tensor_major_copy(src: Path, out: Path) -> Path:
         layers.append({k: entry[k] for k in ("layer", "module", "file", "num_experts")} | {"tensors": {
             n: {"dtype": t["dtype"], "shape": t["shape"], "offset": w.offsets[k], "expert_nbytes": t["expert_nbytes"]}
             for (n, t), k in zip(entry["tensors"].items(), names)}})
+    m.pop("manifest_sha256", None)  # version 1 manifests carried no checksum of their own
     (out / "edge0-manifest.json").write_text(json.dumps({**m, "version": 1, "expert_layers": layers}))
     return out
 
@@ -241,6 +242,10 @@ def test_layout_that_does_not_match_the_file_is_one_line_error(stores, tmp_path)
     shutil.copytree(v2, copy)
     m = json.loads((copy / "edge0-manifest.json").read_text())
     m["expert_layers"][0]["expert_stride"] += ALIGN
+    (copy / "edge0-manifest.json").write_text(json.dumps(m))
+    with pytest.raises(Edge0Error, match="changed after conversion"):  # its own checksum catches the edit
+        open_manifest(copy)
+    m.pop("manifest_sha256")  # a manifest without one (written before stores carried it): the layout check
     (copy / "edge0-manifest.json").write_text(json.dumps(m))
     with pytest.raises(Edge0Error, match="layout in the manifest does not match") as e:
         open_manifest(copy)

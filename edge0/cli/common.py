@@ -47,6 +47,8 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
         kind = m["kind"]
         if kind == "flag":
             p.add_argument(name, dest=f.name, action="store_true", help=m["help"])
+        elif kind == "switch":
+            p.add_argument(name, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default, help=m["help"])
         elif kind == "tristate":
             g = p.add_mutually_exclusive_group()
             g.add_argument(name, dest=f.name, default=None, metavar="FILE", help=m["help"])

@@ -29,7 +29,7 @@ def open_engine(root: Path, options) -> Engine:
     k = spec.serving_k(options.top_k) if spec else None
     ckpt_dtype = next((t["dtype"] for l in manifest["expert_layers"] for n, t in l["tensors"].items() if n.endswith("scales")), "F32")
     compute = B.pick_compute_dtype(options.dtype, B.ST_DTYPES.get(ckpt_dtype, "float32"))
-    store = ExpertStore(root, manifest, cold_reads=options.cold_reads, io=options.io)
+    store = ExpertStore(root, manifest, cold_reads=options.cold_reads, io=options.io, check_experts=options.check_experts)
     model = bnn.assemble(root, RESIDENT_FILE, manifest, config, spec, k, compute)
     streaming = Streaming(store, compute, k or _native_k(config), bnn.resident_bytes(model), options)
     bnn.attach_executors(model, streaming.layers)

@@ -63,11 +63,59 @@ def open_manifest(root, verify: bool = False) -> dict:
             f"{path}: store format version {manifest.get('version')} but this edge0 reads "
             f"versions {' and '.join(map(str, READS_VERSIONS))}; {_regenerate(root)}"
         )
-    for rel, info in manifest["files"].items():
-        check_file(root, rel, info, verify)
+    if "manifest_sha256" in manifest and manifest["manifest_sha256"] != manifest_checksum(manifest):
+        raise Edge0Error(f"{path} was changed after conversion (its checksum differs); check the store with: "
+                         f"edge0 verify {root}; {_regenerate(root)}")
+    # the tensors every load depends on; config, tokenizer and sidecars are checked by
+    # edge0 verify (a user may edit or replace them; each has its own checks at load)
+    for rel in tensor_files(manifest):
+        check_file(root, rel, manifest["files"][rel], verify)
     for entry in manifest["expert_layers"]:
         check_layout(path, root, entry)
     return manifest
+
+
+def tensor_files(manifest: dict) -> list[str]:
+    """The model's tensor files: the resident weights and one file per MoE layer."""
+    return [RESIDENT_FILE, *(e["file"] for e in manifest.get("expert_layers") or [])]
+
+
+def is_sidecar(rel: str) -> bool:
+    """Heads and adapters: files a user may add or replace in a store (each checks its own identity)."""
+    return rel == HEADS_FILE or (rel.startswith("lora") and rel.endswith(".safetensors"))
+
+
+def manifest_checksum(manifest: dict) -> str:
+    """sha256 of the manifest's canonical JSON without this checksum: detects a changed offset or size."""
+    return hashlib.sha256(json.dumps({k: v for k, v in manifest.items() if k != "manifest_sha256"},
+                                     sort_keys=True).encode()).hexdigest()
+
+
+def seal(manifest: dict) -> dict:
+    """The manifest with its own checksum added (written last by convert and relayout)."""
+    return {**manifest, "manifest_sha256": manifest_checksum(manifest)}
+
+
+def verify_store(root) -> tuple[dict, list[str]]:
+    """(manifest, problems): every file's size and sha256 and the manifest's own checksum, all of
+    them checked (not only up to the first problem), each problem on one line."""
+    root = Path(root)
+    manifest = json.loads((root / MANIFEST).read_text()) if (root / MANIFEST).is_file() else None
+    if manifest is None or not isinstance(manifest, dict) or "files" not in manifest:
+        open_manifest(root)  # raises the one-line error for a missing or foreign manifest
+    problems = []
+    if "manifest_sha256" not in manifest:
+        problems.append(f"{root / MANIFEST}: has no checksum of its own (written before edge0 stores carried one); "
+                        f"its offsets are not covered: {_regenerate(root)}")
+    elif manifest["manifest_sha256"] != manifest_checksum(manifest):
+        problems.append(f"{root / MANIFEST}: changed after conversion (its checksum differs); {_regenerate(root)}")
+    for rel, info in manifest["files"].items():
+        try:
+            check_file(root, rel, info, verify=True)
+        except Edge0Error as e:
+            note = " (a sidecar: replaced, or damaged)" if is_sidecar(rel) else ""
+            problems.append(f"{e}{note}")
+    return manifest, problems
 
 
 def check_layout(path: Path, root: Path, entry: dict) -> None:
@@ -115,7 +163,8 @@ def manifest_hash(root) -> str:
     contributes the size and sha256 its tensor-major file would have (`tensor_major` in its
     entry), so heads, adapters and traces carry over between layouts."""
     m = json.loads((Path(root) / MANIFEST).read_text())
-    files = dict(m.get("files") or {})
+    # the model's tensors only: config, tokenizer and sidecar files were hashed later (format 2)
+    files = {k: v for k, v in (m.get("files") or {}).items() if k in set(tensor_files(m))}
     for entry in m.get("expert_layers") or []:
         if entry.get("layout") == EXPERT_MAJOR:
             files[entry["file"]] = entry["tensor_major"]

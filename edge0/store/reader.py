@@ -8,10 +8,13 @@ tensor is [offset + e * expert_nbytes, offset + (e + 1) * expert_nbytes), one re
 from __future__ import annotations
 
 import threading
+import time
+import zlib
 from pathlib import Path
 
 import numpy as np
 
+from edge0.errors import Edge0Error
 from edge0.store.format import ALIGN, EXPERT_MAJOR, RELAYOUT
 from edge0.store.readers import CHUNK, DEFAULT_QUEUE_DEPTH, IOV_MAX, aligned_empty, choose_io, make_reader, split
 
@@ -34,12 +37,19 @@ class ExpertStore:
     "mmap", "pread" or "direct". `queue_depth`: reads of one call in flight at once.
     `cold_reads` drops every range it reads from the OS page cache too, so each read comes from
     storage: a benchmark knob that simulates a model much larger than RAM on a machine where it
-    would otherwise stay cached."""
+    would otherwise stay cached. `check_experts`: the first read of each expert in this process
+    is checked against its crc32 in the manifest (expert-major layers), so damage is caught
+    where it is read, not as garbage output."""
 
     def __init__(self, root, manifest: dict, cold_reads: bool = False, io: str = "auto",
-                 queue_depth: int = DEFAULT_QUEUE_DEPTH):
+                 queue_depth: int = DEFAULT_QUEUE_DEPTH, check_experts: bool = True):
         self.root = Path(root)
         self.layers = {int(l["layer"]): l for l in manifest["expert_layers"]}
+        # per layer: the manifest's crc32 of each expert, and which were checked (once per process)
+        self._crc = {l: np.array(info["expert_crc32"], dtype=np.int64) for l, info in self.layers.items()
+                     if check_experts and "expert_crc32" in info}
+        self._checked = {l: np.zeros(len(c), dtype=bool) for l, c in self._crc.items()}
+        self.experts_checked, self.check_s = 0, 0.0
         self.reason = "requested"
         if io == "auto":
             files = manifest.get("files", {})
@@ -105,9 +115,34 @@ class ExpertStore:
                 for i, e, k in runs:
                     ranges += split(int(t["offset"]) + e * size, out[name][i:i + k].reshape(-1))
         self._reader.read(info["file"], ranges, aligned)
+        if int(info["layer"]) in self._checked:
+            self._check(info, list(range(n)) if ids is None else ids, out)
         with self._lock:
             self.bytes_read += sum(b.nbytes for b in out.values())
         return {name: (out[name], t["dtype"], tuple(t["shape"][1:])) for name, t in tensors.items()}
+
+    def _check(self, info: dict, ids: list[int], out: dict) -> None:
+        """Compare the experts of this read that were never checked with their crc32."""
+        layer = int(info["layer"])
+        checked, want = self._checked[layer], self._crc[layer]
+        t0 = time.perf_counter()
+        n = 0
+        try:
+            for row, e in enumerate(ids):
+                if checked[e]:
+                    continue
+                crc = 0
+                for name in info["tensors"]:  # the writer's order
+                    crc = zlib.crc32(out[name][row], crc)
+                if crc != want[e]:
+                    raise Edge0Error(f"{self.root / info['file']}: layer {layer} expert {e} does not match its checksum "
+                                     f"(crc32): the store is damaged; find every damaged file with: edge0 verify {self.root}")
+                checked[e] = True
+                n += 1
+        finally:
+            with self._lock:
+                self.experts_checked += n
+                self.check_s += time.perf_counter() - t0
 
     def read(self, layer: int, ids) -> dict[str, tuple[np.ndarray, str, tuple]]:
         """Copy experts `ids` of `layer` out of the file: one read per run of consecutive ids
@@ -129,7 +164,8 @@ class ExpertStore:
         """Which reader ran and why, reads issued, bytes issued (with row padding) and read
         (tensor bytes), the most reads in flight at once, and direct-I/O fallbacks."""
         d = self._reader.stats()
-        d.update(reason=self.reason, bytes_read=self.bytes_read)
+        d.update(reason=self.reason, bytes_read=self.bytes_read, expert_checks=bool(self._checked),
+                 experts_checked=self.experts_checked, check_ms=1000 * self.check_s)
         d["tensor_major_layers"] = sum(l.get("layout") != EXPERT_MAJOR for l in self.layers.values())
         return d
 
@@ -143,6 +179,7 @@ class ExpertStore:
                      f"re-lay out with: {RELAYOUT} {self.root} <new dir>")
         else:
             line += "; expert-major layout: 1 read per expert"
+        line += "; experts checked (crc32) when first read" if s["expert_checks"] else "; experts not checked when read"
         if s["direct_fallbacks"]:
             line += f"; page-cache bypass fell back to pread for {s['direct_fallbacks']} files: {'; '.join(s['direct_fallback_reasons'])}"
         return line

@@ -15,7 +15,7 @@ import shutil
 from pathlib import Path
 
 from edge0.errors import Edge0Error
-from edge0.store.format import EXPERT_MAJOR, MANIFEST, VERSION, open_manifest
+from edge0.store.format import EXPERT_MAJOR, MANIFEST, VERSION, open_manifest, seal
 from edge0.store.writer import write_expert_layer
 
 
@@ -54,7 +54,7 @@ def relayout_store(src, out) -> Path:
             if fields["tensor_major"] != manifest["files"][rel]:
                 raise Edge0Error(f"{src / rel}: its bytes do not match the manifest's sha256; the store is damaged, convert it again")
             layers.append({"layer": entry["layer"], "module": module, "file": rel, **fields})
-        (tmp / MANIFEST).write_text(json.dumps({**manifest, "version": VERSION, "files": files, "expert_layers": layers}, indent=1))
+        (tmp / MANIFEST).write_text(json.dumps(seal({**manifest, "version": VERSION, "files": files, "expert_layers": layers}), indent=1))
         os.rename(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import struct
+import zlib
 from pathlib import Path
 
 from edge0.store.format import ALIGN, EXPERT_MAJOR, sha256_file
@@ -114,6 +115,7 @@ def write_expert_layer(path, module: str, tensors: list[tuple[str, str, tuple]],
     tm_head, _ = _header(tensors, {"format": "mlx"}, 8)  # what SafetensorsWriter would write
     tm_sha, tm_size = hashlib.sha256(tm_head), len(tm_head)
     tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
+    crcs = [0] * num  # per expert: crc32 of its tensors' bytes in this order, checked when first read
     try:
         with open(tmp, "wb") as fh:
             fh.write(head)
@@ -129,6 +131,7 @@ def write_expert_layer(path, module: str, tensors: list[tuple[str, str, tuple]],
                 for e in range(num):
                     fh.seek(len(head) + e * stride + t["expert_offset"])
                     fh.write(data[e * n:(e + 1) * n])
+                    crcs[e] = zlib.crc32(data[e * n:(e + 1) * n], crcs[e])
                 del data
         info = {"size": tmp.stat().st_size, "sha256": sha256_file(tmp)}
         os.replace(tmp, path)
@@ -136,4 +139,4 @@ def write_expert_layer(path, module: str, tensors: list[tuple[str, str, tuple]],
         tmp.unlink(missing_ok=True)
         raise
     return info, {"num_experts": num, "layout": EXPERT_MAJOR, "offset": len(head), "expert_stride": stride,
-                  "tensors": layout, "tensor_major": {"size": tm_size, "sha256": tm_sha.hexdigest()}}
+                  "tensors": layout, "tensor_major": {"size": tm_size, "sha256": tm_sha.hexdigest()}, "expert_crc32": crcs}

@@ -142,6 +142,16 @@ def available_memory() -> int:
     return 8 * 2**30
 
 
+def active_memory() -> int:
+    """Bytes the MLX allocator holds in live arrays."""
+    return mx.get_active_memory()
+
+
+def release_cached_memory() -> None:
+    """Give the buffers MLX keeps for reuse back to the OS (after large arrays were dropped)."""
+    mx.clear_cache()
+
+
 def peak_memory() -> int:
     """MLX allocator peak in bytes since the last reset."""
     return mx.get_peak_memory()

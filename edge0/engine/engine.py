@@ -63,6 +63,7 @@ class Engine:
         self.lora_path: Path | None = None
         self.lora_meta: dict | None = None
         self.lora_note = ""
+        self.generating = False  # a stream_generate is running (resizing the expert cache waits for its end)
 
     # -- features ------------------------------------------------------------------------------
     def use_prerouter(self, prerouting, hooks: StepHooks, path: Path | None, meta: dict | None) -> None:
@@ -112,10 +113,12 @@ class Engine:
         sampler = bnn.make_sampler(temp=temperature, top_p=top_p)
         eos = set(self.tokenizer.eos_token_ids) if not ignore_eos else set()
         hooks = self.hooks
+        self.generating = True
         try:
             yield from self._generate(tokens, max_tokens, sampler, eos, stop, reuse_cache, should_stop)
         finally:
             hooks.finish(self)
+            self.generating = False
 
     def step(self, tokens: list[int], step: int, sampler) -> int:
         """One forward of `tokens` (the prompt's last token or a generated one) and a sample."""
@@ -200,6 +203,20 @@ class Engine:
             parts.append(last.text)
             tokens.append(last.token)
         return GenerationResult("".join(parts), tokens, last.finish_reason, last.stats)
+
+    # -- the expert cache --------------------------------------------------------------------------
+    def expert_cache(self) -> dict:
+        """The expert cache now: `slots_per_layer`, `configured_slots` (at load), `min_slots`
+        (top-k: one route), `max_slots` (every expert), `slot_bytes` (one slot in every MoE layer)
+        and `budget_bytes`."""
+        return self.streaming.cache_info()
+
+    def resize_expert_cache(self, n_slots: int) -> None:
+        """Give each MoE layer `n_slots` expert slots, between generations only; outputs do not
+        change (a dropped expert is read again when a route needs it), reads may."""
+        if self.generating:
+            raise Edge0Error("resize_expert_cache: a generation is in flight; resize between generations")
+        self.streaming.resize(n_slots)
 
     # -- checks, evaluation and traces (diagnostics.py) ----------------------------------------
     def logits(self, prompt):

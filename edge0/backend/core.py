@@ -6,6 +6,7 @@ backend stays behind one narrow interface.
 
 from __future__ import annotations
 
+import ctypes
 import resource
 import sys
 
@@ -13,6 +14,9 @@ import mlx.core as mx
 import numpy as np
 
 Array = mx.array
+
+# glibc keeps freed buffers in the C heap; its malloc_trim gives their pages back (musl, macOS: none).
+_malloc_trim = getattr(ctypes.CDLL(None), "malloc_trim", None) if sys.platform.startswith("linux") else None
 
 # Ops used by routing; they are mlx's own so results stay bit-identical to mlx-lm.
 softmax = mx.softmax
@@ -148,8 +152,12 @@ def active_memory() -> int:
 
 
 def release_cached_memory() -> None:
-    """Give the buffers MLX keeps for reuse back to the OS (after large arrays were dropped)."""
+    """Give the buffers MLX keeps for reuse back to the OS (after large arrays were dropped); with
+    glibc also the free pages of the C heap, where freed buffers stay otherwise (measured: a
+    further 30 MiB of 109 MiB freed, docs/server.md)."""
     mx.clear_cache()
+    if _malloc_trim is not None:
+        _malloc_trim(0)
 
 
 def peak_memory() -> int:

@@ -4,6 +4,8 @@ strings. `edge0.engine.load.open_engine` builds one; features attach through `us
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,12 +14,14 @@ from edge0.backend import core as B
 from edge0.backend import nn as bnn
 from edge0.engine.diagnostics import decode_logits, logits, observe_routes, prerouted_logits
 from edge0.engine.hooks import StepHooks
-from edge0.engine.kv import PromptCache
+from edge0.engine.kv import DiskPromptCaches, PromptCache
 from edge0.engine.stats import call_stats, engine_stats
 from edge0.errors import Edge0Error
 from edge0.sampling import check_sampling
+from edge0.store.format import manifest_hash, sha256_file
 from edge0.textstream import StopMatcher
 from edge0.units import format_size
+from edge0.version import __version__
 
 # Prefill chunk when the caller can cancel: mlx-lm's 2048-token chunks take tens of seconds on a
 # CPU, and a cancellation is only seen between chunks. The whole-layer executor reads each layer's
@@ -96,6 +100,27 @@ class Engine:
         """Drop the reusable KV cache."""
         self.kv.reset()
 
+    # -- prompt caches on disk -------------------------------------------------------------------
+    def identity(self) -> str:
+        """sha256 of everything this engine's KV cache depends on: edge0's version, the store
+        (manifest hash), compute dtype, serving K, pre-router heads and adapter files, and the
+        substitution alpha (which changes outputs)."""
+        ident = {"edge0": __version__, "store": manifest_hash(self.root), "dtype": self.compute_dtype, "top_k": self.k,
+                 "prerouter": sha256_file(self.heads_path) if self.prerouting is not None else None,
+                 "lora": sha256_file(self.lora_path) if self.lora_path else None,
+                 "substitute_alpha": self.streaming.options.substitute_alpha}
+        return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
+
+    def use_prompt_cache_dir(self, path, max_bytes: int) -> None:
+        """Save finished conversations' KV caches under `path` (at most `max_bytes`, least recently
+        used removed first) and reuse them, in this or a later process, when a prompt extends one."""
+        self.kv.disk = DiskPromptCaches(path, self.identity(), max_bytes)
+
+    def persist_prompt_cache(self) -> bool:
+        """Save the KV cache of the last generation (with reuse_cache) to the prompt-cache dir, if
+        one is set and it holds tokens not saved yet; returns whether it saved. Between generations."""
+        return self.kv.persist()
+
     def stream_generate(self, prompt, max_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
                         seed: int | None = None, stop=None, reuse_cache: bool = False, ignore_eos: bool = False,
                         should_stop=None):
@@ -119,6 +144,9 @@ class Engine:
         finally:
             hooks.finish(self)
             self.generating = False
+        # Reached only by a caller that iterates past the last Step (generate(), the chat REPL), so
+        # the reply is out before the save; the server, which closes early, saves between requests.
+        self.persist_prompt_cache()
 
     def step(self, tokens: list[int], step: int, sampler) -> int:
         """One forward of `tokens` (the prompt's last token or a generated one) and a sample."""

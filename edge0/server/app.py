@@ -29,6 +29,9 @@ def create_app(engine, config: ServerConfig | None = None, read_memory=memory_av
     (bytes available, source) feeds the memory watcher when `config.memory_low` is set."""
     config = config or ServerConfig()
     scheduler = Scheduler(config.max_queue)
+    # The KV cache of the finished request goes to disk (with a prompt-cache dir) once its
+    # response is complete, before the next request starts.
+    scheduler.between.append(engine.persist_prompt_cache)
     watcher = None
     if config.memory_low and not engine.expert_cache()["slots_per_layer"]:
         log.warning("--memory-low: the expert cache has no slots to shrink (--decode-executor exact); not watching memory")

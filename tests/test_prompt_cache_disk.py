@@ -6,6 +6,7 @@ counted, never fatal."""
 from __future__ import annotations
 
 import json
+import shutil
 import time
 
 import httpx
@@ -142,6 +143,12 @@ def test_a_damaged_file_or_index_is_refused_and_counted(store, tmp_path):
     assert json.loads((tmp_path / "index.json").read_text())["version"] == 1
     r = third.generate(follow + [9], max_tokens=6, reuse_cache=True)  # the file second saved is found again
     assert r.stats["prefill_tokens"] == 1 and disk(third)["restored"] == 1
+
+    shutil.rmtree(tmp_path)  # the directory removed while serving: prefill, and saving fails, counted
+    third.reset_cache()
+    r = third.generate(follow, max_tokens=6, reuse_cache=True)
+    assert r.stats["prefill_tokens"] == len(follow) and r.tokens == want
+    assert disk(third)["failed"] == 2 and "failed" in disk(third)["note"]
 
 
 def test_prompt_cache_option_errors(store, tmp_path):

@@ -176,6 +176,18 @@ class DiskPromptCaches:
         """(cache, n): a stored cache of this identity sharing the longest prefix n >
         `longer_than` with `tokens` (all but the last token, which must be fed), trimmed to n;
         or (None, 0)."""
+        try:
+            found = self._restore(tokens, longer_than)
+        except OSError as e:  # DIR removed or unreadable while serving: prefill instead
+            self.counts["failed"] += 1
+            self.note = f"reading {self.root} failed: {e}"
+            return None, 0
+        if found[0] is not None:
+            self.counts["restored"] += 1
+            self.counts["restored_tokens"] += found[1]
+        return found
+
+    def _restore(self, tokens: list[int], longer_than: int):
         with self._locked() as index:
             best, n = None, longer_than
             for name, entry in index.items():
@@ -202,8 +214,6 @@ class DiskPromptCaches:
                 return None, 0
             entry["used"] = time.time()
             self._write(index)
-        self.counts["restored"] += 1
-        self.counts["restored_tokens"] += n
         return cache, n
 
     def save(self, tokens: list[int], cache) -> bool:
@@ -242,7 +252,7 @@ class DiskPromptCaches:
                     self.note = f"{path}: {total} bytes, more than --prompt-cache-size ({self.max_bytes}); removed"
                     self._remove(index, name, "too_large")
                 self._write(index)
-        except OSError as e:  # a full disk, a directory removed: the server keeps serving
+        except Exception as e:  # noqa: BLE001 - a full disk, DIR removed, a cache mlx-lm cannot save: keep serving
             tmp.unlink(missing_ok=True)
             self.counts["failed"] += 1
             self.note = f"saving {path} failed: {e}"

@@ -14,8 +14,10 @@ from edge0.cache import LIVE_POLICIES
 from edge0.errors import Edge0Error
 from edge0.store.readers import STRATEGIES
 from edge0.streaming.dispatch import DECODE_EXECUTORS, PREFILL_EXECUTORS, TRAIN_WEIGHTS
+from edge0.units import parse_size
 
 COMPUTE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEFAULT_PROMPT_CACHE_SIZE = "2GB"
 
 
 def _opt(default, help: str, kind: str, **extra):
@@ -65,6 +67,10 @@ class LoadOptions:
                                      "reads it (default on; --no-check-experts turns it off)", "switch")
     cold_reads: bool = _opt(False, "drop every expert read from the OS page cache again (benchmarks of cold "
                                    "storage)", "flag")
+    prompt_cache_dir: str | None = _opt(None, "keep the KV caches of finished conversations (chat, serve) in DIR, so a "
+                                              "restarted process reuses a matching prefix", "path", metavar="DIR")
+    prompt_cache_size: int | str | None = _opt(None, "most bytes --prompt-cache-dir holds; the least recently used go "
+                                                     f"first (default {DEFAULT_PROMPT_CACHE_SIZE})", "size")
 
     def validate(self) -> "LoadOptions":
         """Check the options that need no model; errors name the flag and the fix."""
@@ -90,6 +96,11 @@ class LoadOptions:
         if self.substitute_alpha and self.decode_executor != "staged":
             raise Edge0Error("--substitute-alpha needs the staged decode executor (it substitutes from the expert "
                              f"cache); drop --decode-executor {self.decode_executor} or --substitute-alpha")
+        if self.prompt_cache_size is not None and not self.prompt_cache_dir:
+            raise Edge0Error("--prompt-cache-size is read only with --prompt-cache-dir; add --prompt-cache-dir DIR or "
+                             "drop --prompt-cache-size")
+        if self.prompt_cache_dir and self.prompt_cache_bytes() < 1:
+            raise Edge0Error(f"--prompt-cache-size {self.prompt_cache_size}: must be more than 0 bytes, e.g. 2GB")
         _choice("prefill_executor", self.prefill_executor)
         _choice("decode_executor", self.decode_executor)
         for layer, choice in self.layer_executors.items():
@@ -98,6 +109,11 @@ class LoadOptions:
                     raise Edge0Error(f"--layer-executor {layer}:{phase}={name}: the phase is prefill or decode")
                 _choice(f"{phase}_executor", name, f" (layer {layer})")
         return self
+
+    def prompt_cache_bytes(self) -> int:
+        """The size bound of --prompt-cache-dir in bytes."""
+        size = DEFAULT_PROMPT_CACHE_SIZE if self.prompt_cache_size is None else self.prompt_cache_size
+        return parse_size(size, "--prompt-cache-size")
 
     def executor(self, layer: int, phase: str) -> str:
         """The executor `layer` uses in `phase` ("prefill" or "decode")."""

@@ -1,6 +1,7 @@
 """`edge0.load` put together: resolve the model (a store, or the bundled demo model), open its
 engine, then attach the features it serves with: pre-router heads, then the recovery adapter
-(whose identity includes the heads)."""
+(whose identity includes the heads), then the prompt-cache directory (whose identity includes
+both)."""
 
 from __future__ import annotations
 
@@ -25,4 +26,6 @@ def load_engine(path, options: LoadOptions) -> Engine:
         adapter, engine.lora_note = (Path(options.lora).expanduser(), "") if options.lora is not None else store_adapter(engine)
         if adapter is not None:
             attach_lora(engine, adapter)
+    if options.prompt_cache_dir:  # last: its identity includes the heads and the adapter
+        engine.use_prompt_cache_dir(options.prompt_cache_dir, options.prompt_cache_bytes())
     return engine

@@ -237,6 +237,14 @@ class FakeEngine:
     def reset_cache(self) -> None:
         self._cache_tokens = []
 
+    def persist_prompt_cache(self) -> bool:
+        return False  # no prompt-cache dir
+
+    def expert_cache(self) -> dict:
+        """No expert slots: nothing for a memory watcher to resize."""
+        return {"slots_per_layer": 0, "configured_slots": 0, "min_slots": 0, "max_slots": 0, "slot_bytes": 0,
+                "budget_bytes": 0}
+
 
 def _utf8_safe_len(data: bytes) -> int:
     """Length of the longest prefix of `data` that does not end inside a UTF-8 character."""

@@ -21,11 +21,12 @@ from tests.fake_engine import FakeEngine
 
 
 @contextlib.contextmanager
-def running_server(engine, config):
-    """A real uvicorn server on a free port, in a thread; yields its base URL."""
+def running_server(engine, config, **app_kwargs):
+    """A real uvicorn server on a free port, in a thread; yields its base URL. `app_kwargs` go to
+    create_app (e.g. read_memory)."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, config), log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(create_app(engine, config, **app_kwargs), log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 10

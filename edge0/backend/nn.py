@@ -3,12 +3,13 @@ the forward/sampling calls the engine uses."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 import mlx.nn as nn
-from mlx.utils import tree_flatten, tree_map
+from mlx.utils import tree_flatten, tree_map, tree_unflatten
 from mlx_lm.models.cache import (can_trim_prompt_cache, load_prompt_cache, make_prompt_cache, save_prompt_cache,
                                   trim_prompt_cache)
 from mlx_lm.sample_utils import make_sampler
@@ -18,7 +19,7 @@ from edge0.backend import io as bio
 from edge0.backend.routing import expert_scores, route
 
 __all__ = ["make_prompt_cache", "make_sampler", "can_trim_prompt_cache", "trim_prompt_cache", "common_prefix_len",
-           "save_prompt_cache", "load_prompt_cache"]
+           "save_prompt_cache"]
 
 
 def get_module(root, path: str):
@@ -208,6 +209,32 @@ def prefill(model, tokens: list[int], cache, step: int = 2048) -> None:
     for i in range(0, len(tokens), step):
         model(mx.array(tokens[i : i + step])[None], cache=cache)
         mx.eval([c.state for c in cache])
+
+
+def prompt_cache_nbytes(cache) -> int:
+    """Bytes of the KV arrays a prompt cache holds (about its size on disk)."""
+    return sum(v.nbytes for _, v in tree_flatten([c.state for c in cache]) if isinstance(v, mx.array))
+
+
+def read_prompt_cache(path: str):
+    """(cache, metadata) from a `save_prompt_cache` file, its arrays read now, so a damaged file
+    fails here and not in a later forward."""
+    cache, metadata = load_prompt_cache(path, return_metadata=True)
+    mx.eval([c.state for c in cache])
+    return cache, metadata
+
+
+def prompt_cache_metadata(path: str) -> dict:
+    """The metadata `save_prompt_cache` stored in `path`, from the safetensors header alone."""
+    with open(path, "rb") as fh:
+        size = int.from_bytes(fh.read(8), "little")
+        if not 0 < size < 1 << 30:
+            raise ValueError(f"not a safetensors file (header size {size})")
+        header = json.loads(fh.read(size))
+    metadata = tree_unflatten(list((header.get("__metadata__") or {}).items()))
+    if not isinstance(metadata, list) or not metadata or not isinstance(metadata[0], dict):
+        raise ValueError("no prompt-cache metadata")
+    return metadata[0]
 
 
 def full_logits(model, tokens: list[int]):

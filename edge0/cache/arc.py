@@ -62,6 +62,17 @@ class ARC(Policy):
             return t1_free[0]
         return t2_free[0]
 
+    def resize(self, capacity: int) -> None:
+        """Restore ARC's bounds for the new size c (after the cache dropped its excess): p <= c,
+        |T1| + |B1| <= c and |T1| + |T2| + |B1| + |B2| <= 2c, dropping the oldest ghosts."""
+        super().resize(capacity)
+        self.p = min(self.p, float(capacity))
+        self._incoming = None
+        while self.b1 and len(self.t1) + len(self.b1) > capacity:
+            self.b1.popitem(last=False)
+        while len(self.t1) + len(self.t2) + len(self.b1) + len(self.b2) > 2 * capacity:
+            (self.b2 or self.b1).popitem(last=False)
+
     def on_evict(self, x: int) -> None:
         if x in self.t1:
             self.t1.pop(x)

@@ -48,6 +48,11 @@ class Policy(ABC):
     def victim(self, cached: set[int], protected: set[int]) -> int:
         """Pick a cached expert to evict; never one in `protected` (the current route)."""
 
+    def resize(self, capacity: int) -> None:
+        """The cache holds `capacity` experts from now on (ExpertCache.resize has already
+        evicted any excess through `victim`)."""
+        self.capacity = capacity
+
 
 class LRU(Policy):
     """Evict the least recently used expert."""
@@ -111,6 +116,17 @@ class ExpertCache:
         self.hits += len(hits)
         self.misses += len(loaded)
         return hits, loaded, evicted
+
+    def resize(self, capacity: int) -> list[int]:
+        """Hold `capacity` experts from now on; when shrinking, the policy picks the experts to
+        drop, as it would on a miss. Returns the evicted experts."""
+        if capacity < 1:
+            raise ValueError(f"cache capacity must be >= 1 expert (got {capacity})")
+        evicted = []
+        while len(self.cached) > capacity:
+            evicted.append(self._evict(set()))
+        self.policy.resize(capacity)
+        return evicted
 
     def _evict(self, protected: set[int]) -> int:
         v = self.policy.victim(self.cached, protected)

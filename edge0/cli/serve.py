@@ -5,10 +5,15 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import logging
+import math
 import os
 import sys
 
 from edge0.cli.common import OneLineParser, add_model_options, load_options, run_main
+from edge0.errors import Edge0Error
+from edge0.server.memory import DEFAULT_POLL_S, default_memory_low
+from edge0.store.readers import memory_available
+from edge0.units import format_size, parse_size
 
 log = logging.getLogger("edge0.server")
 
@@ -24,6 +29,25 @@ def _count(minimum: int, maximum: int | None = None):
             raise argparse.ArgumentTypeError(f"must be {bound}, got {value}")
         return value
     return parse
+
+
+def _size(flag: str):
+    def parse(text: str) -> int:
+        try:
+            return parse_size(text, flag)
+        except Edge0Error as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return parse
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0, got {text}")
+    return value
 
 
 def _is_loopback(host: str) -> bool:
@@ -50,6 +74,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-prompt-tokens", type=_count(1), default=None,
                    help="prompt length limit in tokens (default: the model's context length, max_position_embeddings)")
     p.add_argument("--max-messages", type=_count(1), default=512, help="messages per chat request (default 512)")
+    p.add_argument("--memory-low", type=_size("--memory-low"), default=None, metavar="SIZE",
+                   help="shrink the expert cache between requests while less memory than this is available, grow "
+                   "it back when memory is free (default: 10%% of the memory available at start, at most 2GB; "
+                   "0: off)")
+    p.add_argument("--memory-poll-s", type=_seconds, default=DEFAULT_POLL_S,
+                   help=f"seconds between memory readings (default {DEFAULT_POLL_S:g})")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
 
@@ -68,6 +98,9 @@ def main(argv=None) -> int:
     from edge0.server.app import create_app, run
     from edge0.server.config import DEFAULT_MAX_PROMPT_TOKENS, ServerConfig, model_context_length
 
+    memory_low = args.memory_low
+    if memory_low is None:  # before loading: the model's own memory is not "pressure"
+        memory_low = default_memory_low(memory_available()[0])
     engine = edge0.load(args.model, **load_options(args))
     print(engine.describe(), file=sys.stderr)
     max_prompt_tokens = args.max_prompt_tokens
@@ -79,9 +112,11 @@ def main(argv=None) -> int:
         max_prompt_tokens = context or DEFAULT_MAX_PROMPT_TOKENS
     config = ServerConfig(api_key=args.api_key, max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
                           max_tokens=args.max_tokens, default_max_tokens=args.default_max_tokens,
-                          max_prompt_tokens=max_prompt_tokens, max_messages=args.max_messages)
-    log.info("limits: prompt %d tokens (--max-prompt-tokens), max_tokens %d (--max-tokens), queue %d (--max-queue)",
-             config.max_prompt_tokens, config.max_tokens, config.max_queue)
+                          max_prompt_tokens=max_prompt_tokens, max_messages=args.max_messages,
+                          memory_low=memory_low, memory_poll_s=args.memory_poll_s)
+    log.info("limits: prompt %d tokens (--max-prompt-tokens), max_tokens %d (--max-tokens), queue %d (--max-queue); "
+             "expert cache shrinks below %s available (--memory-low)", config.max_prompt_tokens, config.max_tokens,
+             config.max_queue, format_size(memory_low) if memory_low else "never")
     run(create_app(engine, config), host=args.host, port=args.port, log_level=args.log_level)
     return 0
 

@@ -4,6 +4,8 @@ strings. `edge0.engine.load.open_engine` builds one; features attach through `us
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,12 +14,14 @@ from edge0.backend import core as B
 from edge0.backend import nn as bnn
 from edge0.engine.diagnostics import decode_logits, logits, observe_routes, prerouted_logits
 from edge0.engine.hooks import StepHooks
-from edge0.engine.kv import PromptCache
+from edge0.engine.kv import DiskPromptCaches, PromptCache
 from edge0.engine.stats import call_stats, engine_stats
 from edge0.errors import Edge0Error
 from edge0.sampling import check_sampling
+from edge0.store.format import manifest_hash, sha256_file
 from edge0.textstream import StopMatcher
 from edge0.units import format_size
+from edge0.version import __version__
 
 # Prefill chunk when the caller can cancel: mlx-lm's 2048-token chunks take tens of seconds on a
 # CPU, and a cancellation is only seen between chunks. The whole-layer executor reads each layer's
@@ -63,6 +67,7 @@ class Engine:
         self.lora_path: Path | None = None
         self.lora_meta: dict | None = None
         self.lora_note = ""
+        self.generating = False  # a stream_generate is running (resizing the expert cache waits for its end)
 
     # -- features ------------------------------------------------------------------------------
     def use_prerouter(self, prerouting, hooks: StepHooks, path: Path | None, meta: dict | None) -> None:
@@ -95,6 +100,27 @@ class Engine:
         """Drop the reusable KV cache."""
         self.kv.reset()
 
+    # -- prompt caches on disk -------------------------------------------------------------------
+    def identity(self) -> str:
+        """sha256 of everything this engine's KV cache depends on: edge0's version, the store
+        (manifest hash), compute dtype, serving K, pre-router heads and adapter files, and the
+        substitution alpha (which changes outputs)."""
+        ident = {"edge0": __version__, "store": manifest_hash(self.root), "dtype": self.compute_dtype, "top_k": self.k,
+                 "prerouter": sha256_file(self.heads_path) if self.prerouting is not None else None,
+                 "lora": sha256_file(self.lora_path) if self.lora_path else None,
+                 "substitute_alpha": self.streaming.options.substitute_alpha}
+        return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
+
+    def use_prompt_cache_dir(self, path, max_bytes: int) -> None:
+        """Save finished conversations' KV caches under `path` (at most `max_bytes`, least recently
+        used removed first) and reuse them, in this or a later process, when a prompt extends one."""
+        self.kv.disk = DiskPromptCaches(path, self.identity(), max_bytes)
+
+    def persist_prompt_cache(self) -> bool:
+        """Save the KV cache of the last generation (with reuse_cache) to the prompt-cache dir, if
+        one is set and it holds tokens not saved yet; returns whether it saved. Between generations."""
+        return self.kv.persist()
+
     def stream_generate(self, prompt, max_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
                         seed: int | None = None, stop=None, reuse_cache: bool = False, ignore_eos: bool = False,
                         should_stop=None):
@@ -112,10 +138,15 @@ class Engine:
         sampler = bnn.make_sampler(temp=temperature, top_p=top_p)
         eos = set(self.tokenizer.eos_token_ids) if not ignore_eos else set()
         hooks = self.hooks
+        self.generating = True
         try:
             yield from self._generate(tokens, max_tokens, sampler, eos, stop, reuse_cache, should_stop)
         finally:
             hooks.finish(self)
+            self.generating = False
+        # Reached only by a caller that iterates past the last Step (generate(), the chat REPL), so
+        # the reply is out before the save; the server, which closes early, saves between requests.
+        self.persist_prompt_cache()
 
     def step(self, tokens: list[int], step: int, sampler) -> int:
         """One forward of `tokens` (the prompt's last token or a generated one) and a sample."""
@@ -200,6 +231,20 @@ class Engine:
             parts.append(last.text)
             tokens.append(last.token)
         return GenerationResult("".join(parts), tokens, last.finish_reason, last.stats)
+
+    # -- the expert cache --------------------------------------------------------------------------
+    def expert_cache(self) -> dict:
+        """The expert cache now: `slots_per_layer`, `configured_slots` (at load), `min_slots`
+        (top-k: one route), `max_slots` (every expert), `slot_bytes` (one slot in every MoE layer)
+        and `budget_bytes`."""
+        return self.streaming.cache_info()
+
+    def resize_expert_cache(self, n_slots: int) -> None:
+        """Give each MoE layer `n_slots` expert slots, between generations only; outputs do not
+        change (a dropped expert is read again when a route needs it), reads may."""
+        if self.generating:
+            raise Edge0Error("resize_expert_cache: a generation is in flight; resize between generations")
+        self.streaming.resize(n_slots)
 
     # -- checks, evaluation and traces (diagnostics.py) ----------------------------------------
     def logits(self, prompt):

@@ -1,6 +1,6 @@
 """The reusable KV cache: keep the longest common token prefix with the previous call and prefill
 only the rest (mlx-lm's prompt-cache helpers do the trimming); optionally, finished caches on disk
-for a restarted process."""
+for a restarted process (DiskPromptCaches)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from edge0.backend import nn as bnn
+from edge0.errors import Edge0Error
 
 
 class PromptCache:
@@ -24,109 +25,248 @@ class PromptCache:
         self.tokens: list[int] = []
         self.dirty = False  # set while the KV cache may be ahead of `tokens` (a step in flight)
         self.disk: DiskPromptCaches | None = None
+        self.persistable = False  # the last generation asked for reuse (only those are saved)
+        self.on_disk: list[int] = []  # a prefix of `tokens` already on disk (saved or restored)
 
     def reset(self) -> None:
-        self.cache, self.tokens, self.dirty = None, [], False
+        self.cache, self.tokens, self.dirty, self.on_disk, self.persistable = None, [], False, [], False
 
     def prepare(self, tokens: list[int], reuse: bool) -> int:
         """Make the cache hold a prefix of `tokens` (all but the last token at most, which must be
-        fed to get logits); returns that prefix's length."""
+        fed to get logits): the longer of what the cache in memory shares with them and what a
+        cache on disk does. Returns that prefix's length."""
+        held, usable = 0, False
         if reuse and self.cache is not None and not self.dirty:
-            common = bnn.common_prefix_len(self.tokens, tokens[:-1])
-            drop = len(self.tokens) - common
-            if drop == 0:
-                return common
-            if common > 0 and bnn.can_trim_prompt_cache(self.cache):
-                bnn.trim_prompt_cache(self.cache, drop)
-                self.tokens = self.tokens[:common]
-                return common
-        if reuse and self.disk is not None:
-            cache, n = self.disk.restore(tokens)
+            held = bnn.common_prefix_len(self.tokens, tokens[:-1])
+            usable = held == len(self.tokens) or (held > 0 and bnn.can_trim_prompt_cache(self.cache))
+        held = held if usable else 0
+        if reuse and self.disk is not None and held < len(tokens) - 1:  # the disk could hold more
+            cache, n = self.disk.restore(tokens, longer_than=held)
             if cache is not None:
-                self.cache, self.tokens = cache, tokens[:n]
+                self.cache, self.tokens, self.on_disk, self.persistable = cache, tokens[:n], tokens[:n], True
                 return n
-        self.cache = bnn.make_prompt_cache(self.model)
-        self.tokens = []
+        if usable:
+            if held < len(self.tokens):
+                bnn.trim_prompt_cache(self.cache, len(self.tokens) - held)
+                self.tokens, self.on_disk = self.tokens[:held], self.on_disk[:held]
+            self.persistable = True
+            return held
+        self.reset()
+        self.cache, self.persistable = bnn.make_prompt_cache(self.model), reuse
         return 0
 
-    def persist(self) -> None:
-        """Save the cache to disk (when a directory is set), for a later process."""
-        if self.disk is not None and self.cache is not None and not self.dirty and self.tokens:
-            self.disk.save(list(self.tokens), self.cache)
+    def persist(self) -> bool:
+        """Save the cache to disk when a directory is set, the last generation asked for reuse, and
+        it holds tokens that are not on disk yet. Returns whether it saved."""
+        if self.disk is None or not self.persistable or self.cache is None or self.dirty or not self.tokens:
+            return False
+        if self.tokens == self.on_disk[:len(self.tokens)]:
+            return False
+        if not self.disk.save(self.tokens, self.cache):
+            return False
+        self.on_disk = list(self.tokens)
+        return True
+
+    def stats(self) -> dict:
+        """The tokens the cache holds, and its directory's statistics (`dir` None without one)."""
+        return {"tokens": len(self.tokens), **(self.disk.stats() if self.disk else {"dir": None})}
+
+
+def _tokens_ok(value) -> bool:
+    return isinstance(value, list) and all(isinstance(t, int) for t in value)
 
 
 class DiskPromptCaches:
     """KV caches of finished conversations on disk, so a restarted process reuses a matching
-    prefix: mlx-lm's `save_prompt_cache` files under DIR/<engine identity>/, an index of the
-    tokens each holds, the least recently used removed beyond `max_bytes`. The identity covers
-    everything the KV depends on (store, serving K, pre-router heads, adapter)."""
+    prefix: mlx-lm `save_prompt_cache` files DIR/<identity>/<token hash>.safetensors (their
+    metadata holds the identity and the tokens) and DIR/index.json (every file's identity, tokens,
+    size and last use). Beyond `max_bytes`, all identities together, the least recently used files
+    are removed. The identity covers everything the KV depends on (Engine.identity).
+
+    Processes sharing DIR take DIR/.lock for every index update and file write. Files are written
+    to a temporary name and renamed; a damaged file or index is refused, counted and noted
+    (`stats()`), never fatal: a damaged index is rebuilt from the files' metadata."""
 
     INDEX = "index.json"
+    VERSION = 1
 
     def __init__(self, root, identity: str, max_bytes: int):
-        self.dir = Path(root).expanduser() / identity[:24]
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self.max_bytes = max_bytes
-        self.saved = self.restored = self.evicted = 0
+        self.root = Path(root).expanduser()
+        self.identity, self.max_bytes = identity, max_bytes
+        self.dir = self.root / identity[:32]
+        self.counts = {"saved": 0, "restored": 0, "restored_tokens": 0, "evicted": 0, "replaced": 0, "too_large": 0,
+                       "damaged": 0, "index_rebuilt": 0, "untrimmable": 0, "failed": 0}
+        self.note = ""  # the last refusal or failure
+        self.last_save_s: float | None = None
+        self.bytes = self.entries = 0
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            with self._locked() as index:
+                # Files are written only under the lock, so temporaries found holding it are
+                # left by a process that died mid-write.
+                for tmp in self.root.glob("*/.*.tmp*"):
+                    tmp.unlink(missing_ok=True)
+                self._write(index)
+        except OSError as e:
+            raise Edge0Error(f"--prompt-cache-dir {root}: {e.strerror or e}; pass a directory this process can "
+                             "write") from None
 
+    # -- the index -------------------------------------------------------------------------------
     @contextmanager
     def _locked(self):
-        """Processes sharing DIR update the index one at a time."""
-        with open(self.dir / ".lock", "w") as fh:
+        """The index, read under DIR/.lock (held until the block ends)."""
+        with open(self.root / ".lock", "w") as fh:
             fcntl.flock(fh, fcntl.LOCK_EX)
             yield self._read()
 
     def _read(self) -> dict:
+        path = self.root / self.INDEX
         try:
-            return json.loads((self.dir / self.INDEX).read_text())
-        except (OSError, ValueError):
-            return {}  # none yet, or damaged: entries without an index are rewritten on save
+            data = json.loads(path.read_text())
+            entries = data["entries"]
+            if data.get("version") != self.VERSION or not isinstance(entries, dict) or not all(
+                    isinstance(e, dict) and isinstance(e.get("identity"), str) and _tokens_ok(e.get("tokens"))
+                    and isinstance(e.get("bytes"), int) and isinstance(e.get("used"), (int, float))
+                    for e in entries.values()):
+                raise ValueError("unexpected contents")
+            return entries
+        except FileNotFoundError:
+            return self._scan("")
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            self.counts["index_rebuilt"] += 1
+            entries = self._scan(f"{path} was damaged ({e}); rebuilt from the files")
+            self._write(entries)
+            return entries
 
-    def _write(self, index: dict) -> None:
-        tmp = self.dir / f".{self.INDEX}.{os.getpid()}.tmp"
-        tmp.write_text(json.dumps(index))
-        os.replace(tmp, self.dir / self.INDEX)
+    def _scan(self, why: str) -> dict:
+        """The index rebuilt from the cache files' own metadata; unreadable files are removed."""
+        entries = {}
+        for f in sorted(self.root.glob("*/*.safetensors")):
+            if f.name.startswith("."):
+                continue
+            try:
+                meta = bnn.prompt_cache_metadata(str(f))
+                tokens = json.loads(meta["tokens"])
+                if not isinstance(meta.get("identity"), str) or not _tokens_ok(tokens):
+                    raise ValueError("no identity or tokens in its metadata")
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                self._refuse(f, e)
+                continue
+            st = f.stat()
+            entries[f"{f.parent.name}/{f.name}"] = {"identity": meta["identity"], "tokens": tokens,
+                                                    "bytes": st.st_size, "used": st.st_mtime}
+        if why or entries:
+            self.note = why or f"{self.root / self.INDEX} was missing; rebuilt from {len(entries)} files"
+        return entries
 
-    def restore(self, tokens: list[int]):
-        """(cache, n): the stored cache sharing the longest prefix n > 0 with `tokens` (all but
-        the last token, which must be fed), trimmed to n; or (None, 0)."""
+    def _write(self, entries: dict) -> None:
+        tmp = self.root / f".{self.INDEX}.{os.getpid()}.tmp"
+        tmp.write_text(json.dumps({"version": self.VERSION, "entries": entries}))
+        os.replace(tmp, self.root / self.INDEX)
+        self.bytes, self.entries = sum(e["bytes"] for e in entries.values()), len(entries)
+
+    def _refuse(self, path: Path, error) -> None:
+        """A damaged cache file: counted, noted and removed."""
+        self.counts["damaged"] += 1
+        self.note = f"{path}: damaged ({error}); removed"
+        path.unlink(missing_ok=True)
+
+    # -- restore and save --------------------------------------------------------------------------
+    def restore(self, tokens: list[int], longer_than: int = 0):
+        """(cache, n): a stored cache of this identity sharing the longest prefix n >
+        `longer_than` with `tokens` (all but the last token, which must be fed), trimmed to n;
+        or (None, 0)."""
+        try:
+            found = self._restore(tokens, longer_than)
+        except OSError as e:  # DIR removed or unreadable while serving: prefill instead
+            self.counts["failed"] += 1
+            self.note = f"reading {self.root} failed: {e}"
+            return None, 0
+        if found[0] is not None:
+            self.counts["restored"] += 1
+            self.counts["restored_tokens"] += found[1]
+        return found
+
+    def _restore(self, tokens: list[int], longer_than: int):
         with self._locked() as index:
-            best, n = None, 0
+            best, n = None, longer_than
             for name, entry in index.items():
-                k = bnn.common_prefix_len(entry["tokens"], tokens[:-1])
-                if k > n and (self.dir / name).is_file():
-                    best, n = name, k
+                if entry["identity"] == self.identity:
+                    k = bnn.common_prefix_len(entry["tokens"], tokens[:-1])
+                    if k > n:
+                        best, n = name, k
             if best is None:
                 return None, 0
-            cache = bnn.load_prompt_cache(str(self.dir / best))
-            held = len(index[best]["tokens"])
-            if n < held and not (bnn.can_trim_prompt_cache(cache) and bnn.trim_prompt_cache(cache, held - n) == held - n):
+            entry, path = index[best], self.root / best
+            try:
+                cache, meta = bnn.read_prompt_cache(str(path))
+                if meta.get("identity") != self.identity or json.loads(meta.get("tokens", "null")) != entry["tokens"]:
+                    raise ValueError("its metadata does not match the index")
+            except Exception as e:  # noqa: BLE001 - whatever a damaged file raises, it is refused
+                self._refuse(path, e)
+                index.pop(best)
+                self._write(index)
                 return None, 0
-            index[best]["used"] = time.time()
+            held = len(entry["tokens"])
+            if n < held and not (bnn.can_trim_prompt_cache(cache) and bnn.trim_prompt_cache(cache, held - n) == held - n):
+                self.counts["untrimmable"] += 1
+                self.note = f"{path}: its cache cannot be trimmed to the {n} tokens shared; prefilled instead"
+                return None, 0
+            entry["used"] = time.time()
             self._write(index)
-        self.restored += 1
         return cache, n
 
-    def save(self, tokens: list[int], cache) -> None:
-        """Store `cache` (holding exactly `tokens`), then remove the least recently used entries
-        beyond the size bound."""
-        name = hashlib.sha256(json.dumps(tokens).encode()).hexdigest()[:32] + ".safetensors"
-        with self._locked() as index:
-            if name not in index or not (self.dir / name).is_file():
-                tmp = self.dir / f".{name}.{os.getpid()}.tmp.safetensors"
-                bnn.save_prompt_cache(str(tmp), cache)
-                os.replace(tmp, self.dir / name)
-                self.saved += 1
-            index[name] = {"tokens": tokens, "bytes": (self.dir / name).stat().st_size, "used": time.time()}
-            total = sum(e["bytes"] for e in index.values())
-            for old in sorted(index, key=lambda k: index[k]["used"]):
-                if total <= self.max_bytes or old == name:
-                    continue
-                (self.dir / old).unlink(missing_ok=True)
-                total -= index.pop(old)["bytes"]
-                self.evicted += 1
-            self._write(index)
+    def save(self, tokens: list[int], cache) -> bool:
+        """Store `cache` (holding exactly `tokens`), drop the stored caches of this identity it
+        extends (it can be trimmed to them), then the least recently used beyond the size bound.
+        Returns whether it was stored."""
+        size = bnn.prompt_cache_nbytes(cache)
+        if size > self.max_bytes:
+            self.counts["too_large"] += 1
+            self.note = f"a {size}-byte KV cache is larger than --prompt-cache-size ({self.max_bytes} bytes); not saved"
+            return False
+        name = f"{self.dir.name}/{hashlib.sha256(json.dumps(tokens).encode()).hexdigest()[:32]}.safetensors"
+        path = self.root / name
+        tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp.safetensors")
+        t0 = time.perf_counter()
+        try:
+            with self._locked() as index:
+                bnn.save_prompt_cache(str(tmp), cache, {"identity": self.identity, "tokens": json.dumps(tokens)})
+                os.replace(tmp, path)
+                index[name] = {"identity": self.identity, "tokens": tokens, "bytes": path.stat().st_size,
+                               "used": time.time()}
+                if bnn.can_trim_prompt_cache(cache):
+                    for other, e in list(index.items()):
+                        if (other != name and e["identity"] == self.identity and len(e["tokens"]) < len(tokens)
+                                and tokens[:len(e["tokens"])] == e["tokens"]):
+                            self._remove(index, other, "replaced")
+                total = sum(e["bytes"] for e in index.values())
+                for old in sorted(index, key=lambda k: index[k]["used"]):
+                    if total <= self.max_bytes:
+                        break
+                    if old != name:
+                        total -= index[old]["bytes"]
+                        self._remove(index, old, "evicted")
+                stored = total <= self.max_bytes  # else the file alone (header included) is over the bound
+                if not stored:
+                    self.note = f"{path}: {total} bytes, more than --prompt-cache-size ({self.max_bytes}); removed"
+                    self._remove(index, name, "too_large")
+                self._write(index)
+        except Exception as e:  # noqa: BLE001 - a full disk, DIR removed, a cache mlx-lm cannot save: keep serving
+            tmp.unlink(missing_ok=True)
+            self.counts["failed"] += 1
+            self.note = f"saving {path} failed: {e}"
+            return False
+        self.counts["saved"] += stored
+        self.last_save_s = time.perf_counter() - t0
+        return stored
+
+    def _remove(self, index: dict, name: str, why: str) -> None:
+        (self.root / name).unlink(missing_ok=True)
+        index.pop(name)
+        self.counts[why] += 1
 
     def stats(self) -> dict:
-        return {"dir": str(self.dir), "max_bytes": self.max_bytes, "saved": self.saved, "restored": self.restored,
-                "evicted": self.evicted}
+        """Where, how much, and what happened: counts, the last save's seconds and the last note."""
+        return {"dir": str(self.root), "identity": self.identity[:32], "max_bytes": self.max_bytes, "bytes": self.bytes,
+                "entries": self.entries, **self.counts, "last_save_s": self.last_save_s, "note": self.note}

@@ -53,6 +53,7 @@ def engine_stats(engine) -> dict:
         "peak_rss_bytes": B.peak_rss(),
         "io": engine.store.io_stats(),
         "prerouter": None,
+        "prompt_cache": engine.kv.stats(),
     }
     out.update(engine.hooks.stats())
     return out

@@ -4,6 +4,7 @@ OpenAI Chat Completions and Responses APIs and Anthropic's Messages API; `run` s
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 import time
 from contextlib import asynccontextmanager
@@ -14,25 +15,43 @@ from fastapi import FastAPI
 from edge0.server import anthropic, responses_api
 from edge0.server.config import ServerConfig
 from edge0.server.errors import install_error_handlers
+from edge0.server.memory import MemoryWatcher
 from edge0.server.middleware import Guard
 from edge0.server.routes import router
 from edge0.server.scheduler import Scheduler
+from edge0.store.readers import memory_available
+
+log = logging.getLogger("edge0.server")
 
 
-def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
-    """The app serving `engine` (anything implementing docs/engine-api.md)."""
+def create_app(engine, config: ServerConfig | None = None, read_memory=memory_available) -> FastAPI:
+    """The app serving `engine` (anything implementing docs/engine-api.md). `read_memory()` ->
+    (bytes available, source) feeds the memory watcher when `config.memory_low` is set."""
     config = config or ServerConfig()
     scheduler = Scheduler(config.max_queue)
+    # The KV cache of the finished request goes to disk (with a prompt-cache dir) once its
+    # response is complete, before the next request starts.
+    scheduler.between.append(engine.persist_prompt_cache)
+    watcher = None
+    if config.memory_low and not engine.expert_cache()["slots_per_layer"]:
+        log.warning("--memory-low: the expert cache has no slots to shrink (--decode-executor exact); not watching memory")
+    elif config.memory_low:
+        watcher = MemoryWatcher(engine, config.memory_low, config.memory_poll_s, read_memory)
+        scheduler.between.append(watcher.apply)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         scheduler.loop = asyncio.get_running_loop()
+        if watcher:
+            watcher.start(scheduler.run_between)
         yield
+        if watcher:
+            watcher.stop()
         scheduler.shutdown()
 
     app = FastAPI(title="edge0", summary="OpenAI- and Anthropic-compatible server for an edge0 MoE engine",
                   lifespan=lifespan)
-    app.state.engine, app.state.config, app.state.scheduler = engine, config, scheduler
+    app.state.engine, app.state.config, app.state.scheduler, app.state.memory = engine, config, scheduler, watcher
     app.state.started = int(time.time())
     # The longest vocabulary entry bounds the characters one token can hold (pipeline.respond).
     app.state.token_chars = max(map(len, engine.tokenizer.get_vocab()))

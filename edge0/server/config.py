@@ -22,6 +22,8 @@ class ServerConfig:
     default_max_tokens: int = 512  # --default-max-tokens: used when a request gives none
     max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS  # --max-prompt-tokens (the CLI: the model's context)
     max_messages: int = 512  # --max-messages
+    memory_low: int = 0  # --memory-low: shrink the expert cache below this much available memory (0: off)
+    memory_poll_s: float = 2.0  # --memory-poll-s: seconds between memory readings
 
 
 def model_context_length(root: Path) -> int | None:

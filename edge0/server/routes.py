@@ -32,10 +32,13 @@ async def get_model(model_id: str, request: Request) -> dict:
 
 @router.get("/v1/stats")
 async def stats(request: Request) -> dict:
-    """Cumulative engine and expert-cache statistics, plus the server's request counters."""
+    """Cumulative engine and expert-cache statistics, the server's request counters, and the
+    memory watcher's (None when --memory-low is off)."""
     state = request.app.state
     return {"model": state.engine.model_id, "engine": state.engine.stats(),
-            "server": {"requests_in_flight": state.scheduler.admitted, **state.scheduler.counters}}
+            "server": {"requests_in_flight": state.scheduler.admitted, **state.scheduler.counters,
+                       "between_errors": state.scheduler.between_errors},
+            "memory": state.memory.stats() if state.memory else None}
 
 
 @router.post("/v1/chat/completions", response_model=ChatCompletion)

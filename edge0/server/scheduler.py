@@ -1,7 +1,9 @@
 """One generation at a time: a FIFO queue in front of a single engine thread.
 
 The engine is synchronous (a Python generator) and owns one KV cache, so every engine call runs
-on one dedicated thread, in arrival order. Each job's events are handed to the event loop
+on one dedicated thread, in arrival order. Work that must not overlap a generation (saving the
+KV cache, resizing the expert cache) runs on that thread too, between jobs (`between`,
+`run_between`). Each job's events are handed to the event loop
 through an asyncio queue. Cancelling a job (client gone) makes the thread stop iterating the
 engine generator, and the engine checks for it between prefill chunks, which frees the engine
 for the next job.
@@ -10,6 +12,7 @@ for the next job.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator, Callable, Generator
@@ -17,6 +20,7 @@ from typing import AsyncIterator, Callable, Generator
 from edge0.server.errors import APIError
 
 _END = object()
+log = logging.getLogger("edge0.server")
 
 
 class Job:
@@ -60,6 +64,9 @@ class Scheduler:
         self._lock = threading.Lock()
         self._jobs: set[Job] = set()  # waiting + running
         self.counters = {"completed": 0, "cancelled": 0, "failed": 0, "rejected": 0}
+        self.between: list[Callable[[], None]] = []  # run on the engine thread after every job
+        self.between_errors = 0
+        self._soon: set[Callable[[], None]] = set()  # run_between calls queued, not yet run
 
     @property
     def admitted(self) -> int:
@@ -104,6 +111,33 @@ class Scheduler:
             with self._lock:
                 self._jobs.discard(job)
                 self.counters[outcome] += 1
+        for fn in self.between:  # after _END: the response is complete
+            self._call(fn)
+
+    def run_between(self, fn: Callable[[], None]) -> None:
+        """Run `fn` on the engine thread once the jobs queued now are done (at once when idle);
+        a call of the same `fn` already queued is not repeated."""
+        with self._lock:
+            if fn in self._soon or self.stopping:
+                return
+            self._soon.add(fn)
+
+        def run():
+            with self._lock:
+                self._soon.discard(fn)
+            self._call(fn)
+
+        try:
+            self._executor.submit(run)
+        except RuntimeError:  # shut down: the server is stopping
+            self._soon.discard(fn)
+
+    def _call(self, fn: Callable[[], None]) -> None:
+        try:
+            fn()
+        except Exception:  # logged and counted (/v1/stats); the thread keeps serving
+            self.between_errors += 1
+            log.exception("between requests: %s failed", getattr(fn, "__qualname__", fn))
 
     def stop(self) -> None:
         """The server is stopping (event loop only): refuse new jobs, and end every running or

@@ -7,6 +7,7 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from edge0.backend import core as B
 from edge0.cache.flashmoe import FlashMoEModel, load_model
 from edge0.errors import Edge0Error
 from edge0.store.format import manifest_hash
@@ -73,6 +74,9 @@ class Streaming:
         self.cache_weights = load_cache_weights(options.cache_weights, store) if options.cache_weights else None
         need_slots = any(options.executor(l, "decode") != "exact" for l in layers)
         self.n_slots = slots_per_layer(store, self.budget, k) if need_slots else 0
+        self.configured_slots, self.min_slots = self.n_slots, k
+        self.slot_bytes = sum(store.expert_nbytes(l) for l in layers)  # one slot in every MoE layer
+        self.max_slots = min(int(v["num_experts"]) for v in store.layers.values())
         self.reader = ThreadPoolExecutor(max_workers=READ_THREADS, thread_name_prefix="edge0-read")
         self.prefetcher = LayerPrefetcher(store, layers, ThreadPoolExecutor(max_workers=1, thread_name_prefix="edge0-layer"))
         self.layers: dict[int, LayerDispatch] = {}
@@ -109,6 +113,33 @@ class Streaming:
     def staged(self) -> dict[int, StagedExecutor]:
         """The staged decode executors by layer (for a stager)."""
         return {l: d.decode for l, d in self.layers.items() if isinstance(d.decode, StagedExecutor)}
+
+    def slotted(self) -> list:
+        """The decode executors that keep expert slots (staged, hot)."""
+        return [d.decode for d in self.layers.values() if isinstance(d.decode, (StagedExecutor, HotExecutor))]
+
+    def cache_info(self) -> dict:
+        """The expert cache now: slots per MoE layer, their bounds, and bytes."""
+        return {"slots_per_layer": self.n_slots, "configured_slots": self.configured_slots,
+                "min_slots": self.min_slots if self.n_slots else 0, "max_slots": self.max_slots if self.n_slots else 0,
+                "slot_bytes": self.slot_bytes, "budget_bytes": self.budget}
+
+    def resize(self, n_slots: int) -> None:
+        """Give every slotted MoE layer `n_slots` slots (from top-k, one route, to the number of
+        experts), the cache policy choosing which experts stay; freed slot memory goes back to
+        the OS. Only between generations: nothing may be staged or reading the slots."""
+        if not self.n_slots:
+            raise Edge0Error("the expert cache has no slots to resize: every layer decodes with the exact executor "
+                             "(--decode-executor exact)")
+        if not self.min_slots <= n_slots <= self.max_slots:
+            raise Edge0Error(f"{n_slots} expert slots per layer: choose from {self.min_slots} (one route, top-k) "
+                             f"to {self.max_slots} (every expert)")
+        if n_slots == self.n_slots:
+            return
+        for ex in self.slotted():
+            ex.resize(n_slots)
+        self.n_slots, self.budget = n_slots, n_slots * self.slot_bytes
+        B.release_cached_memory()
 
     def end_step(self) -> None:
         """After a decode step was evaluated: read the device-side dropped-expert counters."""

@@ -43,6 +43,12 @@ class HotExecutor(ExactExecutor):
         self.hot = want
         self.due = False
 
+    def resize(self, n_slots: int) -> None:
+        """Between generations: `n_slots` slots, keeping the hottest of the hot set."""
+        keep = sorted(self.hot, key=lambda e: (-self.counts[e], e))[:n_slots]
+        self.slots.resize(n_slots, keep)
+        self.hot = set(keep)
+
     def __call__(self, indices, scores=None):
         """The hot set follows its own use counts; router `scores` are not needed."""
         if self.due:  # before this call's parts exist: they read the slots and the table as they are now

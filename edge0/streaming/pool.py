@@ -124,6 +124,27 @@ class SlotSet:
         self.aliased = bool(alias)
         return scattered
 
+    def resize(self, n_slots: int, keep: list[int] | None = None) -> None:
+        """Hold `n_slots` slots from now on, keeping the experts `keep` (default: those the cache
+        policy keeps; at most `n_slots`). Their rows are gathered into new slot tensors and the old
+        ones dropped, so a shrink really frees memory. Only while nothing reads the slots."""
+        self.cache.resize(n_slots)
+        keep = sorted(self.cache.cached) if keep is None else keep
+        stay = {e: self.slot_of[e] for e in keep if self.slot_of[e] < n_slots}
+        free = sorted(set(range(n_slots)) - set(stay.values()), reverse=True)  # pop() takes the lowest
+        slot_of = {**stay, **{e: free.pop() for e in keep if e not in stay}}
+        rows = np.full(n_slots + 1, self.zero, dtype=np.uint32)  # unused slots and the last row: zeros
+        for e, s in slot_of.items():
+            rows[s] = self.slot_of[e]
+        idx = B.array(rows)
+        self.params = {p: {k: B.take(a, idx, axis=0) for k, a in parts.items()} for p, parts in self.params.items()}
+        B.eval(self.params)
+        self.views = None  # they pin the old tensors
+        self.n_slots, self.zero, self.slot_of, self.free = n_slots, n_slots, slot_of, free
+        self.table_host = np.full(self.num_experts, self.zero, dtype=np.uint32)
+        self.table_host[list(slot_of)] = list(slot_of.values())
+        self.table, self.aliased = B.array(self.table_host), False
+
     def local(self, indices):
         """Route indices -> slot indices, on the device (no host sync)."""
         return B.take(self.table, indices)

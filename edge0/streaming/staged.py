@@ -93,6 +93,13 @@ class StagedExecutor(ExactExecutor):
             self.swap()
         self.trusted = False
 
+    def resize(self, n_slots: int) -> None:
+        """Between generations (nothing staged): `n_slots` slots, the policy choosing who stays."""
+        if self._pending is not None:
+            raise RuntimeError(f"layer {self.layer}: a staged step is pending; settle() it before resizing")
+        self.slots.resize(n_slots)
+        self.trusted = False
+
     def take_dropped(self) -> list:
         """This step's device counters of routed experts that were not staged (see collect_dropped)."""
         out, self._dropped = self._dropped, []

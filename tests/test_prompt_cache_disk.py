@@ -1,0 +1,162 @@
+"""Prompt caches on disk (--prompt-cache-dir): a restarted engine or server reuses the KV cache of a
+saved conversation it extends and gives the tokens of a fresh run; another identity does not reuse
+it; the size bound removes the least recently used; damaged files and indexes are refused and
+counted, never fatal."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+
+import httpx
+import pytest
+
+import edge0
+from edge0.errors import Edge0Error
+from edge0.options import LoadOptions
+from edge0.server.config import ServerConfig
+from tests.fake_server import running_server
+from tests.test_lora import random_adapter
+
+PROMPT = [(7 * i) % 200 + 10 for i in range(300)]
+NEW = [(3 * i) % 200 + 10 for i in range(40)]
+
+
+@pytest.fixture(scope="module")
+def store(store_for):
+    return store_for("qwen3_moe")
+
+
+def disk(engine) -> dict:
+    return engine.stats()["prompt_cache"]
+
+
+def test_a_restarted_engine_prefills_only_the_new_tokens(store, tmp_path):
+    first = edge0.load(store, prompt_cache_dir=tmp_path)
+    r1 = first.generate(PROMPT, max_tokens=8, reuse_cache=True, ignore_eos=True)
+    held = len(PROMPT) + 7  # the last generated token was never fed
+    assert (disk(first)["saved"], disk(first)["entries"], disk(first)["tokens"]) == (1, 1, held)
+    assert not first.persist_prompt_cache()  # nothing new since the save
+    follow = PROMPT + r1.tokens + NEW
+    want = edge0.load(store).generate(follow, max_tokens=8, ignore_eos=True).tokens
+
+    restarted = edge0.load(store, prompt_cache_dir=tmp_path)
+    r2 = restarted.generate(follow, max_tokens=8, reuse_cache=True, ignore_eos=True)
+    assert r2.stats["prefill_tokens"] == len(follow) - held and r2.tokens == want
+    st = disk(restarted)
+    assert (st["restored"], st["restored_tokens"], st["saved"]) == (1, held, 1)
+    assert (st["replaced"], st["entries"]) == (1, 1)  # the longer conversation replaces the one it extends
+    assert st["last_save_s"] > 0 and st["note"] == ""
+
+    plain = edge0.load(store, prompt_cache_dir=tmp_path)  # without reuse_cache: nothing read or written
+    assert plain.generate(follow, max_tokens=8).stats["prefill_tokens"] == len(follow)
+    assert (disk(plain)["restored"], disk(plain)["saved"]) == (0, 0)
+
+
+def test_a_restarted_server_reuses_the_saved_conversation(store, tmp_path):
+    """The server saves between requests (after the response) and a new server process reuses it."""
+    messages = [{"role": "user", "content": "hello world, " * 20}]
+
+    def chat(engine, base, messages):
+        return httpx.post(base + "/v1/chat/completions", timeout=60, json={
+            "model": engine.model_id, "messages": messages, "max_tokens": 6, "temperature": 0}).json()
+
+    engine = edge0.load(store, prompt_cache_dir=tmp_path)
+    with running_server(engine, ServerConfig()) as base:
+        first = chat(engine, base, messages)
+        deadline = time.monotonic() + 10
+        while httpx.get(base + "/v1/stats").json()["engine"]["prompt_cache"]["saved"] < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+    follow = messages + [{"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+                         {"role": "user", "content": "and more"}]
+    want = edge0.load(store).chat(follow, max_tokens=6).text
+    restarted = edge0.load(store, prompt_cache_dir=tmp_path)
+    with running_server(restarted, ServerConfig()) as base:
+        second = chat(restarted, base, follow)
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= first["usage"]["prompt_tokens"]
+    assert second["choices"][0]["message"]["content"] == want
+
+
+def test_another_identity_does_not_reuse(store, tmp_path):
+    base = edge0.load(store, prompt_cache_dir=tmp_path / "pc", prerouter=False)
+    r1 = base.generate(PROMPT, max_tokens=8, reuse_cache=True)
+    follow = PROMPT + r1.tokens + NEW
+    adapter = random_adapter(store, tmp_path / "lora.safetensors")[0]
+    others = [edge0.load(store, prompt_cache_dir=tmp_path / "pc", prerouter=False, top_k=1),
+              edge0.load(store, prompt_cache_dir=tmp_path / "pc", prerouter=False, lora=adapter)]
+    for other in others:
+        assert other.generate(follow, max_tokens=4, reuse_cache=True).stats["prefill_tokens"] == len(follow)
+        assert disk(other)["restored"] == 0
+    identities = {e.identity() for e in [base, *others]}
+    assert len(identities) == 3 and disk(others[-1])["entries"] == 3  # one directory, one bound, three models
+    again = edge0.load(store, prompt_cache_dir=tmp_path / "pc", prerouter=False)
+    assert again.identity() == base.identity()
+    assert again.generate(follow, max_tokens=4, reuse_cache=True).stats["prefill_tokens"] < len(NEW) + 2
+
+
+def test_the_size_bound_removes_the_least_recently_used(store, tmp_path):
+    a, b, c = PROMPT, [t + 1 for t in PROMPT], [t + 2 for t in PROMPT]
+    probe = edge0.load(store, prompt_cache_dir=tmp_path / "probe")
+    probe.generate(a, max_tokens=8, reuse_cache=True)
+    one = disk(probe)["bytes"]
+    engine = edge0.load(store, prompt_cache_dir=tmp_path / "pc", prompt_cache_size=int(2.5 * one))
+    for prompt in (a, b):
+        engine.generate(prompt, max_tokens=8, reuse_cache=True)
+    # a + NEW restores a's cache from disk (a is the most recently used now); saving it goes over
+    # the bound, so b, the least recently used, is removed; c then removes a.
+    extended = engine.generate(a + NEW, max_tokens=8, reuse_cache=True)
+    assert extended.stats["prefill_tokens"] == len(NEW) and disk(engine)["restored"] == 1
+    assert disk(engine)["evicted"] == 1 and disk(engine)["entries"] == 2
+    engine.generate(c, max_tokens=8, reuse_cache=True)
+    st = disk(engine)
+    assert (st["saved"], st["evicted"], st["entries"]) == (4, 2, 2) and st["bytes"] <= 2.5 * one
+    restarted = edge0.load(store, prompt_cache_dir=tmp_path / "pc")
+    assert restarted.generate(b + NEW, max_tokens=2, reuse_cache=True).stats["prefill_tokens"] == len(b + NEW)
+    assert restarted.generate(a + NEW + [5], max_tokens=2, reuse_cache=True).stats["prefill_tokens"] == 1
+
+    tiny = edge0.load(store, prompt_cache_dir=tmp_path / "tiny", prompt_cache_size="1KB")
+    tiny.generate(a, max_tokens=2, reuse_cache=True)
+    st = disk(tiny)
+    assert (st["saved"], st["too_large"], st["entries"]) == (0, 1, 0) and "--prompt-cache-size" in st["note"]
+
+
+def test_a_damaged_file_or_index_is_refused_and_counted(store, tmp_path):
+    first = edge0.load(store, prompt_cache_dir=tmp_path)
+    follow = PROMPT + first.generate(PROMPT, max_tokens=8, reuse_cache=True).tokens + NEW
+    want = edge0.load(store).generate(follow, max_tokens=6).tokens
+    saved = next(tmp_path.glob("*/*.safetensors"))
+    saved.write_bytes(saved.read_bytes()[: saved.stat().st_size // 2])  # truncated, as by a full disk
+    second = edge0.load(store, prompt_cache_dir=tmp_path)
+    r = second.generate(follow, max_tokens=6, reuse_cache=True)
+    assert r.stats["prefill_tokens"] == len(follow) and r.tokens == want
+    st = disk(second)
+    assert (st["damaged"], st["restored"], st["saved"]) == (1, 0, 1) and saved.name in st["note"]
+    assert not saved.exists()
+
+    (tmp_path / "index.json").write_text('{"version": 1, "entries": [')  # damaged index
+    (tmp_path / saved.parent.name / "junk.safetensors").write_bytes(b"\x00" * 64)  # and a file that is not a cache
+    third = edge0.load(store, prompt_cache_dir=tmp_path)
+    st = disk(third)
+    assert (st["index_rebuilt"], st["damaged"], st["entries"]) == (1, 1, 1) and "rebuilt" in st["note"]
+    assert json.loads((tmp_path / "index.json").read_text())["version"] == 1
+    r = third.generate(follow + [9], max_tokens=6, reuse_cache=True)  # the file second saved is found again
+    assert r.stats["prefill_tokens"] == 1 and disk(third)["restored"] == 1
+
+    shutil.rmtree(tmp_path)  # the directory removed while serving: prefill, and saving fails, counted
+    third.reset_cache()
+    r = third.generate(follow, max_tokens=6, reuse_cache=True)
+    assert r.stats["prefill_tokens"] == len(follow) and r.tokens == want
+    assert disk(third)["failed"] == 2 and "failed" in disk(third)["note"]
+
+
+def test_prompt_cache_option_errors(store, tmp_path):
+    for kw, match in [({"prompt_cache_size": "1GB"}, "--prompt-cache-size is read only with --prompt-cache-dir"),
+                      ({"prompt_cache_dir": "d", "prompt_cache_size": "lots"}, "--prompt-cache-size 'lots'"),
+                      ({"prompt_cache_dir": "d", "prompt_cache_size": 0}, "more than 0 bytes")]:
+        with pytest.raises(Edge0Error, match=match):
+            LoadOptions(**kw).validate()
+    (tmp_path / "file").write_text("not a directory")
+    with pytest.raises(Edge0Error, match="--prompt-cache-dir .*file.*writ"):
+        edge0.load(store, prompt_cache_dir=tmp_path / "file")

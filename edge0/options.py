@@ -19,7 +19,8 @@ COMPUTE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 def _opt(default, help: str, kind: str, **extra):
     """A LoadOptions field. `kind` says how the CLI spells it: choice, int, float, size, path,
-    flag (a switch), tristate (FILE, or --no-NAME for False) or layer_executors (repeatable).
+    split (N,N,...), flag (a switch), tristate (FILE, or --no-NAME for False) or layer_executors
+    (repeatable).
     `checked_later`: the CLI leaves the choice to validate(), whose error explains more."""
     factory = {"default_factory": dict} if default == {} else {"default": default}
     return field(**factory, metadata={"help": help, "kind": kind, **extra})
@@ -58,6 +59,11 @@ class LoadOptions:
                                          "routing, if any)", "tristate", off_help="serve without the recovery LoRA")
     cold_reads: bool = _opt(False, "drop every expert read from the OS page cache again (benchmarks of cold "
                                    "storage)", "flag")
+    pipeline_split: str | tuple | None = _opt(None, "under mlx.launch: decoder layers per rank, rank 0 first "
+                                                    "(rank 0 runs the last layers), e.g. 12,12 (default: balanced "
+                                                    "by bytes)", "split", metavar="N,N,...")
+    peer_timeout: float = _opt(60.0, "under mlx.launch: seconds a rank waits for its peers to connect (default 60)",
+                               "float", metavar="S")
 
     def validate(self) -> "LoadOptions":
         """Check the options that need no model; errors name the flag and the fix."""
@@ -82,6 +88,10 @@ class LoadOptions:
         if self.substitute_alpha and self.decode_executor != "staged":
             raise Edge0Error("--substitute-alpha needs the staged decode executor (it substitutes from the expert "
                              f"cache); drop --decode-executor {self.decode_executor} or --substitute-alpha")
+        if self.pipeline_split is not None:
+            self.pipeline_split = parse_split(self.pipeline_split)
+        if not 0 < self.peer_timeout < math.inf:
+            raise Edge0Error(f"--peer-timeout {self.peer_timeout}: must be a finite number of seconds > 0")
         _choice("prefill_executor", self.prefill_executor)
         _choice("decode_executor", self.decode_executor)
         for layer, choice in self.layer_executors.items():
@@ -94,6 +104,17 @@ class LoadOptions:
     def executor(self, layer: int, phase: str) -> str:
         """The executor `layer` uses in `phase` ("prefill" or "decode")."""
         return self.layer_executors.get(layer, {}).get(phase, getattr(self, f"{phase}_executor"))
+
+
+def parse_split(text) -> tuple[int, ...]:
+    """'12,12' (or a sequence of ints) -> (12, 12); an Edge0Error naming --pipeline-split."""
+    try:
+        parts = [int(p) for p in (text.split(",") if isinstance(text, str) else text)]
+    except (TypeError, ValueError):
+        parts = []
+    if not parts or any(p < 1 for p in parts):
+        raise Edge0Error(f"--pipeline-split {text!r}: expected layers per rank, rank 0 first, each >= 1, e.g. 12,12")
+    return tuple(parts)
 
 
 def flag(name: str) -> str:

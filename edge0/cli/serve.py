@@ -69,10 +69,16 @@ def main(argv=None) -> int:
 
     engine = edge0.load(args.model, **load_options(args))
     print(engine.describe(), file=sys.stderr)
+    if engine.follower:  # under mlx.launch: rank 0 serves; this rank runs its layers of each request
+        engine.follow()
+        return 0
     config = ServerConfig(api_key=args.api_key, max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
                           max_tokens=args.max_tokens, default_max_tokens=args.default_max_tokens,
                           max_prompt_tokens=args.max_prompt_tokens, max_messages=args.max_messages)
-    uvicorn.run(create_app(engine, config), host=args.host, port=args.port, log_level=args.log_level)
+    try:
+        uvicorn.run(create_app(engine, config), host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        engine.close()
     return 0
 
 

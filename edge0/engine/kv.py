@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from edge0.backend import nn as bnn
+from edge0.errors import Edge0Error
 
 
 class PromptCache:
@@ -48,6 +49,18 @@ class PromptCache:
         self.cache = bnn.make_prompt_cache(self.model)
         self.tokens = []
         return 0
+
+    def sync(self, offset: int) -> None:
+        """A follower stage: hold exactly `offset` tokens, as rank 0's cache does before a forward
+        (a new cache at 0; trimmed where rank 0 trimmed, as its KV reuse does)."""
+        held = bnn.cache_offset(self.cache) if self.cache is not None else 0
+        if offset == 0:
+            self.cache = bnn.make_prompt_cache(self.model)
+        elif held > offset and bnn.can_trim_prompt_cache(self.cache):
+            bnn.trim_prompt_cache(self.cache, held - offset)
+        elif held != offset:
+            raise Edge0Error(f"this stage's KV cache holds {held} tokens, rank 0's {offset}: the ranks are out of step; "
+                             "restart every rank")
 
     def persist(self) -> None:
         """Save the cache to disk (when a directory is set), for a later process."""

@@ -50,6 +50,8 @@ def engine_stats(engine) -> dict:
         "prerouter": None,
     }
     out.update(engine.hooks.stats())
+    if engine.pipeline is not None and engine.pipeline.leads:
+        out = engine.pipeline.merge_stats(out)
     return out
 
 

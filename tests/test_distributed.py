@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -51,14 +52,17 @@ def free_ports(n: int) -> list[int]:
     return ports
 
 
-def launch(tmp_path, argvs: list[list[str]], ranks: int = 2, timeout: float = 60) -> list[tuple[int, str, str]]:
-    """Start `argvs[r]` as rank r of `ranks` (like mlx.launch: MLX_HOSTFILE, MLX_RANK); returns
-    (exit code, stdout, stderr) per started rank. Every process is killed on a timeout."""
+def start(tmp_path, argvs: list[list[str]], ranks: int = 2) -> list[subprocess.Popen]:
+    """Start `argvs[r]` as rank r of `ranks`, as mlx.launch does (MLX_HOSTFILE, MLX_RANK)."""
     hostfile = tmp_path / f"hosts-{time.monotonic_ns()}.json"
     hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(ranks)]))
     env = {**os.environ, "MLX_HOSTFILE": str(hostfile), "PYTHONPATH": str(ROOT)}
-    procs = [subprocess.Popen(argv, env={**env, "MLX_RANK": str(r)}, cwd=ROOT, text=True, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, start_new_session=True) for r, argv in enumerate(argvs)]
+    return [subprocess.Popen(argv, env={**env, "MLX_RANK": str(r)}, cwd=ROOT, text=True, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, start_new_session=True) for r, argv in enumerate(argvs)]
+
+
+def finish(procs: list[subprocess.Popen], timeout: float = 60) -> list[tuple[int, str, str]]:
+    """(exit code, stdout, stderr) of each process; all are killed after `timeout` s."""
     try:
         deadline = time.monotonic() + timeout
         outputs = [p.communicate(timeout=max(1, deadline - time.monotonic())) for p in procs]
@@ -68,6 +72,10 @@ def launch(tmp_path, argvs: list[list[str]], ranks: int = 2, timeout: float = 60
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
+
+
+def launch(tmp_path, argvs: list[list[str]], ranks: int = 2, timeout: float = 60) -> list[tuple[int, str, str]]:
+    return finish(start(tmp_path, argvs, ranks), timeout)
 
 
 def single(store, **options):
@@ -125,6 +133,34 @@ def test_generate_under_mlx_launch_prints_the_single_process_text(store_for, tmp
     assert p.returncode == 0, p.stderr[-2000:]
     assert p.stdout == want + "\n"  # only rank 0 writes the text
     assert "rank 0 of 2: layers 1-1 + norm and head:" in p.stderr and "rank 1 of 2: layers 0-0 + embedding:" in p.stderr
+
+
+def test_the_server_listens_on_rank_0_and_the_other_rank_follows(store_for, tmp_path):
+    store = store_for("qwen3_moe")
+    want = edge0.load(store).generate(PROMPT, max_tokens=TOKENS).text
+    port = free_ports(1)[0]
+    argv = [sys.executable, "-m", "edge0.serve", "--model", str(store), "--port", str(port), "--log-level", "warning"]
+    procs = start(tmp_path, [argv, argv])
+    url = f"http://127.0.0.1:{port}/v1"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                urllib.request.urlopen(f"{url}/models", timeout=2)
+                break
+            except OSError:
+                assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "server did not start"
+                time.sleep(0.2)
+        body = json.dumps({"prompt": PROMPT, "max_tokens": TOKENS, "temperature": 0}).encode()
+        req = urllib.request.Request(f"{url}/completions", body, {"content-type": "application/json"})
+        got = json.load(urllib.request.urlopen(req, timeout=30))["choices"][0]["text"]
+        stats = json.load(urllib.request.urlopen(f"{url}/stats", timeout=10))["engine"]
+        procs[0].send_signal(signal.SIGINT)  # rank 0 shuts down and releases rank 1
+    finally:
+        done = finish(procs, 20)
+    assert got == want
+    assert [r["rank"] for r in stats["ranks"]] == [0, 1] and all(r["forwards"] > 0 for r in stats["ranks"])
+    assert [rc for rc, _, _ in done] == [0, 0], [err[-2000:] for _, _, err in done]
 
 
 def test_a_missing_peer_is_a_one_line_error(store_for, tmp_path):

@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import json
 import os
+import resource
+import select
 import signal
+import socket
+import stat
 import threading
 import time
 
@@ -65,6 +69,34 @@ def init_group(timeout: float):
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+
+
+def ring_sockets() -> list[int]:
+    """File descriptors of the ring's connections (TCP sockets to or from a hostfile address).
+    MLX's ring receive busy-polls, a full core per waiting rank; a rank that expects a message
+    blocks in select() on these first and then receives it (MLX still carries every byte)."""
+    addrs = set()
+    for rank in _hosts():
+        for a in rank:
+            ip, _, port = a.rpartition(":")
+            addrs.add((ip, int(port)))
+    fds = []
+    for fd in range(3, min(resource.getrlimit(resource.RLIMIT_NOFILE)[0], 4096)):
+        try:
+            if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+                continue
+            with socket.socket(fileno=os.dup(fd)) as s:
+                ends = {s.getsockname()[:2], s.getpeername()[:2]}
+        except OSError:  # not open, or a socket that is not connected (the ring's listener)
+            continue
+        if ends & addrs:
+            fds.append(fd)
+    return fds
+
+
+def wait_for_message(fds: list[int]) -> None:
+    """Block (without using the CPU) until one of the ring's connections has data."""
+    select.select(fds, [], [])
 
 
 def all_gather_bytes(group, data: bytes) -> list[bytes]:

@@ -26,6 +26,7 @@ which is the only place it is needed.
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from contextlib import contextmanager
@@ -67,6 +68,9 @@ class Pipeline:
         self.bytes_sent = 0
         self.forwards = 0
         self.ranks: list[dict] = []  # rank 0: the other ranks' statistics, from the last FINISH
+        # where a rank waits for the next message without spinning (see bdist.ring_sockets); none
+        # found means MLX's spinning receive, reported in the stats
+        self.sockets = bdist.ring_sockets()
 
     @property
     def leads(self) -> bool:
@@ -96,6 +100,10 @@ class Pipeline:
             raise
 
     def _recv_header(self) -> list[int]:
+        """The next op's header; its payload follows at once, but the header itself may be a
+        token's whole trip (or an idle server's pause) away."""
+        if self.sockets:
+            bdist.wait_for_message(self.sockets)
         return B.to_numpy(self._recv((HEADER,), "int32")).tolist()
 
     def _send_predictions(self, preds: dict) -> None:
@@ -214,6 +222,8 @@ class Pipeline:
             "send_ms": 1000 * self.send_s,
             "wait_ms": 1000 * self.wait_s,
             "bytes_sent": self.bytes_sent,
+            "cpu_s": sum(os.times()[:2]),  # user + system
+            "waits": "blocking" if self.sockets else "spinning (ring sockets not found)",
             "layer_stats": None if full is None else full["layers"],
             "prerouter": None if full is None else full["prerouter"],
         }

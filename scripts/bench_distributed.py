@@ -54,22 +54,24 @@ def single(s, peak):
             "expert_bytes": e.streaming.total_expert_bytes, "expert_cache_bytes": s["expert_cache_bytes"],
             "peak_memory_bytes": peak, "peak_rss_bytes": s["peak_rss_bytes"], "hits": t["hits"], "misses": t["misses"],
             "stall_ms": t["stall_ms"], "expert_bytes_read": t["bytes_read"], "decode_steps": s["decode_steps"],
-            "send_ms": 0.0, "wait_ms": 0.0, "cpu_s": sum(os.times()[:2])}
+            "send_ms": 0.0, "wait_ms": 0.0, "step_compute_ms": 0.0, "cpu_s": sum(os.times()[:2])}
 
 
 ranks_before = before.get("ranks") or [single(before, 0)]
 ranks_after = after.get("ranks") or [single(after, r.stats["peak_memory_bytes"])]
 rows = []
 for b, a in zip(ranks_before, ranks_after):
-    d = {k: a[k] - b[k] for k in ("hits", "misses", "stall_ms", "expert_bytes_read", "decode_steps", "send_ms", "wait_ms")}
+    d = {k: a[k] - b[k] for k in ("hits", "misses", "stall_ms", "expert_bytes_read", "decode_steps", "send_ms", "wait_ms",
+                                  "step_compute_ms")}
     rows.append({"rank": a["rank"], "stage": a["stage"], "resident_bytes": a["resident_bytes"],
                  "expert_bytes": a["expert_bytes"], "expert_cache_bytes": a["expert_cache_bytes"],
                  "budget_fraction": a["expert_cache_bytes"] / a["expert_bytes"],
                  "peak_memory_bytes": a["peak_memory_bytes"], "peak_rss_bytes": a["peak_rss_bytes"],
                  "hit_rate": d["hits"] / max(1, d["hits"] + d["misses"]), "stall_ms_per_step": d["stall_ms"] / max(1, d["decode_steps"]),
                  "expert_mib_read": d["expert_bytes_read"] / 2**20, "send_ms_per_step": d["send_ms"] / n,
-                 "wait_ms_per_step": d["wait_ms"] / n, "cpu_s_total": a["cpu_s"]})
-print(json.dumps({"decode_tps": r.stats["decode_tps"], "ranks": rows}))
+                 "wait_ms_per_step": d["wait_ms"] / n, "compute_ms_per_step": d["step_compute_ms"] / max(1, d["decode_steps"]),
+                 "cpu_s_total": a["cpu_s"]})
+print(json.dumps({"decode_tps": r.stats["decode_tps"], "ranks": rows, "load_average": os.getloadavg()}))
 """
 
 
@@ -120,12 +122,13 @@ def main() -> None:
     rows = {}
     for name, ranks, budget in arms:
         rows[name] = r = run_arm(args.model, ranks, budget, not args.warm, args.warmup, args.tokens)
-        print(f"{name}: {r['decode_tps']:.2f} tok/s", flush=True)
+        print(f"{name}: {r['decode_tps']:.2f} tok/s (load average {r['load_average'][0]:.1f})", flush=True)
         for k in r["ranks"]:
             print(f"  rank {k['rank']} ({k['stage']}): cache {k['expert_cache_bytes'] / 2**20:.0f} MiB "
                   f"({k['budget_fraction']:.0%} of {k['expert_bytes'] / 2**20:.0f} MiB), hit {k['hit_rate']:.0%}, "
                   f"stall {k['stall_ms_per_step']:.0f} ms/step, read {k['expert_mib_read']:.0f} MiB, "
                   f"send {k['send_ms_per_step']:.2f} ms/step, wait {k['wait_ms_per_step']:.0f} ms/step, "
+                  f"compute {k['compute_ms_per_step']:.0f} ms/step, "
                   f"resident {k['resident_bytes'] / 2**20:.0f} MiB, MLX peak {k['peak_memory_bytes'] / 2**20:.0f} MiB, "
                   f"RSS peak {k['peak_rss_bytes'] / 2**20:.0f} MiB, CPU {k['cpu_s_total']:.0f} s", flush=True)
     result = {"date": datetime.date.today().isoformat(), "machine": f"{platform.machine()}, {os.cpu_count()} cores",

@@ -17,6 +17,7 @@ import time
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.models.pipeline import PipelineMixin
 
 from edge0.errors import Edge0Error
@@ -183,8 +184,15 @@ def _pipeline_module(model) -> tuple[str, nn.Module]:
 
 
 def num_layers(model) -> int:
-    """Decoder layers of a pipeline-capable mlx-lm model (an Edge0Error for other families)."""
-    return len(_pipeline_module(model)[1].layers)
+    """Decoder layers of a pipeline-capable mlx-lm model (an Edge0Error for other families):
+    mlx-lm pipelines it, and every layer's cache is a KV cache whose offset says how many tokens
+    it holds (what the stage exchange keeps in step across ranks)."""
+    n = len(_pipeline_module(model)[1].layers)
+    if not all(hasattr(c, "offset") for c in make_prompt_cache(model)):
+        raise Edge0Error(f"model_type {getattr(model, 'model_type', '?')!r}: some layers keep state other than a KV "
+                         "cache (linear attention), which the stage exchange does not keep in step across ranks; "
+                         "run it in one process")
+    return n
 
 
 def _ends(model):

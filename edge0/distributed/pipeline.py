@@ -65,6 +65,8 @@ class Pipeline:
         self.step = -1  # rank 0: the step whose forward runs next (-1: a prefill chunk)
         self.seq = 0
         self.send_s = self.wait_s = 0.0
+        self.compute_s = 0.0  # decode steps: input received -> output sent (rank 0: -> token sampled)
+        self.received_at = 0.0
         self.bytes_sent = 0
         self.forwards = 0
         self.ranks: list[dict] = []  # rank 0: the other ranks' statistics, from the last FINISH
@@ -148,7 +150,8 @@ class Pipeline:
             self._expect(h, FORWARD)
             preds = self._recv_predictions(h)
             hidden = self._recv((1, t, h[HIDDEN]), self.dtype)
-            self.wait_s += time.perf_counter() - t0
+            self.received_at = time.perf_counter()
+            self.wait_s += self.received_at - t0
         self.forwards += 1
         self._route_predictions(preds)
         return hidden
@@ -221,6 +224,7 @@ class Pipeline:
             "forwards": self.forwards,
             "send_ms": 1000 * self.send_s,
             "wait_ms": 1000 * self.wait_s,
+            "step_compute_ms": 1000 * self.compute_s,
             "bytes_sent": self.bytes_sent,
             "cpu_s": sum(os.times()[:2]),  # user + system
             "waits": "blocking" if self.sockets else "spinning (ring sockets not found)",
@@ -292,7 +296,8 @@ class Pipeline:
         else:
             preds = self._recv_predictions(h)
             x = self._recv((1, t, h[HIDDEN]), self.dtype)
-        self.wait_s += time.perf_counter() - t0
+        received = time.perf_counter()
+        self.wait_s += received - t0
         self.forwards += 1
         engine.kv.sync(h[OFFSET])
         if step > 0:
@@ -305,6 +310,8 @@ class Pipeline:
         if step >= 0:
             engine.hooks.after_forward(engine, step, out)
         B.eval(out, [c.state for c in engine.kv.cache])
+        if step >= 0:
+            self.compute_s += time.perf_counter() - received
         self._send_header(FORWARD, tokens=t, hidden=int(out.shape[-1]), offset=h[OFFSET], step=step,
                           n_pred=len(preds), experts=int(next(iter(preds.values())).shape[-1]) if preds else 0)
         self._send_predictions(preds)
@@ -337,6 +344,7 @@ class LeaderHooks(StepHooks):
         self.inner.after_forward(engine, step, outputs)
 
     def step_done(self, engine, step: int) -> None:
+        self.pipeline.compute_s += time.perf_counter() - self.pipeline.received_at
         self.inner.step_done(engine, step)
 
     def finish(self, engine) -> None:

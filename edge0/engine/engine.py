@@ -90,6 +90,10 @@ class Engine:
             s = self.pipeline.stage
             raise Edge0Error(f"rank {s.rank} of {s.size} follows rank 0, which generates; call engine.follow() on this rank")
 
+    def _one_process(self, what: str) -> None:
+        if self.pipeline is not None:
+            raise Edge0Error(f"{what} runs in one process; a model across ranks runs generations (and decode_logits)")
+
     # -- prompts -------------------------------------------------------------------------------
     def encode(self, prompt) -> list[int]:
         tokens = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
@@ -203,12 +207,12 @@ class Engine:
     # -- checks, evaluation and traces (diagnostics.py) ----------------------------------------
     def logits(self, prompt):
         """Float32 logits of every prompt position [T, V] (no cache; gate routing)."""
-        self._leads()
+        self._one_process("logits")
         return logits(self, prompt)
 
     def prerouted_logits(self, prompt):
         """Float32 logits [T, V] of every position, routed as decoding routes them (one pass)."""
-        self._leads()
+        self._one_process("prerouted_logits")
         return prerouted_logits(self, prompt)
 
     def decode_logits(self, prompt):
@@ -218,7 +222,7 @@ class Engine:
 
     def observe_routes(self, fn) -> None:
         """fn(layer, indices, scores) for every spec'd MoE layer's forward (None stops)."""
-        self._leads()
+        self._one_process("route tracing")
         observe_routes(self, fn)
 
     # -- stats ---------------------------------------------------------------------------------

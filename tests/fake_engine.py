@@ -103,6 +103,8 @@ class FakeEngine:
     """Implements the Engine contract; `delay` is seconds per generated token."""
 
     model_id = "fake-moe"
+    follower = False  # one process: no ranks to follow (docs/distributed.md)
+    pipeline = None
 
     def __init__(self, delay: float = 0.0):
         self.tokenizer = FakeTokenizer()
@@ -206,6 +208,9 @@ class FakeEngine:
 
     def reset_cache(self) -> None:
         self._cache_tokens = []
+
+    def close(self) -> None:
+        self.closed = True
 
 
 def _utf8_safe_len(data: bytes) -> int:

@@ -13,9 +13,11 @@ budgets are fractions of each rank's experts when the split is even (checked in 
 Unless --warm, the store is evicted from the page cache before each arm and every expert read is
 dropped from it again (`cold_reads`): each miss comes from storage, as on a machine whose memory
 cannot hold the model. A warm-up generation fills the caches; the numbers are the next one's.
+With --repeat R the four arms run R times, in turn, and each arm's run with the median speed is
+reported (every run is in the JSON), since other jobs on a shared machine come and go.
 
 Usage: python scripts/bench_distributed.py --model STORE [--fraction 0.2] [--tokens 32] [--warmup 8]
-       [--warm] [--out docs/benchmarks/distributed.json]
+       [--repeat 1] [--warm] [--out docs/benchmarks/distributed.json]
 """
 
 from __future__ import annotations
@@ -108,6 +110,7 @@ def main() -> None:
     p.add_argument("--fraction", type=float, default=0.2)
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--warmup", type=int, default=8)
+    p.add_argument("--repeat", type=int, default=1, help="runs of every arm, in turn (the median is reported)")
     p.add_argument("--warm", action="store_true", help="leave the store in the page cache (default: cold reads)")
     p.add_argument("--out", default="docs/benchmarks/distributed.json")
     args = p.parse_args()
@@ -119,10 +122,16 @@ def main() -> None:
             (f"1 process, {2 * f:.0%} of all experts", 1, int(2 * f * total)),
             (f"2 ranks, each {f:.0%} of its layers' experts", 2, int(f * total / 2)),
             (f"2 ranks, each {2 * f:.0%} of its layers' experts (= the {f:.0%} process's budget)", 2, int(f * total))]
-    rows = {}
-    for name, ranks, budget in arms:
-        rows[name] = r = run_arm(args.model, ranks, budget, not args.warm, args.warmup, args.tokens)
-        print(f"{name}: {r['decode_tps']:.2f} tok/s (load average {r['load_average'][0]:.1f})", flush=True)
+    runs: dict[str, list] = {name: [] for name, _, _ in arms}
+    for i in range(args.repeat):
+        for name, ranks, budget in arms:
+            r = run_arm(args.model, ranks, budget, not args.warm, args.warmup, args.tokens)
+            runs[name].append(r)
+            print(f"[{i + 1}/{args.repeat}] {name}: {r['decode_tps']:.2f} tok/s (load average {r['load_average'][0]:.1f})",
+                  flush=True)
+    rows = {name: sorted(rs, key=lambda r: r["decode_tps"])[len(rs) // 2] for name, rs in runs.items()}
+    for name, r in rows.items():
+        print(f"{name}: median {r['decode_tps']:.2f} tok/s")
         for k in r["ranks"]:
             print(f"  rank {k['rank']} ({k['stage']}): cache {k['expert_cache_bytes'] / 2**20:.0f} MiB "
                   f"({k['budget_fraction']:.0%} of {k['expert_bytes'] / 2**20:.0f} MiB), hit {k['hit_rate']:.0%}, "
@@ -133,7 +142,8 @@ def main() -> None:
                   f"RSS peak {k['peak_rss_bytes'] / 2**20:.0f} MiB, CPU {k['cpu_s_total']:.0f} s", flush=True)
     result = {"date": datetime.date.today().isoformat(), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
               "command": " ".join(sys.argv), "model": str(args.model), "cold_reads": not args.warm,
-              "tokens": args.tokens, "warmup": args.warmup, "expert_bytes_total": total, "arms": rows}
+              "tokens": args.tokens, "warmup": args.warmup, "repeat": args.repeat, "expert_bytes_total": total,
+              "median": rows, "runs": runs}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
 

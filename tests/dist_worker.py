@@ -1,7 +1,8 @@
 """One rank of tests/test_distributed.py: `python tests/dist_worker.py RUNS.json OUT.json`, started
 with MLX_HOSTFILE and MLX_RANK like mlx.launch does. For each run (load keywords and a prompt) it
 loads the engine, generates on rank 0 (follows elsewhere) and writes what this rank saw: the
-generated tokens (rank 0), the expert files it opened, its MoE layers and rank 0's stats."""
+generated tokens (rank 0), the expert files it opened, its layers, MoE layers and adapted linears,
+and rank 0's stats."""
 
 import json
 import os
@@ -9,6 +10,7 @@ import sys
 from pathlib import Path
 
 import edge0
+from edge0.backend import lora as blora
 
 opened: list[str] = []
 _open = os.open
@@ -28,13 +30,14 @@ results = []
 for run in runs:
     opened.clear()
     engine = edge0.load(run["store"], **run["options"])
-    out = {"rank": engine.stage.rank, "moe_layers": sorted(engine.store.layers)}
+    out = {"rank": engine.stage.rank, "moe_layers": sorted(engine.store.layers),
+           "layers": list(range(engine.stage.start, engine.stage.end)), "lora": sorted(blora.lora_modules(engine.model))}
     if engine.follower:
         engine.follow()
     else:
         res = engine.generate(run["prompt"], max_tokens=run["max_tokens"], ignore_eos=run["ignore_eos"])
         stats = engine.stats()
-        out.update(tokens=res.tokens, layers=stats["layers"], ranks=stats["ranks"], prerouter=stats["prerouter"])
+        out.update(tokens=res.tokens, layer_stats=stats["layers"], ranks=stats["ranks"], prerouter=stats["prerouter"])
     engine.close()
     out["opened"] = list(opened)
     results.append(out)

@@ -21,6 +21,7 @@ from edge0.distributed.split import balanced_split, check_split
 from edge0.errors import Edge0Error
 from edge0.prerouter.train import train, write
 from edge0.store.format import expert_file
+from tests.test_lora import random_adapter
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "once upon a time, a tiny model"
@@ -90,7 +91,11 @@ def test_two_ranks_give_the_single_process_tokens_reading_only_their_layers(fami
     manifest = json.loads((store / "edge0-manifest.json").read_text())
     runs = [{"store": str(store), "options": {"prerouter": False}},  # split balanced by bytes
             {"store": str(store), "options": {"prerouter": str(heads[family]), "pipeline_split": SPLITS[family]}}]
-    if family == "qwen3_moe":  # a tied head: the embedding on rank 1, and again on rank 0 as the head
+    if family == "qwen3_moe":
+        # each rank adapts its own layers' linears
+        adapter, _, random_adapter_paths = random_adapter(store, tmp_path / "lora.safetensors")
+        runs.append({"store": str(store), "options": {"prerouter": False, "lora": str(adapter)}})
+        # a tied head: the embedding on rank 1, and again on rank 0 as the head
         runs.append({"store": str(store_for(family, tie_word_embeddings=True)), "options": {"prerouter": False}})
     for run in runs:
         run.update(prompt=PROMPT, max_tokens=TOKENS, ignore_eos=True)
@@ -101,12 +106,12 @@ def test_two_ranks_give_the_single_process_tokens_reading_only_their_layers(fami
     out = [json.loads((tmp_path / f"out-{r}.json").read_text()) for r in range(2)]
 
     for i, run in enumerate(runs):
-        want, want_stats = single(run["store"], prerouter=run["options"]["prerouter"])
+        want, want_stats = single(run["store"], **{k: v for k, v in run["options"].items() if k != "pipeline_split"})
         got = out[0][i]
         assert got["tokens"] == want, f"run {i}"
         # the same routes, hits, misses, host syncs and drops per layer as in one process
         keys = ("calls", "host_syncs", "hits", "misses", "loads", "dropped")
-        assert {int(l): [s[k] for k in keys] for l, s in got["layers"].items()} == \
+        assert {int(l): [s[k] for k in keys] for l, s in got["layer_stats"].items()} == \
             {l: [s[k] for k in keys] for l, s in want_stats["layers"].items()}, f"run {i}"
         # each rank opened exactly its own MoE layers' expert files, each once
         ranks = [o[i] for o in out]
@@ -114,10 +119,13 @@ def test_two_ranks_give_the_single_process_tokens_reading_only_their_layers(fami
         for r in ranks:
             assert r["moe_layers"] and sorted(r["opened"]) == sorted(Path(expert_file(l)).name for l in r["moe_layers"])
         assert [r["rank"] for r in got["ranks"]] == [0, 1]
+        if "lora" in run["options"]:  # the adapter's linears, each on the rank that runs its layer
+            assert sorted(ranks[0]["lora"] + ranks[1]["lora"]) == sorted(random_adapter_paths)
+            assert all(int(p.split(".")[2]) in r["layers"] for r in ranks for p in r["lora"])
     # with heads, a layer on rank 0 is routed by the head of the layer before it, on rank 1
     boundary = str(out[0][1]["moe_layers"][0])
     assert out[0][1]["prerouter"]["routed_by_head"][boundary] == TOKENS - 1
-    assert out[0][1]["layers"][str(boundary)]["dropped"] == 0
+    assert out[0][1]["layer_stats"][boundary]["dropped"] == 0
 
 
 def test_generate_under_mlx_launch_prints_the_single_process_text(store_for, tmp_path):

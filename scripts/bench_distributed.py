@@ -4,12 +4,14 @@ one run.
 Arms, each in its own process(es), one after the other:
   1 process, expert cache = FRACTION of all experts
   1 process, expert cache = 2 x FRACTION
-  2 ranks (mlx.launch, ring backend, 127.0.0.1), each caching FRACTION of its own layers' experts
-     (the same total memory as the first arm)
+  2 ranks (ring backend, 127.0.0.1), each caching FRACTION of its own layers' experts (the same
+     total memory as the first arm)
   2 ranks, each with the first arm's budget, i.e. 2 x FRACTION of its own layers' experts (two
      machines of that size pooling their memory)
 The layer split is the default (balanced by bytes); every rank gets the same --expert-cache, so the
 budgets are fractions of each rank's experts when the split is even (checked in the output).
+The ranks are started as mlx.launch starts them (MLX_HOSTFILE, MLX_RANK) but without mlx.launch
+itself, whose output-forwarding loop busy-polls (about 1.4 cores here, see docs/distributed.md).
 Unless --warm, the store is evicted from the page cache before each arm and every expert read is
 dropped from it again (`cold_reads`): each miss comes from storage, as on a machine whose memory
 cannot hold the model. A warm-up generation fills the caches; the numbers are the next one's.
@@ -30,6 +32,7 @@ import platform
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -92,16 +95,20 @@ def evict(store: Path) -> None:
 
 def run_arm(store: Path, ranks: int, budget: int, cold: bool, warmup: int, tokens: int) -> dict:
     child = [sys.executable, "-c", CHILD, str(store), str(budget), "cold" if cold else "warm", str(warmup), str(tokens)]
-    if ranks > 1:
-        launcher = Path(sys.executable).parent / "mlx.launch"
-        child = [str(launcher), "-n", str(ranks), "--backend", "ring", "--starting-port", str(free_port()), "--", *child]
     if cold:
         evict(store)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    out = subprocess.run(child, capture_output=True, text=True, env=env, cwd=ROOT)
-    if out.returncode != 0:
-        raise SystemExit(f"arm with {ranks} rank(s) failed:\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    with tempfile.TemporaryDirectory() as tmp:
+        if ranks > 1:
+            hostfile = Path(tmp) / "hosts.json"
+            hostfile.write_text(json.dumps([[f"127.0.0.1:{free_port()}"] for _ in range(ranks)]))
+            env["MLX_HOSTFILE"] = str(hostfile)
+        procs = [subprocess.Popen(child, env={**env, "MLX_RANK": str(r)} if ranks > 1 else env, cwd=ROOT, text=True,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in range(ranks)]
+        outs = [p.communicate() for p in procs]
+    if any(p.returncode for p in procs):
+        raise SystemExit(f"arm with {ranks} rank(s) failed:\n" + "\n".join(err[-3000:] for _, err in outs))
+    return json.loads(outs[0][0].strip().splitlines()[-1])
 
 
 def main() -> None:

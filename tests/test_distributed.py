@@ -128,6 +128,21 @@ def test_two_ranks_give_the_single_process_tokens_reading_only_their_layers(fami
     assert out[0][1]["layer_stats"][boundary]["dropped"] == 0
 
 
+def test_three_ranks_pass_the_hidden_state_through_a_middle_stage(store_for, heads, tmp_path):
+    # deepseek_v3: rank 2 runs the dense layer 0 (no experts at all), rank 1 the head's owner
+    # (MoE layer 1), rank 0 its consumer (MoE layer 2)
+    store = store_for("deepseek_v3")
+    options = {"prerouter": str(heads["deepseek_v3"]), "pipeline_split": "1,1,1"}
+    (tmp_path / "runs.json").write_text(json.dumps([{"store": str(store), "options": options, "prompt": PROMPT,
+                                                      "max_tokens": TOKENS, "ignore_eos": True}]))
+    argv = [sys.executable, str(ROOT / "tests" / "dist_worker.py"), str(tmp_path / "runs.json")]
+    done = launch(tmp_path, [argv + [str(tmp_path / f"out-{r}.json")] for r in range(3)], ranks=3)
+    assert [rc for rc, _, _ in done] == [0, 0, 0], [err[-2000:] for _, _, err in done]
+    out = [json.loads((tmp_path / f"out-{r}.json").read_text())[0] for r in range(3)]
+    assert [o["moe_layers"] for o in out] == [[2], [1], []] and out[2]["opened"] == []
+    assert out[0]["tokens"] == single(store, prerouter=options["prerouter"])[0]
+
+
 def test_generate_under_mlx_launch_prints_the_single_process_text(store_for, tmp_path):
     launcher = Path(sys.executable).parent / "mlx.launch"  # installed with mlx
     if not launcher.is_file():

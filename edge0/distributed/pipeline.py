@@ -185,10 +185,14 @@ class Pipeline:
         self.ranks = self._round_trip(FINISH)
 
     def close(self) -> None:
-        """Rank 0: release the other ranks (they return from `follow`). After a lost peer there
-        is no one to release: the others stop on the same error."""
+        """Rank 0: release the other ranks (they return from `follow`). A rank that is gone needs
+        no release (it reported why itself, and the others stop on the lost peer), so losing one
+        here is not an error: close runs while a Ctrl-C or another error unwinds."""
         if self.leads and not self.closed and not self.failed:
-            self._round_trip(STOP)
+            try:
+                self._round_trip(STOP)
+            except Edge0Error:
+                return
             self.closed = True
 
     def lead(self, engine) -> None:

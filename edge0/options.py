@@ -22,8 +22,8 @@ DEFAULT_PROMPT_CACHE_SIZE = "2GB"
 
 def _opt(default, help: str, kind: str, **extra):
     """A LoadOptions field. `kind` says how the CLI spells it: choice, int, float, size, path,
-    flag (--NAME sets it), switch (--NAME / --no-NAME), tristate (FILE, or --no-NAME for False) or
-    layer_executors (repeatable).
+    flag (--NAME sets it), switch (--NAME / --no-NAME), split (N,N,...), tristate (FILE, or --no-NAME
+    for False) or layer_executors (repeatable).
     `checked_later`: the CLI leaves the choice to validate(), whose error explains more."""
     factory = {"default_factory": dict} if default == {} else {"default": default}
     return field(**factory, metadata={"help": help, "kind": kind, **extra})
@@ -71,6 +71,11 @@ class LoadOptions:
                                               "restarted process reuses a matching prefix", "path", metavar="DIR")
     prompt_cache_size: int | str | None = _opt(None, "most bytes --prompt-cache-dir holds; the least recently used go "
                                                      f"first (default {DEFAULT_PROMPT_CACHE_SIZE})", "size")
+    pipeline_split: str | tuple | None = _opt(None, "under mlx.launch: decoder layers per rank, rank 0 first "
+                                                    "(rank 0 runs the last layers), e.g. 12,12 (default: balanced "
+                                                    "by bytes)", "split", metavar="N,N,...")
+    peer_timeout: float = _opt(60.0, "under mlx.launch: seconds a rank waits for its peers to connect (default 60)",
+                               "float", metavar="S")
 
     def validate(self) -> "LoadOptions":
         """Check the options that need no model; errors name the flag and the fix."""
@@ -101,6 +106,10 @@ class LoadOptions:
                              "drop --prompt-cache-size")
         if self.prompt_cache_dir and self.prompt_cache_bytes() < 1:
             raise Edge0Error(f"--prompt-cache-size {self.prompt_cache_size}: must be more than 0 bytes, e.g. 2GB")
+        if self.pipeline_split is not None:
+            self.pipeline_split = parse_split(self.pipeline_split)
+        if not 0 < self.peer_timeout < math.inf:
+            raise Edge0Error(f"--peer-timeout {self.peer_timeout}: must be a finite number of seconds > 0")
         _choice("prefill_executor", self.prefill_executor)
         _choice("decode_executor", self.decode_executor)
         for layer, choice in self.layer_executors.items():
@@ -118,6 +127,17 @@ class LoadOptions:
     def executor(self, layer: int, phase: str) -> str:
         """The executor `layer` uses in `phase` ("prefill" or "decode")."""
         return self.layer_executors.get(layer, {}).get(phase, getattr(self, f"{phase}_executor"))
+
+
+def parse_split(text) -> tuple[int, ...]:
+    """'12,12' (or a sequence of ints) -> (12, 12); an Edge0Error naming --pipeline-split."""
+    try:
+        parts = [int(p) for p in (text.split(",") if isinstance(text, str) else text)]
+    except (TypeError, ValueError):
+        parts = []
+    if not parts or any(p < 1 for p in parts):
+        raise Edge0Error(f"--pipeline-split {text!r}: expected layers per rank, rank 0 first, each >= 1, e.g. 12,12")
+    return tuple(parts)
 
 
 def flag(name: str) -> str:

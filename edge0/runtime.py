@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from edge0.bundled import resolve_model
+from edge0.distributed.setup import connect, join, ready, stage_planner
 from edge0.engine import Engine, open_engine
 from edge0.lora.attach import attach_lora, store_adapter
 from edge0.options import LoadOptions
@@ -15,10 +16,14 @@ from edge0.prerouter.attach import attach_prerouter, heads_path
 
 
 def load_engine(path, options: LoadOptions) -> Engine:
-    """The engine for `path` (None: the bundled demo model) with `options` (validated here)."""
+    """The engine for `path` (None: the bundled demo model) with `options` (validated here);
+    under mlx.launch, this rank's stage of it (docs/distributed.md)."""
     options.validate()
+    group = connect(options)
     root = resolve_model(path)
-    engine = open_engine(root, options)
+    engine = open_engine(root, options, stage_planner(group, options))
+    if engine.stage is not None:
+        join(engine, group)
     heads = heads_path(root, options.prerouter, engine.spec)
     if heads is not None:
         attach_prerouter(engine, heads, diagnostics=options.prerouter_diagnostics)
@@ -28,4 +33,6 @@ def load_engine(path, options: LoadOptions) -> Engine:
             attach_lora(engine, adapter)
     if options.prompt_cache_dir:  # last: its identity includes the heads and the adapter
         engine.use_prompt_cache_dir(options.prompt_cache_dir, options.prompt_cache_bytes())
+    if engine.pipeline is not None:
+        ready(engine)
     return engine

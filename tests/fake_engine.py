@@ -118,6 +118,8 @@ class FakeEngine:
     seconds per prefilled prompt token."""
 
     model_id = "fake-moe"
+    follower = False  # one process: no ranks to follow (docs/distributed.md)
+    pipeline = None
 
     def __init__(self, delay: float = 0.0, prefill_delay: float = 0.0, root=None):
         self.tokenizer = FakeTokenizer()
@@ -244,6 +246,9 @@ class FakeEngine:
         """No expert slots: nothing for a memory watcher to resize."""
         return {"slots_per_layer": 0, "configured_slots": 0, "min_slots": 0, "max_slots": 0, "slot_bytes": 0,
                 "budget_bytes": 0}
+
+    def close(self) -> None:
+        self.closed = True
 
 
 def _utf8_safe_len(data: bytes) -> int:

@@ -18,7 +18,7 @@ FLOORS = [
     ("data", ["edge0.store", "edge0.cache", "edge0.families"]),
     ("streaming", ["edge0.streaming"]),
     ("engine", ["edge0.options", "edge0.engine", "edge0.evaluate", "edge0.convert", "edge0.trace"]),
-    ("features", ["edge0.prerouter", "edge0.lora", "edge0.bundled"]),
+    ("features", ["edge0.prerouter", "edge0.lora", "edge0.bundled", "edge0.distributed"]),
     ("api", ["edge0.runtime", "edge0"]),
     ("apps", ["edge0.server", "edge0.bench", "edge0.plan", "edge0.forecast"]),
     ("cli", ["edge0.cli", "edge0.__main__", "edge0.serve"]),

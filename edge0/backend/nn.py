@@ -15,6 +15,7 @@ from mlx_lm.models.cache import (can_trim_prompt_cache, load_prompt_cache, make_
 from mlx_lm.sample_utils import make_sampler
 from mlx_lm.utils import common_prefix_len
 
+from edge0.backend import distributed as bdist
 from edge0.backend import io as bio
 from edge0.backend.routing import expert_scores, route
 
@@ -144,10 +145,15 @@ class SpecMoEBlock(nn.Module):
                          np.array(inds).reshape(-1, inds.shape[-1]), np.array(probs).reshape(-1, probs.shape[-1]))
 
 
-def assemble(root: Path, resident_file: str, manifest: dict, config: dict, spec, k: int | None, compute_dtype: str):
+def assemble(root: Path, resident_file: str, manifest: dict, config: dict, spec, k: int | None, compute_dtype: str,
+             stage: tuple[int, int, list[int]] | None = None):
     """Build the model of a store: resident weights loaded and evaluated, each expert module
     replaced by a StreamingExperts (see attach_executors), and, for spec'd families, each MoE
-    block replaced by a SpecMoEBlock serving width `k`."""
+    block replaced by a SpecMoEBlock serving width `k`.
+
+    `stage` = (rank, ranks, layers per rank, rank 0 first): a pipeline stage that holds only its
+    layers (`manifest` lists only their experts), the embedding on the first stage (the last rank)
+    and the final norm and head on the last (rank 0); other weights are never read."""
     model = bio.build_model(config, root)
     resident = bio.lazy_load([root / resident_file])
     names = set(resident)
@@ -170,13 +176,23 @@ def assemble(root: Path, resident_file: str, manifest: dict, config: dict, spec,
             block_path = path[: -len(spec.experts) - 1]
             set_module(model, block_path, SpecMoEBlock(get_module(model, block_path), spec, k, layer["layer"]))
 
+    keep = None
+    if stage is not None:
+        rank, size, split = stage
+        skip = bdist.keep_stage_layers(model, rank, size, split, rank == size - 1, rank == 0)
+        keep = {n for n, _ in tree_flatten(model.parameters()) if not any(n.startswith(p) for p in skip)}
+        missing = keep - set(resident)
+        if missing:
+            raise ValueError(f"Missing parameters: {', '.join(sorted(missing)[:5])}.")
     cast = getattr(model, "cast_predicate", lambda _: True)
     weights = [
         (n, w.astype(dt) if mx.issubdtype(w.dtype, mx.floating) and cast(n) else w)
-        for n, w in resident.items()
+        for n, w in resident.items() if keep is None or n in keep
     ]
     model.eval()
-    model.load_weights(weights, strict=True)
+    model.load_weights(weights, strict=keep is None)
+    if stage is not None:
+        bdist.replace_stage_ends(model, rank == size - 1, rank == 0)
     mx.eval(model.parameters())
     return model
 
@@ -196,6 +212,11 @@ def moe_blocks(model: nn.Module) -> list[tuple[int, SpecMoEBlock]]:
 
 def resident_bytes(model: nn.Module) -> int:
     return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+
+
+def cache_offset(cache) -> int:
+    """Tokens a prompt cache holds (0 for none)."""
+    return int(cache[0].offset) if cache else 0
 
 
 def forward(model, tokens: list[int], cache) -> mx.array:

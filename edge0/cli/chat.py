@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 
 from edge0.cli.common import (OneLineParser, add_model_options, add_sampling_options, check_sampling_options,
-                              load_options, run_main)
+                              format_rank_stats, load_options, run_main)
 
 COMMANDS = "/reset (forget the conversation), /stats (engine statistics), /exit"
 
@@ -58,6 +58,8 @@ class Session:
             finally:
                 steps.close()
         except KeyboardInterrupt:
+            if self.engine.pipeline is not None:  # mlx.launch stops every rank on Ctrl-C: so does rank 0
+                raise
             # Ctrl-C can land between a KV update and the engine's note of it; start clean.
             self.engine.reset_cache()
             print("\n[interrupted]", file=sys.stderr, flush=True)
@@ -73,7 +75,12 @@ class Session:
         print(f"turns: {turns}, messages: {len(self.history)}")
         if self.last_stats:
             print("last reply: " + stats_line(self.last_stats))
-        for key, value in self.engine.stats().items():
+        stats = self.engine.stats()
+        if "ranks" in stats:
+            print(format_rank_stats(stats))
+        for key, value in stats.items():
+            if key == "ranks":
+                continue
             if not isinstance(value, dict):
                 print(f"{key}: {value}")
             elif not any(isinstance(v, dict) for v in value.values()):  # skip per-layer tables
@@ -142,7 +149,13 @@ def main(argv=None) -> int:
 
     engine = edge0.load(args.model, **load_options(args))
     print(engine.describe(), file=sys.stderr)
-    repl(Session(engine, args))
+    if engine.follower:  # under mlx.launch: rank 0 chats, this rank runs its layers
+        engine.follow()
+        return 0
+    try:
+        repl(Session(engine, args))
+    finally:
+        engine.close()
     return 0
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from edge0.errors import Edge0Error
 from edge0.options import LoadOptions, flag
 from edge0.sampling import check_sampling
+from edge0.units import format_size
 
 
 def run_main(main, argv=None) -> None:
@@ -156,4 +157,17 @@ def format_layer_stats(st: dict) -> str:
         rows.append(f"pre-router {pr['heads']}: routed by head {pr['routed_by_head']}, by gate {pr['routed_by_gate']}")
         if pr["recall"] is not None:
             rows.append("recall of predicted vs gate routes: " + ", ".join(f"layer {l} {r:.3f}" for l, r in pr["recall"].items()))
+    return "\n".join(rows)
+
+
+def format_rank_stats(st: dict) -> str:
+    """One line per rank of a distributed engine (Engine.stats()["ranks"])."""
+    rows = []
+    for r in st["ranks"]:
+        hit = "n/a" if r["hit_rate"] is None else f"{100 * r['hit_rate']:.0f}%"
+        rows.append(f"{r['stage']}: resident {format_size(r['resident_bytes'])}, expert cache "
+                    f"{format_size(r['expert_cache_bytes'])} of {format_size(r['expert_bytes'])}, "
+                    f"MLX peak {format_size(r['peak_memory_bytes'])}, RSS peak {format_size(r['peak_rss_bytes'])}, "
+                    f"cache hits {hit}, stall {r['stall_ms_per_step']:.1f} ms/step, sent {format_size(r['bytes_sent'])} "
+                    f"in {r['send_ms']:.0f} ms, waited {r['wait_ms']:.0f} ms for the previous stage")
     return "\n".join(rows)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 from edge0.cli.common import (OneLineParser, add_model_options, add_sampling_options, check_sampling_options,
-                              format_layer_stats, format_stats, load_options, run_main)
+                              format_layer_stats, format_rank_stats, format_stats, load_options, run_main)
 from edge0.errors import Edge0Error
 
 
@@ -24,6 +24,16 @@ def main(argv=None) -> int:
 
     engine = edge0.load(args.model, **load_options(args))
     print(engine.describe(), file=sys.stderr)
+    if engine.follower:  # under mlx.launch: rank 0 generates, this rank runs its layers
+        engine.follow()
+        return 0
+    try:
+        return _generate(engine, args, text)
+    finally:
+        engine.close()
+
+
+def _generate(engine, args, text: str) -> int:
     if not args.no_chat_template and engine.tokenizer.chat_template is not None:
         prompt = engine.chat_prompt([{"role": "user", "content": text}])
     else:
@@ -37,6 +47,8 @@ def main(argv=None) -> int:
     print()
     print("==========", file=sys.stderr)
     print(format_stats(stats), file=sys.stderr)
+    if engine.pipeline is not None:
+        print(format_rank_stats(engine.stats()), file=sys.stderr)
     if args.stats:
         print(format_layer_stats(engine.stats()), file=sys.stderr)
     return 0

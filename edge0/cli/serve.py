@@ -103,6 +103,9 @@ def main(argv=None) -> int:
         memory_low = default_memory_low(memory_available()[0])
     engine = edge0.load(args.model, **load_options(args))
     print(engine.describe(), file=sys.stderr)
+    if engine.follower:  # under mlx.launch: rank 0 serves; this rank runs its layers of each request
+        engine.follow()
+        return 0
     max_prompt_tokens = args.max_prompt_tokens
     if max_prompt_tokens is None:
         context = model_context_length(engine.root)
@@ -117,7 +120,10 @@ def main(argv=None) -> int:
     log.info("limits: prompt %d tokens (--max-prompt-tokens), max_tokens %d (--max-tokens), queue %d (--max-queue); "
              "expert cache shrinks below %s available (--memory-low)", config.max_prompt_tokens, config.max_tokens,
              config.max_queue, format_size(memory_low) if memory_low else "never")
-    run(create_app(engine, config), host=args.host, port=args.port, log_level=args.log_level)
+    try:
+        run(create_app(engine, config), host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        engine.close()
     return 0
 
 

@@ -48,7 +48,7 @@ class GenerationResult:
 class Engine:
     """A loaded model. generate / stream_generate / chat; see docs/engine-api.md."""
 
-    def __init__(self, root: Path, model, tokenizer, store, streaming, spec, k, compute_dtype):
+    def __init__(self, root: Path, model, tokenizer, store, streaming, spec, k, compute_dtype, stage=None):
         self.root = Path(root)
         self.model_id = self.root.name
         self.model = model
@@ -68,6 +68,9 @@ class Engine:
         self.lora_meta: dict | None = None
         self.lora_note = ""
         self.generating = False  # a stream_generate is running (resizing the expert cache waits for its end)
+        # across ranks (edge0.distributed): this rank's stage, and its end of the stage exchange
+        self.stage = stage
+        self.pipeline = None
 
     # -- features ------------------------------------------------------------------------------
     def use_prerouter(self, prerouting, hooks: StepHooks, path: Path | None, meta: dict | None) -> None:
@@ -79,6 +82,27 @@ class Engine:
     def use_lora(self, path: Path, meta: dict) -> None:
         """Record the adapter whose LoRALinear layers now wrap the model's targets."""
         self.lora_path, self.lora_meta = Path(path), meta
+
+    # -- ranks ---------------------------------------------------------------------------------
+    @property
+    def follower(self) -> bool:
+        """A rank other than 0 of a distributed engine: it runs `follow()`, never generates."""
+        return self.pipeline is not None and not self.pipeline.leads
+
+    def follow(self) -> None:
+        """On a follower rank: run the forwards rank 0 sends until rank 0 closes its engine."""
+        if not self.follower:
+            raise Edge0Error("follow() runs on the ranks other than 0 of an engine started under mlx.launch")
+        self.pipeline.follow()
+
+    def _leads(self) -> None:
+        if self.follower:
+            s = self.pipeline.stage
+            raise Edge0Error(f"rank {s.rank} of {s.size} follows rank 0, which generates; call engine.follow() on this rank")
+
+    def _one_process(self, what: str) -> None:
+        if self.pipeline is not None:
+            raise Edge0Error(f"{what} runs in one process; a model across ranks runs generations (and decode_logits)")
 
     # -- prompts -------------------------------------------------------------------------------
     def encode(self, prompt) -> list[int]:
@@ -129,6 +153,7 @@ class Engine:
         `should_stop()`, if given, is checked between prefill chunks (of CANCELLABLE_PREFILL_CHUNK
         tokens) and between decode steps; once it returns True the generator ends without a final
         Step. A stop during prefill drops the KV cache, which then holds part of the prompt."""
+        self._leads()
         tokens = self.encode(prompt)
         if max_tokens < 1:
             raise Edge0Error(f"max_tokens must be >= 1 (got {max_tokens})")
@@ -153,6 +178,7 @@ class Engine:
         hooks = self.hooks
         if step > 0:
             hooks.before_step(self, step)
+        hooks.before_forward(self, step)
         logprobs = bnn.forward(self.model, tokens, self.kv.cache)
         hooks.after_forward(self, step, logprobs)
         y = bnn.sample(sampler, logprobs)
@@ -249,18 +275,22 @@ class Engine:
     # -- checks, evaluation and traces (diagnostics.py) ----------------------------------------
     def logits(self, prompt):
         """Float32 logits of every prompt position [T, V] (no cache; gate routing)."""
+        self._one_process("logits")
         return logits(self, prompt)
 
     def prerouted_logits(self, prompt):
         """Float32 logits [T, V] of every position, routed as decoding routes them (one pass)."""
+        self._one_process("prerouted_logits")
         return prerouted_logits(self, prompt)
 
     def decode_logits(self, prompt):
         """Float32 log-probs [T, V] of every position, token by token through the caches."""
+        self._leads()
         return decode_logits(self, prompt)
 
     def observe_routes(self, fn) -> None:
         """fn(layer, indices, scores) for every spec'd MoE layer's forward (None stops)."""
+        self._one_process("route tracing")
         observe_routes(self, fn)
 
     # -- stats ---------------------------------------------------------------------------------
@@ -271,9 +301,14 @@ class Engine:
     def describe(self) -> str:
         """One line about the loaded model and how its experts are streamed."""
         lora = f", LoRA {self.lora_path.name}" if self.lora_path else (f"; {self.lora_note}" if self.lora_note else "")
-        return (f"{self.model_id}: {self.compute_dtype}, resident {format_size(self.resident_bytes)}, {self.streaming.describe()}{lora}; "
-                f"{self.store.describe_io()}")
+        rank = f"[{self.pipeline.stage.describe()}] " if self.pipeline is not None else ""
+        return (f"{rank}{self.model_id}: {self.compute_dtype}, resident {format_size(self.resident_bytes)}, "
+                f"{self.streaming.describe()}{lora}; {self.store.describe_io()}")
 
     def close(self) -> None:
+        """Release the store and reader threads (on rank 0 of a distributed engine, the other
+        ranks too)."""
+        if self.pipeline is not None:
+            self.pipeline.close()
         self.streaming.close()
         self.store.close()

@@ -9,14 +9,18 @@ from contextlib import nullcontext
 
 class StepHooks:
     """Hooks called by Engine, in this order for one generation: start; per step: before_step
-    (at the boundary, from step 1 on), after_forward (the step's graph is built), step_done
-    (its token was sampled); then finish."""
+    (at the boundary, from step 1 on), before_forward, after_forward (the step's graph is built),
+    step_done (its token was sampled); then finish."""
 
     def start(self, engine) -> None:
         """A generation or a teacher-forced pass begins: forget per-sequence state."""
 
     def before_step(self, engine, step: int) -> None:
         """Step boundary: the previous step was evaluated whole."""
+
+    def before_forward(self, engine, step: int) -> None:
+        """Step `step`'s forward is about to run (every step, 0 included; prefill chunks are not
+        steps)."""
 
     def after_forward(self, engine, step: int, outputs) -> None:
         """Step `step`'s graph is built; `outputs` are its (unevaluated) log-probabilities."""

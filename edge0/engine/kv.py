@@ -55,6 +55,18 @@ class PromptCache:
         self.cache, self.persistable = bnn.make_prompt_cache(self.model), reuse
         return 0
 
+    def sync(self, offset: int) -> None:
+        """A follower stage: hold exactly `offset` tokens, as rank 0's cache does before a forward
+        (a new cache at 0; trimmed where rank 0 trimmed, as its KV reuse does)."""
+        held = bnn.cache_offset(self.cache) if self.cache is not None else 0
+        if offset == 0:
+            self.cache = bnn.make_prompt_cache(self.model)
+        elif held > offset and bnn.can_trim_prompt_cache(self.cache):
+            bnn.trim_prompt_cache(self.cache, held - offset)
+        elif held != offset:
+            raise Edge0Error(f"this stage's KV cache holds {held} tokens, rank 0's {offset}: the ranks are out of step; "
+                             "restart every rank")
+
     def persist(self) -> bool:
         """Save the cache to disk when a directory is set, the last generation asked for reuse, and
         it holds tokens that are not on disk yet. Returns whether it saved."""

@@ -17,8 +17,10 @@ from edge0.store.format import RESIDENT_FILE
 from edge0.streaming.dispatch import Streaming
 
 
-def open_engine(root: Path, options) -> Engine:
-    """The engine of the store at `root`, loaded with validated LoadOptions `options`."""
+def open_engine(root: Path, options, stage_for=None) -> Engine:
+    """The engine of the store at `root`, loaded with validated LoadOptions `options`.
+    `stage_for(root, manifest, config)` (edge0.distributed) may return this rank's pipeline stage:
+    then only its layers are loaded and only their experts streamed."""
     manifest = open_manifest(root, verify=options.verify)
     config = bio.read_config(root, f"{REBUILD}, or put back the config.json it was converted with")
     _check_config(root, config, manifest)
@@ -29,11 +31,14 @@ def open_engine(root: Path, options) -> Engine:
     k = spec.serving_k(options.top_k) if spec else None
     ckpt_dtype = next((t["dtype"] for l in manifest["expert_layers"] for n, t in l["tensors"].items() if n.endswith("scales")), "F32")
     compute = B.pick_compute_dtype(options.dtype, B.ST_DTYPES.get(ckpt_dtype, "float32"))
-    store = ExpertStore(root, manifest, cold_reads=options.cold_reads, io=options.io, check_experts=options.check_experts)
-    model = bnn.assemble(root, RESIDENT_FILE, manifest, config, spec, k, compute)
+    stage = stage_for(root, manifest, config) if stage_for else None
+    local = stage.restrict(manifest) if stage else manifest
+    store = ExpertStore(root, local, cold_reads=options.cold_reads, io=options.io, check_experts=options.check_experts)
+    model = bnn.assemble(root, RESIDENT_FILE, local, config, spec, k, compute,
+                         stage=(stage.rank, stage.size, list(stage.split)) if stage else None)
     streaming = Streaming(store, compute, k or _native_k(config), bnn.resident_bytes(model), options)
     bnn.attach_executors(model, streaming.layers)
-    return Engine(root, model, bio.load_tokenizer(root), store, streaming, spec, k, compute)
+    return Engine(root, model, bio.load_tokenizer(root), store, streaming, spec, k, compute, stage)
 
 
 REBUILD = "convert the checkpoint again (edge0 convert --hf-path SRC -o DIR)"

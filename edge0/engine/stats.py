@@ -56,6 +56,8 @@ def engine_stats(engine) -> dict:
         "prompt_cache": engine.kv.stats(),
     }
     out.update(engine.hooks.stats())
+    if engine.pipeline is not None and engine.pipeline.leads:
+        out = engine.pipeline.merge_stats(out)
     return out
 
 

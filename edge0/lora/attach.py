@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from edge0.backend import core as B
+from edge0.backend import io as bio
 from edge0.backend import lora as blora
 from edge0.errors import Edge0Error
 from edge0.lora.adapter import DEFAULT_NAME, read_adapter, retrain_hint
@@ -73,15 +74,18 @@ def attach_lora(engine, path, dtype: str | None = None) -> dict:
     if reason is not None:
         serve_k = f"serve with --top-k {meta.get('top_k')} or " if meta.get("top_k") != engine.k else ""
         raise Edge0Error(f"{path}: {reason}; {serve_k}{hint}")
+    targets = meta["targets"]
+    if engine.stage is not None:  # a pipeline stage adapts its own layers' linears
+        targets = [t for t in targets if engine.stage.holds(bio.layer_index(t))]
     candidates = set(blora.candidate_linears(engine.model))
-    unknown = [t for t in meta["targets"] if t not in candidates]
+    unknown = [t for t in targets if t not in candidates]
     if unknown:
         raise Edge0Error(f"{path}: targets {unknown[:3]} are not adaptable linears of this model; {hint}")
-    shapes = blora.expected_shapes(engine.model, meta["targets"], meta["r"])
+    shapes = blora.expected_shapes(engine.model, targets, meta["r"])
     wrong = [k for k, s in shapes.items() if tuple(tensors[k].shape) != s]
     if wrong:
         raise Edge0Error(f"{path}: tensor {wrong[0]} has shape {tensors[wrong[0]].shape}, the model needs {shapes[wrong[0]]}; {hint}")
-    wrapped = blora.apply_lora(engine.model, meta["targets"], meta["r"], meta["alpha"])
+    wrapped = blora.apply_lora(engine.model, targets, meta["r"], meta["alpha"])
     blora.load_lora_tensors(wrapped, tensors, B.dtype(dtype or engine.compute_dtype))
     engine.use_lora(path, meta)
     return meta

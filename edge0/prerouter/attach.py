@@ -32,16 +32,23 @@ def attach_prerouter(engine, path: Path, diagnostics: bool = False) -> PreRoutin
     """Load the heads at `path` (checked against this store) and route with them."""
     tensors, meta = load_heads(path, manifest_hash(engine.root), engine.spec.to_dict(), engine.root)
     blocks = dict(bnn.moe_blocks(engine.model))
+    moe = set(engine.stage.moe_layers) if engine.stage is not None else set(blocks)
     owners = [int(o) for o in meta["owners"]]
     consumers = {int(o): int(c) for o, c in meta["consumers"].items()}
-    missing = [l for l in owners + list(consumers.values()) if l not in blocks]
+    missing = [l for l in owners + list(consumers.values()) if l not in moe]
     if missing or set(owners) != set(consumers):
         raise Edge0Error(f"{path}: heads name layers {missing or owners} that are not MoE layers of this model; retrain the heads")
     num_experts, dim = tensors[f"{owners[0]}.linear.weight"].shape
     hidden = tensors[f"{owners[0]}.fc1.weight"].shape[0]
-    heads = bheads.build_heads(tensors, owners, dim, num_experts, hidden, B.dtype(engine.compute_dtype))
-    pr = PreRouting(heads, consumers, {c: blocks[c].router_bias() for c in consumers.values()}, engine.spec, engine.k, diagnostics)
+    # on a pipeline stage: the heads of its owner layers, the router biases of its consumers
+    here = [o for o in owners if o in blocks]
+    heads = bheads.build_heads(tensors, here, dim, num_experts, hidden, B.dtype(engine.compute_dtype))
+    biases = {c: blocks[c].router_bias() for c in consumers.values() if c in blocks}
+    remote = frozenset(consumers[o] for o in here if consumers[o] not in blocks)
+    pr = PreRouting(heads, {o: consumers[o] for o in here}, biases, engine.spec, engine.k, diagnostics, remote)
     use_prerouting(engine, pr, Path(path), meta)
+    if engine.pipeline is not None:
+        engine.pipeline.outgoing, engine.pipeline.incoming = pr.take_outgoing, pr.receive
     return pr
 
 
@@ -49,6 +56,6 @@ def use_prerouting(engine, pr: PreRouting, path: Path | None = None, meta: dict 
     """Install `pr` in every MoE block and its stager in the engine's generation loop."""
     for _, block in bnn.moe_blocks(engine.model):
         object.__setattr__(block, "prerouting", pr)
-    consumers = set(pr.consumer.values())
+    consumers = set(pr.biases)
     staged = {c: ex for c, ex in engine.streaming.staged().items() if c in consumers}
     engine.use_prerouter(pr, PreRouterStager(pr, staged, path), path, meta)

@@ -14,21 +14,28 @@ from edge0.backend.routing import expert_scores, route
 
 class PreRouting:
     """Heads by owner layer, the predicted routes for this step (`pending`) and the ones made
-    during it for the next step (`next`)."""
+    during it for the next step (`next`).
 
-    def __init__(self, heads: dict, consumer: dict, biases: dict, spec, k: int, diagnostics: bool = False):
-        self.heads, self.consumer, self.biases = heads, consumer, biases
+    On a pipeline stage (edge0.distributed), `heads` are this stage's owners and `biases` its
+    consumers' router biases; an owner whose consumer is in `remote` (a later stage) keeps its
+    head's logits in `outgoing` for the stage exchange, and the consumer's stage routes them in
+    `receive`, so the route is the same as in one process."""
+
+    def __init__(self, heads: dict, consumer: dict, biases: dict, spec, k: int, diagnostics: bool = False,
+                 remote: frozenset = frozenset()):
+        self.heads, self.consumer, self.biases, self.remote = heads, consumer, biases, remote
         self.spec, self.k, self.diagnostics = spec, k, diagnostics
         self.parallel = False  # full-sequence forward routed as decoding would (training, eval)
         self.pending: dict = {}
         self.next: dict = {}
         self.next_scores: dict = {}  # consumer layer -> the head's scores over all experts (lazy)
+        self.outgoing: dict = {}  # remote consumer layer -> head logits for the next step (lazy)
         self.overlaps: dict = {}  # consumer layer -> device scalars (diagnostic mode)
         self.routed_by_head: Counter = Counter()  # decode calls per layer that used a prediction
         self.routed_by_gate: Counter = Counter()  # ... and that evaluated the layer's own gate
 
     def reset(self) -> None:
-        self.pending, self.next, self.next_scores, self.overlaps = {}, {}, {}, {}
+        self.pending, self.next, self.next_scores, self.outgoing, self.overlaps = {}, {}, {}, {}, {}
 
     @contextmanager
     def teacher_forcing(self):
@@ -68,8 +75,20 @@ class PreRouting:
             return
         c = self.consumer[layer]
         logits = self.heads[layer](x.astype(B.float32))
-        self.next[c] = route(logits, self.spec.routing, self.k, self.biases[c])
-        self.next_scores[c] = expert_scores(logits, self.spec.routing)  # for the expert cache
+        if c in self.remote:
+            self.outgoing[c] = logits
+        else:
+            self.receive(c, logits)
+
+    def receive(self, layer: int, logits) -> None:
+        """The head logits [.., T, E] predicting consumer `layer`'s next route."""
+        self.next[layer] = route(logits, self.spec.routing, self.k, self.biases[layer])
+        self.next_scores[layer] = expert_scores(logits, self.spec.routing)  # for the expert cache
+
+    def take_outgoing(self) -> dict:
+        """The predictions made on this stage for consumers on a later one (since the last call)."""
+        out, self.outgoing = self.outgoing, {}
+        return out
 
     def compare(self, layer: int, predicted, gate) -> None:
         """Diagnostic mode: count predicted experts that the gate also picked (on the device)."""

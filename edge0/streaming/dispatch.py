@@ -76,7 +76,8 @@ class Streaming:
         self.n_slots = slots_per_layer(store, self.budget, k) if need_slots else 0
         self.configured_slots, self.min_slots = self.n_slots, k
         self.slot_bytes = sum(store.expert_nbytes(l) for l in layers)  # one slot in every MoE layer
-        self.max_slots = min(int(v["num_experts"]) for v in store.layers.values())
+        # a pipeline stage may hold no MoE layer at all (edge0.distributed): nothing to cache
+        self.max_slots = min((int(v["num_experts"]) for v in store.layers.values()), default=0)
         self.reader = ThreadPoolExecutor(max_workers=READ_THREADS, thread_name_prefix="edge0-read")
         self.prefetcher = LayerPrefetcher(store, layers, ThreadPoolExecutor(max_workers=1, thread_name_prefix="edge0-layer"))
         self.layers: dict[int, LayerDispatch] = {}

@@ -1,0 +1,363 @@
+"""The stage exchange: how rank 0 drives the other ranks, and what travels between stages.
+
+Every message goes to the rank's left neighbour in the ring (rank r -> r-1, rank 0 -> N-1), the
+direction the hidden state flows, since rank 0 runs the last layers:
+
+    rank 0 --header + token ids--> rank N-1 --header + hidden--> ... rank 1 --header + hidden--> rank 0
+
+Each op is one trip around the ring, started by rank 0 and ending back at it:
+
+- FORWARD (a prefill chunk, step -1, or a decode step >= 0): the first stage embeds the token
+  ids, every stage runs its layers on the hidden state it received and sends the result on;
+  rank 0 finishes the token with its layers and the head, and samples. The header carries how
+  many tokens the KV cache holds before the call, so every stage trims or resets its own KV cache
+  exactly as rank 0's did; and the step number, so every stage runs the same StepHooks at the same
+  points (the pre-router's stager reads and swaps experts as it does in one process).
+  Pre-router heads whose consumer layer is on a later stage send their logits with the hidden
+  state; the consumer's stage routes them (with its own router bias) before its layers run.
+- START / FINISH: a generation begins / ends (hooks.start / hooks.finish on every stage); FINISH
+  collects every rank's statistics.
+- STOP: rank 0 is closing; the others return from `follow`.
+
+Only rank 0 samples: the sampled token reaches the first stage as the next FORWARD's token ids,
+which is the only place it is needed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from contextlib import contextmanager
+
+import numpy as np
+
+from edge0.backend import core as B
+from edge0.backend import distributed as bdist
+from edge0.backend import nn as bnn
+from edge0.engine.hooks import StepHooks
+from edge0.engine.stats import engine_stats
+from edge0.errors import Edge0Error
+from edge0.streaming.stats import COUNTERS
+
+FORWARD, START, FINISH, STOP = 1, 2, 3, 4
+OPS = {FORWARD: "forward", START: "start", FINISH: "finish", STOP: "stop"}
+# header fields (int32)
+OP, TOKENS, HIDDEN, OFFSET, STEP, N_PRED, EXPERTS, PAYLOAD, SEQ = range(9)
+HEADER = 9
+
+
+class Pipeline:
+    """One rank's end of the stage exchange (`engine.pipeline`)."""
+
+    def __init__(self, group, stage, engine):
+        self.group, self.stage, self.engine = group, stage, engine
+        self.to = (stage.rank - 1) % stage.size  # where this rank's messages go
+        self.frm = (stage.rank + 1) % stage.size  # where they come from
+        self.dtype = engine.compute_dtype
+        self.outgoing = dict  # fn() -> {consumer layer: head logits [1, 1, E]}, set by the pre-router
+        self.incoming = None  # fn(consumer layer, head logits), set by the pre-router
+        self.generating = False
+        self.closed = False
+        self.failed = False  # an exchange failed (a lost peer): nothing more is sent
+        self.lock = threading.Lock()  # rank 0: one op at a time (the server's engine thread, shutdown)
+        self.step = -1  # rank 0: the step whose forward runs next (-1: a prefill chunk)
+        self.seq = 0
+        self.send_s = self.wait_s = 0.0
+        self.compute_s = 0.0  # decode steps: input received -> output sent (rank 0: -> token sampled)
+        self.received_at = 0.0
+        self.bytes_sent = 0
+        self.forwards = 0
+        self.ranks: list[dict] = []  # rank 0: the other ranks' statistics, from the last FINISH
+        # where a rank waits for the next message without spinning (see bdist.ring_sockets); none
+        # found means MLX's spinning receive, reported in the stats
+        self.sockets = bdist.ring_sockets()
+
+    @property
+    def leads(self) -> bool:
+        """Rank 0: generates; the other ranks follow."""
+        return self.stage.last
+
+    # -- messages --------------------------------------------------------------------------------
+    def _send(self, x) -> None:
+        t0 = time.perf_counter()
+        try:
+            bdist.send(x, self.to, self.group)
+        except Edge0Error:
+            self.failed = True
+            raise
+        self.send_s += time.perf_counter() - t0
+        self.bytes_sent += x.nbytes
+
+    def _send_header(self, op: int, tokens: int = 0, hidden: int = 0, offset: int = 0, step: int = -1,
+                     n_pred: int = 0, experts: int = 0, payload: int = 0) -> None:
+        self._send(bdist.int_array([op, tokens, hidden, offset, step, n_pred, experts, payload, self.seq]))
+
+    def _recv(self, shape, dtype: str):
+        try:
+            return bdist.recv(shape, dtype, self.frm, self.group)
+        except Edge0Error:
+            self.failed = True
+            raise
+
+    def _recv_header(self) -> list[int]:
+        """The next op's header; its payload follows at once, but the header itself may be a
+        token's whole trip (or an idle server's pause) away."""
+        if self.sockets:
+            bdist.wait_for_message(self.sockets)
+        return B.to_numpy(self._recv((HEADER,), "int32")).tolist()
+
+    def _send_predictions(self, preds: dict) -> None:
+        if preds:
+            layers = sorted(preds)
+            self._send(bdist.int_array(layers))
+            self._send(B.concatenate([preds[l].reshape(1, -1).astype(B.float32) for l in layers], axis=0))
+
+    def _recv_predictions(self, h: list[int]) -> dict:
+        if not h[N_PRED]:
+            return {}
+        layers = B.to_numpy(self._recv((h[N_PRED],), "int32")).tolist()
+        logits = self._recv((h[N_PRED], h[EXPERTS]), "float32")
+        return {l: logits[i].reshape(1, 1, -1) for i, l in enumerate(layers)}
+
+    def _route_predictions(self, preds: dict) -> dict:
+        """Hand this stage's consumers their predictions; the rest travel on."""
+        here = {l: p for l, p in preds.items() if self.stage.holds(l)}
+        for layer, logits in here.items():
+            self.incoming(layer, logits)
+        return {l: p for l, p in preds.items() if l not in here}
+
+    def _expect(self, h: list[int], op: int) -> None:
+        if h[OP] != op or h[SEQ] != self.seq:
+            raise Edge0Error(f"rank {self.stage.rank}: the stage exchange is out of step (expected {OPS[op]} #{self.seq}, "
+                             f"got {OPS.get(h[OP], h[OP])} #{h[SEQ]}); restart every rank")
+
+    # -- rank 0 --------------------------------------------------------------------------------
+    def source(self, inputs):
+        """Rank 0's hidden state for a forward of token ids `inputs` [1, T]: the ids go to the first
+        stage, the hidden state comes back from rank 1 (StageEmbedding calls this)."""
+        if not self.generating:
+            raise Edge0Error("a distributed engine runs generations only (generate, stream_generate, chat, "
+                             "decode_logits); logits, prerouted_logits and traces run in one process")
+        t = int(inputs.shape[-1])
+        offset = bnn.cache_offset(self.engine.kv.cache)
+        with self._op():
+            self._send_header(FORWARD, tokens=t, offset=offset, step=self.step)
+            self._send(inputs.reshape(-1).astype(B.dtype("int32")))
+            t0 = time.perf_counter()
+            h = self._recv_header()
+            self._expect(h, FORWARD)
+            preds = self._recv_predictions(h)
+            hidden = self._recv((1, t, h[HIDDEN]), self.dtype)
+            self.received_at = time.perf_counter()
+            self.wait_s += self.received_at - t0
+        self.forwards += 1
+        self._route_predictions(preds)
+        return hidden
+
+    @contextmanager
+    def _op(self):
+        """One op of rank 0's, numbered, while no other op is in flight."""
+        with self.lock:
+            if self.closed or self.failed:
+                raise Edge0Error("the ranks' pipeline is " + ("closed" if self.closed else "broken (a peer was lost)"))
+            self.seq += 1
+            yield
+
+    def _round_trip(self, op: int) -> list[dict]:
+        """Send `op` around the ring and wait for it to come back (with the ranks' statistics
+        for FINISH)."""
+        with self._op():
+            self._send_header(op)
+            h = self._recv_header()
+            self._expect(h, op)
+            if not h[PAYLOAD]:
+                return []
+            return json.loads(bytes(B.to_numpy(self._recv((h[PAYLOAD],), "uint8"))))
+
+    def start(self) -> None:
+        self._round_trip(START)
+        self.generating = True
+
+    def finish(self) -> None:
+        self.generating = False
+        self.ranks = self._round_trip(FINISH)
+
+    def close(self) -> None:
+        """Rank 0: release the other ranks (they return from `follow`). A rank that is gone needs
+        no release (it reported why itself, and the others stop on the lost peer), so losing one
+        here is not an error: close runs while a Ctrl-C or another error unwinds."""
+        if self.leads and not self.closed and not self.failed:
+            try:
+                self._round_trip(STOP)
+            except Edge0Error:
+                return
+            self.closed = True
+
+    def lead(self, engine) -> None:
+        """Rank 0: wrap the engine's hooks so that generations start, step and end on every rank,
+        and take the hidden state from the exchange."""
+        engine.hooks = LeaderHooks(engine.hooks, self)
+        bdist.set_stage_source(engine.model, self.source)
+
+    # -- every rank ------------------------------------------------------------------------------
+    def own_stats(self) -> dict:
+        """This rank's summary (rank 0's FINISH gathers everyone's)."""
+        e, st = self.engine, self.engine.streaming
+        totals = st.stats.totals()
+        steps = max(1, st.stats.decode_steps)
+        full = engine_stats(e) if not self.leads else None
+        return {
+            "rank": self.stage.rank,
+            "stage": self.stage.describe(),
+            "layers": [self.stage.start, self.stage.end - 1],
+            "moe_layers": sorted(e.store.layers),
+            "resident_bytes": e.resident_bytes,
+            "expert_bytes": st.total_expert_bytes,
+            "expert_cache_bytes": st.budget,
+            "peak_memory_bytes": B.peak_memory(),
+            "peak_rss_bytes": B.peak_rss(),
+            "hit_rate": totals["hit_rate"],
+            "hits": totals["hits"],
+            "misses": totals["misses"],
+            "expert_bytes_read": totals["bytes_read"],
+            "stall_ms": totals["stall_ms"],
+            "stall_ms_per_step": totals["stall_ms"] / steps,
+            "decode_steps": st.stats.decode_steps,
+            "forwards": self.forwards,
+            "send_ms": 1000 * self.send_s,
+            "wait_ms": 1000 * self.wait_s,
+            "step_compute_ms": 1000 * self.compute_s,
+            "bytes_sent": self.bytes_sent,
+            "cpu_s": sum(os.times()[:2]),  # user + system
+            "waits": "blocking" if self.sockets else "spinning (ring sockets not found)",
+            "layer_stats": None if full is None else full["layers"],
+            "prerouter": None if full is None else full["prerouter"],
+        }
+
+    def merge_stats(self, out: dict) -> dict:
+        """Rank 0's Engine.stats() with every rank: per-layer rows of all ranks, totals summed,
+        and a per-rank summary under "ranks"."""
+        mine = self.own_stats()
+        layers = dict(out["layers"])
+        for r in self.ranks:
+            layers.update({int(k): v for k, v in (r["layer_stats"] or {}).items()})
+        totals = {k: sum(s[k] for s in layers.values()) for k in COUNTERS}
+        totals["stall_ms"] = sum(s["stall_ms"] for s in layers.values())
+        totals["distinct_experts"] = sum(s["distinct_experts"] for s in layers.values())
+        lookups = totals["hits"] + totals["misses"]
+        totals["hit_rate"] = totals["hits"] / lookups if lookups else None
+        totals["read_amplification"] = totals["bytes_read"] / totals["bytes_used"] if totals["bytes_used"] else None
+        out = dict(out, layers=dict(sorted(layers.items())), totals=totals,
+                   stall_ms_per_step=totals["stall_ms"] / max(1, out["decode_steps"]))
+        pr = out["prerouter"]
+        if pr is not None:  # per-layer counts of the pre-routed layers on every rank
+            pr = dict(pr)
+            for key in ("routed_by_head", "routed_by_gate", "recall"):
+                parts = [pr[key]] + [r["prerouter"][key] for r in self.ranks if r["prerouter"]]
+                pr[key] = None if pr[key] is None else dict(sorted({int(l): v for p in parts for l, v in p.items()}.items()))
+            out["prerouter"] = pr
+        out["ranks"] = [{k: v for k, v in r.items() if k not in ("layer_stats", "prerouter")} for r in [mine, *self.ranks]]
+        return out
+
+    # -- the other ranks -------------------------------------------------------------------------
+    def follow(self) -> None:
+        """Run the ops rank 0 sends until it closes the pipeline."""
+        engine = self.engine
+        while True:
+            t0 = time.perf_counter()
+            h = self._recv_header()
+            self.seq = h[SEQ]
+            op = h[OP]
+            if op == FORWARD:
+                self.wait_s += time.perf_counter() - t0
+                self._forward(h)
+            elif op == START:
+                engine.hooks.start(engine)
+                B.reset_peak_memory()
+                self._send_header(START)
+            elif op == FINISH:
+                engine.hooks.finish(engine)
+                ranks = json.loads(bytes(B.to_numpy(self._recv((h[PAYLOAD],), "uint8")))) if h[PAYLOAD] else []
+                blob = json.dumps(ranks + [self.own_stats()]).encode()
+                self._send_header(FINISH, payload=len(blob))
+                self._send(B.array(np.frombuffer(blob, dtype=np.uint8)))
+            elif op == STOP:
+                self._send_header(STOP)
+                self.closed = True
+                return
+            else:
+                raise Edge0Error(f"rank {self.stage.rank}: unknown op {op} from rank {self.frm}; restart every rank")
+
+    def _forward(self, h: list[int]) -> None:
+        """One FORWARD on a follower: the same hooks at the same points as Engine.step."""
+        engine, step, t = self.engine, h[STEP], h[TOKENS]
+        t0 = time.perf_counter()
+        if self.stage.first:
+            preds = {}
+            x = self._recv((1, t), "int32")
+        else:
+            preds = self._recv_predictions(h)
+            x = self._recv((1, t, h[HIDDEN]), self.dtype)
+        received = time.perf_counter()
+        self.wait_s += received - t0
+        self.forwards += 1
+        engine.kv.sync(h[OFFSET])
+        if step > 0:
+            engine.hooks.before_step(engine, step)
+        if step >= 0:
+            engine.hooks.before_forward(engine, step)
+        preds = self._route_predictions(preds)
+        out = engine.model(x, cache=engine.kv.cache)
+        preds.update(self.outgoing())
+        if step >= 0:
+            engine.hooks.after_forward(engine, step, out)
+        B.eval(out, [c.state for c in engine.kv.cache])
+        if step >= 0:
+            self.compute_s += time.perf_counter() - received
+        self._send_header(FORWARD, tokens=t, hidden=int(out.shape[-1]), offset=h[OFFSET], step=step,
+                          n_pred=len(preds), experts=int(next(iter(preds.values())).shape[-1]) if preds else 0)
+        self._send_predictions(preds)
+        self._send(out)
+        if step >= 0:
+            engine.hooks.step_done(engine, step)
+            engine.streaming.end_step()
+
+
+class LeaderHooks(StepHooks):
+    """Rank 0's hooks: the engine's own (the pre-router's stager, or none), plus telling the other
+    ranks where a generation is."""
+
+    def __init__(self, inner: StepHooks, pipeline: Pipeline):
+        self.inner, self.pipeline = inner, pipeline
+
+    def start(self, engine) -> None:
+        self.pipeline.start()
+        self.inner.start(engine)
+
+    def before_step(self, engine, step: int) -> None:
+        self.inner.before_step(engine, step)
+
+    def before_forward(self, engine, step: int) -> None:
+        self.pipeline.step = step
+        self.inner.before_forward(engine, step)
+
+    def after_forward(self, engine, step: int, outputs) -> None:
+        self.pipeline.step = -1
+        self.inner.after_forward(engine, step, outputs)
+
+    def step_done(self, engine, step: int) -> None:
+        self.pipeline.compute_s += time.perf_counter() - self.pipeline.received_at
+        self.inner.step_done(engine, step)
+
+    def finish(self, engine) -> None:
+        self.inner.finish(engine)
+        if self.pipeline.generating:
+            self.pipeline.finish()
+
+    def teacher_forcing(self):
+        return self.inner.teacher_forcing()
+
+    def stats(self) -> dict:
+        return self.inner.stats()

@@ -1,0 +1,78 @@
+"""Joining the ranks at load: the group (only under mlx.launch), the checks that every rank loads
+the same store with the same split and serving options, and each rank's stage."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+from edge0.backend import distributed as bdist
+from edge0.backend import io as bio
+from edge0.distributed.pipeline import Pipeline
+from edge0.distributed.split import Stage, plan_split
+from edge0.errors import Edge0Error
+from edge0.store.format import RESIDENT_FILE, manifest_hash, sha256_file
+
+_WIDTH = 64  # bytes each rank contributes to an agreement check
+
+
+def connect(options):
+    """The group of ranks when this process is one of several started by mlx.launch, else None.
+    Called before anything slow, so that the ranks meet within --peer-timeout."""
+    return bdist.init_group(options.peer_timeout) if bdist.launched() else None
+
+
+def agree(group, what: str, value: str, fix: str) -> None:
+    """Every rank must hold the same `value` (compared in full up to 64 characters, else by
+    sha256); an Edge0Error on every rank otherwise."""
+    text = value if len(value) <= _WIDTH else hashlib.sha256(value.encode()).hexdigest()
+    every = [v.rstrip(b"\0").decode() for v in bdist.all_gather_bytes(group, text.encode().ljust(_WIDTH, b"\0"))]
+    differ = [r for r, v in enumerate(every) if v != every[0]]
+    if differ:
+        r = differ[0]
+        raise Edge0Error(f"rank {group.rank()}: {what} differs between ranks (rank 0: {every[0][:16]}, rank {r}: "
+                         f"{every[r][:16]}); {fix}")
+
+
+def stage_planner(group, options):
+    """open_engine's `stage_for`: None when there is nothing to plan (one process, no split)."""
+    if group is None and options.pipeline_split is None:
+        return None
+    return lambda root, manifest, config: plan_stage(group, root, RESIDENT_FILE, manifest, config, options)
+
+
+def plan_stage(group, root, resident_file: str, manifest: dict, config: dict, options) -> Stage | None:
+    """This rank's stage, or None in one process (where a --pipeline-split must be the one count
+    that covers every layer)."""
+    if group is not None:  # the root cause first: a different store makes every other check differ
+        agree(group, "the store (manifest hash)", manifest_hash(root),
+              "every rank must load the same store: copy one store to every machine, or convert the same checkpoint on each")
+    num_layers = bdist.num_layers(bio.build_model(config, root))
+    ranks = group.size() if group is not None else 1
+    split = plan_split(root, resident_file, manifest, num_layers, ranks, options.pipeline_split)
+    if group is None:
+        return None
+    agree(group, "the layer split", ",".join(map(str, split)), "start every rank with the same --pipeline-split")
+    moe = tuple(sorted(int(l["layer"]) for l in manifest["expert_layers"]))
+    return Stage(group.rank(), ranks, split, moe)
+
+
+def join(engine, group) -> None:
+    """Give a staged engine its end of the stage exchange (before the features attach: the
+    pre-router connects its cross-stage predictions to it)."""
+    engine.pipeline = Pipeline(group, engine.stage, engine)
+
+
+def ready(engine) -> None:
+    """After the features are attached: check that every rank serves with the same options
+    (serving width, dtype, heads, adapter, substitution), then let rank 0 lead."""
+    pipe = engine.pipeline
+    serving = {
+        "k": engine.k, "dtype": engine.compute_dtype, "substitute_alpha": engine.streaming.options.substitute_alpha,
+        "heads": sha256_file(engine.heads_path) if engine.heads_path else None,
+        "lora": sha256_file(engine.lora_path) if engine.lora_path else None,
+    }
+    agree(pipe.group, "the serving options (top-k, dtype, pre-router heads, LoRA adapter, substitution)",
+          json.dumps(serving, sort_keys=True), "start every rank with the same flags and the same sidecar files")
+    if pipe.leads:
+        pipe.lead(engine)

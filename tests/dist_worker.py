@@ -1,0 +1,44 @@
+"""One rank of tests/test_distributed.py: `python tests/dist_worker.py RUNS.json OUT.json`, started
+with MLX_HOSTFILE and MLX_RANK like mlx.launch does. For each run (load keywords and a prompt) it
+loads the engine, generates on rank 0 (follows elsewhere) and writes what this rank saw: the
+generated tokens (rank 0), the expert files it opened, its layers, MoE layers and adapted linears,
+and rank 0's stats."""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import edge0
+from edge0.backend import lora as blora
+
+opened: list[str] = []
+_open = os.open
+
+
+def counting_open(path, flags, *args, **kwargs):
+    """os.open, recording every expert file this process opens."""
+    if "/experts/" in str(path):
+        opened.append(Path(path).name)
+    return _open(path, flags, *args, **kwargs)
+
+
+os.open = counting_open
+
+runs = json.loads(Path(sys.argv[1]).read_text())
+results = []
+for run in runs:
+    opened.clear()
+    engine = edge0.load(run["store"], **run["options"])
+    out = {"rank": engine.stage.rank, "moe_layers": sorted(engine.store.layers),
+           "layers": list(range(engine.stage.start, engine.stage.end)), "lora": sorted(blora.lora_modules(engine.model))}
+    if engine.follower:
+        engine.follow()
+    else:
+        res = engine.generate(run["prompt"], max_tokens=run["max_tokens"], ignore_eos=run["ignore_eos"])
+        stats = engine.stats()
+        out.update(tokens=res.tokens, layer_stats=stats["layers"], ranks=stats["ranks"], prerouter=stats["prerouter"])
+    engine.close()
+    out["opened"] = list(opened)
+    results.append(out)
+Path(sys.argv[2]).write_text(json.dumps(results))

@@ -1,0 +1,228 @@
+"""One model across ranks (edge0.distributed): two processes on 127.0.0.1 with MLX's ring backend
+give the single process's greedy tokens, with and without pre-router heads (one predicting across
+the stage boundary), each rank opening only its own layers' expert files; `edge0 generate` runs
+under mlx.launch; a missing peer, a split that does not cover the layers and ranks with different
+stores are one-line errors."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+import edge0
+from edge0.distributed.split import balanced_split, check_split
+from edge0.errors import Edge0Error
+from edge0.prerouter.train import train, write
+from edge0.store.format import expert_file
+from tests.test_lora import random_adapter
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPT = "once upon a time, a tiny model"
+TOKENS = 10
+# rank 0 runs the last layers: deepseek_v3's layer 0 is dense, so "1,2" puts MoE layer 1 (a head's
+# owner) on rank 1 and its consumer, MoE layer 2, on rank 0
+SPLITS = {"qwen3_moe": "1,1", "deepseek_v3": "1,2"}
+
+
+@pytest.fixture(scope="module")
+def heads(store_for, tmp_path_factory):
+    """Quickly trained heads per family (their routes differ from the gates' often enough)."""
+    out = {}
+    text = "Once upon a time there was a tiny model that read its experts from disk. " * 40
+    for family in SPLITS:
+        engine = edge0.load(store_for(family), prerouter=False)
+        tensors, meta, _ = train(engine, text, data_name="test", window=64, steps=40, progress=False)
+        out[family] = write(tmp_path_factory.mktemp("heads") / f"{family}.safetensors", tensors, meta)
+    return out
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def start(tmp_path, argvs: list[list[str]], ranks: int = 2) -> list[subprocess.Popen]:
+    """Start `argvs[r]` as rank r of `ranks`, as mlx.launch does (MLX_HOSTFILE, MLX_RANK)."""
+    hostfile = tmp_path / f"hosts-{time.monotonic_ns()}.json"
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(ranks)]))
+    env = {**os.environ, "MLX_HOSTFILE": str(hostfile), "PYTHONPATH": str(ROOT)}
+    return [subprocess.Popen(argv, env={**env, "MLX_RANK": str(r)}, cwd=ROOT, text=True, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, start_new_session=True) for r, argv in enumerate(argvs)]
+
+
+def finish(procs: list[subprocess.Popen], timeout: float = 60) -> list[tuple[int, str, str]]:
+    """(exit code, stdout, stderr) of each process; all are killed after `timeout` s."""
+    try:
+        deadline = time.monotonic() + timeout
+        outputs = [p.communicate(timeout=max(1, deadline - time.monotonic())) for p in procs]
+        return [(p.returncode, out, err) for p, (out, err) in zip(procs, outputs)]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+
+
+def launch(tmp_path, argvs: list[list[str]], ranks: int = 2, timeout: float = 60) -> list[tuple[int, str, str]]:
+    return finish(start(tmp_path, argvs, ranks), timeout)
+
+
+def single(store, **options):
+    engine = edge0.load(store, **options)
+    res = engine.generate(PROMPT, max_tokens=TOKENS, ignore_eos=True)
+    return res.tokens, engine.stats()
+
+
+@pytest.mark.parametrize("family", list(SPLITS))
+def test_two_ranks_give_the_single_process_tokens_reading_only_their_layers(family, store_for, heads, tmp_path):
+    store = store_for(family)
+    manifest = json.loads((store / "edge0-manifest.json").read_text())
+    runs = [{"store": str(store), "options": {"prerouter": False}},  # split balanced by bytes
+            {"store": str(store), "options": {"prerouter": str(heads[family]), "pipeline_split": SPLITS[family]}}]
+    if family == "qwen3_moe":
+        # each rank adapts its own layers' linears
+        adapter, _, random_adapter_paths = random_adapter(store, tmp_path / "lora.safetensors")
+        runs.append({"store": str(store), "options": {"prerouter": False, "lora": str(adapter)}})
+        # a tied head: the embedding on rank 1, and again on rank 0 as the head
+        runs.append({"store": str(store_for(family, tie_word_embeddings=True)), "options": {"prerouter": False}})
+    for run in runs:
+        run.update(prompt=PROMPT, max_tokens=TOKENS, ignore_eos=True)
+    (tmp_path / "runs.json").write_text(json.dumps(runs))
+    argv = [sys.executable, str(ROOT / "tests" / "dist_worker.py"), str(tmp_path / "runs.json")]
+    done = launch(tmp_path, [argv + [str(tmp_path / f"out-{r}.json")] for r in range(2)])
+    assert [rc for rc, _, _ in done] == [0, 0], [err[-2000:] for _, _, err in done]
+    out = [json.loads((tmp_path / f"out-{r}.json").read_text()) for r in range(2)]
+
+    for i, run in enumerate(runs):
+        want, want_stats = single(run["store"], **{k: v for k, v in run["options"].items() if k != "pipeline_split"})
+        got = out[0][i]
+        assert got["tokens"] == want, f"run {i}"
+        # the same routes, hits, misses, host syncs and drops per layer as in one process
+        keys = ("calls", "host_syncs", "hits", "misses", "loads", "dropped")
+        assert {int(l): [s[k] for k in keys] for l, s in got["layer_stats"].items()} == \
+            {l: [s[k] for k in keys] for l, s in want_stats["layers"].items()}, f"run {i}"
+        # each rank opened exactly its own MoE layers' expert files, each once
+        ranks = [o[i] for o in out]
+        assert sorted(ranks[0]["moe_layers"] + ranks[1]["moe_layers"]) == [l["layer"] for l in manifest["expert_layers"]]
+        for r in ranks:
+            assert r["moe_layers"] and sorted(r["opened"]) == sorted(Path(expert_file(l)).name for l in r["moe_layers"])
+        assert [r["rank"] for r in got["ranks"]] == [0, 1]
+        if "lora" in run["options"]:  # the adapter's linears, each on the rank that runs its layer
+            assert sorted(ranks[0]["lora"] + ranks[1]["lora"]) == sorted(random_adapter_paths)
+            assert all(int(p.split(".")[2]) in r["layers"] for r in ranks for p in r["lora"])
+    # with heads, a layer on rank 0 is routed by the head of the layer before it, on rank 1
+    boundary = str(out[0][1]["moe_layers"][0])
+    assert out[0][1]["prerouter"]["routed_by_head"][boundary] == TOKENS - 1
+    assert out[0][1]["layer_stats"][boundary]["dropped"] == 0
+
+
+def test_three_ranks_pass_the_hidden_state_through_a_middle_stage(store_for, heads, tmp_path):
+    # deepseek_v3: rank 2 runs the dense layer 0 (no experts at all), rank 1 the head's owner
+    # (MoE layer 1), rank 0 its consumer (MoE layer 2)
+    store = store_for("deepseek_v3")
+    options = {"prerouter": str(heads["deepseek_v3"]), "pipeline_split": "1,1,1"}
+    (tmp_path / "runs.json").write_text(json.dumps([{"store": str(store), "options": options, "prompt": PROMPT,
+                                                      "max_tokens": TOKENS, "ignore_eos": True}]))
+    argv = [sys.executable, str(ROOT / "tests" / "dist_worker.py"), str(tmp_path / "runs.json")]
+    done = launch(tmp_path, [argv + [str(tmp_path / f"out-{r}.json")] for r in range(3)], ranks=3)
+    assert [rc for rc, _, _ in done] == [0, 0, 0], [err[-2000:] for _, _, err in done]
+    out = [json.loads((tmp_path / f"out-{r}.json").read_text())[0] for r in range(3)]
+    assert [o["moe_layers"] for o in out] == [[2], [1], []] and out[2]["opened"] == []
+    assert out[0]["tokens"] == single(store, prerouter=options["prerouter"])[0]
+
+
+def test_generate_under_mlx_launch_prints_the_single_process_text(store_for, tmp_path):
+    launcher = Path(sys.executable).parent / "mlx.launch"  # installed with mlx
+    if not launcher.is_file():
+        pytest.skip(f"no {launcher}")
+    store = store_for("qwen3_moe")
+    prompt = ["--prompt", PROMPT, "--max-tokens", str(TOKENS), "--no-chat-template"]
+    engine = edge0.load(store)
+    want = engine.generate(PROMPT, max_tokens=TOKENS).text
+    port = free_ports(1)[0]
+    p = subprocess.run([str(launcher), "-n", "2", "--backend", "ring", "--starting-port", str(port), "--",
+                        sys.executable, "-m", "edge0", "generate", "--model", str(store), *prompt],
+                       cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout == want + "\n"  # only rank 0 writes the text
+    assert "rank 0 of 2: layers 1-1 + norm and head:" in p.stderr and "rank 1 of 2: layers 0-0 + embedding:" in p.stderr
+
+
+def test_the_server_listens_on_rank_0_and_the_other_rank_follows(store_for, tmp_path):
+    store = store_for("qwen3_moe")
+    want = edge0.load(store).generate(PROMPT, max_tokens=TOKENS).text
+    port = free_ports(1)[0]
+    argv = [sys.executable, "-m", "edge0.serve", "--model", str(store), "--port", str(port), "--log-level", "warning"]
+    procs = start(tmp_path, [argv, argv])
+    url = f"http://127.0.0.1:{port}/v1"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                urllib.request.urlopen(f"{url}/models", timeout=2)
+                break
+            except OSError:
+                assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "server did not start"
+                time.sleep(0.2)
+        body = json.dumps({"prompt": PROMPT, "max_tokens": TOKENS, "temperature": 0}).encode()
+        req = urllib.request.Request(f"{url}/completions", body, {"content-type": "application/json"})
+        got = json.load(urllib.request.urlopen(req, timeout=30))["choices"][0]["text"]
+        stats = json.load(urllib.request.urlopen(f"{url}/stats", timeout=10))["engine"]
+        procs[0].send_signal(signal.SIGINT)  # rank 0 shuts down and releases rank 1
+    finally:
+        done = finish(procs, 20)
+    assert got == want
+    assert [r["rank"] for r in stats["ranks"]] == [0, 1] and all(r["forwards"] > 0 for r in stats["ranks"])
+    # rank 0 was interrupted (130, as for any verb), after ending its requests and releasing rank 1
+    assert [rc for rc, _, _ in done] == [130, 0], [err[-2000:] for _, _, err in done]
+    assert "Traceback" not in done[0][2] + done[1][2]
+
+
+def test_a_missing_peer_is_a_one_line_error(store_for, tmp_path):
+    argv = [sys.executable, "-m", "edge0", "generate", "--model", str(store_for("qwen3_moe")), "--prompt", "hi",
+            "--peer-timeout", "1"]
+    [(rc, out, err)] = launch(tmp_path, [argv], ranks=2, timeout=30)  # rank 0 accepts: its timeout applies
+    assert rc == 2 and out == ""
+    assert err.count("\n") == 1 and "edge0: error: rank 0 of 2: could not reach its peers at 127.0.0.1:" in err
+
+
+def test_ranks_with_different_stores_stop_with_one_line(store_for, tmp_path):
+    argvs = [[sys.executable, "-m", "edge0", "generate", "--model", str(store_for(f)), "--prompt", "hi"]
+             for f in ("qwen3_moe", "deepseek_v3")]
+    for rank, (rc, out, err) in enumerate(launch(tmp_path, argvs)):
+        assert rc == 2 and out == ""
+        assert err.count("\n") == 1 and f"edge0: error: rank {rank}: the store (manifest hash) differs between ranks" in err
+
+
+def test_a_split_must_cover_every_layer(store_for):
+    with pytest.raises(Edge0Error, match=r"--pipeline-split 1: covers 1 layer, but the model has 2 \(layers 0-1\)"):
+        edge0.load(store_for("qwen3_moe"), pipeline_split="1")
+    with pytest.raises(Edge0Error, match="2 counts, but this process runs alone"):
+        edge0.load(store_for("qwen3_moe"), pipeline_split=[1, 1])
+    with pytest.raises(Edge0Error, match="covers 5 layers, but the model has 4"):
+        check_split((2, 3), 4, 2)
+    with pytest.raises(Edge0Error, match="each >= 1"):
+        edge0.load(store_for("qwen3_moe"), pipeline_split="2,0")
+    assert edge0.load(store_for("qwen3_moe"), pipeline_split="2").stage is None  # one rank, every layer
+
+
+def test_balanced_split_evens_out_bytes_rank_0_first():
+    assert balanced_split([1] * 8, 2) == (4, 4)
+    # the embedding (first stage, the last rank) and the head (last stage, rank 0) count too
+    assert balanced_split([1] * 8, 2, first_extra=2) == (5, 3)
+    assert balanced_split([1] * 8, 2, last_extra=4) == (2, 6)
+    assert balanced_split([4, 1, 1, 1, 1], 2) == (4, 1)
+    with pytest.raises(Edge0Error, match="at most 2"):
+        balanced_split([1, 1], 3)

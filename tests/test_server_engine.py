@@ -1,0 +1,134 @@
+"""`edge0 serve`'s command line (flags, limits, usage errors) and the server on the real engine
+of a fixture store (prefill chunks that stop between them). tests/test_server.py covers the
+protocol with the fake engine."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+from edge0.server.config import ServerConfig, model_context_length
+from tests.fake_engine import FakeEngine
+from tests.fake_server import running_server
+from tests.test_server import WEATHER, user
+
+
+def _serve_main(monkeypatch, tmp_path, argv, config_json=None):
+    """Run `edge0 serve` with a fake engine whose store config is `config_json`; returns what
+    it would serve (no socket is opened)."""
+    import edge0
+    from edge0.cli import serve
+    from edge0.server import app as server_app
+
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 4096} if config_json is None else config_json))
+    ran = {}
+    monkeypatch.setattr(edge0, "load", lambda path=None, **options: ran.update(path=path, options=options)
+                        or FakeEngine(root=tmp_path))
+    monkeypatch.setattr(server_app, "run", lambda app, **kw: ran.update(app=app, **kw))
+    assert serve.main(argv) == 0
+    return ran
+
+
+def test_serve_main_wires_flags_and_warns_on_a_public_host(monkeypatch, tmp_path, caplog):
+    with caplog.at_level("WARNING", logger="edge0.server"):
+        ran = _serve_main(monkeypatch, tmp_path, ["--model", "m", "--host", "0.0.0.0", "--port", "9999",
+                                                  "--max-queue", "3", "--max-tokens", "100",
+                                                  "--default-max-tokens", "50", "--no-lora"])
+    assert (ran["path"], ran["host"], ran["port"]) == ("m", "0.0.0.0", 9999)
+    assert ran["options"]["lora"] is False and ran["options"]["prerouter"] is None
+    config = ran["app"].state.config
+    assert (config.max_queue, config.max_tokens, config.default_max_tokens) == (3, 100, 50)
+    assert "reachable from other machines" in caplog.text and "without --api-key" in caplog.text
+
+
+@pytest.mark.parametrize("config_json,argv,expected", [
+    ({"max_position_embeddings": 4096}, [], 4096),  # the bundled model's context
+    ({"text_config": {"max_position_embeddings": 2048}}, [], 2048),  # a multimodal config
+    ({"max_position_embeddings": 4096}, ["--max-prompt-tokens", "100"], 100),
+    ({}, [], 32768),  # declares none: the old default, with a warning
+])
+def test_prompt_limit_defaults_to_the_models_context(monkeypatch, tmp_path, caplog, config_json, argv, expected):
+    with caplog.at_level("WARNING", logger="edge0.server"):
+        ran = _serve_main(monkeypatch, tmp_path, argv, config_json)
+    assert ran["app"].state.config.max_prompt_tokens == expected
+    assert ("declares no context length" in caplog.text) == (not config_json)
+
+
+@pytest.mark.parametrize("argv", [["--max-queue", "-1"], ["--port", "http"], ["--default-max-tokens", "9999"],
+                                  ["--port", "70000"], ["--port", "-1"]])
+def test_serve_usage_errors_are_one_line_exit_2(capsys, argv):
+    from edge0.cli import serve
+
+    with pytest.raises(SystemExit) as e:
+        serve.main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and len(err.splitlines()) == 1 and err.startswith("edge0 serve: error:")
+
+
+def test_real_engine_on_a_fixture_store(store_for):
+    """The same server around the real engine and a tiny random qwen3_moe store."""
+    import edge0
+
+    engine = edge0.load(store_for("qwen3_moe"))
+    assert model_context_length(engine.root) == json.loads((engine.root / "config.json").read_text())[
+        "max_position_embeddings"] > 0
+    with running_server(engine, ServerConfig()) as base:
+        client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=60)
+        kwargs = dict(model=engine.model_id, messages=user("hello world"), max_tokens=12, temperature=0)
+        r = client.chat.completions.create(**kwargs)
+        assert r.choices[0].finish_reason in ("stop", "length") and r.usage.completion_tokens >= 1
+        chunks = list(client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == r.choices[0].message.content
+        assert chunks[-1].usage.prompt_tokens_details.cached_tokens == r.usage.prompt_tokens - 1
+        text = r.choices[0].message.content
+        if len(text) >= 4:  # a random model: stop on a piece of what it said
+            cut = client.chat.completions.create(**kwargs, stop=[text[2:4]])
+            assert cut.choices[0].message.content == text[:text.index(text[2:4])]
+        r = client.chat.completions.create(**kwargs, tools=WEATHER)  # the fixture's template takes tools
+        assert r.usage.prompt_tokens > len(engine.chat_prompt(user("hello world")))
+        assert client.completions.create(model=engine.model_id, prompt="Once upon", max_tokens=4).usage.completion_tokens >= 1
+
+
+def test_real_engine_stops_between_prefill_chunks_and_stays_consistent(store_for):
+    """should_stop: checked between 512-token prefill chunks and between decode steps; a stop in
+    prefill drops the partial KV cache, StepHooks.finish runs, and the next generation is right."""
+    import edge0
+    from edge0.engine.engine import CANCELLABLE_PREFILL_CHUNK
+    from edge0.engine.hooks import StepHooks
+
+    class Recorder(StepHooks):
+        def __init__(self):
+            self.events = []
+
+        def start(self, engine):
+            self.events.append("start")
+
+        def finish(self, engine):
+            self.events.append("finish")
+
+    engine = edge0.load(store_for("qwen3_moe"), prerouter=False)
+    engine.hooks = hooks = Recorder()
+    prompt = [(7 * i) % 200 + 10 for i in range(2 * CANCELLABLE_PREFILL_CHUNK + 100)]  # three chunks
+    expected = engine.generate(prompt, max_tokens=6).tokens  # no should_stop: one 2048-token chunk
+
+    checks = []
+    engine.reset_cache()
+    steps = list(engine.stream_generate(prompt, max_tokens=6, reuse_cache=True,
+                                        should_stop=lambda: checks.append(1) or len(checks) >= 2))
+    assert steps == [] and len(checks) == 2  # stopped before the second chunk
+    assert hooks.events[-2:] == ["start", "finish"]
+    again = engine.generate(prompt, max_tokens=6, reuse_cache=True)
+    assert again.stats["prefill_tokens"] == len(prompt)  # nothing of the abandoned prompt was kept
+    assert again.tokens == expected
+
+    chunked = engine.generate(prompt + [3], max_tokens=6, should_stop=lambda: False)
+    engine.reset_cache()
+    assert chunked.tokens == engine.generate(prompt + [3], max_tokens=6).tokens  # chunking changes nothing
+
+    checks.clear()  # a stop between decode steps: the tokens so far, no final step. Prefill checks
+    # 4 times (before each of 3 chunks and before the first step), then once after each step.
+    steps = list(engine.stream_generate(prompt, max_tokens=6, should_stop=lambda: checks.append(1) or len(checks) > 6))
+    assert [s.token for s in steps] == expected[:3] and all(s.finish_reason is None for s in steps)
+    assert engine.generate(prompt, max_tokens=6, reuse_cache=True).tokens == expected

@@ -196,11 +196,12 @@ def test_arrays_are_contiguous_and_separate(stores):
     assert B.peak_memory() - base <= 2 * sum(b.nbytes for b, _, _ in rb.values())  # one copy each, not their bases
 
 
-def test_engine_tokens_match_on_both_layouts(stores):
+def test_engine_tokens_match_on_both_layouts_and_every_reader(stores):
     v1, v2 = stores
     prompt = list(range(3, 43))  # >= 32 tokens: whole-layer prefill, then staged decode
     want = edge0.load(v1, lora=False).generate(prompt, max_tokens=8, ignore_eos=True).tokens
-    for kw in ({}, {"decode_executor": "exact", "prefill_executor": "exact"}):
+    for kw in ({}, {"decode_executor": "exact", "prefill_executor": "exact"}, {"io": "mmap"}, {"io": "pread"},
+               {"io": "direct"}):
         e = edge0.load(v2, lora=False, **kw)
         assert e.generate(prompt, max_tokens=8, ignore_eos=True).tokens == want
         assert "expert-major layout" in e.store.describe_io()

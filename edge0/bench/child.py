@@ -208,7 +208,8 @@ def run_resident(spec: dict) -> dict:
 def run_baseline(spec: dict) -> dict:
     """Memory of a process that has imported both runtimes and loaded the tokenizer, but no
     weights: what either runtime needs before its first weight byte."""
-    import edge0.engine  # noqa: F401
+    # everything an edge0 arm imports before its first weight byte (the cap is set on top of it)
+    import edge0.runtime  # noqa: F401
     from edge0.backend import core as B
     from edge0.backend import io as bio
     from edge0.backend import resident

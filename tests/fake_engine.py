@@ -20,8 +20,9 @@ import json
 import re
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from edge0.engine import GenerationResult, Step
 from edge0.sampling import check_sampling
 from edge0.textstream import StopMatcher
 
@@ -82,22 +83,6 @@ class FakeTokenizer:
         if add_generation_prompt:
             out += f"{IM_START}assistant\n"
         return self.encode(out) if tokenize else out
-
-
-@dataclass
-class Step:
-    token: int
-    text: str
-    finish_reason: str | None = None
-    stats: dict | None = None
-
-
-@dataclass
-class GenerationResult:
-    text: str
-    tokens: list[int]
-    finish_reason: str
-    stats: dict = field(default_factory=dict)
 
 
 @dataclass

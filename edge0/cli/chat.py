@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import sys
 
-from edge0.cli.common import (OneLineParser, add_model_options, add_sampling_options, check_sampling_options,
-                              format_rank_stats, load_options, run_main)
+from edge0.cli.common import (OneLineParser, load_or_follow, add_model_options, add_sampling_options, check_sampling_options,
+                              format_rank_stats, run_main)
 
 COMMANDS = "/reset (forget the conversation), /stats (engine statistics), /exit"
 
@@ -145,12 +145,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     check_sampling_options(p, args)
 
-    import edge0
-
-    engine = edge0.load(args.model, **load_options(args))
-    print(engine.describe(), file=sys.stderr)
-    if engine.follower:  # under mlx.launch: rank 0 chats, this rank runs its layers
-        engine.follow()
+    engine = load_or_follow(args)
+    if engine is None:  # under mlx.launch: this rank ran its layers of rank 0's work
         return 0
     try:
         repl(Session(engine, args))

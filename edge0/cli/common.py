@@ -89,6 +89,19 @@ def load_options(args, **overrides) -> dict:
     return {**values, **overrides}
 
 
+def load_or_follow(args):
+    """Load the model of a verb's --model and flags and print its describe line. Under
+    mlx.launch a rank other than 0 runs its layers of rank 0's work here and gets None back."""
+    import edge0
+
+    engine = edge0.load(args.model, **load_options(args))
+    print(engine.describe(), file=sys.stderr)
+    if engine.follower:
+        engine.follow()
+        return None
+    return engine
+
+
 def parse_layer_executors(specs: list[str]) -> dict:
     """['3:decode=hot', ...] -> {3: {"decode": "hot"}}."""
     out: dict = {}

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import sys
 
-from edge0.cli.common import (OneLineParser, add_model_options, add_sampling_options, check_sampling_options,
-                              format_layer_stats, format_rank_stats, format_stats, load_options, run_main)
+from edge0.cli.common import (OneLineParser, load_or_follow, add_model_options, add_sampling_options, check_sampling_options,
+                              format_layer_stats, format_rank_stats, format_stats, run_main)
 from edge0.errors import Edge0Error
 
 
@@ -20,12 +20,8 @@ def main(argv=None) -> int:
     check_sampling_options(p, args)
     text = _prompt_text(args.prompt)
 
-    import edge0
-
-    engine = edge0.load(args.model, **load_options(args))
-    print(engine.describe(), file=sys.stderr)
-    if engine.follower:  # under mlx.launch: rank 0 generates, this rank runs its layers
-        engine.follow()
+    engine = load_or_follow(args)
+    if engine is None:  # under mlx.launch: this rank ran its layers of rank 0's work
         return 0
     try:
         return _generate(engine, args, text)

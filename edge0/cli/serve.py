@@ -7,9 +7,8 @@ import ipaddress
 import logging
 import math
 import os
-import sys
 
-from edge0.cli.common import OneLineParser, add_model_options, load_options, run_main
+from edge0.cli.common import OneLineParser, add_model_options, load_or_follow, run_main
 from edge0.errors import Edge0Error
 from edge0.server.memory import DEFAULT_POLL_S, default_memory_low
 from edge0.store.readers import memory_available
@@ -94,17 +93,14 @@ def main(argv=None) -> int:
         log.warning("binding to %s: the server is reachable from other machines%s", args.host,
                     "" if args.api_key else ", and without --api-key anyone who reaches it can use it")
 
-    import edge0
     from edge0.server.app import create_app, run
     from edge0.server.config import DEFAULT_MAX_PROMPT_TOKENS, ServerConfig, model_context_length
 
     memory_low = args.memory_low
     if memory_low is None:  # before loading: the model's own memory is not "pressure"
         memory_low = default_memory_low(memory_available()[0])
-    engine = edge0.load(args.model, **load_options(args))
-    print(engine.describe(), file=sys.stderr)
-    if engine.follower:  # under mlx.launch: rank 0 serves; this rank runs its layers of each request
-        engine.follow()
+    engine = load_or_follow(args)
+    if engine is None:  # under mlx.launch: this rank ran its layers of rank 0's work
         return 0
     max_prompt_tokens = args.max_prompt_tokens
     if max_prompt_tokens is None:

@@ -38,6 +38,7 @@ class StopMatcher:
     def __init__(self, stops: Iterable[str] = ()):
         self.stops = [s for s in stops if s]
         self.stopped = False
+        self.matched: str | None = None  # the stop string that ended the stream
         self._held = ""
 
     def feed(self, text: str) -> tuple[str, bool]:
@@ -47,7 +48,7 @@ class StopMatcher:
         buf = self._held + text
         hit = find_first(buf, self.stops)
         if hit is not None:
-            self.stopped, self._held = True, ""
+            self.stopped, self.matched, self._held = True, hit[1], ""
             return buf[: hit[0]], True
         keep = partial_suffix_len(buf, self.stops)
         self._held = buf[len(buf) - keep:]

@@ -1,4 +1,5 @@
-"""Byte sizes: one parser and one formatter for every option that takes a size."""
+"""Byte sizes: one parser and one formatter for every option that takes a size, and the one table of
+safetensors dtypes (their names and bytes per element)."""
 
 from __future__ import annotations
 
@@ -30,3 +31,20 @@ def format_size(n: int) -> str:
         if n >= f:
             return f"{n / f:.2f} {unit}"
     return f"{n} B"
+
+
+# safetensors dtype label -> (numpy / mlx dtype name, bytes per element).
+SAFETENSORS_DTYPES = {
+    "F64": ("float64", 8), "F32": ("float32", 4), "F16": ("float16", 2), "BF16": ("bfloat16", 2),
+    "I64": ("int64", 8), "I32": ("int32", 4), "I16": ("int16", 2), "I8": ("int8", 1),
+    "U32": ("uint32", 4), "U8": ("uint8", 1), "BOOL": ("bool", 1),
+    "F8_E4M3": ("float8_e4m3fn", 1), "F8_E5M2": ("float8_e5m2", 1),
+}
+
+
+def tensor_nbytes(st_dtype: str, shape) -> int:
+    """Bytes of a tensor of safetensors dtype `st_dtype` and `shape`."""
+    n = SAFETENSORS_DTYPES[st_dtype][1]
+    for d in shape:
+        n *= int(d)
+    return n

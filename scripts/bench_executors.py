@@ -29,7 +29,8 @@ PROBE = r"""
 import json, sys, time
 import edge0
 from edge0.backend import core as B
-from edge0.backend import nn as bnn
+from edge0.backend import forward as bfw
+from edge0.backend import kvcache as bkv
 import os
 from pathlib import Path
 store, arm, n_prompt, n_decode = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
@@ -45,9 +46,9 @@ else:
 e = edge0.load(store, **opts)
 prompt = [(7 * i) % 250 + 3 for i in range(n_prompt)]
 if kind == "prefill":
-    cache = bnn.make_prompt_cache(e.model)
+    cache = bkv.make_prompt_cache(e.model)
     t0 = time.perf_counter()
-    bnn.prefill(e.model, prompt, cache, step=1 if executor == "exact-per-token" else 2048)
+    bfw.prefill(e.model, prompt, cache, step=1 if executor == "exact-per-token" else 2048)
     dt = time.perf_counter() - t0
     out = {"prefill_tps": n_prompt / dt, "seconds": dt}
 else:
@@ -71,7 +72,7 @@ def main() -> None:
     p.add_argument("--decode-tokens", type=int, default=48)
     p.add_argument("--out", default="docs/benchmarks/executors.json")
     args = p.parse_args()
-    from edge0.convert import convert
+    from edge0.store.convert import convert
 
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:

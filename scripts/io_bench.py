@@ -37,7 +37,8 @@ sys.path.insert(0, str(ROOT))
 import numpy as np  # noqa: E402
 
 from edge0.store import ExpertStore, open_manifest  # noqa: E402
-from edge0.store.readers import STRATEGIES, aligned_empty, memory_available, choose_io  # noqa: E402
+from edge0.backend.memory import available as memory_available  # noqa: E402
+from edge0.store.readers import STRATEGIES, aligned_empty, choose_io  # noqa: E402
 
 SEQ_CHUNK = 8 << 20
 

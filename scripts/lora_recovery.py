@@ -34,7 +34,7 @@ def _logp(z: np.ndarray) -> np.ndarray:
 def quality(args) -> dict:
     import edge0
     from edge0.lora.distill import Teacher
-    from edge0.evaluate import windows
+    from edge0.engine.evaluate import windows
 
     adapters = dict(s.split("=", 1) for s in args.lora)
     teacher = Teacher(args.teacher)

@@ -271,7 +271,7 @@ def make_bench_model(out, size: str = "full", seed: int = 0, store: bool = True,
     try:
         info = write_checkpoint(tmp / "mlx", shape, seed, quiet)
         if store:
-            from edge0.convert import convert
+            from edge0.store.convert import convert
 
             convert(str(tmp / "mlx"), tmp / "store", quiet=quiet)
         meta = {"generator": "scripts/make_bench_model.py", "generator_version": GENERATOR_VERSION,

@@ -26,9 +26,9 @@ SHAPE = {"hidden_size": 512, "moe_intermediate_size": 512, "num_experts": 64, "i
 PROBE = r"""
 import json, sys
 from edge0.backend import core as B
-import edge0.convert, mlx_lm, transformers
+import edge0.store.convert, mlx_lm, transformers
 before = B.peak_rss()
-edge0.convert.convert(sys.argv[1], sys.argv[2], quiet=True)
+edge0.store.convert.convert(sys.argv[1], sys.argv[2], quiet=True)
 print(json.dumps({"rss_before": before, "rss_peak": B.peak_rss(), "mlx_peak": B.peak_memory()}))
 """
 

@@ -37,7 +37,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--out", default="docs/benchmarks/dtype.json")
     args = p.parse_args()
-    from edge0.convert import convert
+    from edge0.store.convert import convert
 
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -56,7 +56,7 @@ def main():
     if len(sys.argv) == 3 and sys.argv[1] == "--store":
         print(json.dumps(measure(sys.argv[2])))
         return
-    from edge0.convert import convert
+    from edge0.store.convert import convert
     from tests.conftest import BIG
     from tests.fixtures.make import make_memory_fixture
 

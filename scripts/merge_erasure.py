@@ -31,7 +31,7 @@ import numpy as np
 
 import edge0
 from edge0.backend import lora as blora
-from edge0.evaluate import windows
+from edge0.engine.evaluate import windows
 from edge0.lora.adapter import read_adapter
 
 

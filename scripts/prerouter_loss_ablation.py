@@ -18,7 +18,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import edge0  # noqa: E402
-from edge0.backend import nn as bnn  # noqa: E402
+from edge0.backend import assemble as bas  # noqa: E402
 from edge0.prerouter.train import collect, head_topk, owner_layers, pairs, recall, train_head  # noqa: E402
 
 VARIANTS = {"kl": (1.0, 0.0), "kl+listwise": (1.0, 0.5), "listwise": (0.0, 1.0)}
@@ -38,7 +38,7 @@ def main() -> None:
     traces = collect(engine, tokens, 256)
     n_val = max(1, len(traces) // 10)
     tr, va = traces[:-n_val], traces[-n_val:]
-    blocks = dict(bnn.moe_blocks(engine.model))
+    blocks = dict(bas.moe_blocks(engine.model))
     k = engine.spec.top_k
     rows = {}
     for owner, consumer in owner_layers(engine).items():

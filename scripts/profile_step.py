@@ -16,7 +16,7 @@ import collections
 import time
 
 import edge0
-from edge0.backend import nn as bnn
+from edge0.backend import forward as bfw
 
 
 def main() -> None:
@@ -50,8 +50,8 @@ def main() -> None:
     if e.prerouting is not None:
         timed(e.hooks, "before_step", "swap (stager.before_step)")
         timed(e.hooks, "after_forward", "launch + stage (stager.after_forward)")
-    timed(bnn, "forward", "graph build (forward)")
-    timed(bnn, "sample", "sample (waits for the step)")
+    timed(bfw, "forward", "graph build (forward)")
+    timed(bfw, "sample", "sample (waits for the step)")
     timed(e.streaming, "end_step", "end of step (dropped counters)")
     ids = e.encode("The history of the river begins in the mountains where " * 3)[:40]
     e.generate(ids, max_tokens=4, ignore_eos=True)

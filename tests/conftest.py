@@ -27,7 +27,7 @@ def store_for(tmp_path_factory):
     """store_for(family, source="hf"|"mlx", **fixture_kw) -> an edge0 store directory.
 
     "hf" converts the HF-layout fixture; "mlx" indexes mlx-lm's own `convert -q` output of it."""
-    from edge0.convert import convert
+    from edge0.store.convert import convert
 
     built = {}
 
@@ -53,7 +53,7 @@ BIG = {"hidden_size": 512, "moe_intermediate_size": 512, "num_experts": 128, "nu
 @pytest.fixture(scope="session")
 def big_store(tmp_path_factory):
     """A store whose routed experts are far larger than its other weights (and than test budgets)."""
-    from edge0.convert import convert
+    from edge0.store.convert import convert
     from tests.fixtures.make import make_memory_fixture, routed_expert_bytes
 
     root = tmp_path_factory.mktemp("big")

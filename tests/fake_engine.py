@@ -186,7 +186,7 @@ class FakeEngine:
                 if finish:
                     text += stopper.flush()
                 call.steps, call.finish_reason = i + 1, finish
-                yield Step(tok, text, finish, self._stats(call) if finish else None)
+                yield Step(tok, text, finish, self._stats(call) if finish else None, stopper.matched if finish else None)
                 if finish:
                     return
                 if should_stop and should_stop():

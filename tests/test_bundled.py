@@ -11,7 +11,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.utils import load as mlx_load
 
 import edge0
-from edge0.bundled import bundled_checkpoint, bundled_store
+from edge0.store.bundled import bundled_checkpoint, bundled_store
 
 
 @pytest.fixture(scope="module")

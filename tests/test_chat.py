@@ -11,7 +11,6 @@ import pytest
 
 import edge0
 from edge0.cli import chat
-from edge0.errors import Edge0Error
 from tests.fake_engine import FakeEngine
 
 STATS = re.compile(r"prefill (\d+) of (\d+) prompt tokens")

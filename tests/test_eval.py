@@ -6,7 +6,7 @@ import sys
 
 import numpy as np
 
-from edge0.evaluate import evaluate
+from edge0.engine.evaluate import evaluate
 from tests.fixtures.make import reference_dir
 
 

@@ -8,7 +8,7 @@ import pytest
 
 import edge0
 from edge0.backend import core as B
-from edge0.backend.nn import StreamingExperts
+from edge0.backend.moe import StreamingExperts
 from edge0.engine import StepHooks
 from edge0.errors import Edge0Error
 from edge0.streaming.exact import ExactExecutor

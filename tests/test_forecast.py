@@ -7,7 +7,7 @@ import json
 import pytest
 
 from edge0.errors import Edge0Error
-from edge0.forecast import read_checkpoint, summarize
+from edge0.planning.forecast import read_checkpoint, summarize
 from tests.fixtures.make import fixture_dir, reference_dir
 
 

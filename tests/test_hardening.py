@@ -18,7 +18,7 @@ import pytest
 import edge0
 from edge0.cli import VERBS
 from edge0.cli import main as cli_main
-from edge0.convert import convert
+from edge0.store.convert import convert
 from edge0.errors import Edge0Error
 from tests.fixtures.make import fixture_config, fixture_dir
 from tests.test_errors import assert_one_line_error
@@ -96,7 +96,7 @@ def test_two_converts_to_the_same_output(tmp_path):
 
 
 def test_convert_while_another_holds_the_output(tmp_path):
-    from edge0.convert import _output_lock
+    from edge0.store.convert import _output_lock
 
     out = tmp_path / "store"
     with _output_lock(out, wait=False, quiet=True):

@@ -10,20 +10,26 @@ from pathlib import Path
 
 PKG = Path(__file__).resolve().parents[1] / "edge0"
 
-# (floor, module prefixes). A module belongs to the floor of its longest matching prefix;
-# "edge0" alone is the package's __init__, the public `edge0.load`.
+# (floor, packages), bottom up. A module belongs to the floor of its package; the package root
+# holds only the shared modules of ROOT (each in its floor) and packages. "edge0" alone is the
+# package's __init__, the public `edge0.load`.
 FLOORS = [
-    ("base", ["edge0.errors", "edge0.version", "edge0.units", "edge0.spec", "edge0.textstream", "edge0.sampling"]),
+    ("base", []),
     ("backend", ["edge0.backend"]),
     ("data", ["edge0.store", "edge0.cache", "edge0.families"]),
     ("streaming", ["edge0.streaming"]),
-    ("engine", ["edge0.options", "edge0.engine", "edge0.evaluate", "edge0.convert", "edge0.trace"]),
-    ("features", ["edge0.prerouter", "edge0.lora", "edge0.bundled", "edge0.distributed"]),
+    ("engine", ["edge0.engine"]),
+    ("features", ["edge0.prerouter", "edge0.lora", "edge0.distributed"]),
     ("api", ["edge0.runtime", "edge0"]),
-    ("apps", ["edge0.server", "edge0.bench", "edge0.plan", "edge0.forecast"]),
-    ("cli", ["edge0.cli", "edge0.__main__", "edge0.serve"]),
+    ("apps", ["edge0.server", "edge0.bench", "edge0.planning"]),
+    ("cli", ["edge0.cli"]),
 ]
-RANK = {prefix: i for i, (_, prefixes) in enumerate(FLOORS) for prefix in prefixes}
+# The package root's own modules: the shared names, and the entry points.
+ROOT = {"errors": "base", "version": "base", "units": "base", "spec": "base", "textstream": "base",
+        "sampling": "base", "options": "engine", "__main__": "cli", "serve": "cli"}
+_FLOOR_INDEX = {name: i for i, (name, _) in enumerate(FLOORS)}
+RANK = {**{prefix: i for i, (_, prefixes) in enumerate(FLOORS) for prefix in prefixes},
+        **{f"edge0.{m}": _FLOOR_INDEX[f] for m, f in ROOT.items()}}
 
 
 def floor(module: str) -> int:
@@ -104,6 +110,13 @@ def test_every_module_has_a_floor_and_imports_only_downward():
     g = graph()
     assert len(g) > 60 and "edge0.engine.engine" in g  # the walk really sees the package
     assert upward(g) == []
+
+
+def test_the_package_root_holds_only_shared_modules_and_packages():
+    loose = sorted(p.stem for p in PKG.glob("*.py") if p.stem != "__init__" and p.stem not in ROOT)
+    assert loose == [], f"modules at the package root that belong in a floor's package: {loose}"
+    packages = {f"edge0.{p.parent.name}" for p in PKG.glob("*/__init__.py")}
+    assert packages <= set(RANK), f"packages in no floor: {sorted(packages - set(RANK))}"
 
 
 def test_no_import_cycles():

@@ -13,7 +13,7 @@ import pytest
 
 import edge0
 from edge0.backend import lora as blora
-from edge0.backend import nn as bnn
+from edge0.backend import modules as bmod
 from edge0.errors import Edge0Error
 from edge0.lora.adapter import read_adapter, save_adapter
 from edge0.store.format import manifest_hash
@@ -235,7 +235,7 @@ def test_serving_changes_logits_by_exactly_the_delta_path(store, tmp_path):
     for p in paths:  # the reference: the same int4 base plus the delta as one dense matrix
         parent, name = p.rsplit(".", 1)
         delta = 2.0 * mx.array(tensors[f"{p}.lora_b"]) @ mx.array(tensors[f"{p}.lora_a"])
-        bnn.get_module(base.model, parent)[name] = DenseDelta(bnn.get_module(base.model, p), delta)
+        bmod.get_module(base.model, parent)[name] = DenseDelta(bmod.get_module(base.model, p), delta)
     np.testing.assert_allclose(served.logits(ids), base.logits(ids), rtol=1e-4, atol=1e-4)
     plain = edge0.load(store, prerouter=False, lora=False).logits(ids)
     assert np.abs(served.logits(ids) - plain).max() > 1e-2  # the adapter does change the logits

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import edge0
-from edge0.backend import nn as bnn
+from edge0.backend import assemble as bas
 from edge0.errors import Edge0Error
 from edge0.prerouter.attach import use_prerouting
 from edge0.prerouter.routes import PreRouting
@@ -79,7 +79,7 @@ def test_oracle_heads_reproduce_the_exact_path(store_for, policy, alpha):
     neither adds a consumer sync, and substituted experts are mapped to their slots (no drops)."""
     store = store_for("deepseek_v3")
     ref = edge0.load(store, prerouter=False, decode_executor="exact")
-    blocks = dict(bnn.moe_blocks(ref.model))
+    blocks = dict(bas.moe_blocks(ref.model))
     recorded = {l: [] for l in blocks}
     for layer, block in blocks.items():
         orig = block.router_logits
@@ -95,7 +95,7 @@ def test_oracle_heads_reproduce_the_exact_path(store_for, policy, alpha):
     mx.eval([v for l in recorded.values() for v in l])
 
     e = edge0.load(store, prerouter=False, expert_cache="64KB", cache_policy=policy, substitute_alpha=alpha)
-    eb = dict(bnn.moe_blocks(e.model))
+    eb = dict(bas.moe_blocks(e.model))
     owners = owner_layers(e)
     heads = {o: OracleHead(recorded[c]) for o, c in owners.items()}
     pr = PreRouting(heads, owners, {c: eb[c].router_bias() for c in owners.values()}, e.spec, e.k)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten, tree_unflatten
 
-from edge0.backend.nn import SpecMoEBlock
+from edge0.backend.moe import SpecMoEBlock
 from edge0.errors import Edge0Error
 from edge0.families import spec_for
 from edge0.backend.routing import route

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from edge0.convert import convert
+from edge0.store.convert import convert
 from edge0.errors import Edge0Error
 from edge0.store import VERSION, ExpertStore, open_manifest
 from edge0.store.writer import SafetensorsWriter

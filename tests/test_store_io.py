@@ -20,7 +20,8 @@ from edge0.backend import core as B
 from edge0.errors import Edge0Error
 from edge0.store import VERSION, ExpertStore, open_manifest
 from edge0.store.format import ALIGN, EXPERT_MAJOR, manifest_hash
-from edge0.store.readers import STRATEGIES, choose_io, cgroup_available, memory_available
+from edge0.backend.memory import available as memory_available, cgroup_available
+from edge0.store.readers import STRATEGIES, choose_io
 from edge0.store.relayout import relayout_store
 from edge0.store.writer import SafetensorsWriter, write_expert_layer
 from edge0.streaming.exact import to_device
@@ -356,7 +357,7 @@ def test_cgroup_limit_is_seen_inside_a_memory_cgroup():
         pytest.skip(why)
     cg = MemoryCgroup.create(parent, 300 * 2**20)
     try:
-        code = "from edge0.store.readers import cgroup_available, memory_available; print(cgroup_available()[0], memory_available()[1])"
+        code = "from edge0.backend.memory import available, cgroup_available; print(cgroup_available()[0], available()[1])"
         r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, preexec_fn=cg.enter,
                            env={**os.environ, "PYTHONPATH": str(ROOT)})
         assert r.returncode == 0, r.stderr

@@ -13,6 +13,8 @@ import sys
 import mlx.core as mx
 import numpy as np
 
+from edge0.units import SAFETENSORS_DTYPES
+
 Array = mx.array
 
 # glibc keeps freed buffers in the C heap; its malloc_trim gives their pages back (musl, macOS: none).
@@ -48,25 +50,9 @@ random_key = mx.random.key
 random_split = mx.random.split
 categorical = mx.random.categorical
 
-_DTYPES = {
-    "float32": mx.float32,
-    "float16": mx.float16,
-    "bfloat16": mx.bfloat16,
-    "uint32": mx.uint32,
-    "uint8": mx.uint8,
-    "int32": mx.int32,
-    "int64": mx.int64,
-}
-# safetensors dtype labels
-ST_DTYPES = {
-    "F32": "float32",
-    "F16": "float16",
-    "BF16": "bfloat16",
-    "U32": "uint32",
-    "U8": "uint8",
-    "I32": "int32",
-    "I64": "int64",
-}
+# Names of the safetensors dtypes that mlx has (edge0.units holds the one table).
+_DTYPES = {name: getattr(mx, name) for name, _ in SAFETENSORS_DTYPES.values() if hasattr(mx, name)}
+ST_DTYPES = {label: name for label, (name, _) in SAFETENSORS_DTYPES.items()}
 
 
 def dtype(name: str):
@@ -130,20 +116,6 @@ def pick_compute_dtype(requested: str | None, checkpoint_dtype: str) -> str:
         dtype(requested)
         return requested
     return "float32" if default_device() == "cpu" else checkpoint_dtype
-
-
-def available_memory() -> int:
-    """Memory the OS could give this process now, in bytes."""
-    try:
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    if mx.metal.is_available():
-        return int(mx.metal.device_info()["memory_size"]) - mx.get_active_memory()
-    return 8 * 2**30
 
 
 def active_memory() -> int:

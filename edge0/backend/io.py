@@ -14,12 +14,12 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import _get_classes, load_config, load_tokenizer, save_config
 
 from edge0.errors import Edge0Error
+from edge0.units import SAFETENSORS_DTYPES
 
 __all__ = ["load_config", "load_tokenizer", "save_config", "TokenizerWrapper"]
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-ST_DTYPE = {mx.float32: "F32", mx.float16: "F16", mx.bfloat16: "BF16", mx.uint32: "U32",
-            mx.uint8: "U8", mx.int32: "I32", mx.int64: "I64"}
+ST_DTYPE = {getattr(mx, name): label for label, (name, _) in SAFETENSORS_DTYPES.items() if hasattr(mx, name)}
 
 
 def read_config(root: Path, fix: str) -> dict:

@@ -12,7 +12,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from edge0.backend.nn import get_module, set_module
+from edge0.backend.modules import get_module, set_module
 from edge0.errors import Edge0Error
 
 

@@ -35,7 +35,7 @@ def resolve_model(args) -> Model:
     if args.model:
         d = Path(args.model).expanduser()
     else:
-        from edge0.bundled import cache_dir
+        from edge0.store.bundled import cache_dir
 
         d = Path(os.environ.get("EDGE0_BENCH_DIR") or cache_dir() / "bench") / args.size
         if not d.exists():

@@ -12,7 +12,7 @@ from collections import deque
 import numpy as np
 
 from edge0.backend import core as B
-from edge0.backend import nn as bnn
+from edge0.backend import assemble as bas
 from edge0.cache.synthetic import RouteSource
 from edge0.engine.hooks import StepHooks
 from edge0.errors import Edge0Error
@@ -87,10 +87,10 @@ def use_synthetic_routing(engine, seed: int = 0, lookahead: bool = False) -> Syn
                          "need a spec'd family")
     if engine.prerouting is not None or engine.lora_path is not None:
         raise Edge0Error("--routing qwen3-like replaces the routing: load the model with prerouter=False and lora=False")
-    blocks = bnn.moe_blocks(engine.model)
+    blocks = bas.moe_blocks(engine.model)
     routes = SyntheticRoutes([l for l, _ in blocks], engine.spec.num_experts, engine.k, seed)
     for _, block in blocks:
-        object.__setattr__(block, "prerouting", routes)
+        block.use_prerouting(routes)
     hooks = LookaheadStager(routes, engine.streaming.staged()) if lookahead else StepHooks()
     engine.use_prerouter(routes, hooks, None, {"routing": "qwen3-like", "seed": seed, "lookahead": lookahead})
     return routes

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from edge0.cli.common import OneLineParser, run_main
-from edge0.convert import convert
+from edge0.store.convert import convert
 
 
 def main(argv=None) -> int:

@@ -15,7 +15,7 @@ from pathlib import Path
 import edge0
 from edge0.cli.common import OneLineParser, add_model_options, load_options, read_utf8, run_main
 from edge0.errors import Edge0Error
-from edge0.evaluate import evaluate
+from edge0.engine.evaluate import evaluate
 from edge0.store.format import MANIFEST
 
 
@@ -25,7 +25,7 @@ def reference_fn(path: str, options):
     p = Path(path).expanduser()
     if (p / MANIFEST).is_file():
         return edge0.load(p, **options).logits
-    from edge0.backend.nn import resident_logits_fn
+    from edge0.backend.forward import resident_logits_fn
 
     return resident_logits_fn(p)
 

@@ -15,9 +15,9 @@ from edge0.cache import POLICIES, tracefile
 from edge0.cache.replay import parse_budgets, simulate
 from edge0.cli.common import OneLineParser, add_model_options, load_options, run_main
 from edge0.errors import Edge0Error
-from edge0.plan import PROMPTS, measure_decode, measure_reads, per_layer, predict, recommend
+from edge0.planning.budget import PROMPTS, measure_decode, measure_reads, per_layer, predict, recommend
 from edge0.store.format import manifest_hash
-from edge0.trace import record, record_file, synthetic_record
+from edge0.cache.record import record, record_file, synthetic_record
 from edge0.units import format_size, parse_size
 
 
@@ -111,11 +111,11 @@ if __name__ == "__main__":
 
 def forecast_main(args) -> int:
     """`edge0 plan --hf-path`: fit and speed of a checkpoint before it is downloaded."""
-    from edge0.backend import core as B
-    from edge0.bundled import cache_dir
-    from edge0.forecast import forecast, probe_compute, probe_disk, read_checkpoint, summarize
+    from edge0.backend import memory as probe
+    from edge0.planning.forecast import forecast, probe_compute, probe_disk, read_checkpoint, summarize
+    from edge0.store.bundled import cache_dir
 
-    memory = parse_size(args.memory, "--memory") if args.memory else B.available_memory()
+    memory = parse_size(args.memory, "--memory") if args.memory else probe.available()[0]
     config, tensors = read_checkpoint(args.hf_path)
     ck = summarize(config, tensors, args.hf_path)
     where = Path(args.hf_path).expanduser() if Path(args.hf_path).expanduser().is_dir() else cache_dir()

@@ -11,7 +11,7 @@ import os
 from edge0.cli.common import OneLineParser, add_model_options, load_or_follow, run_main
 from edge0.errors import Edge0Error
 from edge0.server.memory import DEFAULT_POLL_S, default_memory_low
-from edge0.store.readers import memory_available
+from edge0.backend.memory import available as memory_available
 from edge0.units import format_size, parse_size
 
 log = logging.getLogger("edge0.server")

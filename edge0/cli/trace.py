@@ -8,7 +8,7 @@ from pathlib import Path
 from edge0.cache import tracefile
 from edge0.cli.common import OneLineParser, add_model_options, load_options, run_main
 from edge0.errors import Edge0Error
-from edge0.trace import record_file, synthetic_record
+from edge0.cache.record import record_file, synthetic_record
 
 
 def main(argv=None) -> int:

@@ -35,7 +35,7 @@ import numpy as np
 
 from edge0.backend import core as B
 from edge0.backend import distributed as bdist
-from edge0.backend import nn as bnn
+from edge0.backend import kvcache as bkv
 from edge0.engine.hooks import StepHooks
 from edge0.engine.stats import engine_stats
 from edge0.errors import Edge0Error
@@ -141,7 +141,7 @@ class Pipeline:
             raise Edge0Error("a distributed engine runs generations only (generate, stream_generate, chat, "
                              "decode_logits); logits, prerouted_logits and traces run in one process")
         t = int(inputs.shape[-1])
-        offset = bnn.cache_offset(self.engine.kv.cache)
+        offset = bkv.cache_offset(self.engine.kv.cache)
         with self._op():
             self._send_header(FORWARD, tokens=t, offset=offset, step=self.step)
             self._send(inputs.reshape(-1).astype(B.dtype("int32")))

@@ -11,13 +11,12 @@ its experts.
 
 from __future__ import annotations
 
-import json
 import re
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 from edge0.errors import Edge0Error
+from edge0.store.headers import read_header
 
 LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
@@ -114,7 +113,7 @@ def balanced_split(costs: list[int], ranks: int, first_extra: int = 0, last_extr
 def layer_costs(root: Path, resident_file: str, manifest: dict, num_layers: int) -> tuple[list[int], int, int]:
     """(bytes of each layer: resident weights + routed experts; embedding bytes; final norm and
     head bytes, the embedding's when the head is tied), from the resident file's header."""
-    sizes = _tensor_bytes(root / resident_file)
+    sizes = read_header(root / resident_file).nbytes()
     costs = [0] * num_layers
     embed = head = 0
     for name, n in sizes.items():
@@ -130,14 +129,6 @@ def layer_costs(root: Path, resident_file: str, manifest: dict, num_layers: int)
     for layer in manifest["expert_layers"]:
         costs[int(layer["layer"])] += sum(t["expert_nbytes"] for t in layer["tensors"].values()) * int(layer["num_experts"])
     return costs, embed, head
-
-
-def _tensor_bytes(path: Path) -> dict[str, int]:
-    """Tensor name -> bytes, from a safetensors header (no data is read)."""
-    with open(path, "rb") as fh:
-        n = struct.unpack("<Q", fh.read(8))[0]
-        header = json.loads(fh.read(n))
-    return {k: v["data_offsets"][1] - v["data_offsets"][0] for k, v in header.items() if k != "__metadata__"}
 
 
 def plan_split(root: Path, resident_file: str, manifest: dict, num_layers: int, ranks: int, explicit) -> tuple[int, ...]:

@@ -4,13 +4,14 @@ routing, or along the routes decoding would use) and route observation."""
 from __future__ import annotations
 
 from edge0.backend import core as B
-from edge0.backend import nn as bnn
+from edge0.backend import assemble as bas
+from edge0.backend import forward as bfw
 from edge0.errors import Edge0Error
 
 
 def logits(engine, prompt):
     """Float32 logits of every prompt position [T, V] (no cache; gate routing)."""
-    return bnn.full_logits(engine.model, engine.encode(prompt))
+    return bfw.full_logits(engine.model, engine.encode(prompt))
 
 
 def prerouted_logits(engine, prompt):
@@ -18,7 +19,7 @@ def prerouted_logits(engine, prompt):
     them: with a pre-router, each pre-routed layer uses at position t the route its head
     predicted at t-1 (position 0 uses the gate). Without one this is `logits`."""
     with engine.hooks.teacher_forcing():
-        return bnn.full_logits(engine.model, engine.encode(prompt))
+        return bfw.full_logits(engine.model, engine.encode(prompt))
 
 
 def decode_logits(engine, prompt):
@@ -31,8 +32,7 @@ def decode_logits(engine, prompt):
         kept.append(logprobs)
         return B.argmax(logprobs, axis=-1)
 
-    engine.kv.reset()
-    engine.kv.cache = bnn.make_prompt_cache(engine.model)
+    engine.kv.fresh()
     engine.hooks.start(engine)
     try:
         for i, t in enumerate(tokens):
@@ -49,5 +49,5 @@ def observe_routes(engine, fn) -> None:
     every spec'd MoE layer (None stops). Each call syncs to the host: for traces only."""
     if engine.spec is None:
         raise Edge0Error(f"{engine.model_id}: route tracing needs a spec'd family (this one is served at the universal level)")
-    for layer, block in bnn.moe_blocks(engine.model):
-        object.__setattr__(block, "observer", None if fn is None else (lambda i, s, layer=layer: fn(layer, i, s)))
+    for layer, block in bas.moe_blocks(engine.model):
+        block.use_observer(None if fn is None else (lambda i, s, layer=layer: fn(layer, i, s)))

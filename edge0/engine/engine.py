@@ -11,14 +11,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from edge0.backend import core as B
-from edge0.backend import nn as bnn
+from edge0.backend import forward as bfw
+from edge0.backend import modules as bmod
 from edge0.engine.diagnostics import decode_logits, logits, observe_routes, prerouted_logits
 from edge0.engine.hooks import StepHooks
-from edge0.engine.kv import DiskPromptCaches, PromptCache
+from edge0.engine.kv import PromptCache
 from edge0.engine.stats import call_stats, engine_stats
 from edge0.errors import Edge0Error
 from edge0.sampling import check_sampling
 from edge0.store.format import manifest_hash, sha256_file
+from edge0.store.promptcache import DiskPromptCaches
 from edge0.textstream import StopMatcher
 from edge0.units import format_size
 from edge0.version import __version__
@@ -35,6 +37,7 @@ class Step:
     text: str
     finish_reason: str | None = None
     stats: dict | None = None
+    stop: str | None = None  # the stop string that ended the generation (finish_reason "stop", not an EOS token)
 
 
 @dataclass
@@ -56,7 +59,7 @@ class Engine:
         self.store = store
         self.streaming = streaming
         self.spec, self.k, self.compute_dtype = spec, k, compute_dtype
-        self.resident_bytes = bnn.resident_bytes(model)
+        self.resident_bytes = bmod.resident_bytes(model)
         self.kv = PromptCache(model)
         self.hooks = StepHooks()  # the pre-router's stager once attached, or a test's oracle
         # the pre-router, when attached (use_prerouter)
@@ -81,7 +84,11 @@ class Engine:
 
     def use_lora(self, path: Path, meta: dict) -> None:
         """Record the adapter whose LoRALinear layers now wrap the model's targets."""
-        self.lora_path, self.lora_meta = Path(path), meta
+        self.lora_path, self.lora_meta, self.lora_note = Path(path), meta, ""
+
+    def no_lora(self, why: str) -> None:
+        """Record why the store's adapter is not served (shown in describe())."""
+        self.lora_note = why
 
     # -- ranks ---------------------------------------------------------------------------------
     @property
@@ -138,7 +145,7 @@ class Engine:
     def use_prompt_cache_dir(self, path, max_bytes: int) -> None:
         """Save finished conversations' KV caches under `path` (at most `max_bytes`, least recently
         used removed first) and reuse them, in this or a later process, when a prompt extends one."""
-        self.kv.disk = DiskPromptCaches(path, self.identity(), max_bytes)
+        self.kv.use_disk(DiskPromptCaches(path, self.identity(), max_bytes))
 
     def persist_prompt_cache(self) -> bool:
         """Save the KV cache of the last generation (with reuse_cache) to the prompt-cache dir, if
@@ -160,7 +167,7 @@ class Engine:
         check_sampling(temperature, top_p, seed)
         if seed is not None:
             B.seed(seed)
-        sampler = bnn.make_sampler(temp=temperature, top_p=top_p)
+        sampler = bfw.make_sampler(temp=temperature, top_p=top_p)
         eos = set(self.tokenizer.eos_token_ids) if not ignore_eos else set()
         hooks = self.hooks
         self.generating = True
@@ -179,9 +186,9 @@ class Engine:
         if step > 0:
             hooks.before_step(self, step)
         hooks.before_forward(self, step)
-        logprobs = bnn.forward(self.model, tokens, self.kv.cache)
+        logprobs = bfw.forward(self.model, tokens, self.kv.cache)
         hooks.after_forward(self, step, logprobs)
-        y = bnn.sample(sampler, logprobs)
+        y = bfw.sample(sampler, logprobs)
         hooks.step_done(self, step)
         self.streaming.end_step()
         return y
@@ -191,16 +198,16 @@ class Engine:
         generated token, or None if `should_stop` said so between chunks, and tokens prefilled)."""
         kv = self.kv
         new = tokens[kv.prepare(tokens, reuse):]
-        kv.dirty = True
+        kv.begin()
         chunk = CANCELLABLE_PREFILL_CHUNK if should_stop else len(new)
         for i in range(0, len(new) - 1, chunk):
             if should_stop and should_stop():
                 return None, i
-            bnn.prefill(self.model, new[i:min(i + chunk, len(new) - 1)], kv.cache)
+            bfw.prefill(self.model, new[i:min(i + chunk, len(new) - 1)], kv.cache)
         if should_stop and should_stop():
             return None, len(new) - 1
         y = self.step(new[-1:], 0, sampler)
-        kv.tokens, kv.dirty = list(tokens), False
+        kv.advance(new)
         return y, len(new)
 
     def _generate(self, tokens, max_tokens, sampler, eos, stop, reuse_cache, should_stop):
@@ -240,15 +247,14 @@ class Engine:
                 stats = call_stats(before, self.streaming.stats.totals(), io_before, self.store.io_stats(),
                                    len(tokens), n_prefill, len(generated),
                                    t_prefill, time.perf_counter() - t1)
-                yield Step(y, text, finish, stats)
+                yield Step(y, text, finish, stats, stopper.matched)
                 return
             yield Step(y, text)
             if should_stop and should_stop():
                 return
-            self.kv.dirty = True
+            self.kv.begin()
             y = self.step([y], len(generated), sampler)
-            self.kv.tokens.append(generated[-1])
-            self.kv.dirty = False
+            self.kv.advance(generated[-1:])
 
     def generate(self, prompt, max_tokens: int = 256, **kwargs) -> GenerationResult:
         """Run to completion; returns text, generated token ids, finish_reason and stats."""

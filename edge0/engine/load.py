@@ -7,7 +7,8 @@ from pathlib import Path
 
 from edge0.backend import core as B
 from edge0.backend import io as bio
-from edge0.backend import nn as bnn
+from edge0.backend import assemble as bas
+from edge0.backend import modules as bmod
 from edge0.engine.engine import Engine
 from edge0.errors import Edge0Error
 from edge0.families import supported
@@ -34,10 +35,10 @@ def open_engine(root: Path, options, stage_for=None) -> Engine:
     stage = stage_for(root, manifest, config) if stage_for else None
     local = stage.restrict(manifest) if stage else manifest
     store = ExpertStore(root, local, cold_reads=options.cold_reads, io=options.io, check_experts=options.check_experts)
-    model = bnn.assemble(root, RESIDENT_FILE, local, config, spec, k, compute,
+    model = bas.assemble(root, RESIDENT_FILE, local, config, spec, k, compute,
                          stage=(stage.rank, stage.size, list(stage.split)) if stage else None)
-    streaming = Streaming(store, compute, k or _native_k(config), bnn.resident_bytes(model), options)
-    bnn.attach_executors(model, streaming.layers)
+    streaming = Streaming(store, compute, k or _native_k(config), bmod.resident_bytes(model), options)
+    bas.attach_executors(model, streaming.layers)
     return Engine(root, model, bio.load_tokenizer(root), store, streaming, spec, k, compute, stage)
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from edge0.backend import core as B
-from edge0.backend import nn as bnn
+from edge0.backend import kvcache as bkv
 from edge0.backend import resident
 from edge0.backend import train as bt
 
@@ -40,7 +40,7 @@ def student_generate(model, prerouting, prompts, n: int, temperature: float, see
     use the routes predicted at the previous step), all B in one batch. Needs the exact decode
     executor (slot sets hold one token's route). Returns [B, P + n]."""
     key = B.random_key(seed)
-    cache = bnn.make_prompt_cache(model)
+    cache = bkv.make_prompt_cache(model)
     x = B.array(np.asarray(prompts, dtype=np.int32))
     if prerouting is not None:
         prerouting.reset()
@@ -171,7 +171,7 @@ class Teacher:
     def generate(self, prompts, n: int, temperature: float, seed: int) -> np.ndarray:
         """Continue every prompt of [B, P] by n tokens (greedy at temperature 0); returns [B, P + n]."""
         key = B.random_key(seed)
-        cache = bnn.make_prompt_cache(self.model)
+        cache = bkv.make_prompt_cache(self.model)
         x = B.array(np.asarray(prompts, dtype=np.int32))
         out = [x]
         logits = self.model(x, cache=cache)[:, -1, :].astype(B.float32)

@@ -16,7 +16,7 @@ from edge0.backend import core as B
 from edge0.backend import lora as blora
 from edge0.backend import train as bt
 from edge0.errors import Edge0Error
-from edge0.evaluate import evaluate
+from edge0.engine.evaluate import evaluate
 from edge0.lora import distill as bd
 from edge0.lora.attach import attach_lora, prerouter_hash
 from edge0.store.format import manifest_hash, sha256_file

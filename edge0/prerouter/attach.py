@@ -7,7 +7,7 @@ from pathlib import Path
 
 from edge0.backend import core as B
 from edge0.backend import heads as bheads
-from edge0.backend import nn as bnn
+from edge0.backend import assemble as bas
 from edge0.errors import Edge0Error
 from edge0.prerouter.heads import DEFAULT_NAME, load_heads
 from edge0.prerouter.routes import PreRouting
@@ -31,7 +31,7 @@ def heads_path(root: Path, prerouter, spec) -> Path | None:
 def attach_prerouter(engine, path: Path, diagnostics: bool = False) -> PreRouting:
     """Load the heads at `path` (checked against this store) and route with them."""
     tensors, meta = load_heads(path, manifest_hash(engine.root), engine.spec.to_dict(), engine.root)
-    blocks = dict(bnn.moe_blocks(engine.model))
+    blocks = dict(bas.moe_blocks(engine.model))
     moe = set(engine.stage.moe_layers) if engine.stage is not None else set(blocks)
     owners = [int(o) for o in meta["owners"]]
     consumers = {int(o): int(c) for o, c in meta["consumers"].items()}
@@ -54,8 +54,8 @@ def attach_prerouter(engine, path: Path, diagnostics: bool = False) -> PreRoutin
 
 def use_prerouting(engine, pr: PreRouting, path: Path | None = None, meta: dict | None = None) -> None:
     """Install `pr` in every MoE block and its stager in the engine's generation loop."""
-    for _, block in bnn.moe_blocks(engine.model):
-        object.__setattr__(block, "prerouting", pr)
+    for _, block in bas.moe_blocks(engine.model):
+        block.use_prerouting(pr)
     consumers = set(pr.biases)
     staged = {c: ex for c, ex in engine.streaming.staged().items() if c in consumers}
     engine.use_prerouter(pr, PreRouterStager(pr, staged, path), path, meta)

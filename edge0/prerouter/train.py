@@ -11,18 +11,18 @@ from tqdm import tqdm
 
 from edge0.backend import core as B
 from edge0.backend import heads as bheads
-from edge0.backend import nn as bnn
+from edge0.backend import assemble as bas
 from edge0.backend import train as bt
 from edge0.backend.routing import route
 from edge0.errors import Edge0Error
-from edge0.evaluate import windows
+from edge0.engine.evaluate import windows
 from edge0.prerouter.heads import save_heads
 from edge0.store.format import manifest_hash
 
 
 def owner_layers(engine, start: int | None = None) -> dict[int, int]:
     """owner MoE layer -> the next MoE layer (its consumer), from `start` on."""
-    layers = [l for l, _ in bnn.moe_blocks(engine.model)]
+    layers = [l for l, _ in bas.moe_blocks(engine.model)]
     pairs = {a: b for a, b in zip(layers, layers[1:])}
     return {a: b for a, b in pairs.items() if start is None or a >= start}
 
@@ -30,7 +30,7 @@ def owner_layers(engine, start: int | None = None) -> dict[int, int]:
 def collect(engine, tokens: list[int], window: int, progress: bool = True) -> list[dict]:
     """Teacher-force `tokens` through the model window by window (gate routing, whole-layer
     prefill). Per window: {layer: (x [T, D] float16, gate indices [T, K], router scores [T, E] float16)}."""
-    blocks = dict(bnn.moe_blocks(engine.model))
+    blocks = dict(bas.moe_blocks(engine.model))
     out = []
     current: dict = {}
 
@@ -38,7 +38,7 @@ def collect(engine, tokens: list[int], window: int, progress: bool = True) -> li
         return lambda x, inds, probs: current.__setitem__(layer, (x.astype(np.float16), inds, probs.astype(np.float16)))
 
     for layer, b in blocks.items():
-        object.__setattr__(b, "capture", hook(layer))
+        b.use_capture(hook(layer))
     try:
         for w in tqdm(windows(tokens, window, None), desc="collect", unit="window", disable=not progress):
             current = {}
@@ -46,7 +46,7 @@ def collect(engine, tokens: list[int], window: int, progress: bool = True) -> li
             out.append(current)
     finally:
         for b in blocks.values():
-            object.__setattr__(b, "capture", None)
+            b.use_capture(None)
     return out
 
 
@@ -116,7 +116,7 @@ def train(engine, text: str, *, data_name: str, window: int = 256, max_tokens: i
         raise Edge0Error(f"--data: too little text ({len(tokens)} tokens) for {window}-token windows with a held-out part; give more text")
     n_val = max(1, int(len(traces) * holdout))
     train_tr, val_tr = traces[:-n_val], traces[-n_val:]
-    blocks = dict(bnn.moe_blocks(engine.model))
+    blocks = dict(bas.moe_blocks(engine.model))
     spec, k = engine.spec, engine.spec.top_k
     tensors, report = {}, {}
     owners = owner_layers(engine, start)

@@ -19,7 +19,7 @@ from edge0.server.memory import MemoryWatcher
 from edge0.server.middleware import Guard
 from edge0.server.routes import router
 from edge0.server.scheduler import Scheduler
-from edge0.store.readers import memory_available
+from edge0.backend.memory import available as memory_available
 
 log = logging.getLogger("edge0.server")
 

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from typing import Generator, Union
 
 from edge0.server.tools import Segment, ToolCallSplitter
-from edge0.textstream import find_first
 
 
 @dataclass(frozen=True)
@@ -52,10 +51,10 @@ def generation_events(engine, prompt: list[int], params: Params, tools: list[dic
     steps = engine.stream_generate(prompt, max_tokens=params.max_tokens, temperature=params.temperature,
                                    top_p=params.top_p, seed=params.seed, stop=params.stop or None,
                                    reuse_cache=True, should_stop=cancelled.is_set)
-    tokens, step = [], None
+    n_tokens, step = 0, None
     try:
         for step in steps:
-            tokens.append(step.token)
+            n_tokens += 1
             if step.text:
                 yield from splitter.feed(step.text) if splitter else (step.text,)
             if step.finish_reason or cancelled.is_set():
@@ -66,13 +65,9 @@ def generation_events(engine, prompt: list[int], params: Params, tools: list[dic
         return
     if splitter:
         yield from splitter.finish()
-    reason, stop_sequence = step.finish_reason, None
-    if reason == "stop" and step.token not in engine.tokenizer.eos_token_ids:
-        # The engine cut the text before the stop string; find which one it was.
-        hit = find_first(engine.tokenizer.decode(tokens), params.stop)
-        stop_sequence = hit[1] if hit else None
+    reason = step.finish_reason
     if reason == "stop" and splitter and splitter.calls:
         reason = "tool_calls"
     stats = step.stats or {}
     cached = len(prompt) - stats.get("prefill_tokens", len(prompt))
-    yield Finish(reason, Usage(len(prompt), len(tokens), max(cached, 0)), stop_sequence)
+    yield Finish(reason, Usage(len(prompt), n_tokens, max(cached, 0)), step.stop)

@@ -15,7 +15,7 @@ import threading
 import time
 from typing import Callable
 
-from edge0.store.readers import memory_available
+from edge0.backend.memory import available as memory_available
 from edge0.units import format_size
 
 log = logging.getLogger("edge0.server")

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
+from edge0.backend import memory
 from edge0.errors import Edge0Error
 from edge0.store.format import ALIGN
 
@@ -311,69 +312,10 @@ class DirectReader(RangeReader):
 READERS = {r.name: r for r in (MmapReader, PreadReader, DirectReader)}
 
 
-def _numbers(path: Path) -> dict[str, int]:
-    try:
-        return {k: int(v) for k, v in (l.split()[:2] for l in path.read_text().splitlines() if len(l.split()) >= 2)
-                if v.isdigit()}
-    except OSError:
-        return {}
-
-
-def _read_int(path: Path) -> int | None:
-    try:
-        text = path.read_text().strip()
-    except OSError:
-        return None
-    return int(text) if text.isdigit() else None
-
-
-def cgroup_available() -> tuple[int, str] | None:
-    """(bytes this process's memory cgroup can still hold, which cgroup), or None if unlimited.
-    Page cache counts against a cgroup limit but is reclaimable, so it is not subtracted."""
-    try:
-        lines = Path("/proc/self/cgroup").read_text().splitlines()
-    except OSError:
-        return None
-    found = []
-    for line in lines:
-        hid, controllers, path = line.split(":", 2)
-        if "memory" in controllers.split(","):  # cgroup v1; the stat's limit includes ancestors
-            for d in (Path("/sys/fs/cgroup/memory") / path.lstrip("/"), Path("/sys/fs/cgroup/memory")):
-                stat = _numbers(d / "memory.stat")
-                usage = _read_int(d / "memory.usage_in_bytes")
-                if stat and usage is not None:
-                    limit = stat.get("hierarchical_memory_limit", 1 << 62)
-                    if limit < 1 << 60:
-                        used = usage - stat.get("total_cache", stat.get("cache", 0))
-                        found.append((max(0, limit - used), f"cgroup {d} limit {limit / 1e9:.2f} GB"))
-                    break
-        elif hid == "0" and controllers == "":  # cgroup v2: the tightest limit up the tree
-            d = Path("/sys/fs/cgroup") / path.lstrip("/")
-            while d != Path("/sys/fs/cgroup").parent:
-                limit, current = _read_int(d / "memory.max"), _read_int(d / "memory.current")
-                if limit is not None and current is not None:
-                    used = current - _numbers(d / "memory.stat").get("file", 0)
-                    found.append((max(0, limit - used), f"cgroup {d} limit {limit / 1e9:.2f} GB"))
-                d = d.parent
-    return min(found) if found else None
-
-
-def memory_available() -> tuple[int, str]:
-    """(bytes of memory this process could still use, where that number comes from)."""
-    avail = _numbers(Path("/proc/meminfo")).get("MemAvailable:")
-    best = (avail * 1024, "MemAvailable") if avail is not None else None
-    cg = cgroup_available()
-    if cg is not None and (best is None or cg[0] < best[0]):
-        best = cg
-    if best is None:  # no /proc (macOS): physical memory
-        best = (os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "physical memory")
-    return best
-
-
 def choose_io(store_bytes: int, available: tuple[int, str] | None = None) -> tuple[str, str]:
     """(strategy, reason): experts that fit in half the usable memory stay in the page cache and
     are read with pread; larger stores bypass the page cache (direct), where it would only churn."""
-    avail, source = available or memory_available()
+    avail, source = available or memory.available()
     fits = store_bytes <= avail // 2
     return ("pread" if fits else "direct",
             f"auto: {store_bytes / 1e9:.2f} GB of experts {'fit in' if fits else 'exceed'} half of "

@@ -16,24 +16,17 @@ import zlib
 from pathlib import Path
 
 from edge0.store.format import ALIGN, EXPERT_MAJOR, sha256_file
+from edge0.units import tensor_nbytes
 
-_ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2, "U32": 4, "U8": 1, "I32": 4, "I64": 8}
 # Start of each tensor inside an expert row: keeps every tensor aligned for any dtype view.
 ROW_ALIGN = 64
-
-
-def _nbytes(st_dtype: str, shape) -> int:
-    n = _ITEMSIZE[st_dtype]
-    for d in shape:
-        n *= d
-    return n
 
 
 def _header(entries: list[tuple[str, str, tuple]], metadata: dict | None, align: int) -> tuple[bytes, dict]:
     """(length prefix + JSON header padded so the data starts `align`-aligned, {name: relative offset})."""
     header, pos = {}, 0
     for name, st_dtype, shape in entries:
-        n = _nbytes(st_dtype, shape)
+        n = tensor_nbytes(st_dtype, shape)
         header[name] = {"dtype": st_dtype, "shape": list(shape), "data_offsets": [pos, pos + n]}
         pos += n
     if metadata:
@@ -49,7 +42,7 @@ class SafetensorsWriter:
     def __init__(self, path: Path, entries: list[tuple[str, str, tuple]], metadata: dict | None = None):
         self.path = Path(path)
         head, rel = _header(entries, metadata, 8)
-        self.sizes = {name: _nbytes(dt, shape) for name, dt, shape in entries}
+        self.sizes = {name: tensor_nbytes(dt, shape) for name, dt, shape in entries}
         self.data_start = len(head)
         self.offsets = {k: self.data_start + v for k, v in rel.items()}
         self._order = [e[0] for e in entries]
@@ -89,7 +82,7 @@ def expert_major_layout(module: str, tensors: list[tuple[str, str, tuple]]) -> t
         if not name.startswith(module + ".") or int(shape[0]) != num:
             raise ValueError(f"{name} {tuple(shape)}: not a stacked tensor of {module} with {num} experts")
         pos += -pos % ROW_ALIGN
-        n = _nbytes(st_dtype, shape[1:])
+        n = tensor_nbytes(st_dtype, shape[1:])
         out[name[len(module) + 1:]] = {"dtype": st_dtype, "shape": [int(d) for d in shape],
                                        "expert_offset": pos, "expert_nbytes": n}
         pos += n

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from edge0.backend import core as B
+from edge0.backend import memory
 from edge0.cache import ExpertCache, make_policy
 from edge0.errors import Edge0Error
 from edge0.store.reader import ExpertStore
@@ -21,7 +22,7 @@ from edge0.units import format_size
 def default_budget(total_expert_bytes: int, resident_bytes: int) -> int:
     """All experts if they fit in half of the memory left after the resident weights,
     otherwise that half."""
-    free = max(0, B.available_memory() - resident_bytes)
+    free = max(0, memory.available()[0] - resident_bytes)
     return min(total_expert_bytes, free // 2)
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from edge0.bundled import resolve_model
+from edge0.store.bundled import resolve_model
 from edge0.distributed.setup import connect, join, ready, stage_planner
 from edge0.engine import Engine, open_engine
 from edge0.lora.attach import attach_lora, store_adapter
@@ -28,9 +28,11 @@ def load_engine(path, options: LoadOptions) -> Engine:
     if heads is not None:
         attach_prerouter(engine, heads, diagnostics=options.prerouter_diagnostics)
     if options.lora is not False:
-        adapter, engine.lora_note = (Path(options.lora).expanduser(), "") if options.lora is not None else store_adapter(engine)
+        adapter, why = (Path(options.lora).expanduser(), "") if options.lora is not None else store_adapter(engine)
         if adapter is not None:
             attach_lora(engine, adapter)
+        elif why:
+            engine.no_lora(why)
     if options.prompt_cache_dir:  # last: its identity includes the heads and the adapter
         engine.use_prompt_cache_dir(options.prompt_cache_dir, options.prompt_cache_bytes())
     if engine.pipeline is not None:

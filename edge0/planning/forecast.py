@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import struct
 import tempfile
 import time
 from dataclasses import dataclass
@@ -25,14 +24,14 @@ import numpy as np
 
 from edge0.errors import Edge0Error
 from edge0.spec import text_config
+from edge0.store.headers import read_header
 from edge0.store.pagecache import evict
+from edge0.units import SAFETENSORS_DTYPES
 
 # Routed-expert tensors: per expert (`experts.3.gate_proj.weight`, `experts.3.w1.weight`), fused
 # (`experts.gate_up_proj`) or stacked by mlx-lm (`switch_mlp.gate_proj.weight`). Shared experts
 # (`shared_experts.gate_proj`) do not match.
 ROUTED = re.compile(r"(^|\.)(experts\.(\d+\.|gate_up_proj|down_proj)|switch_mlp\.)")
-_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "U32": 4, "I16": 2, "I8": 1, "U8": 1,
-             "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
 VERDICTS = ((20.0, "FAST"), (8.0, "GOOD"), (2.0, "USABLE"), (0.0, "SLOW"))
 # int4 with one scale and one bias per 64 weights in a 2-byte dtype: what `mlx_lm convert -q` writes
 INT4_BYTES_PER_PARAM = 0.5 + 2 * 2 / 64
@@ -66,14 +65,6 @@ class Checkpoint:
         return self.resident_store_bytes + self.expert_store_bytes
 
 
-def read_headers(path: Path) -> dict[str, tuple[str, list[int]]]:
-    """{tensor: (dtype, shape)} from one safetensors file's header (the data is not read)."""
-    with open(path, "rb") as fh:
-        n = struct.unpack("<Q", fh.read(8))[0]
-        header = json.loads(fh.read(n))
-    return {k: (v["dtype"], v["shape"]) for k, v in header.items() if k != "__metadata__"}
-
-
 def read_checkpoint(src: str) -> tuple[dict, dict]:
     """(config, {tensor: (dtype, shape)}) of a local directory or a Hugging Face repo id, reading
     only config.json and the safetensors headers."""
@@ -84,8 +75,8 @@ def read_checkpoint(src: str) -> tuple[dict, dict]:
             raise Edge0Error(f"--hf-path {p}: needs config.json and *.safetensors (a Hugging Face or mlx-lm model directory)")
         try:
             config = json.loads((p / "config.json").read_text())
-            tensors = {k: v for f in files for k, v in read_headers(f).items()}
-        except (OSError, ValueError, struct.error) as e:
+            tensors = {k: v for f in files for k, v in read_header(f).tensors.items()}
+        except (OSError, ValueError) as e:
             raise Edge0Error(f"--hf-path {p}: unreadable config.json or safetensors header ({e})") from None
         return config, tensors
     if p.exists() or src.startswith((".", "/", "~")):
@@ -117,7 +108,7 @@ def summarize(config: dict, tensors: dict, source: str) -> Checkpoint:
     tied = bool(c.get("tie_word_embeddings"))
     for name, (dtype, shape) in tensors.items():
         n = int(np.prod(shape)) if shape else 1
-        nbytes = n * _ITEMSIZE.get(dtype, 2)
+        nbytes = n * SAFETENSORS_DTYPES.get(dtype, (None, 2))[1]
         ckpt += nbytes
         if ROUTED.search(name):
             layer = re.search(r"layers\.(\d+)\.", name)

@@ -8,12 +8,12 @@ import os
 import sys
 from pathlib import Path
 
-from edge0.convert import convert
+from edge0.store.convert import convert
 from edge0.errors import Edge0Error
 from edge0.store.format import CONFIG_FILE, FORMAT, MANIFEST, VERSION
 
 BUNDLED_NAME = "edge0-demo-moe"
-CHECKPOINTS = Path(__file__).resolve().parents[1] / "checkpoints"
+CHECKPOINTS = Path(__file__).resolve().parents[2] / "checkpoints"
 
 
 def cache_dir() -> Path:

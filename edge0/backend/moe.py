@@ -1,0 +1,137 @@
+"""The MoE modules that stand in for mlx-lm's: StreamingExperts (routed experts streamed from a
+store) and SpecMoEBlock (a spec'd family's block with Edge0's routing)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_map
+
+from edge0.backend.modules import get_module
+from edge0.backend.routing import expert_scores, route
+
+
+class StreamingExperts(nn.Module):
+    """Stands in for an mlx-lm SwitchGLU/SwitchMLP whose stacked expert tensors stay on disk.
+
+    Per call, `executor(indices, scores)` returns [(tensors of some experts, the route's indices
+    mapped into them)]; the original mlx-lm module runs its own math on each and the parts are
+    summed; then `executor.done(output)`. `scores` (router scores over all experts, lazy) come
+    from a SpecMoEBlock's gate; mlx-lm's own blocks pass none.
+    """
+
+    def __init__(self, inner: nn.Module, layer: int):
+        super().__init__()
+        # Empty placeholders: the module must not keep expert tensors between calls (a whole
+        # layer per MoE layer would pile up after a prefill).
+        blank = tree_map(lambda _: mx.zeros((0,)), inner.parameters())
+        inner.update(blank)
+        # Plain attributes, not children: the experts' tensors must not count as resident.
+        object.__setattr__(self, "inner", inner)
+        object.__setattr__(self, "blank", blank)
+        object.__setattr__(self, "executor", None)  # set by use_executor
+        self.layer = layer
+
+    def use_executor(self, executor) -> None:
+        """Where this layer's expert tensors come from (a streaming LayerDispatch)."""
+        object.__setattr__(self, "executor", executor)
+
+    def __call__(self, x, indices, scores=None):
+        y = None
+        for params, local in self.executor(indices, scores):  # several parts are summed (hot + misses)
+            self.inner.update(params)
+            part = self.inner(x, local)
+            y = part if y is None else y + part
+        self.inner.update(self.blank)  # the lazy graph keeps what it needs
+        self.executor.done(y)
+        return y
+
+
+class SpecMoEBlock(nn.Module):
+    """A spec'd family's MoE block with Edge0's routing: router -> top-k -> experts -> weighted
+    sum (+ shared experts). Keeps the original block's children so weight names are unchanged.
+
+    `prerouting`, when set (by the pre-router), supplies routes predicted one token earlier:
+    `predicted(block, x)` -> (indices, weights) or None for the gate; `teacher_forced(layer,
+    indices, weights)` for a full-sequence pass routed as decoding would; `predict(layer, x)`
+    after routing, where this layer owns a head."""
+
+    def __init__(self, block: nn.Module, spec, k: int, layer: int):
+        super().__init__()
+        for name, child in block.items():
+            self[name] = child
+        object.__setattr__(self, "spec", spec)
+        object.__setattr__(self, "observer", None)  # fn(indices [T, K], scores [T, E]) or None
+        object.__setattr__(self, "capture", None)  # fn(x [T, D], inds [T, K], scores [T, E]): pre-router traces
+        object.__setattr__(self, "prerouting", None)
+        self.k = k
+        self.layer = layer
+
+    # Plain attributes, not children, so they never enter the parameter tree.
+    def use_prerouting(self, prerouting) -> None:
+        """Take routes from `prerouting` (the pre-router, or a bench's synthetic routes); None: the gate."""
+        object.__setattr__(self, "prerouting", prerouting)
+
+    def use_observer(self, fn) -> None:
+        """fn(indices [T, K], scores [T, E]) on every forward (a host sync each; traces only); None stops."""
+        object.__setattr__(self, "observer", fn)
+
+    def use_capture(self, fn) -> None:
+        """fn(x [T, D], indices [T, K], scores [T, E]) on every forward (pre-router training data); None stops."""
+        object.__setattr__(self, "capture", fn)
+
+    def router_logits(self, x):
+        router = get_module(self, self.spec.router)
+        return router(x) if isinstance(router, nn.Module) else x @ router.T
+
+    def router_bias(self):
+        """The score-correction bias added before selection, or None."""
+        return get_module(self, self.spec.router_bias) if self.spec.router_bias else None
+
+    def router_weight(self) -> mx.array:
+        """The router as a float32 [E, D] matrix (dequantized if quantized)."""
+        r = get_module(self, self.spec.router)
+        if isinstance(r, nn.QuantizedLinear):
+            return mx.dequantize(r.weight, r.scales, r.biases, group_size=r.group_size, bits=r.bits).astype(mx.float32)
+        return (r.weight if isinstance(r, nn.Linear) else r).astype(mx.float32)
+
+    def gate_route(self, x):
+        """(indices, weights, logits) from this layer's own router."""
+        logits = self.router_logits(x)  # [.., T, E]
+        inds, scores = route(logits, self.spec.routing, self.k, self.router_bias())  # [.., T, K]
+        return inds, scores, logits
+
+    def __call__(self, x):
+        # T tokens, E experts, K active, D hidden
+        spec, pr = self.spec, self.prerouting
+        predicted = pr.predicted(self, x) if pr is not None else None
+        probs = None  # router scores over all experts, for the expert cache (lazy: free if unused)
+        if predicted is not None:  # the route was predicted at the previous token
+            inds, scores = predicted
+            if self.observer is not None:  # a trace records the routes used, with the router's scores
+                self._observe(x, inds, expert_scores(self.router_logits(x), spec.routing))
+        else:
+            inds, scores, logits = self.gate_route(x)
+            probs = expert_scores(logits, spec.routing)
+            if pr is not None:
+                inds, scores = pr.teacher_forced(self.layer, inds, scores)
+            self._observe(x, inds, probs)
+        if pr is not None:
+            pr.predict(self.layer, x)
+        y = self[spec.experts](x, inds, scores=probs)  # [.., T, K, D]
+        y = (y * scores[..., None]).sum(axis=-2).astype(y.dtype)  # [.., T, D]
+        shared = spec.shared
+        if shared.kind == "plain":
+            y = y + self[shared.module](x)
+        elif shared.kind == "gated":
+            y = y + mx.sigmoid(self[shared.gate](x)) * self[shared.module](x)
+        return y
+
+    def _observe(self, x, inds, probs) -> None:
+        """Trace hooks; each costs a host sync, so they are for traces only."""
+        if self.observer is not None:
+            self.observer(np.array(inds).reshape(-1, inds.shape[-1]), np.array(probs).reshape(-1, probs.shape[-1]))
+        if self.capture is not None:
+            self.capture(np.array(x.astype(mx.float32)).reshape(-1, x.shape[-1]),
+                         np.array(inds).reshape(-1, inds.shape[-1]), np.array(probs).reshape(-1, probs.shape[-1]))

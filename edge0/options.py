@@ -33,49 +33,112 @@ def _opt(default, help: str, kind: str, **extra):
 class LoadOptions:
     """How `edge0.load` opens a store and streams its experts (see docs/engine-api.md)."""
 
-    dtype: str = _opt("auto", "compute dtype (default auto: float32 on CPU, the checkpoint's dtype on GPU)",
-                      "choice", choices=COMPUTE_DTYPES)
+    dtype: str = _opt(
+        "auto",
+        "compute dtype (default auto: float32 on CPU, the checkpoint's dtype on GPU)",
+        "choice",
+        choices=COMPUTE_DTYPES,
+    )
     top_k: int | None = _opt(None, "serving width: experts per token (default: the model's)", "int")
     verify: bool = _opt(False, "check every store file's sha256 before loading", "flag")
-    expert_cache: int | str | None = _opt(None, "memory for cached experts, e.g. 2GB (default: from free memory "
-                                                "and model size)", "size")
-    cache_policy: str = _opt("lru", "expert-cache eviction policy: lru (default), lfu, arc, smoe (router scores), "
-                                    "flashmoe (learned)", "choice", choices=LIVE_POLICIES, checked_later=True)
-    cache_weights: str | None = _opt(None, "flashmoe: weights from edge0 train-cache-policy, trained on a trace of "
-                                           "this model", "path")
-    smoe_window: int | None = _opt(None, "smoe: steps over which router scores are averaged (default 32)", "int",
-                                   metavar="N")
-    substitute_alpha: float = _opt(0.0, "LOSSY, CHANGES OUTPUTS: a routed expert scoring in [S, (1+A)S] (S: best "
-                                        "unselected score) may be replaced by a cached one scoring in [(1-A)S, S], "
-                                        "saving its read (default 0: off)", "float", metavar="A")
-    prefill_executor: str = _opt("whole", "prefill: whole-layer reads (default) or exact per-expert reads",
-                                 "choice", choices=tuple(PREFILL_EXECUTORS))
-    decode_executor: str = _opt("staged", "decode: staged slots (default), hot set + exact misses, or exact",
-                                "choice", choices=tuple(DECODE_EXECUTORS))
-    layer_executors: dict = _opt({}, "per-layer override, e.g. 3:decode=hot (repeatable)", "layer_executors",
-                                 flag="--layer-executor", metavar="LAYER:PHASE=NAME")
-    prerouter: str | bool | None = _opt(None, "pre-router heads (default: the store's prerouter.safetensors, if any)",
-                                        "tristate", off_help="route every layer with its own gate")
-    prerouter_diagnostics: bool = _opt(False, "also evaluate the gate on pre-routed layers and report recall "
-                                              "(slower)", "flag")
-    lora: str | bool | None = _opt(None, "recovery LoRA adapter (default: the store's adapter for this K and "
-                                         "routing, if any)", "tristate", off_help="serve without the recovery LoRA")
-    io: str = _opt("auto", "how expert bytes are read: auto (default: pread when the experts fit in half the memory "
-                           "available, else direct), mmap, pread (preallocated buffers, reads in flight), direct "
-                           "(bypasses the page cache)", "choice", choices=("auto", *STRATEGIES))
-    check_experts: bool = _opt(True, "check each expert against its crc32 in the manifest the first time this process "
-                                     "reads it (default on; --no-check-experts turns it off)", "switch")
-    cold_reads: bool = _opt(False, "drop every expert read from the OS page cache again (benchmarks of cold "
-                                   "storage)", "flag")
-    prompt_cache_dir: str | None = _opt(None, "keep the KV caches of finished conversations (chat, serve) in DIR, so a "
-                                              "restarted process reuses a matching prefix", "path", metavar="DIR")
-    prompt_cache_size: int | str | None = _opt(None, "most bytes --prompt-cache-dir holds; the least recently used go "
-                                                     f"first (default {DEFAULT_PROMPT_CACHE_SIZE})", "size")
-    pipeline_split: str | tuple | None = _opt(None, "under mlx.launch: decoder layers per rank, rank 0 first "
-                                                    "(rank 0 runs the last layers), e.g. 12,12 (default: balanced "
-                                                    "by bytes)", "split", metavar="N,N,...")
-    peer_timeout: float = _opt(60.0, "under mlx.launch: seconds a rank waits for its peers to connect (default 60)",
-                               "float", metavar="S")
+    expert_cache: int | str | None = _opt(
+        None, "memory for cached experts, e.g. 2GB (default: from free memory and model size)", "size"
+    )
+    cache_policy: str = _opt(
+        "lru",
+        "expert-cache eviction policy: lru (default), lfu, arc, smoe (router scores), flashmoe (learned)",
+        "choice",
+        choices=LIVE_POLICIES,
+        checked_later=True,
+    )
+    cache_weights: str | None = _opt(
+        None, "flashmoe: weights from edge0 train-cache-policy, trained on a trace of this model", "path"
+    )
+    smoe_window: int | None = _opt(
+        None, "smoe: steps over which router scores are averaged (default 32)", "int", metavar="N"
+    )
+    substitute_alpha: float = _opt(
+        0.0,
+        "LOSSY, CHANGES OUTPUTS: a routed expert scoring in [S, (1+A)S] (S: best "
+        "unselected score) may be replaced by a cached one scoring in [(1-A)S, S], "
+        "saving its read (default 0: off)",
+        "float",
+        metavar="A",
+    )
+    prefill_executor: str = _opt(
+        "whole",
+        "prefill: whole-layer reads (default) or exact per-expert reads",
+        "choice",
+        choices=tuple(PREFILL_EXECUTORS),
+    )
+    decode_executor: str = _opt(
+        "staged",
+        "decode: staged slots (default), hot set + exact misses, or exact",
+        "choice",
+        choices=tuple(DECODE_EXECUTORS),
+    )
+    layer_executors: dict = _opt(
+        {},
+        "per-layer override, e.g. 3:decode=hot (repeatable)",
+        "layer_executors",
+        flag="--layer-executor",
+        metavar="LAYER:PHASE=NAME",
+    )
+    prerouter: str | bool | None = _opt(
+        None,
+        "pre-router heads (default: the store's prerouter.safetensors, if any)",
+        "tristate",
+        off_help="route every layer with its own gate",
+    )
+    prerouter_diagnostics: bool = _opt(
+        False, "also evaluate the gate on pre-routed layers and report recall (slower)", "flag"
+    )
+    lora: str | bool | None = _opt(
+        None,
+        "recovery LoRA adapter (default: the store's adapter for this K and routing, if any)",
+        "tristate",
+        off_help="serve without the recovery LoRA",
+    )
+    io: str = _opt(
+        "auto",
+        "how expert bytes are read: auto (default: pread when the experts fit in half the memory "
+        "available, else direct), mmap, pread (preallocated buffers, reads in flight), direct "
+        "(bypasses the page cache)",
+        "choice",
+        choices=("auto", *STRATEGIES),
+    )
+    check_experts: bool = _opt(
+        True,
+        "check each expert against its crc32 in the manifest the first time this process "
+        "reads it (default on; --no-check-experts turns it off)",
+        "switch",
+    )
+    cold_reads: bool = _opt(
+        False, "drop every expert read from the OS page cache again (benchmarks of cold storage)", "flag"
+    )
+    prompt_cache_dir: str | None = _opt(
+        None,
+        "keep the KV caches of finished conversations (chat, serve) in DIR, so a "
+        "restarted process reuses a matching prefix",
+        "path",
+        metavar="DIR",
+    )
+    prompt_cache_size: int | str | None = _opt(
+        None,
+        f"most bytes --prompt-cache-dir holds; the least recently used go first (default {DEFAULT_PROMPT_CACHE_SIZE})",
+        "size",
+    )
+    pipeline_split: str | tuple | None = _opt(
+        None,
+        "under mlx.launch: decoder layers per rank, rank 0 first "
+        "(rank 0 runs the last layers), e.g. 12,12 (default: balanced "
+        "by bytes)",
+        "split",
+        metavar="N,N,...",
+    )
+    peer_timeout: float = _opt(
+        60.0, "under mlx.launch: seconds a rank waits for its peers to connect (default 60)", "float", metavar="S"
+    )
 
     def validate(self) -> "LoadOptions":
         """Check the options that need no model; errors name the flag and the fix."""
@@ -85,25 +148,36 @@ class LoadOptions:
         _choice("io", self.io)
         if self.top_k is not None and self.top_k < 1:
             raise Edge0Error(f"--top-k {self.top_k}: must be >= 1 (the number of experts per token)")
-        _choice("cache_policy", self.cache_policy, hint="; belady needs the future, so it runs only in `edge0 simulate`")
+        _choice(
+            "cache_policy", self.cache_policy, hint="; belady needs the future, so it runs only in `edge0 simulate`"
+        )
         if self.cache_policy == "flashmoe" and not self.cache_weights:
             raise Edge0Error(f"--cache-policy flashmoe needs --cache-weights FILE; train one with: {TRAIN_WEIGHTS}")
         if self.cache_weights and self.cache_policy != "flashmoe":
-            raise Edge0Error("--cache-weights is read only by the flashmoe policy; add --cache-policy flashmoe or "
-                             "drop --cache-weights")
+            raise Edge0Error(
+                "--cache-weights is read only by the flashmoe policy; add --cache-policy flashmoe or "
+                "drop --cache-weights"
+            )
         if self.smoe_window is not None and self.cache_policy != "smoe":
-            raise Edge0Error("--smoe-window is read only by the smoe policy; add --cache-policy smoe or drop --smoe-window")
+            raise Edge0Error(
+                "--smoe-window is read only by the smoe policy; add --cache-policy smoe or drop --smoe-window"
+            )
         if self.smoe_window is not None and self.smoe_window < 1:
             raise Edge0Error(f"--smoe-window {self.smoe_window}: must be >= 1 step")
         if not 0 <= self.substitute_alpha < math.inf:
-            raise Edge0Error(f"--substitute-alpha {self.substitute_alpha}: must be a finite number >= 0 (0 turns "
-                             "substitution off)")
+            raise Edge0Error(
+                f"--substitute-alpha {self.substitute_alpha}: must be a finite number >= 0 (0 turns substitution off)"
+            )
         if self.substitute_alpha and self.decode_executor != "staged":
-            raise Edge0Error("--substitute-alpha needs the staged decode executor (it substitutes from the expert "
-                             f"cache); drop --decode-executor {self.decode_executor} or --substitute-alpha")
+            raise Edge0Error(
+                "--substitute-alpha needs the staged decode executor (it substitutes from the expert "
+                f"cache); drop --decode-executor {self.decode_executor} or --substitute-alpha"
+            )
         if self.prompt_cache_size is not None and not self.prompt_cache_dir:
-            raise Edge0Error("--prompt-cache-size is read only with --prompt-cache-dir; add --prompt-cache-dir DIR or "
-                             "drop --prompt-cache-size")
+            raise Edge0Error(
+                "--prompt-cache-size is read only with --prompt-cache-dir; add --prompt-cache-dir DIR or "
+                "drop --prompt-cache-size"
+            )
         if self.prompt_cache_dir and self.prompt_cache_bytes() < 1:
             raise Edge0Error(f"--prompt-cache-size {self.prompt_cache_size}: must be more than 0 bytes, e.g. 2GB")
         if self.pipeline_split is not None:

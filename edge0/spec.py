@@ -103,6 +103,4 @@ def text_config(config: dict) -> dict:
 
 def quant_from_config(config: dict) -> QuantSpec:
     q = config.get("quantization") or {}
-    return QuantSpec(
-        bits=q.get("bits", 4), group_size=q.get("group_size", 64), mode=q.get("mode", "affine")
-    )
+    return QuantSpec(bits=q.get("bits", 4), group_size=q.get("group_size", 64), mode=q.get("mode", "affine"))

@@ -51,7 +51,7 @@ class StopMatcher:
             self.stopped, self.matched, self._held = True, hit[1], ""
             return buf[: hit[0]], True
         keep = partial_suffix_len(buf, self.stops)
-        self._held = buf[len(buf) - keep:]
+        self._held = buf[len(buf) - keep :]
         return buf[: len(buf) - keep], False
 
     def flush(self, text: str = "") -> str:

@@ -103,8 +103,17 @@ def run_arm(store: Path, ranks: int, budget: int, cold: bool, warmup: int, token
             hostfile = Path(tmp) / "hosts.json"
             hostfile.write_text(json.dumps([[f"127.0.0.1:{free_port()}"] for _ in range(ranks)]))
             env["MLX_HOSTFILE"] = str(hostfile)
-        procs = [subprocess.Popen(child, env={**env, "MLX_RANK": str(r)} if ranks > 1 else env, cwd=ROOT, text=True,
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in range(ranks)]
+        procs = [
+            subprocess.Popen(
+                child,
+                env={**env, "MLX_RANK": str(r)} if ranks > 1 else env,
+                cwd=ROOT,
+                text=True,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+            )
+            for r in range(ranks)
+        ]
         outs = [p.communicate() for p in procs]
     if any(p.returncode for p in procs):
         raise SystemExit(f"arm with {ranks} rank(s) failed:\n" + "\n".join(err[-3000:] for _, err in outs))
@@ -122,35 +131,53 @@ def main() -> None:
     p.add_argument("--out", default="docs/benchmarks/distributed.json")
     args = p.parse_args()
     manifest = json.loads((args.model / "edge0-manifest.json").read_text())
-    total = sum(sum(t["expert_nbytes"] for t in l["tensors"].values()) * int(l["num_experts"])
-                for l in manifest["expert_layers"])
+    total = sum(
+        sum(t["expert_nbytes"] for t in l["tensors"].values()) * int(l["num_experts"])
+        for l in manifest["expert_layers"]
+    )
     f = args.fraction
-    arms = [(f"1 process, {f:.0%} of all experts", 1, int(f * total)),
-            (f"1 process, {2 * f:.0%} of all experts", 1, int(2 * f * total)),
-            (f"2 ranks, each {f:.0%} of its layers' experts", 2, int(f * total / 2)),
-            (f"2 ranks, each {2 * f:.0%} of its layers' experts (= the {f:.0%} process's budget)", 2, int(f * total))]
+    arms = [
+        (f"1 process, {f:.0%} of all experts", 1, int(f * total)),
+        (f"1 process, {2 * f:.0%} of all experts", 1, int(2 * f * total)),
+        (f"2 ranks, each {f:.0%} of its layers' experts", 2, int(f * total / 2)),
+        (f"2 ranks, each {2 * f:.0%} of its layers' experts (= the {f:.0%} process's budget)", 2, int(f * total)),
+    ]
     runs: dict[str, list] = {name: [] for name, _, _ in arms}
     for i in range(args.repeat):
         for name, ranks, budget in arms:
             r = run_arm(args.model, ranks, budget, not args.warm, args.warmup, args.tokens)
             runs[name].append(r)
-            print(f"[{i + 1}/{args.repeat}] {name}: {r['decode_tps']:.2f} tok/s (load average {r['load_average'][0]:.1f})",
-                  flush=True)
+            print(
+                f"[{i + 1}/{args.repeat}] {name}: {r['decode_tps']:.2f} tok/s (load average {r['load_average'][0]:.1f})",
+                flush=True,
+            )
     rows = {name: sorted(rs, key=lambda r: r["decode_tps"])[len(rs) // 2] for name, rs in runs.items()}
     for name, r in rows.items():
         print(f"{name}: median {r['decode_tps']:.2f} tok/s")
         for k in r["ranks"]:
-            print(f"  rank {k['rank']} ({k['stage']}): cache {k['expert_cache_bytes'] / 2**20:.0f} MiB "
-                  f"({k['budget_fraction']:.0%} of {k['expert_bytes'] / 2**20:.0f} MiB), hit {k['hit_rate']:.0%}, "
-                  f"stall {k['stall_ms_per_step']:.0f} ms/step, read {k['expert_mib_read']:.0f} MiB, "
-                  f"send {k['send_ms_per_step']:.2f} ms/step, wait {k['wait_ms_per_step']:.0f} ms/step, "
-                  f"compute {k['compute_ms_per_step']:.0f} ms/step, "
-                  f"resident {k['resident_bytes'] / 2**20:.0f} MiB, MLX peak {k['peak_memory_bytes'] / 2**20:.0f} MiB, "
-                  f"RSS peak {k['peak_rss_bytes'] / 2**20:.0f} MiB, CPU {k['cpu_s_total']:.0f} s", flush=True)
-    result = {"date": datetime.date.today().isoformat(), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-              "command": " ".join(sys.argv), "model": str(args.model), "cold_reads": not args.warm,
-              "tokens": args.tokens, "warmup": args.warmup, "repeat": args.repeat, "expert_bytes_total": total,
-              "median": rows, "runs": runs}
+            print(
+                f"  rank {k['rank']} ({k['stage']}): cache {k['expert_cache_bytes'] / 2**20:.0f} MiB "
+                f"({k['budget_fraction']:.0%} of {k['expert_bytes'] / 2**20:.0f} MiB), hit {k['hit_rate']:.0%}, "
+                f"stall {k['stall_ms_per_step']:.0f} ms/step, read {k['expert_mib_read']:.0f} MiB, "
+                f"send {k['send_ms_per_step']:.2f} ms/step, wait {k['wait_ms_per_step']:.0f} ms/step, "
+                f"compute {k['compute_ms_per_step']:.0f} ms/step, "
+                f"resident {k['resident_bytes'] / 2**20:.0f} MiB, MLX peak {k['peak_memory_bytes'] / 2**20:.0f} MiB, "
+                f"RSS peak {k['peak_rss_bytes'] / 2**20:.0f} MiB, CPU {k['cpu_s_total']:.0f} s",
+                flush=True,
+            )
+    result = {
+        "date": datetime.date.today().isoformat(),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        "command": " ".join(sys.argv),
+        "model": str(args.model),
+        "cold_reads": not args.warm,
+        "tokens": args.tokens,
+        "warmup": args.warmup,
+        "repeat": args.repeat,
+        "expert_bytes_total": total,
+        "median": rows,
+        "runs": runs,
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
 

@@ -21,9 +21,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests.fixtures.make import make_hf_fixture  # noqa: E402
 
-SHAPE = {"hidden_size": 512, "moe_intermediate_size": 256, "num_experts": 64, "num_experts_per_tok": 4,
-         "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
-         "num_hidden_layers": 8}
+SHAPE = {
+    "hidden_size": 512,
+    "moe_intermediate_size": 256,
+    "num_experts": 64,
+    "num_experts_per_tok": 4,
+    "intermediate_size": 512,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "num_hidden_layers": 8,
+}
 
 PROBE = r"""
 import json, sys, time
@@ -61,9 +69,17 @@ out.update({"bytes_read": t["bytes_read"], "loads": t["loads"], "mlx_peak": B.pe
 print(json.dumps(out))
 """
 
-ARMS = ["prefill:whole:warm", "prefill:exact:warm", "prefill:exact-per-token:warm",
-        "prefill:whole:cold", "prefill:exact:cold", "prefill:exact-per-token:cold",
-        "decode:staged:warm", "decode:hot:warm", "decode:exact:warm"]
+ARMS = [
+    "prefill:whole:warm",
+    "prefill:exact:warm",
+    "prefill:exact-per-token:warm",
+    "prefill:whole:cold",
+    "prefill:exact:cold",
+    "prefill:exact-per-token:cold",
+    "decode:staged:warm",
+    "decode:hot:warm",
+    "decode:exact:warm",
+]
 
 
 def main() -> None:
@@ -79,12 +95,21 @@ def main() -> None:
         hf = make_hf_fixture("qwen3_moe", Path(tmp) / "hf", dtype="bfloat16", **SHAPE)
         store = convert(str(hf), Path(tmp) / "store", quiet=True)
         for arm in ARMS:
-            out = subprocess.run([sys.executable, "-c", PROBE, str(store), arm, str(args.prompt_tokens), str(args.decode_tokens)],
-                                 capture_output=True, text=True, check=True)
+            out = subprocess.run(
+                [sys.executable, "-c", PROBE, str(store), arm, str(args.prompt_tokens), str(args.decode_tokens)],
+                capture_output=True,
+                text=True,
+                check=True,
+            )
             rows[arm] = json.loads(out.stdout.strip().splitlines()[-1])
             print(arm, json.dumps(rows[arm]), flush=True)
-    result = {"date": datetime.date.today().isoformat(), "machine": f"{platform.machine()} {platform.node()}, 2 cores",
-              "command": " ".join(sys.argv), "shape": SHAPE, "rows": rows}
+    result = {
+        "date": datetime.date.today().isoformat(),
+        "machine": f"{platform.machine()} {platform.node()}, 2 cores",
+        "command": " ".join(sys.argv),
+        "shape": SHAPE,
+        "rows": rows,
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
 

@@ -55,19 +55,43 @@ def main() -> None:
     args = p.parse_args()
     rows = {}
     for arm in ("exact", "staged-gate", "prerouter"):
-        out = subprocess.run([sys.executable, "-c", PROBE, args.model, arm, args.heads, str(args.budget_fraction),
-                              str(args.tokens), args.prompt], capture_output=True, text=True)
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                PROBE,
+                args.model,
+                arm,
+                args.heads,
+                str(args.budget_fraction),
+                str(args.tokens),
+                args.prompt,
+            ],
+            capture_output=True,
+            text=True,
+        )
         if out.returncode != 0:
             raise SystemExit(f"arm {arm} failed:\n{out.stderr[-2000:]}")
         rows[arm] = json.loads(out.stdout.strip().splitlines()[-1])
         r = rows[arm]
-        print(f"{arm:12s} {r['decode_tps']:7.1f} tok/s  stall {r['stall_ms_per_step']:6.2f} ms/step "
-              f"({100 * r['stall_fraction']:4.1f}% of step)  read {r['expert_bytes_read'] / 2**20:7.1f} MiB", flush=True)
+        print(
+            f"{arm:12s} {r['decode_tps']:7.1f} tok/s  stall {r['stall_ms_per_step']:6.2f} ms/step "
+            f"({100 * r['stall_fraction']:4.1f}% of step)  read {r['expert_bytes_read'] / 2**20:7.1f} MiB",
+            flush=True,
+        )
     speedup = rows["prerouter"]["decode_tps"] / rows["exact"]["decode_tps"]
     print(f"pre-router vs exact on-demand: {speedup:.2f}x")
-    result = {"date": datetime.date.today().isoformat(), "machine": f"{platform.machine()} {platform.node()}, 2 cores",
-              "command": " ".join(sys.argv), "model": args.model, "heads": args.heads, "budget_fraction": args.budget_fraction,
-              "tokens": args.tokens, "rows": rows, "prerouter_vs_exact": speedup}
+    result = {
+        "date": datetime.date.today().isoformat(),
+        "machine": f"{platform.machine()} {platform.node()}, 2 cores",
+        "command": " ".join(sys.argv),
+        "model": args.model,
+        "heads": args.heads,
+        "budget_fraction": args.budget_fraction,
+        "tokens": args.tokens,
+        "rows": rows,
+        "prerouter_vs_exact": speedup,
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
 

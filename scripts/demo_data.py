@@ -20,6 +20,7 @@ Usage:
 The committed files in data/ are the reference; data/manifest.json records their sha256 so a
 re-run can confirm that it reproduced them (a newer Debian revision of the package may differ).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,17 +45,51 @@ SKIP_DIRS = {"includes"}
 
 # Directives that produce no text of their own (their indented body, if any, is dropped too).
 DROP_DIRECTIVES = {
-    "index", "highlight", "toctree", "module", "sectionauthor", "moduleauthor", "testsetup",
-    "testcleanup", "include", "literalinclude", "only", "raw", "image", "figure",
-    "tabularcolumns", "contents", "currentmodule", "program", "audit-event", "impl-detail-x",
-    "availability", "c:namespace", "default-role", "role", "productionlist", "grammar-snippet",
-    "literal-block-x", "rst-class", "csv-table", "c:macro-x", "limited-api-list", "toctree-x",
+    "index",
+    "highlight",
+    "toctree",
+    "module",
+    "sectionauthor",
+    "moduleauthor",
+    "testsetup",
+    "testcleanup",
+    "include",
+    "literalinclude",
+    "only",
+    "raw",
+    "image",
+    "figure",
+    "tabularcolumns",
+    "contents",
+    "currentmodule",
+    "program",
+    "audit-event",
+    "impl-detail-x",
+    "availability",
+    "c:namespace",
+    "default-role",
+    "role",
+    "productionlist",
+    "grammar-snippet",
+    "literal-block-x",
+    "rst-class",
+    "csv-table",
+    "c:macro-x",
+    "limited-api-list",
+    "toctree-x",
 }
 # Directives rendered with a fixed lead-in by Sphinx.
 LEAD_INS = {
-    "note": "Note:", "warning": "Warning:", "seealso": "See also:", "important": "Important:",
-    "caution": "Caution:", "tip": "Tip:", "hint": "Hint:", "attention": "Attention:",
-    "danger": "Danger:", "impl-detail": "CPython implementation detail:",
+    "note": "Note:",
+    "warning": "Warning:",
+    "seealso": "See also:",
+    "important": "Important:",
+    "caution": "Caution:",
+    "tip": "Tip:",
+    "hint": "Hint:",
+    "attention": "Attention:",
+    "danger": "Danger:",
+    "impl-detail": "CPython implementation detail:",
 }
 
 ROLE_RE = re.compile(r":(?:[\w-]+:)?([\w-]+):`([^`]+)`")
@@ -212,8 +247,12 @@ def extract(src: str, out_dir: str) -> dict:
         with open(path + ".tmp", "w", encoding="utf-8") as fh:
             fh.write(sep.join(parts))
         os.replace(path + ".tmp", path)
-        files[name] = {"sha256": sha256(path), "bytes": os.path.getsize(path),
-                       "documents": len(parts), "words": sum(len(p.split()) for p in parts)}
+        files[name] = {
+            "sha256": sha256(path),
+            "bytes": os.path.getsize(path),
+            "documents": len(parts),
+            "words": sum(len(p.split()) for p in parts),
+        }
     manifest = {
         "files": files,
         "train_documents": train_names,
@@ -249,11 +288,16 @@ def main() -> None:
     manifest = extract(src, args.out)
     # the PSF licence asks that its text and copyright notice be retained with derived works
     lic_src = os.path.join(src, "license.rst.txt")
-    with open(lic_src, encoding="utf-8") as fh, open(os.path.join(args.out, "LICENSE-python-docs.txt"), "w", encoding="utf-8") as out:
-        out.write("The text in train.txt and valid.txt is derived from the Python 3.11 documentation\n"
-                  "(Debian package python3.11-doc), Copyright (c) 2001-2023 Python Software Foundation.\n"
-                  "It is distributed under the PSF License Version 2 reproduced below (license.rst from\n"
-                  "the same documentation, unmodified).\n\n")
+    with (
+        open(lic_src, encoding="utf-8") as fh,
+        open(os.path.join(args.out, "LICENSE-python-docs.txt"), "w", encoding="utf-8") as out,
+    ):
+        out.write(
+            "The text in train.txt and valid.txt is derived from the Python 3.11 documentation\n"
+            "(Debian package python3.11-doc), Copyright (c) 2001-2023 Python Software Foundation.\n"
+            "It is distributed under the PSF License Version 2 reproduced below (license.rst from\n"
+            "the same documentation, unmodified).\n\n"
+        )
         out.write(fh.read())
     if tmp_dir:
         shutil.rmtree(tmp_dir, ignore_errors=True)
@@ -270,8 +314,12 @@ def main() -> None:
     for name, info in manifest["files"].items():
         same = ""
         if old is not None:
-            same = " (matches previous)" if old["files"][name]["sha256"] == info["sha256"] else " (DIFFERS from previous)"
-        print(f"{name}: {info['documents']} docs, {info['words']} words, {info['bytes']} bytes, sha256 {info['sha256']}{same}")
+            same = (
+                " (matches previous)" if old["files"][name]["sha256"] == info["sha256"] else " (DIFFERS from previous)"
+            )
+        print(
+            f"{name}: {info['documents']} docs, {info['words']} words, {info['bytes']} bytes, sha256 {info['sha256']}{same}"
+        )
 
 
 if __name__ == "__main__":

@@ -33,8 +33,12 @@ READ_RATIO = (1.35, 2.26)  # published online / Belady expert reads
 WINDOW = 100  # tokens per drift window
 OVERLAP_WEIGHT = 0.2  # default, per squared point of overlap %, against 1 per squared point of a cell
 FIELDS = ("popularity", "topic", "topic_halflife", "repeat")
-GRID = {"popularity": (1.5, 2.0, 2.5, 3.0), "topic": (1.0, 1.5, 2.0), "topic_halflife": (8.0, 32.0, 128.0),
-        "repeat": (-1.0, -0.5, 0.0)}
+GRID = {
+    "popularity": (1.5, 2.0, 2.5, 3.0),
+    "topic": (1.0, 1.5, 2.0),
+    "topic_halflife": (8.0, 32.0, 128.0),
+    "repeat": (-1.0, -0.5, 0.0),
+}
 # Compass-search steps and bounds per field; the halflife moves by factors of 2**step, as its
 # effect is on a log scale.
 STEPS = {"popularity": 0.25, "topic": 0.25, "topic_halflife": 1.0, "repeat": 0.25}
@@ -51,8 +55,9 @@ def hit_rates(routes: np.ndarray, scores: np.ndarray, policies) -> dict[tuple[st
             hits = total = 0
             for li in range(routes.shape[0]):
                 kw = {"future": routes[li].tolist()} if name in OFFLINE else {}
-                cache, _ = replay_layer(routes[li], scores[li] if name == "smoe" else None,
-                                        make_policy(name, cap, E, **kw))
+                cache, _ = replay_layer(
+                    routes[li], scores[li] if name == "smoe" else None, make_policy(name, cap, E, **kw)
+                )
                 hits, total = hits + cache.hits, total + cache.hits + cache.misses
             out[(name, cap)] = 100.0 * hits / total
     return out
@@ -81,8 +86,13 @@ def drift(routes: np.ndarray, cap: int) -> float:
 def measure(params: RoutingParams, layers: int, steps: int, seed: int, policies=("lru", "lfu", "belady")) -> dict:
     """Generate a trace with `params` and measure its hit rates, overlap and drift."""
     routes, scores = generate(E, K, layers, steps, seed, params)
-    return {"hits": hit_rates(routes, scores, policies), "overlap": overlap(routes),
-            "drift": {cap: drift(routes, cap) for cap in CAPACITIES}, "routes": routes, "scores": scores}
+    return {
+        "hits": hit_rates(routes, scores, policies),
+        "overlap": overlap(routes),
+        "drift": {cap: drift(routes, cap) for cap in CAPACITIES},
+        "routes": routes,
+        "scores": scores,
+    }
 
 
 def loss(m: dict, overlap_weight: float) -> float:
@@ -153,10 +163,19 @@ def report(params: RoutingParams, layers: int, steps: int, seeds) -> None:
     print(f"largest cell error {worst:.1f} points; largest spread between seeds {max(spread.values()):.1f} points")
     print(f"adjacent-token overlap {np.mean([r['overlap'] for r in runs]):.3f} (published ~{OVERLAP})")
     for cap in CAPACITIES:
-        print(f"top-{cap} drift per {WINDOW} tokens {np.mean([r['drift'][cap] for r in runs]):.1f}% (published {DRIFT[0]:g}-{DRIFT[1]:g}%)")
-    ratios = {(n, c): (100 - hits[(n, c)]) / (100 - hits[("belady", c)]) for n in ("lru", "lfu", "arc", "smoe") for c in CAPACITIES}
-    print("online/Belady reads: " + ", ".join(f"{n}@{c} {v:.2f}" for (n, c), v in ratios.items())
-          + f" (published {READ_RATIO[0]}-{READ_RATIO[1]})")
+        print(
+            f"top-{cap} drift per {WINDOW} tokens {np.mean([r['drift'][cap] for r in runs]):.1f}% (published {DRIFT[0]:g}-{DRIFT[1]:g}%)"
+        )
+    ratios = {
+        (n, c): (100 - hits[(n, c)]) / (100 - hits[("belady", c)])
+        for n in ("lru", "lfu", "arc", "smoe")
+        for c in CAPACITIES
+    }
+    print(
+        "online/Belady reads: "
+        + ", ".join(f"{n}@{c} {v:.2f}" for (n, c), v in ratios.items())
+        + f" (published {READ_RATIO[0]}-{READ_RATIO[1]})"
+    )
     mass = np.mean([np.sort(r["scores"], axis=2)[..., -K:].sum(axis=2).mean() for r in runs])
     print(f"top-{K} score mass at temperature {params.temperature:g}: {mass:.3f}")
 
@@ -166,8 +185,12 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4, help="layers per fitting evaluation")
     ap.add_argument("--steps", type=int, default=2000, help="tokens per layer")
     ap.add_argument("--seed", type=int, default=0, help="seed of every fitting evaluation")
-    ap.add_argument("--overlap-weight", type=float, default=OVERLAP_WEIGHT,
-                    help="weight of the adjacent-token overlap's squared error (points) in the loss")
+    ap.add_argument(
+        "--overlap-weight",
+        type=float,
+        default=OVERLAP_WEIGHT,
+        help="weight of the adjacent-token overlap's squared error (points) in the loss",
+    )
     ap.add_argument("--check-layers", type=int, default=8, help="layers per seed in the final check")
     ap.add_argument("--check-seeds", type=int, default=3, help="fresh seeds (seed+1...) in the final check")
     ap.add_argument("--report-only", action="store_true", help="skip the fit; report QWEN3_LIKE")

@@ -30,8 +30,11 @@ EXECUTORS = [("whole", "staged"), ("exact", "exact"), ("whole", "hot")]
 
 def convert(src: Path, out: Path) -> Path:
     if not out.exists():
-        subprocess.run([sys.executable, "-m", "edge0", "convert", "--hf-path", str(src), "-o", str(out)],
-                       check=True, capture_output=True)
+        subprocess.run(
+            [sys.executable, "-m", "edge0", "convert", "--hf-path", str(src), "-o", str(out)],
+            check=True,
+            capture_output=True,
+        )
     return out
 
 
@@ -54,8 +57,7 @@ def main(argv=None) -> None:
                 result[f"{family}/{source}/{prefill}+{decode}"] = got.tokens
                 print(family, source, prefill, decode, got.tokens[:8], file=sys.stderr)
     bundled = edge0.load()
-    result["bundled/default"] = bundled.generate(bundled.tokenizer.encode("The Python tutorial"),
-                                                 max_tokens=40).tokens
+    result["bundled/default"] = bundled.generate(bundled.tokenizer.encode("The Python tutorial"), max_tokens=40).tokens
     Path(args.out).write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
     print(f"{len(result)} cases -> {args.out}")
 

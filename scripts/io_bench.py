@@ -36,8 +36,8 @@ sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
 
-from edge0.store import ExpertStore, open_manifest  # noqa: E402
 from edge0.backend.memory import available as memory_available  # noqa: E402
+from edge0.store import ExpertStore, open_manifest  # noqa: E402
 from edge0.store.readers import STRATEGIES, aligned_empty, choose_io  # noqa: E402
 
 SEQ_CHUNK = 8 << 20
@@ -81,8 +81,13 @@ def sequential_mb_s(files, direct: bool) -> float:
 def routes(manifest: dict, k: int, steps: int, seed: int) -> list[dict[int, list[int]]]:
     """Per step, per MoE layer: K distinct experts, sorted as the exact executor's np.unique gives them."""
     rng = np.random.default_rng(seed)
-    return [{int(l["layer"]): sorted(rng.choice(int(l["num_experts"]), size=k, replace=False).tolist())
-             for l in manifest["expert_layers"]} for _ in range(steps)]
+    return [
+        {
+            int(l["layer"]): sorted(rng.choice(int(l["num_experts"]), size=k, replace=False).tolist())
+            for l in manifest["expert_layers"]
+        }
+        for _ in range(steps)
+    ]
 
 
 def run_steps(store: ExpertStore, steps, files, cold: bool) -> dict:
@@ -101,10 +106,16 @@ def run_steps(store: ExpertStore, steps, files, cold: bool) -> dict:
         times.append(time.perf_counter() - t0)
     after = store.io_stats()
     n = len(steps)
-    return {"ms_per_step": 1e3 * float(np.mean(times)), "ms_per_step_min": 1e3 * float(np.min(times)),
-            "mb_per_s": payload / float(np.sum(times)) / 1e6, "payload_mb_per_step": payload / n / 1e6,
-            "reads_per_step": (after["reads"] - before["reads"]) / n, "max_queue_depth": after["max_queue_depth"],
-            "direct_fallbacks": after["direct_fallbacks"], "fallback_reasons": after["direct_fallback_reasons"]}
+    return {
+        "ms_per_step": 1e3 * float(np.mean(times)),
+        "ms_per_step_min": 1e3 * float(np.min(times)),
+        "mb_per_s": payload / float(np.sum(times)) / 1e6,
+        "payload_mb_per_step": payload / n / 1e6,
+        "reads_per_step": (after["reads"] - before["reads"]) / n,
+        "max_queue_depth": after["max_queue_depth"],
+        "direct_fallbacks": after["direct_fallbacks"],
+        "fallback_reasons": after["direct_fallback_reasons"],
+    }
 
 
 def cell(root: Path, io: str, qd: int, steps, mode: str) -> dict:
@@ -143,8 +154,13 @@ def capped(root: Path, io: str, qds, steps, cap: int) -> dict:
     cg = MemoryCgroup.create(parent, cap)
     try:
         spec = json.dumps({"root": str(root), "io": io, "qds": qds, "steps": steps})
-        r = subprocess.run([sys.executable, __file__, "--child", spec], capture_output=True, text=True,
-                           preexec_fn=cg.enter, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        r = subprocess.run(
+            [sys.executable, __file__, "--child", spec],
+            capture_output=True,
+            text=True,
+            preexec_fn=cg.enter,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
         report = cg.report()
     finally:
         cg.remove()
@@ -158,11 +174,14 @@ def capped(root: Path, io: str, qds, steps, cap: int) -> dict:
 def table(result: dict) -> str:
     qds = result["meta"]["queue_depths"]
     seq = result["sequential_mb_s"]
-    lines = [f"Sequential cold read of the layer files (8 MiB preads, 1 thread): buffered {seq['buffered']:.0f} MB/s, "
-             f"O_DIRECT {seq['direct']:.0f} MB/s. One step = {result['meta']['k']} experts x "
-             f"{result['meta']['layers']} layers = {result['meta']['payload_mb_per_step']:.1f} MB.", "",
-             "| state | layout | reader | " + " | ".join(f"qd {q}: ms/step (MB/s)" for q in qds) + " | reads/step |",
-             "|---|---|---|" + "---|" * len(qds) + "---|"]
+    lines = [
+        f"Sequential cold read of the layer files (8 MiB preads, 1 thread): buffered {seq['buffered']:.0f} MB/s, "
+        f"O_DIRECT {seq['direct']:.0f} MB/s. One step = {result['meta']['k']} experts x "
+        f"{result['meta']['layers']} layers = {result['meta']['payload_mb_per_step']:.1f} MB.",
+        "",
+        "| state | layout | reader | " + " | ".join(f"qd {q}: ms/step (MB/s)" for q in qds) + " | reads/step |",
+        "|---|---|---|" + "---|" * len(qds) + "---|",
+    ]
     for mode in result["meta"]["modes"]:
         for layout in ("v1", "v2"):
             for io in STRATEGIES:
@@ -173,7 +192,9 @@ def table(result: dict) -> str:
                 row = [f"{by[q]['ms_per_step']:.0f} ({by[q]['mb_per_s']:.0f})" if q in by else "" for q in qds]
                 note = " (falls back to pread)" if any(c["direct_fallbacks"] for c in cells) else ""
                 name = {"v1": "v1: 9 ranges/expert", "v2": "v2: 1 range/expert"}[layout]
-                lines.append(f"| {mode} | {name} | {io}{note} | " + " | ".join(row) + f" | {cells[0]['reads_per_step']:.0f} |")
+                lines.append(
+                    f"| {mode} | {name} | {io}{note} | " + " | ".join(row) + f" | {cells[0]['reads_per_step']:.0f} |"
+                )
     return "\n".join(lines)
 
 
@@ -217,18 +238,35 @@ def main() -> None:
                     res = {qd: cell(root, io, qd, steps, mode) for qd in qds}
                 for qd, r in res.items():
                     cells.append({"mode": mode, "layout": layout, "io": io, "qd": qd, **r})
-                    print(f"{mode:6} {layout} {io:6} qd {qd:2}: {r['ms_per_step']:7.1f} ms/step "
-                          f"{r['mb_per_s']:7.0f} MB/s, {r['reads_per_step']:.0f} reads, max qd {r['max_queue_depth']}",
-                          file=sys.stderr, flush=True)
+                    print(
+                        f"{mode:6} {layout} {io:6} qd {qd:2}: {r['ms_per_step']:7.1f} ms/step "
+                        f"{r['mb_per_s']:7.0f} MB/s, {r['reads_per_step']:.0f} reads, max qd {r['max_queue_depth']}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
     manifest_bytes = sum(f.stat().st_size for f in files)
     result = {
-        "meta": {"date": datetime.date.today().isoformat(), "machine": f"shared 2-core VM ({platform.machine()}, "
-                 f"Linux {platform.release()}, {os.cpu_count()} CPUs)", "command": " ".join(["python", "scripts/io_bench.py", *sys.argv[1:]]),
-                 "store_v1": str(a.v1), "store_v2": str(a.v2), "expert_bytes": manifest_bytes, "k": a.k,
-                 "layers": len(m1["expert_layers"]), "steps": a.steps, "seed": a.seed, "queue_depths": qds, "modes": modes,
-                 "cap_bytes": cap, "payload_mb_per_step": cells[0]["payload_mb_per_step"] if cells else 0.0,
-                 "auto_here": choose_io(manifest_bytes), "memory_available": memory_available()},
-        "sequential_mb_s": seq, "cells": cells, "capped": extra,
+        "meta": {
+            "date": datetime.date.today().isoformat(),
+            "machine": f"shared 2-core VM ({platform.machine()}, Linux {platform.release()}, {os.cpu_count()} CPUs)",
+            "command": " ".join(["python", "scripts/io_bench.py", *sys.argv[1:]]),
+            "store_v1": str(a.v1),
+            "store_v2": str(a.v2),
+            "expert_bytes": manifest_bytes,
+            "k": a.k,
+            "layers": len(m1["expert_layers"]),
+            "steps": a.steps,
+            "seed": a.seed,
+            "queue_depths": qds,
+            "modes": modes,
+            "cap_bytes": cap,
+            "payload_mb_per_step": cells[0]["payload_mb_per_step"] if cells else 0.0,
+            "auto_here": choose_io(manifest_bytes),
+            "memory_available": memory_available(),
+        },
+        "sequential_mb_s": seq,
+        "cells": cells,
+        "capped": extra,
     }
     md = table(result)
     print(md)

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+
 def _logp(z: np.ndarray) -> np.ndarray:
     z = z.astype(np.float64)
     m = z.max(-1, keepdims=True)
@@ -33,8 +34,8 @@ def _logp(z: np.ndarray) -> np.ndarray:
 
 def quality(args) -> dict:
     import edge0
-    from edge0.lora.distill import Teacher
     from edge0.engine.evaluate import windows
+    from edge0.lora.distill import Teacher
 
     adapters = dict(s.split("=", 1) for s in args.lora)
     teacher = Teacher(args.teacher)
@@ -43,7 +44,9 @@ def quality(args) -> dict:
         models[f"int4 gate K={k}"] = edge0.load(args.model, top_k=k, prerouter=False, lora=False)
         models[f"int4 + pre-router K={k}"] = edge0.load(args.model, top_k=k, prerouter=args.heads, lora=False)
         if str(k) in adapters:
-            models[f"int4 + pre-router + LoRA K={k}"] = edge0.load(args.model, top_k=k, prerouter=args.heads, lora=adapters[str(k)])
+            models[f"int4 + pre-router + LoRA K={k}"] = edge0.load(
+                args.model, top_k=k, prerouter=args.heads, lora=adapters[str(k)]
+            )
     tokens = next(iter(models.values())).encode(Path(args.data).read_text(encoding="utf-8"))
     ws = windows(tokens, args.window, args.max_windows)
     names = ["teacher (fp, gate)"] + list(models)
@@ -60,17 +63,29 @@ def quality(args) -> dict:
         count += len(target)
         print(f"window {i + 1}/{len(ws)}", file=sys.stderr, end="\r")
     print(file=sys.stderr)
-    rows_out = {n: {"perplexity": math.exp(nll[n] / count), "kl_to_teacher": kl[n] / count, "agreement": agree[n] / count}
-                for n in names}
+    rows_out = {
+        n: {"perplexity": math.exp(nll[n] / count), "kl_to_teacher": kl[n] / count, "agreement": agree[n] / count}
+        for n in names
+    }
     closed = {}
     for k in args.k:
         lora = rows_out.get(f"int4 + pre-router + LoRA K={k}")
         if lora:
             t, pr = rows_out[names[0]]["perplexity"], rows_out[f"int4 + pre-router K={k}"]["perplexity"]
             closed[str(k)] = (pr - lora["perplexity"]) / (pr - t) if pr != t else None
-    return {"data": args.data, "window": args.window, "windows": len(ws), "tokens": count, "teacher": args.teacher,
-            "model": args.model, "heads": args.heads, "adapters": adapters, "results": rows_out,
-            "perplexity_gap_closed": closed, "date": datetime.date.today().isoformat()}
+    return {
+        "data": args.data,
+        "window": args.window,
+        "windows": len(ws),
+        "tokens": count,
+        "teacher": args.teacher,
+        "model": args.model,
+        "heads": args.heads,
+        "adapters": adapters,
+        "results": rows_out,
+        "perplexity_gap_closed": closed,
+        "date": datetime.date.today().isoformat(),
+    }
 
 
 def main() -> None:
@@ -78,7 +93,9 @@ def main() -> None:
     p.add_argument("--model", required=True, help="edge0 store")
     p.add_argument("--heads", required=True, help="pre-router heads file")
     p.add_argument("--teacher", required=True, help="full-precision checkpoint the store was converted from")
-    p.add_argument("--lora", action="append", default=[], help="K=FILE: the adapter trained for serving width K (repeatable)")
+    p.add_argument(
+        "--lora", action="append", default=[], help="K=FILE: the adapter trained for serving width K (repeatable)"
+    )
     p.add_argument("--k", type=int, action="append", help="serving widths (default: 4 and 2)")
     p.add_argument("--data", default="data/valid.txt")
     p.add_argument("--window", type=int, default=256)

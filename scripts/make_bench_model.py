@@ -43,12 +43,23 @@ GENERATOR_VERSION = 1
 # Qwen3-30B-A3B (hidden 2048, 48 layers, 128 experts top-8, moe_intermediate 768, 32/4 heads,
 # vocab 151936) scaled to a 2-core machine.
 SIZES = {
-    "full": dict(hidden=1024, layers=24, experts=128, top_k=8, moe_intermediate=384, heads=16, kv_heads=4,
-                 head_dim=64, vocab=151936),
-    "quick": dict(hidden=512, layers=8, experts=64, top_k=8, moe_intermediate=256, heads=8, kv_heads=2,
-                  head_dim=64, vocab=32768),
-    "tiny": dict(hidden=128, layers=2, experts=16, top_k=4, moe_intermediate=64, heads=2, kv_heads=1,
-                 head_dim=64, vocab=None),
+    "full": dict(
+        hidden=1024,
+        layers=24,
+        experts=128,
+        top_k=8,
+        moe_intermediate=384,
+        heads=16,
+        kv_heads=4,
+        head_dim=64,
+        vocab=151936,
+    ),
+    "quick": dict(
+        hidden=512, layers=8, experts=64, top_k=8, moe_intermediate=256, heads=8, kv_heads=2, head_dim=64, vocab=32768
+    ),
+    "tiny": dict(
+        hidden=128, layers=2, experts=16, top_k=4, moe_intermediate=64, heads=2, kv_heads=1, head_dim=64, vocab=None
+    ),
 }
 GROUP, BITS = 64, 4
 
@@ -101,8 +112,10 @@ def layout(config: dict):
     with contextlib.redirect_stdout(io.StringIO()):
         model, qconfig = quantize_model(model, config, GROUP, BITS)
     # Floating tensors are stored in bf16 (torch_dtype), as mlx-lm writes a bf16 source.
-    entries = [(k, "BF16" if ST_DTYPE[v.dtype] in ("F32", "F16") else ST_DTYPE[v.dtype], tuple(v.shape))
-               for k, v in tree_flatten(model.parameters())]
+    entries = [
+        (k, "BF16" if ST_DTYPE[v.dtype] in ("F32", "F16") else ST_DTYPE[v.dtype], tuple(v.shape))
+        for k, v in tree_flatten(model.parameters())
+    ]
     return qconfig, entries
 
 
@@ -234,8 +247,9 @@ def write_checkpoint(out: Path, shape: dict, seed: int, quiet: bool = False) -> 
                 path, part = name.rsplit(".", 1)
                 if path != cache_path:
                     cache_path = path
-                    cache = module_tensors(path, {p: (d, s) for p, (d, s) in mods[path].items()}, qconfig,
-                                           seed, n_text, control)
+                    cache = module_tensors(
+                        path, {p: (d, s) for p, (d, s) in mods[path].items()}, qconfig, seed, n_text, control
+                    )
                 data = cache.pop(part)
                 assert data.shape == tuple(shp), (name, data.shape, shp)
                 writer.write(name, memoryview(np.ascontiguousarray(data)).cast("B"))
@@ -249,15 +263,20 @@ def write_checkpoint(out: Path, shape: dict, seed: int, quiet: bool = False) -> 
     index = {"metadata": {"total_size": int(total)}, "weight_map": dict(sorted(weight_map.items()))}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     save_config(qconfig, config_path=out / "config.json")
-    generation = {"bos_token_id": config["bos_token_id"], "eos_token_id": [config["eos_token_id"]],
-                  "pad_token_id": config["pad_token_id"], "do_sample": False}
+    generation = {
+        "bos_token_id": config["bos_token_id"],
+        "eos_token_id": [config["eos_token_id"]],
+        "pad_token_id": config["pad_token_id"],
+        "do_sample": False,
+    }
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     write_tokenizer(out, config["vocab_size"])
     return {"config": qconfig, "bytes": int(total), "expert_bytes": int(expert_bytes)}
 
 
-def make_bench_model(out, size: str = "full", seed: int = 0, store: bool = True, quiet: bool = False,
-                     **overrides) -> Path:
+def make_bench_model(
+    out, size: str = "full", seed: int = 0, store: bool = True, quiet: bool = False, **overrides
+) -> Path:
     """Write the bench model into `out` (must not exist), atomically; returns `out`."""
     out = Path(out).expanduser()
     if out.exists():
@@ -274,10 +293,17 @@ def make_bench_model(out, size: str = "full", seed: int = 0, store: bool = True,
             from edge0.store.convert import convert
 
             convert(str(tmp / "mlx"), tmp / "store", quiet=quiet)
-        meta = {"generator": "scripts/make_bench_model.py", "generator_version": GENERATOR_VERSION,
-                "size": size, "seed": seed, "shape": shape, "checkpoint_bytes": info["bytes"],
-                "expert_bytes": info["expert_bytes"], "store": store,
-                "note": "random weights: routing is nearly uniform over experts (hard case for caching)"}
+        meta = {
+            "generator": "scripts/make_bench_model.py",
+            "generator_version": GENERATOR_VERSION,
+            "size": size,
+            "seed": seed,
+            "shape": shape,
+            "checkpoint_bytes": info["bytes"],
+            "expert_bytes": info["expert_bytes"],
+            "store": store,
+            "note": "random weights: routing is nearly uniform over experts (hard case for caching)",
+        }
         (tmp / "bench-model.json").write_text(json.dumps(meta, indent=1) + "\n")
         os.rename(tmp, out)
     except BaseException:
@@ -289,24 +315,43 @@ def make_bench_model(out, size: str = "full", seed: int = 0, store: bool = True,
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("out", help="output directory (must not exist)")
-    p.add_argument("--size", choices=sorted(SIZES), default="full",
-                   help="preset: full (~2 GB of int4 experts), quick (~50 MB), tiny (tests)")
+    p.add_argument(
+        "--size",
+        choices=sorted(SIZES),
+        default="full",
+        help="preset: full (~2 GB of int4 experts), quick (~50 MB), tiny (tests)",
+    )
     p.add_argument("--layers", type=int)
     p.add_argument("--experts", type=int)
     p.add_argument("--top-k", type=int)
     p.add_argument("--hidden", type=int)
     p.add_argument("--moe-intermediate", type=int)
-    p.add_argument("--vocab", type=int, help="model vocab (the 314-token tokenizer is extended with filler tokens to it)")
+    p.add_argument(
+        "--vocab", type=int, help="model vocab (the 314-token tokenizer is extended with filler tokens to it)"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-store", action="store_true", help="write only the mlx-lm checkpoint")
     p.add_argument("--quiet", action="store_true")
     a = p.parse_args(argv)
-    out = make_bench_model(a.out, a.size, a.seed, store=not a.no_store, quiet=a.quiet, layers=a.layers,
-                           experts=a.experts, top_k=a.top_k, hidden=a.hidden,
-                           moe_intermediate=a.moe_intermediate, vocab=a.vocab)
+    out = make_bench_model(
+        a.out,
+        a.size,
+        a.seed,
+        store=not a.no_store,
+        quiet=a.quiet,
+        layers=a.layers,
+        experts=a.experts,
+        top_k=a.top_k,
+        hidden=a.hidden,
+        moe_intermediate=a.moe_intermediate,
+        vocab=a.vocab,
+    )
     meta = json.loads((out / "bench-model.json").read_text())
-    print(f"wrote {out}: {meta['checkpoint_bytes'] / 1e9:.2f} GB checkpoint, "
-          f"{meta['expert_bytes'] / 1e9:.2f} GB routed experts", file=sys.stderr)
+    print(
+        f"wrote {out}: {meta['checkpoint_bytes'] / 1e9:.2f} GB checkpoint, "
+        f"{meta['expert_bytes'] / 1e9:.2f} GB routed experts",
+        file=sys.stderr,
+    )
     return 0
 
 

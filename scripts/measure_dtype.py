@@ -19,8 +19,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests.fixtures.make import make_hf_fixture  # noqa: E402
 
-SHAPE = {"hidden_size": 512, "moe_intermediate_size": 512, "num_experts": 32, "intermediate_size": 512,
-         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "num_hidden_layers": 4}
+SHAPE = {
+    "hidden_size": 512,
+    "moe_intermediate_size": 512,
+    "num_experts": 32,
+    "intermediate_size": 512,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "num_hidden_layers": 4,
+}
 
 PROBE = r"""
 import json, sys
@@ -44,12 +52,25 @@ def main() -> None:
         hf = make_hf_fixture("qwen3_moe", Path(tmp) / "hf", dtype="bfloat16", **SHAPE)
         store = convert(str(hf), Path(tmp) / "store", quiet=True)
         for dt in ("float32", "bfloat16", "float16"):
-            out = subprocess.run([sys.executable, "-c", PROBE, str(store), dt, str(args.tokens)],
-                                 capture_output=True, text=True, check=True)
+            out = subprocess.run(
+                [sys.executable, "-c", PROBE, str(store), dt, str(args.tokens)],
+                capture_output=True,
+                text=True,
+                check=True,
+            )
             rows[dt] = json.loads(out.stdout.strip().splitlines()[-1])
-            print(f"{dt:9s} decode {rows[dt]['decode_tps']:7.1f} tok/s  prefill {rows[dt]['prefill_tps']:7.1f} tok/s", flush=True)
-    result = {"date": datetime.date.today().isoformat(), "machine": f"{platform.machine()} {platform.node()}",
-              "command": " ".join(sys.argv), "shape": SHAPE, "checkpoint_dtype": "bfloat16", "rows": rows}
+            print(
+                f"{dt:9s} decode {rows[dt]['decode_tps']:7.1f} tok/s  prefill {rows[dt]['prefill_tps']:7.1f} tok/s",
+                flush=True,
+            )
+    result = {
+        "date": datetime.date.today().isoformat(),
+        "machine": f"{platform.machine()} {platform.node()}",
+        "command": " ".join(sys.argv),
+        "shape": SHAPE,
+        "checkpoint_dtype": "bfloat16",
+        "rows": rows,
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
 

@@ -42,15 +42,22 @@ def main() -> int:
     runs = {"on": [], "off": []}
     for i in range(args.repeats):
         for mode in ("on", "off") if i % 2 == 0 else ("off", "on"):
-            out = subprocess.run([sys.executable, "-c", CHILD, str(args.store), mode, cache], capture_output=True,
-                                 text=True, check=True)
+            out = subprocess.run(
+                [sys.executable, "-c", CHILD, str(args.store), mode, cache], capture_output=True, text=True, check=True
+            )
             runs[mode].append(json.loads(out.stdout.strip().splitlines()[-1]))
             print(mode, runs[mode][-1], file=sys.stderr, flush=True)
     med = {mode: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for mode, rs in runs.items()}
-    result = {"date": datetime.date.today().isoformat(), "store": str(args.store), "expert_cache_bytes": int(cache),
-              "command": " ".join(sys.argv), "median": med, "runs": runs,
-              "decode_cost": 1 - med["on"]["decode_tps"] / med["off"]["decode_tps"],
-              "ttft_cost_s": med["on"]["ttft_s"] - med["off"]["ttft_s"]}
+    result = {
+        "date": datetime.date.today().isoformat(),
+        "store": str(args.store),
+        "expert_cache_bytes": int(cache),
+        "command": " ".join(sys.argv),
+        "median": med,
+        "runs": runs,
+        "decode_cost": 1 - med["on"]["decode_tps"] / med["off"]["decode_tps"],
+        "ttft_cost_s": med["on"]["ttft_s"] - med["off"]["ttft_s"],
+    }
     print(json.dumps({k: result[k] for k in ("median", "decode_cost", "ttft_cost_s")}, indent=1))
     if args.out:
         args.out.write_text(json.dumps(result, indent=1) + "\n")

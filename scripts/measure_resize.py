@@ -36,15 +36,22 @@ def measure(store: str) -> dict:
     from edge0.backend import core as B
 
     def row(state, **kw):
-        return {"state": state, "slots": engine.expert_cache()["slots_per_layer"], **kw,
-                "rss_mib": round(rss_mib(), 1), "mlx_active_mib": round(B.active_memory() / 2**20, 1)}
+        return {
+            "state": state,
+            "slots": engine.expert_cache()["slots_per_layer"],
+            **kw,
+            "rss_mib": round(rss_mib(), 1),
+            "mlx_active_mib": round(B.active_memory() / 2**20, 1),
+        }
 
     engine = edge0.load(store, expert_cache="1GB", prefill_executor="exact")
     prompt = list(range(10, 400, 3))
     want = engine.generate(prompt, max_tokens=48, ignore_eos=True).tokens
     rows = [row("loaded, after a 48-token decode")]
-    for n, state in ((engine.expert_cache()["min_slots"], "shrunk to the floor"),
-                     (engine.expert_cache()["configured_slots"], "grown back")):
+    for n, state in (
+        (engine.expert_cache()["min_slots"], "shrunk to the floor"),
+        (engine.expert_cache()["configured_slots"], "grown back"),
+    ):
         t0 = time.perf_counter()
         engine.resize_expert_cache(n)
         rows.append(row(state, resize_s=round(time.perf_counter() - t0, 4)))
@@ -64,8 +71,9 @@ def main():
         hf, _ = make_memory_fixture(Path(tmp) / "hf", **BIG)
         with contextlib.redirect_stderr(io.StringIO()):
             store = convert(str(hf), Path(tmp) / "store", quiet=True)
-        out = subprocess.run([sys.executable, __file__, "--store", str(store)], capture_output=True, text=True,
-                             check=True).stdout
+        out = subprocess.run(
+            [sys.executable, __file__, "--store", str(store)], capture_output=True, text=True, check=True
+        ).stdout
     print(json.dumps(json.loads(out), indent=1))
 
 

@@ -60,14 +60,19 @@ def main() -> None:
     p.add_argument("--data", default="data/valid.txt")
     p.add_argument("--window", type=int, default=256)
     p.add_argument("--max-windows", type=int, default=8)
-    p.add_argument("--delta-scale", type=float, default=1.0,
-                   help="multiply the adapter's delta (alpha/r) by this, to see how survival depends on the delta's size")
+    p.add_argument(
+        "--delta-scale",
+        type=float,
+        default=1.0,
+        help="multiply the adapter's delta (alpha/r) by this, to see how survival depends on the delta's size",
+    )
     p.add_argument("--out", default="docs/benchmarks/lora-merge-erasure.json")
     args = p.parse_args()
 
     _, meta = read_adapter(args.lora)
-    kw = dict(top_k=meta["top_k"], prefill_executor="exact",
-              prerouter=args.prerouter if meta["prerouter_sha256"] else False)
+    kw = dict(
+        top_k=meta["top_k"], prefill_executor="exact", prerouter=args.prerouter if meta["prerouter_sha256"] else False
+    )
     engines = {"base": edge0.load(args.model, lora=False, **kw), "lora": _scaled(args, kw)}
     per_linear = {}
     for how in blora.MERGES:
@@ -90,16 +95,24 @@ def main() -> None:
     effect = math.sqrt(sq["lora"])
     merges = list(per_linear)
     result = {
-        "model": str(args.model), "lora": str(args.lora), "top_k": meta["top_k"], "r": meta["r"], "alpha": meta["alpha"],
+        "model": str(args.model),
+        "lora": str(args.lora),
+        "top_k": meta["top_k"],
+        "r": meta["r"],
+        "alpha": meta["alpha"],
         "delta_scale": args.delta_scale,
-        "data": args.data, "windows": len(windows(tokens, args.window, args.max_windows)), "tokens": count,
+        "data": args.data,
+        "windows": len(windows(tokens, args.window, args.max_windows)),
+        "tokens": count,
         "logit_effect_survival": {n: math.sqrt(sq[n]) / effect for n in merges},
         "logit_effect_aligned": {n: dot[n] / sq["lora"] for n in merges},
         "perplexity": {n: math.exp(v / count) for n, v in nll.items()},
         "weight_delta_kept_median": {n: _median(per_linear[n], "delta_kept") for n in merges},
         "weight_delta_aligned_median": {n: _median(per_linear[n], "delta_aligned") for n in merges},
         "median_delta_in_steps": _median(per_linear["merged_fresh"], "median_delta_in_steps"),
-        "delta_below_half_step_mean": float(np.mean([v["below_half_step"] for v in per_linear["merged_fresh"].values()])),
+        "delta_below_half_step_mean": float(
+            np.mean([v["below_half_step"] for v in per_linear["merged_fresh"].values()])
+        ),
         "per_linear": per_linear,
         "date": datetime.date.today().isoformat(),
     }
@@ -107,10 +120,14 @@ def main() -> None:
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     s, a, ppl = result["logit_effect_survival"], result["logit_effect_aligned"], result["perplexity"]
     for n in merges:
-        print(f"{n}: logit effect kept {100 * s[n]:.1f}% by norm, {100 * a[n]:.1f}% along the adapter's; weight delta kept "
-              f"{100 * result['weight_delta_kept_median'][n]:.1f}% by norm, {100 * result['weight_delta_aligned_median'][n]:.1f}% along dW")
-    print(f"{100 * result['delta_below_half_step_mean']:.1f}% of delta entries are below half a 4-bit step "
-          f"(median |dW| = {result['median_delta_in_steps']:.2f} steps)")
+        print(
+            f"{n}: logit effect kept {100 * s[n]:.1f}% by norm, {100 * a[n]:.1f}% along the adapter's; weight delta kept "
+            f"{100 * result['weight_delta_kept_median'][n]:.1f}% by norm, {100 * result['weight_delta_aligned_median'][n]:.1f}% along dW"
+        )
+    print(
+        f"{100 * result['delta_below_half_step_mean']:.1f}% of delta entries are below half a 4-bit step "
+        f"(median |dW| = {result['median_delta_in_steps']:.2f} steps)"
+    )
     print("perplexity: " + ", ".join(f"{n} {v:.3f}" for n, v in ppl.items()))
     print(f"wrote {args.out}")
 

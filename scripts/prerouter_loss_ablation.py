@@ -48,14 +48,37 @@ def main() -> None:
         bias = blocks[consumer].router_bias()
         rows[consumer] = {}
         for name, (w_div, w_list) in VARIANTS.items():
-            head, _ = train_head(init, x, probs, inds, hidden=64, steps=args.steps, lr=2e-3, batch=512,
-                                 listwise=w_list, divergence=w_div, score_function="softmax", seed=owner)
+            head, _ = train_head(
+                init,
+                x,
+                probs,
+                inds,
+                hidden=64,
+                steps=args.steps,
+                lr=2e-3,
+                batch=512,
+                listwise=w_list,
+                divergence=w_div,
+                score_function="softmax",
+                seed=owner,
+            )
             rows[consumer][name] = recall(head_topk(head, vx, engine.spec, k, bias), vinds)
         print(consumer, {n: round(r, 4) for n, r in rows[consumer].items()}, flush=True)
     mean = {n: float(np.mean([r[n] for r in rows.values()])) for n in VARIANTS}
     print("mean", {n: round(r, 4) for n, r in mean.items()})
-    Path(args.out).write_text(json.dumps({"date": datetime.date.today().isoformat(), "command": " ".join(sys.argv),
-                                          "tokens": len(tokens), "steps": args.steps, "recall_at_k": rows, "mean": mean}, indent=1))
+    Path(args.out).write_text(
+        json.dumps(
+            {
+                "date": datetime.date.today().isoformat(),
+                "command": " ".join(sys.argv),
+                "tokens": len(tokens),
+                "steps": args.steps,
+                "recall_at_k": rows,
+                "mean": mean,
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

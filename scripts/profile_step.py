@@ -23,7 +23,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="edge0 store")
     p.add_argument("--prerouter", help="heads file: staged decode with the pre-router")
-    p.add_argument("--executor", choices=["exact", "staged"], default="staged", help="decode executor without --prerouter")
+    p.add_argument(
+        "--executor", choices=["exact", "staged"], default="staged", help="decode executor without --prerouter"
+    )
     p.add_argument("--expert-cache", default=None, help="expert cache size (e.g. 408MB)")
     p.add_argument("--tokens", type=int, default=17, help="decode steps timed (after a 4-token warm-up)")
     args = p.parse_args()
@@ -45,6 +47,7 @@ def main() -> None:
                 return fn(*a, **k)
             finally:
                 spent[label] += time.perf_counter() - t0
+
         setattr(obj, name, wrapper)
 
     if e.prerouting is not None:

@@ -57,8 +57,14 @@ def stop(proc):
 def ask(base, messages, max_tokens=16):
     """(seconds to the first content chunk, text, usage) of a streamed greedy chat request."""
     model = httpx.get(base + "/v1/models").json()["data"][0]["id"]
-    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     t0, ttft, text, usage = time.perf_counter(), None, "", None
     with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=600) as r:
         for line in r.iter_lines():
@@ -86,7 +92,10 @@ def main():
     words, text = source.split(), ""
     for i in range(0, len(words), 50):  # grow the text until the chat prompt is long enough
         text = " ".join(words[: i + 50])
-        if len(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)) >= args.prompt_tokens:
+        if (
+            len(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True))
+            >= args.prompt_tokens
+        ):
             break
     first = [{"role": "user", "content": text}]
     with tempfile.TemporaryDirectory() as cache_dir:
@@ -97,7 +106,10 @@ def main():
             assert time.monotonic() < deadline, pc
             time.sleep(0.05)
         stop(proc)
-        follow = first + [{"role": "assistant", "content": reply}, {"role": "user", "content": "Say more about the pool."}]
+        follow = first + [
+            {"role": "assistant", "content": reply},
+            {"role": "user", "content": "Say more about the pool."},
+        ]
         proc, base = start(args.model, None)
         cold, cold_text, cold_usage = ask(base, follow)
         stop(proc)
@@ -105,12 +117,24 @@ def main():
         warm, warm_text, warm_usage = ask(base, follow)
         stats = httpx.get(base + "/v1/stats").json()["engine"]["prompt_cache"]
         stop(proc)
-    print(json.dumps({
-        "model": args.model or "bundled", "first_turn_prompt_tokens": usage1["prompt_tokens"],
-        "first_turn_ttft_s": round(ttft1, 3), "save_s": round(pc["last_save_s"], 4), "saved_bytes": pc["bytes"],
-        "follow_prompt_tokens": cold_usage["prompt_tokens"], "cold_ttft_s": round(cold, 3),
-        "restored_ttft_s": round(warm, 3), "restored_cached_tokens": warm_usage["prompt_tokens_details"]["cached_tokens"],
-        "restored": stats["restored"], "same_text": cold_text == warm_text}, indent=1))
+    print(
+        json.dumps(
+            {
+                "model": args.model or "bundled",
+                "first_turn_prompt_tokens": usage1["prompt_tokens"],
+                "first_turn_ttft_s": round(ttft1, 3),
+                "save_s": round(pc["last_save_s"], 4),
+                "saved_bytes": pc["bytes"],
+                "follow_prompt_tokens": cold_usage["prompt_tokens"],
+                "cold_ttft_s": round(cold, 3),
+                "restored_ttft_s": round(warm, 3),
+                "restored_cached_tokens": warm_usage["prompt_tokens_details"]["cached_tokens"],
+                "restored": stats["restored"],
+                "same_text": cold_text == warm_text,
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

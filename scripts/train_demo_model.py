@@ -19,6 +19,7 @@ Usage (see docs/demo-model.md):
   --timing N      only time N training steps and exit (compare with/without the preload)
   --analyze-only  re-run stage 5 on an existing checkpoint
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,10 +33,9 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-
 import mlx.core as mx
 import mlx.optimizers as optim
+import numpy as np
 
 # the stages live in scripts/demo_model/ (modules, not an installed package); make
 # ``demo_model`` and ``demo_data`` importable however this file is started
@@ -88,7 +88,9 @@ def main() -> None:
     ap.add_argument("--aux-coef", type=float, default=0.01)
     ap.add_argument("--log-every", type=int, default=25)
     ap.add_argument("--ckpt-minutes", type=float, default=4.0)
-    ap.add_argument("--routing-tokens", type=int, default=1 << 30, help="validation tokens for routing stats (default: all)")
+    ap.add_argument(
+        "--routing-tokens", type=int, default=1 << 30, help="validation tokens for routing stats (default: all)"
+    )
     ap.add_argument("--timing", type=int, default=0, help="time this many steps and exit")
     ap.add_argument("--analyze-only", action="store_true")
     a = ap.parse_args()
@@ -191,22 +193,37 @@ def main() -> None:
         n_acc += 1
         if step % a.log_every == 0:
             elapsed = seg_train0 + (time.time() - seg_start)
-            rec = {"step": step, "train_ce": round(ce_acc / n_acc, 4), "aux": round(aux_acc / n_acc, 4),
-                   "lr": round(lr, 6), "grad_norm": round(gn.item(), 3), "minutes": round(elapsed / 60, 2)}
+            rec = {
+                "step": step,
+                "train_ce": round(ce_acc / n_acc, 4),
+                "aux": round(aux_acc / n_acc, 4),
+                "lr": round(lr, 6),
+                "grad_norm": round(gn.item(), 3),
+                "minutes": round(elapsed / 60, 2),
+            }
             history.append(rec)
             tps = step * a.batch * a.seq / max(elapsed, 1e-6) if start_step == 0 else float("nan")
-            log(f"step {step}/{total} ce {rec['train_ce']:.4f} aux {rec['aux']:.4f} lr {lr:.2e} "
-                f"gnorm {rec['grad_norm']:.2f} {elapsed / 60:.1f} min {tps:.0f} tok/s")
+            log(
+                f"step {step}/{total} ce {rec['train_ce']:.4f} aux {rec['aux']:.4f} lr {lr:.2e} "
+                f"gnorm {rec['grad_norm']:.2f} {elapsed / 60:.1f} min {tps:.0f} tok/s"
+            )
             ce_acc, aux_acc, n_acc = 0.0, 0.0, 0
         if time.time() - last_ckpt > a.ckpt_minutes * 60:
             train_seconds = seg_train0 + (time.time() - seg_start)
-            save_state(state_path, model, opt, step, rng,
-                       {"total_steps": total, "train_seconds": train_seconds, "history": history})
+            save_state(
+                state_path,
+                model,
+                opt,
+                step,
+                rng,
+                {"total_steps": total, "train_seconds": train_seconds, "history": history},
+            )
             log(f"saved training state at step {step}")
             last_ckpt = time.time()
     train_seconds = seg_train0 + (time.time() - seg_start)
-    save_state(state_path, model, opt, step, rng,
-               {"total_steps": total, "train_seconds": train_seconds, "history": history})
+    save_state(
+        state_path, model, opt, step, rng, {"total_steps": total, "train_seconds": train_seconds, "history": history}
+    )
 
     # final losses on fixed windows (train loss: same number of tokens as validation, from train)
     log("evaluating final train/validation loss")
@@ -229,9 +246,13 @@ def main() -> None:
         "git_revision_at_training": git_rev,
         "command": " ".join(sys.argv),
         "args": vars(a),
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
-                    "mlx": mx.__version__, "python": platform.python_version(),
-                    "blas_preload": os.environ.get("LD_PRELOAD", "")},
+        "machine": {
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "mlx": mx.__version__,
+            "python": platform.python_version(),
+            "blas_preload": os.environ.get("LD_PRELOAD", ""),
+        },
         "data": {
             "source": manifest["source"],
             "split": manifest["split"],
@@ -241,24 +262,50 @@ def main() -> None:
             "tokens_seen_in_training": int(step * a.batch * a.seq),
             "epochs": round(step * a.batch * a.seq / len(train), 3),
         },
-        "tokenizer": {"type": "byte-level BPE (tokenizers)", "vocab_size": len(tok),
-                      "special_tokens": SPECIAL_TOKENS, "eos": "<|im_end|>",
-                      "document_separator": DOC_SEP, "chat_template": "ChatML (in tokenizer_config.json)"},
-        "model": {"class": "mlx_lm.models.qwen3_moe.Model", "parameters": int(n_params),
-                  "active_parameters_per_token": int(active), "dtype": "float32",
-                  "config": {k: cfg[k] for k in ("hidden_size", "num_hidden_layers", "num_experts",
-                                                 "num_experts_per_tok", "moe_intermediate_size",
-                                                 "num_attention_heads", "num_key_value_heads",
-                                                 "head_dim", "vocab_size", "tie_word_embeddings")}},
-        "training": {"seed": a.seed, "steps": step, "planned_steps": total, "batch": a.batch,
-                     "seq_len": a.seq, "optimizer": f"AdamW(betas=(0.9,0.95), wd={a.wd}), grad clip 1.0",
-                     "lr": f"peak {a.lr}, linear warmup {a.warmup} steps, cosine to {a.final_lr_frac}x",
-                     "aux_loss": f"load balancing E*sum(f*P), coef {a.aux_coef}",
-                     "wall_time_minutes": round(train_seconds / 60, 2),
-                     "final_train_loss_logged": history[-1]["train_ce"] if history else None,
-                     "final_train_nll_eval": round(tr_nll, 4),
-                     "final_valid_nll": round(val_nll, 4),
-                     "history": history},
+        "tokenizer": {
+            "type": "byte-level BPE (tokenizers)",
+            "vocab_size": len(tok),
+            "special_tokens": SPECIAL_TOKENS,
+            "eos": "<|im_end|>",
+            "document_separator": DOC_SEP,
+            "chat_template": "ChatML (in tokenizer_config.json)",
+        },
+        "model": {
+            "class": "mlx_lm.models.qwen3_moe.Model",
+            "parameters": int(n_params),
+            "active_parameters_per_token": int(active),
+            "dtype": "float32",
+            "config": {
+                k: cfg[k]
+                for k in (
+                    "hidden_size",
+                    "num_hidden_layers",
+                    "num_experts",
+                    "num_experts_per_tok",
+                    "moe_intermediate_size",
+                    "num_attention_heads",
+                    "num_key_value_heads",
+                    "head_dim",
+                    "vocab_size",
+                    "tie_word_embeddings",
+                )
+            },
+        },
+        "training": {
+            "seed": a.seed,
+            "steps": step,
+            "planned_steps": total,
+            "batch": a.batch,
+            "seq_len": a.seq,
+            "optimizer": f"AdamW(betas=(0.9,0.95), wd={a.wd}), grad clip 1.0",
+            "lr": f"peak {a.lr}, linear warmup {a.warmup} steps, cosine to {a.final_lr_frac}x",
+            "aux_loss": f"load balancing E*sum(f*P), coef {a.aux_coef}",
+            "wall_time_minutes": round(train_seconds / 60, 2),
+            "final_train_loss_logged": history[-1]["train_ce"] if history else None,
+            "final_train_nll_eval": round(tr_nll, 4),
+            "final_valid_nll": round(val_nll, 4),
+            "history": history,
+        },
     }
     atomic_write_json(prov_path, prov)
     del model

@@ -45,9 +45,17 @@ def store_for(tmp_path_factory):
 
 # hidden 512 so each expert is ~0.44 MB in int4; 128 experts x 2 layers ~ 108 MiB of experts,
 # 162x the other weights.
-BIG = {"hidden_size": 512, "moe_intermediate_size": 512, "num_experts": 128, "num_hidden_layers": 2,
-       "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "intermediate_size": 512,
-       "dtype": "bfloat16"}
+BIG = {
+    "hidden_size": 512,
+    "moe_intermediate_size": 512,
+    "num_experts": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "intermediate_size": 512,
+    "dtype": "bfloat16",
+}
 
 
 @pytest.fixture(scope="session")

@@ -30,8 +30,12 @@ results = []
 for run in runs:
     opened.clear()
     engine = edge0.load(run["store"], **run["options"])
-    out = {"rank": engine.stage.rank, "moe_layers": sorted(engine.store.layers),
-           "layers": list(range(engine.stage.start, engine.stage.end)), "lora": sorted(blora.lora_modules(engine.model))}
+    out = {
+        "rank": engine.stage.rank,
+        "moe_layers": sorted(engine.store.layers),
+        "layers": list(range(engine.stage.start, engine.stage.end)),
+        "lora": sorted(blora.lora_modules(engine.model)),
+    }
     if engine.follower:
         engine.follow()
     else:

@@ -48,8 +48,7 @@ class FakeTokenizer:
         self.encoded_chars = 0  # characters tokenized so far
 
     def get_vocab(self) -> dict[str, int]:
-        return {**{bytes([i]).decode("latin-1"): i for i in range(256)},
-                **{s: 256 + i for i, s in enumerate(SPECIALS)}}
+        return {**{bytes([i]).decode("latin-1"): i for i in range(256)}, **{s: 256 + i for i, s in enumerate(SPECIALS)}}
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         self.encoded_chars += len(text)
@@ -78,7 +77,9 @@ class FakeTokenizer:
             out += f"{IM_START}{m['role']}\n{m.get('content') or ''}"
             for call in m.get("tool_calls") or []:
                 fn = call["function"]
-                out += "<tool_call>\n" + json.dumps({"name": fn["name"], "arguments": fn["arguments"]}) + "\n</tool_call>"
+                out += (
+                    "<tool_call>\n" + json.dumps({"name": fn["name"], "arguments": fn["arguments"]}) + "\n</tool_call>"
+                )
             out += f"{IM_END}\n"
         if add_generation_prompt:
             out += f"{IM_START}assistant\n"
@@ -137,12 +138,30 @@ class FakeEngine:
     def chat_prompt(self, messages, tools=None) -> list[int]:
         return self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True)
 
-    def stream_generate(self, prompt, max_tokens=256, temperature=0.0, top_p=1.0, seed=None, stop=None,
-                        reuse_cache=False, should_stop=None):
+    def stream_generate(
+        self,
+        prompt,
+        max_tokens=256,
+        temperature=0.0,
+        top_p=1.0,
+        seed=None,
+        stop=None,
+        reuse_cache=False,
+        should_stop=None,
+    ):
         check_sampling(temperature, top_p, seed)  # as the real engine does (an Edge0Error)
         tokens = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        call = Call(tokens, dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
-                                 stop=stop, reuse_cache=reuse_cache))
+        call = Call(
+            tokens,
+            dict(
+                max_tokens=max_tokens,
+                temperature=temperature,
+                top_p=top_p,
+                seed=seed,
+                stop=stop,
+                reuse_cache=reuse_cache,
+            ),
+        )
         self.calls.append(call)
         common = 0
         if reuse_cache:  # same rule as the real engine: keep the longest prefix of tokens[:-1]
@@ -186,7 +205,9 @@ class FakeEngine:
                 if finish:
                     text += stopper.flush()
                 call.steps, call.finish_reason = i + 1, finish
-                yield Step(tok, text, finish, self._stats(call) if finish else None, stopper.matched if finish else None)
+                yield Step(
+                    tok, text, finish, self._stats(call) if finish else None, stopper.matched if finish else None
+                )
                 if finish:
                     return
                 if should_stop and should_stop():
@@ -201,15 +222,23 @@ class FakeEngine:
                 self._active -= 1
 
     def _stats(self, call: Call) -> dict:
-        return {"prompt_tokens": len(call.prompt), "prefill_tokens": call.prefill_tokens,
-                "generation_tokens": call.steps, "prefill_tps": 1000.0, "decode_tps": 50.0,
-                "peak_memory_bytes": 3 << 30, "peak_rss_bytes": 4 << 30, "expert_bytes_read": 1 << 20,
-                "expert_hit_rate": 0.75}
+        return {
+            "prompt_tokens": len(call.prompt),
+            "prefill_tokens": call.prefill_tokens,
+            "generation_tokens": call.steps,
+            "prefill_tps": 1000.0,
+            "decode_tps": 50.0,
+            "peak_memory_bytes": 3 << 30,
+            "peak_rss_bytes": 4 << 30,
+            "expert_bytes_read": 1 << 20,
+            "expert_hit_rate": 0.75,
+        }
 
     def generate(self, prompt, max_tokens=256, **kwargs) -> GenerationResult:
         steps = list(self.stream_generate(prompt, max_tokens, **kwargs))
-        return GenerationResult("".join(s.text for s in steps), [s.token for s in steps],
-                                steps[-1].finish_reason, steps[-1].stats)
+        return GenerationResult(
+            "".join(s.text for s in steps), [s.token for s in steps], steps[-1].finish_reason, steps[-1].stats
+        )
 
     def chat(self, messages, tools=None, **kwargs) -> GenerationResult:
         return self.generate(self.chat_prompt(messages, tools), **kwargs)
@@ -218,8 +247,11 @@ class FakeEngine:
         return f"{self.model_id}: fake engine"
 
     def stats(self) -> dict:
-        return {"model": self.model_id, "generations": len(self.calls),
-                "generated_tokens": sum(c.steps for c in self.calls)}
+        return {
+            "model": self.model_id,
+            "generations": len(self.calls),
+            "generated_tokens": sum(c.steps for c in self.calls),
+        }
 
     def reset_cache(self) -> None:
         self._cache_tokens = []
@@ -229,8 +261,14 @@ class FakeEngine:
 
     def expert_cache(self) -> dict:
         """No expert slots: nothing for a memory watcher to resize."""
-        return {"slots_per_layer": 0, "configured_slots": 0, "min_slots": 0, "max_slots": 0, "slot_bytes": 0,
-                "budget_bytes": 0}
+        return {
+            "slots_per_layer": 0,
+            "configured_slots": 0,
+            "min_slots": 0,
+            "max_slots": 0,
+            "slot_bytes": 0,
+            "budget_bytes": 0,
+        }
 
     def close(self) -> None:
         self.closed = True

@@ -51,8 +51,12 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    config = ServerConfig(api_key=args.api_key, max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
-                          max_prompt_tokens=args.max_prompt_tokens)
+    config = ServerConfig(
+        api_key=args.api_key,
+        max_queue=args.max_queue,
+        max_body_bytes=args.max_body_bytes,
+        max_prompt_tokens=args.max_prompt_tokens,
+    )
     app = create_app(FakeEngine(delay=args.delay, prefill_delay=args.prefill_delay), config)
     print(f"port {sock.getsockname()[1]}", flush=True)
     run(app, log_level="warning", sock=sock)

@@ -71,8 +71,27 @@ def test_quick_suite_json(tiny_model, tmp_path):
     out, trace, docs = tmp_path / "bench.json", tmp_path / "trace.json", tmp_path / "benchmarks.md"
     docs.write_text("# Benchmarks\n")
     with contextlib.redirect_stdout(io.StringIO()) as table, contextlib.redirect_stderr(io.StringIO()):
-        assert main(["--model", str(tiny_model), "--prompt-tokens", "36", "--decode-tokens", "5", "--out", str(out),
-                     "--trace-arm", "staged-cold", "--trace-out", str(trace), "--append-docs", str(docs)]) == 0
+        assert (
+            main(
+                [
+                    "--model",
+                    str(tiny_model),
+                    "--prompt-tokens",
+                    "36",
+                    "--decode-tokens",
+                    "5",
+                    "--out",
+                    str(out),
+                    "--trace-arm",
+                    "staged-cold",
+                    "--trace-out",
+                    str(trace),
+                    "--append-docs",
+                    str(docs),
+                ]
+            )
+            == 0
+        )
     r = json.loads(out.read_text())
     assert r["schema"] == SCHEMA
     for key in ("date", "command", "machine", "git", "packages", "model", "settings", "arms", "summary"):
@@ -114,12 +133,15 @@ def test_quick_suite_json(tiny_model, tmp_path):
     assert "## Bench suite" in docs.read_text() and "| mlx-lm-resident |" in docs.read_text()
 
 
-@pytest.mark.parametrize("argv, field", [
-    (["--arms", "nosuch"], "--arms"),
-    (["--trace-arm", "staged-warm"], "--trace-arm"),
-    (["--decode-tokens", "1"], "--decode-tokens"),
-    (["--expert-cache", "150%", "--arms", "staged-warm", "--no-plot"], "--expert-cache"),
-])
+@pytest.mark.parametrize(
+    "argv, field",
+    [
+        (["--arms", "nosuch"], "--arms"),
+        (["--trace-arm", "staged-warm"], "--trace-arm"),
+        (["--decode-tokens", "1"], "--decode-tokens"),
+        (["--expert-cache", "150%", "--arms", "staged-warm", "--no-plot"], "--expert-cache"),
+    ],
+)
 def test_usage_errors(tiny_model, tmp_path, argv, field):
     with pytest.raises(Edge0Error, match=field):
         main(["--model", str(tiny_model), "--out", str(tmp_path / "b.json"), *argv])

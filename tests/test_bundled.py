@@ -48,7 +48,17 @@ def test_bundled_greedy_matches_mlx_lm(mlx_reference):
 
 @pytest.mark.parametrize("routing", ["--no-prerouter", None])
 def test_generate_cli_with_no_model_prints_text_and_stats(routing):
-    args = [sys.executable, "-m", "edge0", "generate", "--prompt", "A list is", "--max-tokens", "30", "--no-chat-template"]
+    args = [
+        sys.executable,
+        "-m",
+        "edge0",
+        "generate",
+        "--prompt",
+        "A list is",
+        "--max-tokens",
+        "30",
+        "--no-chat-template",
+    ]
     p = subprocess.run(args + ([routing] if routing else []), capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr
     assert "tok/s" in p.stderr and "experts read" in p.stderr and len(p.stdout.strip()) >= 10

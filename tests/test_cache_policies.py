@@ -220,9 +220,18 @@ def test_smoe_needs_scores():
 def lru_like_model(num_experts=8, layers=(3,)):
     """Weights whose score is -1/r: the policy evicts the least recently used expert."""
     d, h = 2, 4
-    p = {k: np.zeros(s, np.float32) for k, s in
-         {"emb": (len(layers) * num_experts, d), "w1": (2 + d, h), "b1": (h,), "w2": (h, h), "b2": (h,),
-          "w3": (h, 1), "b3": (1,)}.items()}
+    p = {
+        k: np.zeros(s, np.float32)
+        for k, s in {
+            "emb": (len(layers) * num_experts, d),
+            "w1": (2 + d, h),
+            "b1": (h,),
+            "w2": (h, h),
+            "b2": (h,),
+            "w3": (h, 1),
+            "b3": (1,),
+        }.items()
+    }
     p["w1"][0, 0] = 1.0
     p["w2"][0, 0] = 1.0
     p["w3"][0, 0] = -1.0
@@ -309,8 +318,13 @@ def test_live_policies_change_reads_only(store_for, tmp_path):
     weights = weights_for(root, tmp_path / "policy.safetensors", sorted(ref.store.layers))
     reads, hits = {}, {}
     for name in ("lru", "lfu", "arc", "smoe", "flashmoe"):
-        engine = edge0.load(root, expert_cache=slot_bytes(ref, 3), cache_policy=name,  # top-k is 2
-                            cache_weights=weights if name == "flashmoe" else None, smoe_window=8 if name == "smoe" else None)
+        engine = edge0.load(
+            root,
+            expert_cache=slot_bytes(ref, 3),
+            cache_policy=name,  # top-k is 2
+            cache_weights=weights if name == "flashmoe" else None,
+            smoe_window=8 if name == "smoe" else None,
+        )
         policies = [d.decode.slots.cache.policy for d in engine.streaming.layers.values()]
         assert {p.name for p in policies} == {name}
         assert name != "smoe" or all(p.window == 8 for p in policies)
@@ -368,7 +382,11 @@ def test_a_substituted_expert_computes_with_its_substitute(store_for):
         want = ex.load([expert])[0]
         for proj, parts in params.items():
             for part, rows in parts.items():
-                assert np.array_equal(B.to_numpy(rows[int(slot)]), B.to_numpy(want[proj][part][0])), (expert, proj, part)
+                assert np.array_equal(B.to_numpy(rows[int(slot)]), B.to_numpy(want[proj][part][0])), (
+                    expert,
+                    proj,
+                    part,
+                )
 
 
 def test_live_policy_errors(store_for, tmp_path):

@@ -41,8 +41,11 @@ def test_two_turns_second_prefill_covers_only_new_tokens(monkeypatch, capsys, fa
     assert out.out.splitlines() == ["Echo: hello there", "Echo: second question"]  # no prompt noise
     first, second = fake.calls
     assert first.kwargs["reuse_cache"] and second.kwargs["reuse_cache"]
-    history = [{"role": "user", "content": "hello there"}, {"role": "assistant", "content": "Echo: hello there"},
-               {"role": "user", "content": "second question"}]
+    history = [
+        {"role": "user", "content": "hello there"},
+        {"role": "assistant", "content": "Echo: hello there"},
+        {"role": "user", "content": "second question"},
+    ]
     assert second.prompt == fake.chat_prompt(history)  # the whole history goes in ...
     reply = fake.tokenizer.encode("Echo: hello there")
     cached = len(first.prompt) + len(reply)
@@ -51,7 +54,9 @@ def test_two_turns_second_prefill_covers_only_new_tokens(monkeypatch, capsys, fa
     lines = [ln for ln in out.err.splitlines() if "tok/s" in ln]  # after the start-up line
     assert len(lines) == 2 and all("tok/s" in ln and "peak memory 3.00 GiB" in ln and "hit 75.0%" in ln for ln in lines)
     assert [tuple(map(int, STATS.search(ln).groups())) for ln in lines] == [
-        (len(first.prompt), len(first.prompt)), (second.prefill_tokens, len(second.prompt))]
+        (len(first.prompt), len(first.prompt)),
+        (second.prefill_tokens, len(second.prompt)),
+    ]
 
 
 def test_commands_reset_stats_exit(monkeypatch, capsys, fake):
@@ -77,19 +82,52 @@ def test_ctrl_c_stops_the_reply_and_keeps_the_session(monkeypatch, capsys, fake)
 
 
 def test_flags_reach_the_engine(monkeypatch, capsys, fake):
-    run_chat(monkeypatch, capsys, "hi\n", "--model", "store", "--expert-cache", "2GB", "--no-prerouter", "--lora", "a.safetensors",
-             "--top-k", "4", "--dtype", "float32", "--temp", "0.7", "--top-p", "0.9", "--seed", "3",
-             "--max-tokens", "7")
+    run_chat(
+        monkeypatch,
+        capsys,
+        "hi\n",
+        "--model",
+        "store",
+        "--expert-cache",
+        "2GB",
+        "--no-prerouter",
+        "--lora",
+        "a.safetensors",
+        "--top-k",
+        "4",
+        "--dtype",
+        "float32",
+        "--temp",
+        "0.7",
+        "--top-p",
+        "0.9",
+        "--seed",
+        "3",
+        "--max-tokens",
+        "7",
+    )
     path, options = fake.loaded[0]
     assert path == "store"
     assert options["expert_cache"] == "2GB" and options["prerouter"] is False and options["lora"] == "a.safetensors"
     assert options["top_k"] == 4 and options["dtype"] == "float32"
     assert {k: fake.calls[0].kwargs[k] for k in ("temperature", "top_p", "seed", "max_tokens")} == {
-        "temperature": 0.7, "top_p": 0.9, "seed": 3, "max_tokens": 7}
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "seed": 3,
+        "max_tokens": 7,
+    }
 
 
-@pytest.mark.parametrize("argv", [["--max-tokens", "0"], ["--temp", "hot"], ["--top-p", "2"], ["--frobnicate"],
-                                  ["--lora", "a.safetensors", "--no-lora"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--max-tokens", "0"],
+        ["--temp", "hot"],
+        ["--top-p", "2"],
+        ["--frobnicate"],
+        ["--lora", "a.safetensors", "--no-lora"],
+    ],
+)
 def test_usage_errors_are_one_line_exit_2(capsys, argv):
     with pytest.raises(SystemExit) as e:
         chat.main(argv)
@@ -99,8 +137,9 @@ def test_usage_errors_are_one_line_exit_2(capsys, argv):
 
 
 def test_usage_error_from_the_command_line():
-    p = subprocess.run([sys.executable, "-m", "edge0", "chat", "--top-k", "many"], capture_output=True, text=True,
-                       timeout=60)
+    p = subprocess.run(
+        [sys.executable, "-m", "edge0", "chat", "--top-k", "many"], capture_output=True, text=True, timeout=60
+    )
     assert p.returncode == 2 and len(p.stderr.splitlines()) == 1 and "Traceback" not in p.stderr
 
 

@@ -58,8 +58,18 @@ def start(tmp_path, argvs: list[list[str]], ranks: int = 2) -> list[subprocess.P
     hostfile = tmp_path / f"hosts-{time.monotonic_ns()}.json"
     hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(ranks)]))
     env = {**os.environ, "MLX_HOSTFILE": str(hostfile), "PYTHONPATH": str(ROOT)}
-    return [subprocess.Popen(argv, env={**env, "MLX_RANK": str(r)}, cwd=ROOT, text=True, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, start_new_session=True) for r, argv in enumerate(argvs)]
+    return [
+        subprocess.Popen(
+            argv,
+            env={**env, "MLX_RANK": str(r)},
+            cwd=ROOT,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+        )
+        for r, argv in enumerate(argvs)
+    ]
 
 
 def finish(procs: list[subprocess.Popen], timeout: float = 60) -> list[tuple[int, str, str]]:
@@ -89,8 +99,10 @@ def single(store, **options):
 def test_two_ranks_give_the_single_process_tokens_reading_only_their_layers(family, store_for, heads, tmp_path):
     store = store_for(family)
     manifest = json.loads((store / "edge0-manifest.json").read_text())
-    runs = [{"store": str(store), "options": {"prerouter": False}},  # split balanced by bytes
-            {"store": str(store), "options": {"prerouter": str(heads[family]), "pipeline_split": SPLITS[family]}}]
+    runs = [
+        {"store": str(store), "options": {"prerouter": False}},  # split balanced by bytes
+        {"store": str(store), "options": {"prerouter": str(heads[family]), "pipeline_split": SPLITS[family]}},
+    ]
     if family == "qwen3_moe":
         # each rank adapts its own layers' linears
         adapter, _, random_adapter_paths = random_adapter(store, tmp_path / "lora.safetensors")
@@ -111,11 +123,14 @@ def test_two_ranks_give_the_single_process_tokens_reading_only_their_layers(fami
         assert got["tokens"] == want, f"run {i}"
         # the same routes, hits, misses, host syncs and drops per layer as in one process
         keys = ("calls", "host_syncs", "hits", "misses", "loads", "dropped")
-        assert {int(l): [s[k] for k in keys] for l, s in got["layer_stats"].items()} == \
-            {l: [s[k] for k in keys] for l, s in want_stats["layers"].items()}, f"run {i}"
+        assert {int(l): [s[k] for k in keys] for l, s in got["layer_stats"].items()} == {
+            l: [s[k] for k in keys] for l, s in want_stats["layers"].items()
+        }, f"run {i}"
         # each rank opened exactly its own MoE layers' expert files, each once
         ranks = [o[i] for o in out]
-        assert sorted(ranks[0]["moe_layers"] + ranks[1]["moe_layers"]) == [l["layer"] for l in manifest["expert_layers"]]
+        assert sorted(ranks[0]["moe_layers"] + ranks[1]["moe_layers"]) == [
+            l["layer"] for l in manifest["expert_layers"]
+        ]
         for r in ranks:
             assert r["moe_layers"] and sorted(r["opened"]) == sorted(Path(expert_file(l)).name for l in r["moe_layers"])
         assert [r["rank"] for r in got["ranks"]] == [0, 1]
@@ -133,8 +148,11 @@ def test_three_ranks_pass_the_hidden_state_through_a_middle_stage(store_for, hea
     # (MoE layer 1), rank 0 its consumer (MoE layer 2)
     store = store_for("deepseek_v3")
     options = {"prerouter": str(heads["deepseek_v3"]), "pipeline_split": "1,1,1"}
-    (tmp_path / "runs.json").write_text(json.dumps([{"store": str(store), "options": options, "prompt": PROMPT,
-                                                      "max_tokens": TOKENS, "ignore_eos": True}]))
+    (tmp_path / "runs.json").write_text(
+        json.dumps(
+            [{"store": str(store), "options": options, "prompt": PROMPT, "max_tokens": TOKENS, "ignore_eos": True}]
+        )
+    )
     argv = [sys.executable, str(ROOT / "tests" / "dist_worker.py"), str(tmp_path / "runs.json")]
     done = launch(tmp_path, [argv + [str(tmp_path / f"out-{r}.json")] for r in range(3)], ranks=3)
     assert [rc for rc, _, _ in done] == [0, 0, 0], [err[-2000:] for _, _, err in done]
@@ -152,9 +170,30 @@ def test_generate_under_mlx_launch_prints_the_single_process_text(store_for, tmp
     engine = edge0.load(store)
     want = engine.generate(PROMPT, max_tokens=TOKENS).text
     port = free_ports(1)[0]
-    p = subprocess.run([str(launcher), "-n", "2", "--backend", "ring", "--starting-port", str(port), "--",
-                        sys.executable, "-m", "edge0", "generate", "--model", str(store), *prompt],
-                       cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=60)
+    p = subprocess.run(
+        [
+            str(launcher),
+            "-n",
+            "2",
+            "--backend",
+            "ring",
+            "--starting-port",
+            str(port),
+            "--",
+            sys.executable,
+            "-m",
+            "edge0",
+            "generate",
+            "--model",
+            str(store),
+            *prompt,
+        ],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert p.returncode == 0, p.stderr[-2000:]
     assert p.stdout == want + "\n"  # only rank 0 writes the text
     assert "rank 0 of 2: layers 1-1 + norm and head:" in p.stderr and "rank 1 of 2: layers 0-0 + embedding:" in p.stderr
@@ -191,19 +230,34 @@ def test_the_server_listens_on_rank_0_and_the_other_rank_follows(store_for, tmp_
 
 
 def test_a_missing_peer_is_a_one_line_error(store_for, tmp_path):
-    argv = [sys.executable, "-m", "edge0", "generate", "--model", str(store_for("qwen3_moe")), "--prompt", "hi",
-            "--peer-timeout", "1"]
+    argv = [
+        sys.executable,
+        "-m",
+        "edge0",
+        "generate",
+        "--model",
+        str(store_for("qwen3_moe")),
+        "--prompt",
+        "hi",
+        "--peer-timeout",
+        "1",
+    ]
     [(rc, out, err)] = launch(tmp_path, [argv], ranks=2, timeout=30)  # rank 0 accepts: its timeout applies
     assert rc == 2 and out == ""
     assert err.count("\n") == 1 and "edge0: error: rank 0 of 2: could not reach its peers at 127.0.0.1:" in err
 
 
 def test_ranks_with_different_stores_stop_with_one_line(store_for, tmp_path):
-    argvs = [[sys.executable, "-m", "edge0", "generate", "--model", str(store_for(f)), "--prompt", "hi"]
-             for f in ("qwen3_moe", "deepseek_v3")]
+    argvs = [
+        [sys.executable, "-m", "edge0", "generate", "--model", str(store_for(f)), "--prompt", "hi"]
+        for f in ("qwen3_moe", "deepseek_v3")
+    ]
     for rank, (rc, out, err) in enumerate(launch(tmp_path, argvs)):
         assert rc == 2 and out == ""
-        assert err.count("\n") == 1 and f"edge0: error: rank {rank}: the store (manifest hash) differs between ranks" in err
+        assert (
+            err.count("\n") == 1
+            and f"edge0: error: rank {rank}: the store (manifest hash) differs between ranks" in err
+        )
 
 
 def test_a_split_must_cover_every_layer(store_for):

@@ -25,13 +25,22 @@ def rel_l2(a, b) -> float:
 def dequantized_reference(store, layer, x, inds):
     """float32 SwiGLU experts computed from dequantized int4 weights, one (token, k) at a time."""
     info = store.layers[layer]
-    t = {f"{info['module']}.{name}": B.from_raw(buf, dt, (info["num_experts"], *shape))
-         for name, (buf, dt, shape) in store.read_layer(layer).items()}
+    t = {
+        f"{info['module']}.{name}": B.from_raw(buf, dt, (info["num_experts"], *shape))
+        for name, (buf, dt, shape) in store.read_layer(layer).items()
+    }
     w = {}
     for proj in ("gate_proj", "up_proj", "down_proj"):
         p = f"{info['module']}.{proj}"
-        w[proj] = np.array(mx.dequantize(t[f"{p}.weight"], t[f"{p}.scales"].astype(mx.float32),
-                                         t[f"{p}.biases"].astype(mx.float32), group_size=64, bits=4))
+        w[proj] = np.array(
+            mx.dequantize(
+                t[f"{p}.weight"],
+                t[f"{p}.scales"].astype(mx.float32),
+                t[f"{p}.biases"].astype(mx.float32),
+                group_size=64,
+                bits=4,
+            )
+        )
     x, inds = np.array(x, np.float64)[0], np.array(inds)[0]
     out = np.zeros((*inds.shape, x.shape[-1]))
     for i, row in enumerate(inds):
@@ -77,8 +86,10 @@ def test_every_path_matches_dequantized_reference_and_exact(engine):
     hot = edge0.load(engine.root, expert_cache="40KB", decode_executor="hot").streaming.layers[layer].decode
     exact = ExactExecutor(engine.store, layer, "float32", st.stats)
     checked = 0
-    for t, executors in ((40, {"whole": d.prefill["whole"], "exact": d.prefill["exact"]}),
-                         (1, {"staged": d.decode, "hot": hot, "exact": exact})):
+    for t, executors in (
+        (40, {"whole": d.prefill["whole"], "exact": d.prefill["exact"]}),
+        (1, {"staged": d.decode, "hot": hot, "exact": exact}),
+    ):
         for _ in range(12 if t == 1 else 2):  # several decode steps: slots fill, evict, refresh
             x = mx.array(rng.normal(size=(1, t, dim)).astype(np.float32))
             inds = mx.array(np.stack([rng.choice(8, 2, replace=False) for _ in range(t)])[None].astype(np.uint32))
@@ -125,7 +136,10 @@ def test_per_layer_executor_choice(store_for):
     assert mixed.streaming.layers[layers[0]].decode.name == "hot"
     assert mixed.streaming.layers[layers[1]].decode.name == "staged"
     prompt = base.encode(LONG_PROMPT)
-    assert mixed.generate(prompt, max_tokens=10, ignore_eos=True).tokens == base.generate(prompt, max_tokens=10, ignore_eos=True).tokens
+    assert (
+        mixed.generate(prompt, max_tokens=10, ignore_eos=True).tokens
+        == base.generate(prompt, max_tokens=10, ignore_eos=True).tokens
+    )
     with pytest.raises(Edge0Error, match="decode-executor"):
         edge0.load(store, decode_executor="bogus")
 
@@ -170,7 +184,9 @@ class OracleStager(StepHooks):
 
 def record_decode_routes(engine, prompt, n):
     routes = {}
-    engine.observe_routes(lambda layer, inds, _: inds.shape[0] == 1 and routes.setdefault(layer, []).append(inds[0].tolist()))
+    engine.observe_routes(
+        lambda layer, inds, _: inds.shape[0] == 1 and routes.setdefault(layer, []).append(inds[0].tolist())
+    )
     tokens = engine.generate(prompt, max_tokens=n, ignore_eos=True).tokens
     engine.observe_routes(None)
     return routes, tokens
@@ -232,7 +248,9 @@ def test_in_place_slot_writes_match_the_scatter_reference(store_for):
     per_slot = sum(ref.store.expert_nbytes(l) for l in ref.store.layers)
     totals = {}
     for path in ("in place", "scatter"):
-        e = edge0.load(store, decode_executor="staged", prefill_executor="exact", expert_cache=ref.spec.top_k * per_slot)
+        e = edge0.load(
+            store, decode_executor="staged", prefill_executor="exact", expert_cache=ref.spec.top_k * per_slot
+        )
         if path == "scatter":  # the reference: every rewrite makes new slot tensors on the device
             for ex in e.streaming.staged().values():
                 ex.slots.views = {p: dict.fromkeys(parts) for p, parts in ex.slots.params.items()}
@@ -251,7 +269,9 @@ def test_live_cache_policies_change_reads_not_outputs(store_for):
     per_slot = sum(ref.store.expert_nbytes(l) for l in ref.store.layers)
     reads = {}
     for policy in ("lru", "lfu", "arc"):
-        e = edge0.load(store, cache_policy=policy, expert_cache=(ref.spec.top_k + 2) * per_slot, prefill_executor="exact")
+        e = edge0.load(
+            store, cache_policy=policy, expert_cache=(ref.spec.top_k + 2) * per_slot, prefill_executor="exact"
+        )
         assert e.generate(prompt, max_tokens=24, ignore_eos=True).tokens == want, policy
         t = e.stats()["totals"]
         reads[policy] = (t["bytes_read"], t["hits"])

@@ -26,26 +26,38 @@ from tests.fixtures.make import build_model, safetensors_header
 # One routed-expert key, one other family-specific key (HF names) and the expected shape of
 # the first, per family: documents the layouts the maker must produce.
 EXPECTED_KEYS = {
-    "qwen3_moe": ("model.layers.1.mlp.experts.7.down_proj.weight",
-                  "model.layers.0.mlp.gate.weight", [64, 64]),
-    "qwen3_5_moe": ("model.language_model.layers.0.mlp.experts.gate_up_proj",
-                    "model.language_model.layers.0.linear_attn.conv1d.weight", [8, 128, 64]),
-    "deepseek_v3": ("model.layers.1.mlp.experts.0.gate_proj.weight",
-                    "model.layers.1.self_attn.kv_b_proj.weight", [64, 64]),
-    "mixtral": ("model.layers.0.block_sparse_moe.experts.3.w1.weight",
-                "model.layers.0.block_sparse_moe.gate.weight", [64, 64]),
-    "bailing_moe": ("model.layers.2.mlp.experts.3.up_proj.weight",
-                    "model.layers.1.mlp.gate.expert_bias", [64, 64]),
-    "olmoe": ("model.layers.0.mlp.experts.5.up_proj.weight",
-              "model.layers.0.self_attn.q_norm.weight", [64, 64]),
+    "qwen3_moe": ("model.layers.1.mlp.experts.7.down_proj.weight", "model.layers.0.mlp.gate.weight", [64, 64]),
+    "qwen3_5_moe": (
+        "model.language_model.layers.0.mlp.experts.gate_up_proj",
+        "model.language_model.layers.0.linear_attn.conv1d.weight",
+        [8, 128, 64],
+    ),
+    "deepseek_v3": (
+        "model.layers.1.mlp.experts.0.gate_proj.weight",
+        "model.layers.1.self_attn.kv_b_proj.weight",
+        [64, 64],
+    ),
+    "mixtral": (
+        "model.layers.0.block_sparse_moe.experts.3.w1.weight",
+        "model.layers.0.block_sparse_moe.gate.weight",
+        [64, 64],
+    ),
+    "bailing_moe": ("model.layers.2.mlp.experts.3.up_proj.weight", "model.layers.1.mlp.gate.expert_bias", [64, 64]),
+    "olmoe": ("model.layers.0.mlp.experts.5.up_proj.weight", "model.layers.0.self_attn.q_norm.weight", [64, 64]),
     "phimoe": ("model.layers.1.block_sparse_moe.experts.5.w2.weight", "lm_head.bias", [64, 64]),
 }
 
-TEXT = "héllo ✓ 日本 — the world\n\n\ttabs  {\"a\": [1, 2]} 🙂 <tool_call> <|im_end|>"
-TOOLS = [{"type": "function", "function": {
-    "name": "get_weather", "description": "Weather for a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                   "required": ["city"]}}}]
+TEXT = 'héllo ✓ 日本 — the world\n\n\ttabs  {"a": [1, 2]} 🙂 <tool_call> <|im_end|>'
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather for a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    }
+]
 
 
 def _shard_keys(hf_dir):
@@ -72,8 +84,8 @@ def test_hf_layout(family):
     keys = {k: name for name, header in shards.items() for k in header}
     assert index["weight_map"] == keys
     assert index["metadata"]["total_size"] == sum(
-        info["data_offsets"][1] - info["data_offsets"][0]
-        for header in shards.values() for info in header.values())
+        info["data_offsets"][1] - info["data_offsets"][0] for header in shards.values() for info in header.values()
+    )
 
     expert_key, other_key, shape = EXPECTED_KEYS[family]
     headers = {k: v for header in shards.values() for k, v in header.items()}
@@ -159,8 +171,7 @@ def test_mlx_reference_is_int4_and_generates(family):
     experts = model.model.layers[0].mlp.switch_mlp.gate_proj
     assert experts.bits == 4 and experts.group_size == 64
 
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}],
-                                           add_generation_prompt=True)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True)
     tokens = []
     for token, _ in generate_step(mx.array(prompt), model, max_tokens=8):
         tokens.append(int(token))
@@ -194,13 +205,14 @@ def test_tokenizer_round_trip_and_chat_template(tmp_path):
     messages = [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Weather in Paris?"},
-        {"role": "assistant", "content": "", "tool_calls": [
-            {"type": "function", "function": {"name": "get_weather",
-                                              "arguments": {"city": "Paris"}}}]},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}],
+        },
         {"role": "tool", "content": "18C"},
     ]
-    text = hf.apply_chat_template(messages, tools=TOOLS, add_generation_prompt=True,
-                                  tokenize=False)
+    text = hf.apply_chat_template(messages, tools=TOOLS, add_generation_prompt=True, tokenize=False)
     assert text.startswith("<|im_start|>system\nBe brief.\n\n# Tools")
     assert json.dumps(TOOLS[0]) in text
     call = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
@@ -208,11 +220,11 @@ def test_tokenizer_round_trip_and_chat_template(tmp_path):
     assert "<tool_response>\n18C\n</tool_response><|im_end|>\n" in text
     assert text.endswith("<|im_start|>assistant\n")
 
-    plain = wrapper.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
-                                        add_generation_prompt=False)
+    plain = wrapper.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=False
+    )
     assert plain == "<|im_start|>user\nhi<|im_end|>\n"
-    prompt_ids = wrapper.apply_chat_template([{"role": "user", "content": "hi"}],
-                                             add_generation_prompt=True)
+    prompt_ids = wrapper.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True)
     assert prompt_ids[0] == tok.token_id("<|im_start|>")
 
 

@@ -14,7 +14,10 @@ from tests.fixtures.make import fixture_dir, reference_dir
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
 def test_sizes_from_headers_match_the_converted_store(family, store_for):
     """Already quantized (mlx-lm layout): the store's bytes exactly; HF layout: the int4 estimate."""
-    for src, store, tol in [(reference_dir(family), store_for(family, "mlx"), 0.002), (fixture_dir(family), store_for(family), 0.1)]:
+    for src, store, tol in [
+        (reference_dir(family), store_for(family, "mlx"), 0.002),
+        (fixture_dir(family), store_for(family), 0.1),
+    ]:
         ck = summarize(*read_checkpoint(str(src)), str(src))
         manifest = json.loads((store / "edge0-manifest.json").read_text())
         experts = sum(manifest["files"][l["file"]]["size"] for l in manifest["expert_layers"])
@@ -23,7 +26,11 @@ def test_sizes_from_headers_match_the_converted_store(family, store_for):
         assert ck.moe_layers == len(manifest["expert_layers"]) and ck.num_experts == manifest["spec"]["num_experts"]
         # expert-major rows are padded to 4 KiB; the headers know the tensor bytes only
         assert abs(ck.expert_bytes - per_expert) <= 4096 + tol * per_expert, (src, ck.expert_bytes, per_expert)
-        assert abs(ck.resident_store_bytes - resident) <= tol * resident + 64 * 1024, (src, ck.resident_store_bytes, resident)
+        assert abs(ck.resident_store_bytes - resident) <= tol * resident + 64 * 1024, (
+            src,
+            ck.resident_store_bytes,
+            resident,
+        )
 
 
 def test_plan_hf_path_prints_the_forecast(tmp_path, capsys):

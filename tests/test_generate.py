@@ -72,15 +72,41 @@ def test_reuse_cache_prefills_only_new_tokens(engine):
 
 
 def test_generate_cli_prints_text_and_stats(store_for):
-    p = subprocess.run([sys.executable, "-m", "edge0", "generate", "--model", str(store_for("qwen3_moe")),
-                        "--prompt", "hello", "--max-tokens", "5", "--stats"], capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "edge0",
+            "generate",
+            "--model",
+            str(store_for("qwen3_moe")),
+            "--prompt",
+            "hello",
+            "--max-tokens",
+            "5",
+            "--stats",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode == 0, p.stderr
-    assert "tok/s" in p.stderr and "experts read" in p.stderr and "read_amplification" in p.stderr and "expert cache" in p.stderr
+    assert (
+        "tok/s" in p.stderr
+        and "experts read" in p.stderr
+        and "read_amplification" in p.stderr
+        and "expert cache" in p.stderr
+    )
 
 
 def test_repo_id_offline_is_a_clear_error(tmp_path):
     env = {"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"), "PATH": "/usr/bin:/bin"}
-    p = subprocess.run([sys.executable, "-m", "edge0", "convert", "--hf-path", "nobody/not-a-model", "-o", str(tmp_path / "o")],
-                       capture_output=True, text=True, timeout=120, env=env)
+    p = subprocess.run(
+        [sys.executable, "-m", "edge0", "convert", "--hf-path", "nobody/not-a-model", "-o", str(tmp_path / "o")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert p.returncode == 2 and "Traceback" not in p.stderr
     assert "nobody/not-a-model" in p.stderr and "Hugging Face" in p.stderr

@@ -18,8 +18,8 @@ import pytest
 import edge0
 from edge0.cli import VERBS
 from edge0.cli import main as cli_main
-from edge0.store.convert import convert
 from edge0.errors import Edge0Error
+from edge0.store.convert import convert
 from tests.fixtures.make import fixture_config, fixture_dir
 from tests.test_errors import assert_one_line_error
 
@@ -36,8 +36,14 @@ def run_verb(capsys, *argv):
 def start(script: str, *args, env=None) -> subprocess.Popen:
     """A Python process running `script` with `args` as sys.argv[1:], in this checkout."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
-    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(script), *map(str, args)], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(script), *map(str, args)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def finish(p: subprocess.Popen, timeout=120):
@@ -73,8 +79,16 @@ def race(tmp_path, *argv, env=None):
 
 def test_first_use_of_the_bundled_model_by_two_processes_at_once(tmp_path):
     cache = tmp_path / "cache"
-    results = race(tmp_path, "generate", "--prompt", "hi", "--max-tokens", "2", "--no-chat-template",
-                   env={"EDGE0_CACHE": str(cache)})
+    results = race(
+        tmp_path,
+        "generate",
+        "--prompt",
+        "hi",
+        "--max-tokens",
+        "2",
+        "--no-chat-template",
+        env={"EDGE0_CACHE": str(cache)},
+    )
     for code, _, err in results:
         assert code == 0 and "Traceback" not in err, err
         assert "tok/s" in err
@@ -160,18 +174,21 @@ def test_sigterm_during_convert_leaves_nothing(tmp_path):
 
 # -- 3. flag values ------------------------------------------------------------------------------
 @pytest.mark.parametrize("verb", ["generate", "chat"])
-@pytest.mark.parametrize("flags, needle", [
-    (["--seed=-1"], "--seed -1"),
-    (["--seed", str(2**64)], f"--seed {2**64}"),
-    (["--temp", "-1"], "--temp -1"),
-    (["--temp", "nan"], "--temp nan"),
-    (["--temp", "inf"], "--temp inf"),
-    (["--top-p", "5"], "--top-p 5"),
-    (["--top-p", "0"], "--top-p 0"),
-    (["--top-p", "nan"], "--top-p nan"),
-    (["--max-tokens", "-5"], "--max-tokens -5"),
-    (["--max-tokens", "x"], "--max-tokens"),
-])
+@pytest.mark.parametrize(
+    "flags, needle",
+    [
+        (["--seed=-1"], "--seed -1"),
+        (["--seed", str(2**64)], f"--seed {2**64}"),
+        (["--temp", "-1"], "--temp -1"),
+        (["--temp", "nan"], "--temp nan"),
+        (["--temp", "inf"], "--temp inf"),
+        (["--top-p", "5"], "--top-p 5"),
+        (["--top-p", "0"], "--top-p 0"),
+        (["--top-p", "nan"], "--top-p nan"),
+        (["--max-tokens", "-5"], "--max-tokens -5"),
+        (["--max-tokens", "x"], "--max-tokens"),
+    ],
+)
 def test_sampling_flags_out_of_range(capsys, store_for, verb, flags, needle):
     args = [verb, "--model", str(store_for("qwen3_moe")), *flags] + (["--prompt", "hi"] if verb == "generate" else [])
     assert_one_line_error(*run_verb(capsys, *args), needle)
@@ -180,7 +197,9 @@ def test_sampling_flags_out_of_range(capsys, store_for, verb, flags, needle):
 @pytest.mark.parametrize("verb", ["generate", "serve"])
 @pytest.mark.parametrize("k", ["0", "-1", "3", "999"])
 def test_top_k_out_of_range(capsys, store_for, verb, k):
-    args = [verb, "--model", str(store_for("qwen3_moe")), "--top-k", k] + (["--prompt", "hi"] if verb == "generate" else [])
+    args = [verb, "--model", str(store_for("qwen3_moe")), "--top-k", k] + (
+        ["--prompt", "hi"] if verb == "generate" else []
+    )
     code, err = run_verb(capsys, *args)
     assert_one_line_error(code, err, f"--top-k {k}")
     if int(k) > 0:
@@ -214,22 +233,40 @@ def dense_config() -> dict:
     return {**fixture_config("qwen3_moe"), "model_type": "llama", "architectures": ["LlamaForCausalLM"]}
 
 
-@pytest.mark.parametrize("content, needles", [
-    pytest.param(json.dumps(dense_config()), ["model_type 'llama'", "no MoE block", "spec'd families: ", "qwen3_moe",
-                                              "universal level"], id="dense"),
-    pytest.param(json.dumps({**fixture_config("qwen3_moe"), "mlp_only_layers": [1]}),
-                 ["routed experts in 1 layers", "2 MoE layers"], id="other-moe-layers"),
-    pytest.param(json.dumps(fixture_config("mixtral")), ["model_type 'mixtral'", "holds a 'qwen3_moe' model"],
-                 id="other-family"),
-    pytest.param("{not json", ["not a JSON file"], id="not-json"),
-    pytest.param(bytes(range(256)) * 4, ["not a JSON file", "UnicodeDecodeError"], id="random-bytes"),
-    pytest.param("[1, 2]", ["a JSON list, not an object"], id="list"),
-    pytest.param("{}", ["no model_type"], id="no-model-type"),
-    pytest.param(json.dumps({"model_type": "no_such_family"}), ["'no_such_family' is not supported"], id="unknown-family"),
-    pytest.param(json.dumps({"model_type": "qwen3_moe"}), ["cannot build a 'qwen3_moe' model"], id="fields-missing"),
-    pytest.param(json.dumps({**fixture_config("qwen3_moe"), "hidden_size": "wide"}), ["cannot build"], id="wrong-type"),
-    pytest.param(None, ["config.json: missing"], id="missing"),
-])
+@pytest.mark.parametrize(
+    "content, needles",
+    [
+        pytest.param(
+            json.dumps(dense_config()),
+            ["model_type 'llama'", "no MoE block", "spec'd families: ", "qwen3_moe", "universal level"],
+            id="dense",
+        ),
+        pytest.param(
+            json.dumps({**fixture_config("qwen3_moe"), "mlp_only_layers": [1]}),
+            ["routed experts in 1 layers", "2 MoE layers"],
+            id="other-moe-layers",
+        ),
+        pytest.param(
+            json.dumps(fixture_config("mixtral")),
+            ["model_type 'mixtral'", "holds a 'qwen3_moe' model"],
+            id="other-family",
+        ),
+        pytest.param("{not json", ["not a JSON file"], id="not-json"),
+        pytest.param(bytes(range(256)) * 4, ["not a JSON file", "UnicodeDecodeError"], id="random-bytes"),
+        pytest.param("[1, 2]", ["a JSON list, not an object"], id="list"),
+        pytest.param("{}", ["no model_type"], id="no-model-type"),
+        pytest.param(
+            json.dumps({"model_type": "no_such_family"}), ["'no_such_family' is not supported"], id="unknown-family"
+        ),
+        pytest.param(
+            json.dumps({"model_type": "qwen3_moe"}), ["cannot build a 'qwen3_moe' model"], id="fields-missing"
+        ),
+        pytest.param(
+            json.dumps({**fixture_config("qwen3_moe"), "hidden_size": "wide"}), ["cannot build"], id="wrong-type"
+        ),
+        pytest.param(None, ["config.json: missing"], id="missing"),
+    ],
+)
 def test_bad_config_in_a_store(capsys, store_copy, content, needles):
     config = store_copy / "config.json"
     if content is None:
@@ -240,12 +277,19 @@ def test_bad_config_in_a_store(capsys, store_copy, content, needles):
     assert_one_line_error(code, err, str(config), *needles)
 
 
-@pytest.mark.parametrize("name, content, needles", [
-    pytest.param("config.json", bytes(range(256)) * 4, ["config.json: not a JSON file"], id="random-bytes"),
-    pytest.param("config.json", json.dumps(dense_config()), ["model_type 'llama'", "no MoE block", "qwen3_moe"], id="dense"),
-    pytest.param("generation_config.json", b"\xff\xfe", ["generation_config.json: not a JSON file"], id="gen-bytes"),
-    pytest.param("generation_config.json", "[]", ["generation_config.json: a JSON list"], id="gen-list"),
-])
+@pytest.mark.parametrize(
+    "name, content, needles",
+    [
+        pytest.param("config.json", bytes(range(256)) * 4, ["config.json: not a JSON file"], id="random-bytes"),
+        pytest.param(
+            "config.json", json.dumps(dense_config()), ["model_type 'llama'", "no MoE block", "qwen3_moe"], id="dense"
+        ),
+        pytest.param(
+            "generation_config.json", b"\xff\xfe", ["generation_config.json: not a JSON file"], id="gen-bytes"
+        ),
+        pytest.param("generation_config.json", "[]", ["generation_config.json: a JSON list"], id="gen-list"),
+    ],
+)
 def test_bad_config_in_a_convert_source(capsys, tmp_path, name, content, needles):
     src = tmp_path / "src"
     shutil.copytree(fixture_dir("qwen3_moe"), src)
@@ -270,25 +314,52 @@ def files(tmp_path):
     return tmp_path
 
 
-@pytest.mark.parametrize("argv, needles", [
-    pytest.param(["generate", "--prompt", "hi", "--substitute-alpha", "nan"], ["--substitute-alpha nan", "finite"],
-                 id="alpha-nan"),
-    pytest.param(["generate", "--prompt", "hi", "--substitute-alpha", "inf"], ["--substitute-alpha inf"], id="alpha-inf"),
-    pytest.param(["generate", "--prompt", "\udcff"], ["--prompt: not UTF-8 text"], id="prompt-not-utf8"),
-    pytest.param(["eval", "--data", "{f}/binary.txt"], ["binary.txt: not UTF-8 text"], id="eval-data-binary"),
-    pytest.param(["eval", "--data", "{f}/text.txt", "--window", "1"], ["--window 1: must be >= 2"], id="eval-window"),
-    pytest.param(["eval", "--data", "{f}/text.txt", "--max-windows", "0"], ["--max-windows 0"], id="eval-max-windows"),
-    pytest.param(["eval", "--data", "{f}/text.txt", "--reference", "{f}/nowhere"], ["--reference", "no such directory"],
-                 id="eval-reference-missing"),
-    pytest.param(["eval", "--data", "{f}/text.txt", "--reference", "{f}/empty"], ["empty/config.json: missing"],
-                 id="eval-reference-empty"),
-    pytest.param(["train-prerouter", "--data", "{f}/text.txt", "--out", "{f}/h", "--window", "0"], ["--window >= 2"],
-                 id="prerouter-window"),
-    pytest.param(["train-prerouter", "--data", "{f}/text.txt", "--out", "{f}/h", "--listwise", "nan"],
-                 ["--listwise nan"], id="prerouter-listwise"),
-    pytest.param(["train-prerouter", "--data", "{f}/binary.txt", "--out", "{f}/h"], ["binary.txt: not UTF-8 text"],
-                 id="prerouter-data-binary"),
-])
+@pytest.mark.parametrize(
+    "argv, needles",
+    [
+        pytest.param(
+            ["generate", "--prompt", "hi", "--substitute-alpha", "nan"],
+            ["--substitute-alpha nan", "finite"],
+            id="alpha-nan",
+        ),
+        pytest.param(
+            ["generate", "--prompt", "hi", "--substitute-alpha", "inf"], ["--substitute-alpha inf"], id="alpha-inf"
+        ),
+        pytest.param(["generate", "--prompt", "\udcff"], ["--prompt: not UTF-8 text"], id="prompt-not-utf8"),
+        pytest.param(["eval", "--data", "{f}/binary.txt"], ["binary.txt: not UTF-8 text"], id="eval-data-binary"),
+        pytest.param(
+            ["eval", "--data", "{f}/text.txt", "--window", "1"], ["--window 1: must be >= 2"], id="eval-window"
+        ),
+        pytest.param(
+            ["eval", "--data", "{f}/text.txt", "--max-windows", "0"], ["--max-windows 0"], id="eval-max-windows"
+        ),
+        pytest.param(
+            ["eval", "--data", "{f}/text.txt", "--reference", "{f}/nowhere"],
+            ["--reference", "no such directory"],
+            id="eval-reference-missing",
+        ),
+        pytest.param(
+            ["eval", "--data", "{f}/text.txt", "--reference", "{f}/empty"],
+            ["empty/config.json: missing"],
+            id="eval-reference-empty",
+        ),
+        pytest.param(
+            ["train-prerouter", "--data", "{f}/text.txt", "--out", "{f}/h", "--window", "0"],
+            ["--window >= 2"],
+            id="prerouter-window",
+        ),
+        pytest.param(
+            ["train-prerouter", "--data", "{f}/text.txt", "--out", "{f}/h", "--listwise", "nan"],
+            ["--listwise nan"],
+            id="prerouter-listwise",
+        ),
+        pytest.param(
+            ["train-prerouter", "--data", "{f}/binary.txt", "--out", "{f}/h"],
+            ["binary.txt: not UTF-8 text"],
+            id="prerouter-data-binary",
+        ),
+    ],
+)
 def test_hostile_inputs_are_one_line(capsys, store_for, files, argv, needles):
     argv = [a.format(f=files) for a in argv]
     code, err = run_verb(capsys, argv[0], "--model", str(store_for("qwen3_moe")), *argv[1:])

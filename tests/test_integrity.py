@@ -48,8 +48,17 @@ def test_damaged_expert_is_an_error_when_read_naming_layer_expert_and_verify(sto
     assert s.io_stats()["experts_checked"] >= 3
     unchecked = ExpertStore(store, open_manifest(store), check_experts=False)
     unchecked.read(1, [5])  # opting out reads what is there
-    code, err = run_cli("generate", "--model", str(store), "--prompt", "hello world once upon a time", "--max-tokens", "4",
-                        "--no-prerouter", "--no-lora")
+    code, err = run_cli(
+        "generate",
+        "--model",
+        str(store),
+        "--prompt",
+        "hello world once upon a time",
+        "--max-tokens",
+        "4",
+        "--no-prerouter",
+        "--no-lora",
+    )
     assert code == 2 and "Traceback" not in err and err.splitlines()[-1].startswith("edge0: error: ")
     assert "expert 5 does not match its checksum" in err.splitlines()[-1]
 

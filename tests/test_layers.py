@@ -25,11 +25,22 @@ FLOORS = [
     ("cli", ["edge0.cli"]),
 ]
 # The package root's own modules: the shared names, and the entry points.
-ROOT = {"errors": "base", "version": "base", "units": "base", "spec": "base", "textstream": "base",
-        "sampling": "base", "options": "engine", "__main__": "cli", "serve": "cli"}
+ROOT = {
+    "errors": "base",
+    "version": "base",
+    "units": "base",
+    "spec": "base",
+    "textstream": "base",
+    "sampling": "base",
+    "options": "engine",
+    "__main__": "cli",
+    "serve": "cli",
+}
 _FLOOR_INDEX = {name: i for i, (name, _) in enumerate(FLOORS)}
-RANK = {**{prefix: i for i, (_, prefixes) in enumerate(FLOORS) for prefix in prefixes},
-        **{f"edge0.{m}": _FLOOR_INDEX[f] for m, f in ROOT.items()}}
+RANK = {
+    **{prefix: i for i, (_, prefixes) in enumerate(FLOORS) for prefix in prefixes},
+    **{f"edge0.{m}": _FLOOR_INDEX[f] for m, f in ROOT.items()},
+}
 
 
 def floor(module: str) -> int:
@@ -55,11 +66,17 @@ def imports(path: Path) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                base = ".".join(
+                    package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else [])
+                )
             out.add(base)
             # `from edge0.x import y` may name a module y
-            out.update(f"{base}.{a.name}" for a in node.names if (PKG.parent / f"{base}.{a.name}".replace(".", "/")).with_suffix(".py").exists()
-                       or (PKG.parent / f"{base}.{a.name}".replace(".", "/") / "__init__.py").exists())
+            out.update(
+                f"{base}.{a.name}"
+                for a in node.names
+                if (PKG.parent / f"{base}.{a.name}".replace(".", "/")).with_suffix(".py").exists()
+                or (PKG.parent / f"{base}.{a.name}".replace(".", "/") / "__init__.py").exists()
+            )
     return {m for m in out if m == "edge0" or m.startswith("edge0.")}
 
 
@@ -68,8 +85,12 @@ def graph() -> dict[str, set[str]]:
 
 
 def upward(g: dict[str, set[str]]) -> list[str]:
-    return sorted(f"{m} (floor {FLOORS[floor(m)][0]}) imports {d} (floor {FLOORS[floor(d)][0]})"
-                  for m, deps in g.items() for d in deps if floor(d) > floor(m))
+    return sorted(
+        f"{m} (floor {FLOORS[floor(m)][0]}) imports {d} (floor {FLOORS[floor(d)][0]})"
+        for m, deps in g.items()
+        for d in deps
+        if floor(d) > floor(m)
+    )
 
 
 def cycles(g: dict[str, set[str]]) -> list[list[str]]:
@@ -124,8 +145,11 @@ def test_no_import_cycles():
 
 
 def test_the_checks_catch_an_upward_import_and_a_cycle():
-    g = {"edge0.store.format": {"edge0.engine.engine"}, "edge0.engine.engine": {"edge0.store.format"},
-         "edge0.cache.policy": {"edge0.errors"}}
+    g = {
+        "edge0.store.format": {"edge0.engine.engine"},
+        "edge0.engine.engine": {"edge0.store.format"},
+        "edge0.cache.policy": {"edge0.errors"},
+    }
     assert upward(g) == ["edge0.store.format (floor data) imports edge0.engine.engine (floor engine)"]
     assert cycles(g) == [["edge0.engine.engine", "edge0.store.format"]]
 

@@ -99,10 +99,38 @@ def trained(store, heads, tmp_path_factory):
     d = tmp_path_factory.mktemp("lora")
     (d / "train.txt").write_text("disk " * 400)  # few distinct prompts: a short run can generalize
     out = d / "adapter.safetensors"
-    argv = ["--model", str(store), "--teacher", str(fixture_dir("qwen3_moe")), "--data", str(d / "train.txt"),
-            "--out", str(out), "--prerouter", str(heads[0]), "--sft-steps", "2", "--distill-steps", "12", "--batch", "2",
-            "--prompt-tokens", "12", "--gen-tokens", "16", "--val-windows", "2", "--val-window", "48", "--lr", "3e-4",
-            "--teacher-temperature", "0", "--student-temperature", "0"]
+    argv = [
+        "--model",
+        str(store),
+        "--teacher",
+        str(fixture_dir("qwen3_moe")),
+        "--data",
+        str(d / "train.txt"),
+        "--out",
+        str(out),
+        "--prerouter",
+        str(heads[0]),
+        "--sft-steps",
+        "2",
+        "--distill-steps",
+        "12",
+        "--batch",
+        "2",
+        "--prompt-tokens",
+        "12",
+        "--gen-tokens",
+        "16",
+        "--val-windows",
+        "2",
+        "--val-window",
+        "48",
+        "--lr",
+        "3e-4",
+        "--teacher-temperature",
+        "0",
+        "--student-temperature",
+        "0",
+    ]
     with contextlib.redirect_stderr(io.StringIO()):
         assert main(argv) == 0
     return out
@@ -129,10 +157,38 @@ def test_train_lora_continues_an_adapter(store, heads, trained, tmp_path):
 
     (tmp_path / "train.txt").write_text("disk " * 400)
     out = tmp_path / "more.safetensors"
-    argv = ["--model", str(store), "--teacher", str(fixture_dir("qwen3_moe")), "--data", str(tmp_path / "train.txt"),
-            "--out", str(out), "--prerouter", str(heads[0]), "--init", str(trained), "--r", "4", "--sft-steps", "0",
-            "--distill-steps", "1", "--batch", "2", "--prompt-tokens", "12", "--gen-tokens", "16", "--val-windows", "2",
-            "--val-window", "48", "--lr", "3e-4"]
+    argv = [
+        "--model",
+        str(store),
+        "--teacher",
+        str(fixture_dir("qwen3_moe")),
+        "--data",
+        str(tmp_path / "train.txt"),
+        "--out",
+        str(out),
+        "--prerouter",
+        str(heads[0]),
+        "--init",
+        str(trained),
+        "--r",
+        "4",
+        "--sft-steps",
+        "0",
+        "--distill-steps",
+        "1",
+        "--batch",
+        "2",
+        "--prompt-tokens",
+        "12",
+        "--gen-tokens",
+        "16",
+        "--val-windows",
+        "2",
+        "--val-window",
+        "48",
+        "--lr",
+        "3e-4",
+    ]
     with contextlib.redirect_stderr(io.StringIO()):
         assert main(argv) == 0
     _, before = read_adapter(trained)
@@ -141,7 +197,8 @@ def test_train_lora_continues_an_adapter(store, heads, trained, tmp_path):
     assert meta["provenance"]["init"]["path"] == str(trained)
     # it starts where the first run ended: same held-out KL before, up to summation order
     assert meta["provenance"]["validation"]["before"]["kl_to_teacher"] == pytest.approx(
-        before["provenance"]["validation"]["after"]["kl_to_teacher"], rel=1e-4)
+        before["provenance"]["validation"]["after"]["kl_to_teacher"], rel=1e-4
+    )
     with pytest.raises(Edge0Error, match="trained at K=2, this engine serves K=1"):
         main(argv[:-1] + ["3e-4", "--top-k", "1"])
 
@@ -222,8 +279,17 @@ def random_adapter(store, out):
     model = edge0.load(store, prerouter=False, lora=False).model
     paths = blora.candidate_linears(model)
     rng = np.random.default_rng(1)
-    tensors = {k: rng.normal(size=s).astype(np.float32) * 0.1 for k, s in blora.expected_shapes(model, paths, 4).items()}
-    meta = {"manifest_sha256": manifest_hash(store), "prerouter_sha256": None, "top_k": 2, "r": 4, "alpha": 8.0, "targets": paths}
+    tensors = {
+        k: rng.normal(size=s).astype(np.float32) * 0.1 for k, s in blora.expected_shapes(model, paths, 4).items()
+    }
+    meta = {
+        "manifest_sha256": manifest_hash(store),
+        "prerouter_sha256": None,
+        "top_k": 2,
+        "r": 4,
+        "alpha": 8.0,
+        "targets": paths,
+    }
     return save_adapter(out, tensors, meta), tensors, paths
 
 
@@ -252,7 +318,7 @@ def test_batched_student_generation_follows_the_serving_route(store, heads):
     want = served.generate(ids, max_tokens=8, ignore_eos=True).tokens
     ex = edge0.load(store, prerouter=heads[0], lora=False, prefill_executor="exact", decode_executor="exact")
     got = bd.student_generate(ex.model, ex.prerouting, np.array([ids, ids]), 8, 0.0, seed=0)
-    assert got[:, len(ids):].tolist() == [want, want]
+    assert got[:, len(ids) :].tolist() == [want, want]
 
 
 def test_distillation_losses_match_their_definitions():
@@ -274,9 +340,17 @@ def test_distillation_losses_match_their_definitions():
     np.put_along_axis(rest, idx, False, axis=-1)
     pc = np.concatenate([np.take_along_axis(p, idx, -1), (p * rest).sum(-1, keepdims=True)], -1)
     qc = np.concatenate([np.take_along_axis(q, idx, -1), (q * rest).sum(-1, keepdims=True)], -1)
-    coarse = (idx[None].astype(np.int32), np.log(pc[:, :k])[None].astype(np.float32), np.log(pc[:, k])[None].astype(np.float32))
-    assert float(truncated_forward_kl(logits, 1, *coarse)) == pytest.approx((pc * np.log(pc / qc)).sum(-1).mean(), rel=1e-5)
-    assert float(truncated_reverse_kl(logits, 1, *coarse)) == pytest.approx((qc * np.log(qc / pc)).sum(-1).mean(), rel=1e-5)
+    coarse = (
+        idx[None].astype(np.int32),
+        np.log(pc[:, :k])[None].astype(np.float32),
+        np.log(pc[:, k])[None].astype(np.float32),
+    )
+    assert float(truncated_forward_kl(logits, 1, *coarse)) == pytest.approx(
+        (pc * np.log(pc / qc)).sum(-1).mean(), rel=1e-5
+    )
+    assert float(truncated_reverse_kl(logits, 1, *coarse)) == pytest.approx(
+        (qc * np.log(qc / pc)).sum(-1).mean(), rel=1e-5
+    )
     # the gradient of the whole-vocabulary KL is finite and vanishes where student equals teacher
     g = mx.grad(lambda z: truncated_forward_kl(z, 1, *full))(mx.array(zt.astype(np.float32)))
     assert np.abs(np.array(g)).max() < 1e-6

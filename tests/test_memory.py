@@ -8,7 +8,6 @@ import json
 import subprocess
 import sys
 
-
 CONSTANT = 64 * 2**20
 PROBE = r"""
 import json, sys

@@ -75,8 +75,14 @@ def test_resize_bounds_and_never_during_a_generation(store_for):
 
 class StubEngine:
     def __init__(self):
-        self.info = {"slots_per_layer": 8, "configured_slots": 8, "min_slots": 2, "max_slots": 16,
-                     "slot_bytes": 10, "budget_bytes": 80}
+        self.info = {
+            "slots_per_layer": 8,
+            "configured_slots": 8,
+            "min_slots": 2,
+            "max_slots": 16,
+            "slot_bytes": 10,
+            "budget_bytes": 80,
+        }
 
     def expert_cache(self):
         return dict(self.info)
@@ -114,9 +120,13 @@ def test_server_shrinks_between_requests_and_grows_back(store_for):
     memory = {"available": 10**12}
     config = ServerConfig(memory_low=10**6, memory_poll_s=0.02)
     with running_server(engine, config, read_memory=lambda: (memory["available"], "fake reader")) as base:
+
         def complete():
-            r = httpx.post(base + "/v1/completions", timeout=60, json={
-                "model": engine.model_id, "prompt": PROMPT, "max_tokens": 24, "temperature": 0})
+            r = httpx.post(
+                base + "/v1/completions",
+                timeout=60,
+                json={"model": engine.model_id, "prompt": PROMPT, "max_tokens": 24, "temperature": 0},
+            )
             return r.json()["choices"][0]["text"]
 
         def stats():
@@ -155,8 +165,11 @@ def test_serve_memory_flags(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(serve, "memory_available", lambda: (30 * 10**9, "fake"))
     ran = {}
     monkeypatch.setattr(server_app, "run", lambda app, **kw: ran.update(app=app))
-    for argv, low in [([], 2 * 10**9), (["--memory-low", "512MB", "--memory-poll-s", "0.5"], 512 * 10**6),
-                      (["--memory-low", "0"], 0)]:
+    for argv, low in [
+        ([], 2 * 10**9),
+        (["--memory-low", "512MB", "--memory-poll-s", "0.5"], 512 * 10**6),
+        (["--memory-low", "0"], 0),
+    ]:
         assert serve.main(argv) == 0
         config = ran["app"].state.config
         assert config.memory_low == low and config.memory_poll_s == (0.5 if "--memory-poll-s" in argv else 2.0)

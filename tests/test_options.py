@@ -43,18 +43,39 @@ def test_cli_defaults_are_the_dataclass_defaults():
 
 
 def test_flags_map_onto_options():
-    args = parser().parse_args(["--expert-cache", "2GB", "--no-prerouter", "--lora", "a.safetensors",
-                                "--layer-executor", "3:decode=hot", "--top-k", "2", "--cold-reads"])
+    args = parser().parse_args(
+        [
+            "--expert-cache",
+            "2GB",
+            "--no-prerouter",
+            "--lora",
+            "a.safetensors",
+            "--layer-executor",
+            "3:decode=hot",
+            "--top-k",
+            "2",
+            "--cold-reads",
+        ]
+    )
     o = load_options(args)
-    assert (o["expert_cache"], o["prerouter"], o["lora"], o["layer_executors"], o["top_k"], o["cold_reads"]) == \
-        ("2GB", False, "a.safetensors", {3: {"decode": "hot"}}, 2, True)
+    assert (o["expert_cache"], o["prerouter"], o["lora"], o["layer_executors"], o["top_k"], o["cold_reads"]) == (
+        "2GB",
+        False,
+        "a.safetensors",
+        {3: {"decode": "hot"}},
+        2,
+        True,
+    )
 
 
 def test_unknown_keyword_and_bad_values_are_refused():
     with pytest.raises(TypeError, match="bogus"):
         edge0.load(None, bogus=1)
-    for kw, flag in [({"decode_executor": "fast"}, "--decode-executor"), ({"dtype": "int8"}, "--dtype"),
-                     ({"layer_executors": {1: {"decode": "fast"}}}, "--decode-executor \\(layer 1\\)"),
-                     ({"top_k": 0}, "--top-k 0")]:
+    for kw, flag in [
+        ({"decode_executor": "fast"}, "--decode-executor"),
+        ({"dtype": "int8"}, "--dtype"),
+        ({"layer_executors": {1: {"decode": "fast"}}}, "--decode-executor \\(layer 1\\)"),
+        ({"top_k": 0}, "--top-k 0"),
+    ]:
         with pytest.raises(Edge0Error, match=flag):
             LoadOptions(**kw).validate()

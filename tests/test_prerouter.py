@@ -24,9 +24,27 @@ def heads_file(store_for, tmp_path_factory):
     data = tmp_path_factory.mktemp("data") / "train.txt"
     data.write_text("Once upon a time there was a tiny model that read its experts from disk. " * 80)
     out = tmp_path_factory.mktemp("heads") / "heads.safetensors"
-    p = subprocess.run([sys.executable, "-m", "edge0", "train-prerouter", "--model", str(store_for("deepseek_v3")),
-                        "--data", str(data), "--out", str(out), "--steps", "60", "--window", "64"],
-                       capture_output=True, text=True, timeout=300)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "edge0",
+            "train-prerouter",
+            "--model",
+            str(store_for("deepseek_v3")),
+            "--data",
+            str(data),
+            "--out",
+            str(out),
+            "--steps",
+            "60",
+            "--window",
+            "64",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 0, p.stderr
     assert "recall@K" in p.stderr
     return out

@@ -59,8 +59,11 @@ def test_a_restarted_server_reuses_the_saved_conversation(store, tmp_path):
     messages = [{"role": "user", "content": "hello world, " * 20}]
 
     def chat(engine, base, messages):
-        return httpx.post(base + "/v1/chat/completions", timeout=60, json={
-            "model": engine.model_id, "messages": messages, "max_tokens": 6, "temperature": 0}).json()
+        return httpx.post(
+            base + "/v1/chat/completions",
+            timeout=60,
+            json={"model": engine.model_id, "messages": messages, "max_tokens": 6, "temperature": 0},
+        ).json()
 
     engine = edge0.load(store, prompt_cache_dir=tmp_path)
     with running_server(engine, ServerConfig()) as base:
@@ -69,8 +72,10 @@ def test_a_restarted_server_reuses_the_saved_conversation(store, tmp_path):
         while httpx.get(base + "/v1/stats").json()["engine"]["prompt_cache"]["saved"] < 1:
             assert time.monotonic() < deadline
             time.sleep(0.02)
-    follow = messages + [{"role": "assistant", "content": first["choices"][0]["message"]["content"]},
-                         {"role": "user", "content": "and more"}]
+    follow = messages + [
+        {"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+        {"role": "user", "content": "and more"},
+    ]
     want = edge0.load(store).chat(follow, max_tokens=6).text
     restarted = edge0.load(store, prompt_cache_dir=tmp_path)
     with running_server(restarted, ServerConfig()) as base:
@@ -84,8 +89,10 @@ def test_another_identity_does_not_reuse(store, tmp_path):
     r1 = base.generate(PROMPT, max_tokens=8, reuse_cache=True)
     follow = PROMPT + r1.tokens + NEW
     adapter = random_adapter(store, tmp_path / "lora.safetensors")[0]
-    others = [edge0.load(store, prompt_cache_dir=tmp_path / "pc", prerouter=False, top_k=1),
-              edge0.load(store, prompt_cache_dir=tmp_path / "pc", prerouter=False, lora=adapter)]
+    others = [
+        edge0.load(store, prompt_cache_dir=tmp_path / "pc", prerouter=False, top_k=1),
+        edge0.load(store, prompt_cache_dir=tmp_path / "pc", prerouter=False, lora=adapter),
+    ]
     for other in others:
         assert other.generate(follow, max_tokens=4, reuse_cache=True).stats["prefill_tokens"] == len(follow)
         assert disk(other)["restored"] == 0
@@ -152,9 +159,11 @@ def test_a_damaged_file_or_index_is_refused_and_counted(store, tmp_path):
 
 
 def test_prompt_cache_option_errors(store, tmp_path):
-    for kw, match in [({"prompt_cache_size": "1GB"}, "--prompt-cache-size is read only with --prompt-cache-dir"),
-                      ({"prompt_cache_dir": "d", "prompt_cache_size": "lots"}, "--prompt-cache-size 'lots'"),
-                      ({"prompt_cache_dir": "d", "prompt_cache_size": 0}, "more than 0 bytes")]:
+    for kw, match in [
+        ({"prompt_cache_size": "1GB"}, "--prompt-cache-size is read only with --prompt-cache-dir"),
+        ({"prompt_cache_dir": "d", "prompt_cache_size": "lots"}, "--prompt-cache-size 'lots'"),
+        ({"prompt_cache_dir": "d", "prompt_cache_size": 0}, "more than 0 bytes"),
+    ]:
         with pytest.raises(Edge0Error, match=match):
             LoadOptions(**kw).validate()
     (tmp_path / "file").write_text("not a directory")

@@ -7,9 +7,9 @@ import pytest
 from mlx.utils import tree_flatten, tree_unflatten
 
 from edge0.backend.moe import SpecMoEBlock
+from edge0.backend.routing import route
 from edge0.errors import Edge0Error
 from edge0.families import spec_for
-from edge0.backend.routing import route
 from edge0.spec import RoutingSpec
 from tests.fixtures.families import SPECD
 from tests.fixtures.make import build_model, fixture_config, random_params
@@ -67,7 +67,9 @@ def test_routing_bit_identical_to_mlx_lm(family):
         mx.eval(inds, scores)
         assert mx.array_equal(inds, ref_inds).item(), f"{family} {path}: indices differ"
         k = spec.top_k
-        assert np.array_equal(np.array(scores), np.array(y_ref[..., :k].astype(scores.dtype))), f"{family} {path}: weights differ"
+        assert np.array_equal(np.array(scores), np.array(y_ref[..., :k].astype(scores.dtype))), (
+            f"{family} {path}: weights differ"
+        )
         # and the whole block (routing + weighted sum) matches too
         y_ours = ours(x)
         assert mx.array_equal(y_ours, y_ref).item()

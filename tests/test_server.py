@@ -24,10 +24,25 @@ from tests.fake_server import running_server
 
 KEY = "sk-test"
 MODEL = FakeEngine.model_id
-WEATHER = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
-            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
-LIMITS = ServerConfig(api_key=KEY, max_queue=16, max_body_bytes=16_384, max_tokens=256, default_max_tokens=128,
-                      max_prompt_tokens=1000, max_messages=8)
+WEATHER = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
+LIMITS = ServerConfig(
+    api_key=KEY,
+    max_queue=16,
+    max_body_bytes=16_384,
+    max_tokens=256,
+    default_max_tokens=128,
+    max_prompt_tokens=1000,
+    max_messages=8,
+)
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +78,7 @@ def post(url, body, headers=None, path="/v1/chat/completions"):
 
 # -- incremental text helpers -----------------------------------------------------------------
 
+
 def test_stop_matcher_across_deltas_and_multibyte():
     m = StopMatcher(["🙂 w", "zzz"])
     out = []
@@ -80,7 +96,7 @@ def test_stop_matcher_across_deltas_and_multibyte():
 def test_tool_call_splitter_markers_split_across_deltas():
     s = ToolCallSplitter(FakeTokenizer(), WEATHER)
     text = 'Sure. <tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call> <tool_call>oops'
-    out = [seg for i in range(0, len(text), 3) for seg in s.feed(text[i:i + 3])] + list(s.finish())
+    out = [seg for i in range(0, len(text), 3) for seg in s.feed(text[i : i + 3])] + list(s.finish())
     content = "".join(x for x in out if isinstance(x, str))
     calls = [x for x in out if isinstance(x, dict)]
     assert [c["function"]["name"] for c in calls] == ["get_weather"] and s.calls == 1
@@ -89,6 +105,7 @@ def test_tool_call_splitter_markers_split_across_deltas():
 
 
 # -- the endpoints ----------------------------------------------------------------------------
+
 
 def test_chat_non_streaming_and_streaming_with_usage(client, engine):
     msgs = user("héllo 🙂 wörld")
@@ -100,8 +117,11 @@ def test_chat_non_streaming_and_streaming_with_usage(client, engine):
     assert r.usage.completion_tokens == engine.calls[-1].steps
     assert r.usage.total_tokens == n_prompt + r.usage.completion_tokens
 
-    chunks = list(client.chat.completions.create(model=MODEL, messages=msgs, temperature=0, stream=True,
-                                                 stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=msgs, temperature=0, stream=True, stream_options={"include_usage": True}
+        )
+    )
     deltas = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
     assert len(deltas) > 5 and all("\ufffd" not in d for d in deltas)
     assert "".join(deltas) == r.choices[0].message.content  # temperature 0: streamed == non-streamed
@@ -169,8 +189,10 @@ def test_tool_call_round_trip(client):
     assert [(tc.index, tc.function.name) for tc in streamed] == [(0, "get_weather")]
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
-    msgs += [choice.message.model_dump(exclude_none=True),
-             {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
+    msgs += [
+        choice.message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "sunny"},
+    ]
     r = client.chat.completions.create(model=MODEL, messages=msgs, tools=WEATHER)
     assert r.choices[0].message.content == "The weather is sunny." and r.choices[0].finish_reason == "stop"
 
@@ -178,23 +200,26 @@ def test_tool_call_round_trip(client):
 VALID = {"model": MODEL, "messages": user("x")}
 
 
-@pytest.mark.parametrize("body,headers,status,param,needle", [
-    (b'{"model": "fake-moe", "messages": [', None, 400, None, "not valid JSON"),
-    (b"[1, 2]", None, 400, None, "valid dictionary"),  # JSON, but not an object
-    ({"model": MODEL, "messages": "hello"}, None, 400, "messages", "valid list"),
-    ({**VALID, "max_tokens": "ten"}, None, 400, "max_tokens", "valid integer"),
-    ({**VALID, "temperature": True}, None, 400, "temperature", "valid number"),
-    ({**VALID, "max_tokens": -5}, None, 400, "max_tokens", "greater than or equal to 1"),
-    ({"model": MODEL, "messages": []}, None, 400, "messages", "at least 1"),
-    ({"model": MODEL, "messages": [{"role": "robot", "content": "x"}]}, None, 400, "messages.0.role", "'user'"),
-    ({**VALID, "max_tokens": 100_000}, None, 400, "max_tokens", "limit of 256 (--max-tokens)"),
-    ({"model": MODEL, "messages": user("x") * 9}, None, 400, "messages", "limit of 8 (--max-messages)"),
-    ({"model": MODEL, "messages": user("x" * 1500)}, None, 400, "messages", "limit of 1000 (--max-prompt-tokens)"),
-    ({**VALID, "model": "gpt-4"}, None, 404, "model", "'gpt-4' does not exist"),
-    ({"model": MODEL, "messages": user("x" * 20_000)}, None, 413, None, "16384 bytes (--max-body-bytes)"),
-    (VALID, {"Authorization": ""}, 401, None, "API key"),
-    (VALID, {"Authorization": "Bearer wrong"}, 401, None, "API key"),
-])
+@pytest.mark.parametrize(
+    "body,headers,status,param,needle",
+    [
+        (b'{"model": "fake-moe", "messages": [', None, 400, None, "not valid JSON"),
+        (b"[1, 2]", None, 400, None, "valid dictionary"),  # JSON, but not an object
+        ({"model": MODEL, "messages": "hello"}, None, 400, "messages", "valid list"),
+        ({**VALID, "max_tokens": "ten"}, None, 400, "max_tokens", "valid integer"),
+        ({**VALID, "temperature": True}, None, 400, "temperature", "valid number"),
+        ({**VALID, "max_tokens": -5}, None, 400, "max_tokens", "greater than or equal to 1"),
+        ({"model": MODEL, "messages": []}, None, 400, "messages", "at least 1"),
+        ({"model": MODEL, "messages": [{"role": "robot", "content": "x"}]}, None, 400, "messages.0.role", "'user'"),
+        ({**VALID, "max_tokens": 100_000}, None, 400, "max_tokens", "limit of 256 (--max-tokens)"),
+        ({"model": MODEL, "messages": user("x") * 9}, None, 400, "messages", "limit of 8 (--max-messages)"),
+        ({"model": MODEL, "messages": user("x" * 1500)}, None, 400, "messages", "limit of 1000 (--max-prompt-tokens)"),
+        ({**VALID, "model": "gpt-4"}, None, 404, "model", "'gpt-4' does not exist"),
+        ({"model": MODEL, "messages": user("x" * 20_000)}, None, 413, None, "16384 bytes (--max-body-bytes)"),
+        (VALID, {"Authorization": ""}, 401, None, "API key"),
+        (VALID, {"Authorization": "Bearer wrong"}, 401, None, "API key"),
+    ],
+)
 def test_bad_input_gets_openai_error_and_server_keeps_serving(url, client, body, headers, status, param, needle):
     r = post(url, body, headers)
     assert r.status_code == status, r.text
@@ -205,11 +230,24 @@ def test_bad_input_gets_openai_error_and_server_keeps_serving(url, client, body,
 
 
 @pytest.mark.parametrize("stream", [False, True])
-@pytest.mark.parametrize("field,value", [
-    ("seed", -1), ("seed", 2**70), ("seed", SEED_MAX + 1), ("temperature", -0.5), ("temperature", 2.5),
-    ("top_p", 0), ("top_p", 1.5), ("max_tokens", 0), ("max_tokens", 2**70), ("max_completion_tokens", 0),
-    ("n", 2), ("seed", 1.5), ("max_tokens", 1.0),
-])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("seed", -1),
+        ("seed", 2**70),
+        ("seed", SEED_MAX + 1),
+        ("temperature", -0.5),
+        ("temperature", 2.5),
+        ("top_p", 0),
+        ("top_p", 1.5),
+        ("max_tokens", 0),
+        ("max_tokens", 2**70),
+        ("max_completion_tokens", 0),
+        ("n", 2),
+        ("seed", 1.5),
+        ("max_tokens", 1.0),
+    ],
+)
 def test_out_of_range_numbers_are_400_before_any_stream(url, client, field, value, stream):
     r = post(url, {**VALID, field: value, "stream": stream})
     assert r.status_code == 400 and r.headers["content-type"] == "application/json", r.text
@@ -224,9 +262,22 @@ def test_non_finite_numbers_are_400(url, raw):
     assert r.status_code == 400 and r.json()["error"]["param"] == "temperature", r.text
 
 
-@pytest.mark.parametrize("field,value", [("seed", -1), ("seed", 0), ("seed", SEED_MAX), ("seed", SEED_MAX + 1),
-                                         ("temperature", -1e-9), ("temperature", 0.0), ("temperature", 2.0),
-                                         ("top_p", 0.0), ("top_p", 1e-9), ("top_p", 1.0), ("top_p", 1.0 + 1e-9)])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("seed", -1),
+        ("seed", 0),
+        ("seed", SEED_MAX),
+        ("seed", SEED_MAX + 1),
+        ("temperature", -1e-9),
+        ("temperature", 0.0),
+        ("temperature", 2.0),
+        ("top_p", 0.0),
+        ("top_p", 1e-9),
+        ("top_p", 1.0),
+        ("top_p", 1.0 + 1e-9),
+    ],
+)
 def test_request_ranges_are_edge0_samplings(url, engine, field, value):
     """What the schema accepts is what edge0.sampling.check_sampling accepts (below OpenAI's 2 cap)."""
     sampling = {"temperature": 0.0, "top_p": 1.0, "seed": None, field: value}
@@ -245,13 +296,17 @@ def test_an_oversized_prompt_is_refused_before_tokenizing():
     engine = FakeEngine()  # tokens of at most 16 characters: 100 tokens hold at most 1600
     with running_server(engine, ServerConfig(max_prompt_tokens=100)) as base:
         client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=20)
-        for body, path in [({"model": MODEL, "messages": user("x" * 3_000_000)}, "/v1/chat/completions"),
-                           ({"model": MODEL, "prompt": "y" * 1601}, "/v1/completions")]:
+        for body, path in [
+            ({"model": MODEL, "messages": user("x" * 3_000_000)}, "/v1/chat/completions"),
+            ({"model": MODEL, "prompt": "y" * 1601}, "/v1/completions"),
+        ]:
             before = engine.tokenizer.encoded_chars
             started = time.monotonic()
             r = post(base, body, path=path)
             assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
-            assert "characters" in r.json()["error"]["message"] and "--max-prompt-tokens" in r.json()["error"]["message"]
+            assert (
+                "characters" in r.json()["error"]["message"] and "--max-prompt-tokens" in r.json()["error"]["message"]
+            )
             assert engine.tokenizer.encoded_chars == before  # never tokenized
             assert time.monotonic() - started < 2
         r = post(base, {"model": MODEL, "messages": user("z" * 150)})  # fits in characters, not in tokens
@@ -284,17 +339,25 @@ def test_client_leaving_during_prefill_frees_the_engine():
         assert time.monotonic() - started < 2
 
 
-@pytest.mark.parametrize("path,body,error_of", [
-    ("/v1/chat/completions", {**VALID, "messages": user("count 50")}, lambda events: events[-1]["error"]["type"]),
-    ("/v1/messages", {**VALID, "messages": user("count 50"), "max_tokens": 100},
-     lambda events: events[-1]["error"]["type"]),
-    ("/v1/responses", {"model": MODEL, "input": "count 50"}, lambda events: events[-1]["type"]),
-])
-def test_a_generation_failing_mid_stream_ends_it_with_an_error_in_the_apis_shape(url, client, engine, path, body,
-                                                                                  error_of):
+@pytest.mark.parametrize(
+    "path,body,error_of",
+    [
+        ("/v1/chat/completions", {**VALID, "messages": user("count 50")}, lambda events: events[-1]["error"]["type"]),
+        (
+            "/v1/messages",
+            {**VALID, "messages": user("count 50"), "max_tokens": 100},
+            lambda events: events[-1]["error"]["type"],
+        ),
+        ("/v1/responses", {"model": MODEL, "input": "count 50"}, lambda events: events[-1]["type"]),
+    ],
+)
+def test_a_generation_failing_mid_stream_ends_it_with_an_error_in_the_apis_shape(
+    url, client, engine, path, body, error_of
+):
     engine.fail_at = 10
-    with httpx.stream("POST", url + path, json={**body, "stream": True}, headers={"Authorization": f"Bearer {KEY}"},
-                      timeout=20) as r:
+    with httpx.stream(
+        "POST", url + path, json={**body, "stream": True}, headers={"Authorization": f"Bearer {KEY}"}, timeout=20
+    ) as r:
         lines = [line for line in r.iter_lines() if line]
     assert r.status_code == 200 and "fake engine failed" in lines[-1]
     events = [json.loads(line.removeprefix("data: ")) for line in lines if line.startswith("data: {")]
@@ -309,8 +372,12 @@ def test_a_generation_failing_mid_stream_ends_it_with_an_error_in_the_apis_shape
 
 def test_oversized_chunked_body_is_refused(url, client):
     chunks = (b" " * 4096 for _ in range(8))  # no Content-Length: the size is counted as it arrives
-    r = httpx.post(url + "/v1/chat/completions", content=chunks, timeout=20,
-                   headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    r = httpx.post(
+        url + "/v1/chat/completions",
+        content=chunks,
+        timeout=20,
+        headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"},
+    )
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
     assert_ok(client)
 
@@ -331,8 +398,16 @@ def test_eight_concurrent_requests_all_answered(client, engine):
     engine.delay = 0.002
     try:
         with ThreadPoolExecutor(8) as pool:
-            replies = list(pool.map(lambda i: client.chat.completions.create(
-                model=MODEL, messages=user(f"request {i}")).choices[0].message.content, range(8)))
+            replies = list(
+                pool.map(
+                    lambda i: (
+                        client.chat.completions.create(model=MODEL, messages=user(f"request {i}"))
+                        .choices[0]
+                        .message.content
+                    ),
+                    range(8),
+                )
+            )
     finally:
         engine.delay = 0.0
     assert replies == [f"Echo: request {i}" for i in range(8)]
@@ -373,8 +448,9 @@ def test_client_disconnect_mid_stream_frees_the_engine(url, client, engine):
     engine.delay = 0.005
     body = {"model": MODEL, "messages": user("count 1000"), "stream": True, "max_tokens": 256}
     try:
-        with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=20,
-                          headers={"Authorization": f"Bearer {KEY}"}) as r:
+        with httpx.stream(
+            "POST", url + "/v1/chat/completions", json=body, timeout=20, headers={"Authorization": f"Bearer {KEY}"}
+        ) as r:
             received = 0
             for line in r.iter_lines():
                 received += line.startswith("data: ")
@@ -394,8 +470,12 @@ def test_client_timeout_cancels_a_non_streaming_request(url, client, engine):
     engine.delay = 0.005
     try:
         with pytest.raises(httpx.ReadTimeout):
-            httpx.post(url + "/v1/chat/completions", json={**VALID, "messages": user("count 1000"), "max_tokens": 256},
-                       headers={"Authorization": f"Bearer {KEY}"}, timeout=0.3)
+            httpx.post(
+                url + "/v1/chat/completions",
+                json={**VALID, "messages": user("count 1000"), "max_tokens": 256},
+                headers={"Authorization": f"Bearer {KEY}"},
+                timeout=0.3,
+            )
         call = engine.calls[-1]
         wait_for(lambda: call.closed_early)
     finally:

@@ -3,7 +3,6 @@ real server (tests/fake_server.py) around the fake engine."""
 
 from __future__ import annotations
 
-
 import anthropic
 import httpx
 import pytest
@@ -14,8 +13,13 @@ from tests.fake_server import running_server
 
 KEY = "sk-anthropic-test"
 MODEL = FakeEngine.model_id
-WEATHER = [{"name": "get_weather", "description": "Weather in a city",
-            "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]
+WEATHER = [
+    {
+        "name": "get_weather",
+        "description": "Weather in a city",
+        "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    }
+]
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +29,9 @@ def engine():
 
 @pytest.fixture(scope="module")
 def url(engine):
-    with running_server(engine, ServerConfig(api_key=KEY, max_tokens=256, default_max_tokens=128, max_prompt_tokens=1000)) as base:
+    with running_server(
+        engine, ServerConfig(api_key=KEY, max_tokens=256, default_max_tokens=128, max_prompt_tokens=1000)
+    ) as base:
         yield base
 
 
@@ -44,11 +50,17 @@ def test_message_with_system_prompt_and_usage(client, engine):
     assert [b.type for b in r.content] == ["text"] and r.content[0].text == "Echo: héllo 🙂"
     assert r.stop_reason == "end_turn" and r.stop_sequence is None
     prompt = engine.calls[-1].prompt
-    assert prompt == engine.chat_prompt([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "héllo 🙂"}])
+    assert prompt == engine.chat_prompt(
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "héllo 🙂"}]
+    )
     assert r.usage.input_tokens + r.usage.cache_read_input_tokens == len(prompt)
     assert r.usage.output_tokens == engine.calls[-1].steps
-    blocks = client.messages.create(model=MODEL, max_tokens=100, system=[{"type": "text", "text": "Be brief."}],
-                                    messages=[{"role": "user", "content": [{"type": "text", "text": "héllo 🙂"}]}])
+    blocks = client.messages.create(
+        model=MODEL,
+        max_tokens=100,
+        system=[{"type": "text", "text": "Be brief."}],
+        messages=[{"role": "user", "content": [{"type": "text", "text": "héllo 🙂"}]}],
+    )
     assert engine.calls[-1].prompt == prompt and blocks.content[0].text == r.content[0].text
     assert blocks.usage.cache_read_input_tokens == len(prompt) - 1  # the same prompt again: the KV cache
 
@@ -64,7 +76,10 @@ def test_streaming_equals_non_streaming(client):
     events = list(client.messages.create(**kwargs, stream=True))
     kinds = [e.type for e in events]
     assert kinds[:2] == ["message_start", "content_block_start"] and kinds[-3:] == [
-        "content_block_stop", "message_delta", "message_stop"]
+        "content_block_stop",
+        "message_delta",
+        "message_stop",
+    ]
     assert set(kinds[2:-3]) == {"content_block_delta"} and len(kinds) > 10
     assert events[0].message.usage.input_tokens == whole.usage.input_tokens + whole.usage.cache_read_input_tokens
 
@@ -87,7 +102,10 @@ def test_sampling_fields_in_the_body_reach_the_engine(client, engine):
     client.messages.create(model=MODEL, max_tokens=5, messages=user("x"), extra_body={"temperature": 0.3, "top_p": 0.5})
     assert (engine.calls[-1].kwargs["temperature"], engine.calls[-1].kwargs["top_p"]) == (0.3, 0.5)
     client.messages.create(model=MODEL, max_tokens=5, messages=user("x"))
-    assert (engine.calls[-1].kwargs["temperature"], engine.calls[-1].kwargs["top_p"]) == (1.0, 1.0)  # Anthropic's defaults
+    assert (engine.calls[-1].kwargs["temperature"], engine.calls[-1].kwargs["top_p"]) == (
+        1.0,
+        1.0,
+    )  # Anthropic's defaults
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -104,7 +122,8 @@ def test_tool_use_round_trip(client, engine, stream):
     assert "<tools>" in engine.tokenizer.decode(engine.calls[-1].prompt)  # the template got the tools
     messages = kwargs["messages"] + [
         {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in r.content]},
-        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id, "content": "sunny"}]}]
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id, "content": "sunny"}]},
+    ]
     reply = client.messages.create(**{**kwargs, "messages": messages})
     assert reply.content[0].text == "The weather is sunny." and reply.stop_reason == "end_turn"
     rendered = engine.tokenizer.decode(engine.calls[-1].prompt)
@@ -112,8 +131,13 @@ def test_tool_use_round_trip(client, engine, stream):
 
 
 def test_tool_choice_none_hides_the_tools(client, engine):
-    r = client.messages.create(model=MODEL, max_tokens=200, tools=WEATHER, tool_choice={"type": "none"},
-                               messages=user("call get_weather Paris"))
+    r = client.messages.create(
+        model=MODEL,
+        max_tokens=200,
+        tools=WEATHER,
+        tool_choice={"type": "none"},
+        messages=user("call get_weather Paris"),
+    )
     assert r.stop_reason == "end_turn" and "<tools>" not in engine.tokenizer.decode(engine.calls[-1].prompt)
 
 
@@ -128,11 +152,17 @@ def test_errors_have_anthropics_shape(client, url):
         client.messages.create(model=MODEL, max_tokens=5, messages=user("x"), extra_body={"temperature": 1.5})
     with pytest.raises(anthropic.NotFoundError) as e:
         client.messages.create(model="claude-opus", max_tokens=5, messages=user("x"))
-    assert e.value.body["error"]["type"] == "not_found_error" and "serves 'fake-moe'" in e.value.body["error"]["message"]
+    assert (
+        e.value.body["error"]["type"] == "not_found_error" and "serves 'fake-moe'" in e.value.body["error"]["message"]
+    )
     with pytest.raises(anthropic.AuthenticationError) as e:
         anthropic.Anthropic(base_url=url, api_key="wrong", max_retries=0).messages.create(
-            model=MODEL, max_tokens=5, messages=user("x"))
-    assert e.value.body == {"type": "error", "error": {"type": "authentication_error", "message": e.value.body["error"]["message"]}}
+            model=MODEL, max_tokens=5, messages=user("x")
+        )
+    assert e.value.body == {
+        "type": "error",
+        "error": {"type": "authentication_error", "message": e.value.body["error"]["message"]},
+    }
     r = httpx.post(url + "/v1/messages", content=b"{", headers={"x-api-key": KEY}, timeout=10)
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
     # The bearer key works too (auth_token), as on the OpenAI routes.

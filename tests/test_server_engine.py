@@ -22,10 +22,13 @@ def _serve_main(monkeypatch, tmp_path, argv, config_json=None):
     from edge0.cli import serve
     from edge0.server import app as server_app
 
-    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 4096} if config_json is None else config_json))
+    (tmp_path / "config.json").write_text(
+        json.dumps({"max_position_embeddings": 4096} if config_json is None else config_json)
+    )
     ran = {}
-    monkeypatch.setattr(edge0, "load", lambda path=None, **options: ran.update(path=path, options=options)
-                        or FakeEngine(root=tmp_path))
+    monkeypatch.setattr(
+        edge0, "load", lambda path=None, **options: ran.update(path=path, options=options) or FakeEngine(root=tmp_path)
+    )
     monkeypatch.setattr(server_app, "run", lambda app, **kw: ran.update(app=app, **kw))
     assert serve.main(argv) == 0
     return ran
@@ -33,9 +36,25 @@ def _serve_main(monkeypatch, tmp_path, argv, config_json=None):
 
 def test_serve_main_wires_flags_and_warns_on_a_public_host(monkeypatch, tmp_path, caplog):
     with caplog.at_level("WARNING", logger="edge0.server"):
-        ran = _serve_main(monkeypatch, tmp_path, ["--model", "m", "--host", "0.0.0.0", "--port", "9999",
-                                                  "--max-queue", "3", "--max-tokens", "100",
-                                                  "--default-max-tokens", "50", "--no-lora"])
+        ran = _serve_main(
+            monkeypatch,
+            tmp_path,
+            [
+                "--model",
+                "m",
+                "--host",
+                "0.0.0.0",
+                "--port",
+                "9999",
+                "--max-queue",
+                "3",
+                "--max-tokens",
+                "100",
+                "--default-max-tokens",
+                "50",
+                "--no-lora",
+            ],
+        )
     assert (ran["path"], ran["host"], ran["port"]) == ("m", "0.0.0.0", 9999)
     assert ran["options"]["lora"] is False and ran["options"]["prerouter"] is None
     config = ran["app"].state.config
@@ -43,12 +62,15 @@ def test_serve_main_wires_flags_and_warns_on_a_public_host(monkeypatch, tmp_path
     assert "reachable from other machines" in caplog.text and "without --api-key" in caplog.text
 
 
-@pytest.mark.parametrize("config_json,argv,expected", [
-    ({"max_position_embeddings": 4096}, [], 4096),  # the bundled model's context
-    ({"text_config": {"max_position_embeddings": 2048}}, [], 2048),  # a multimodal config
-    ({"max_position_embeddings": 4096}, ["--max-prompt-tokens", "100"], 100),
-    ({}, [], 32768),  # declares none: the old default, with a warning
-])
+@pytest.mark.parametrize(
+    "config_json,argv,expected",
+    [
+        ({"max_position_embeddings": 4096}, [], 4096),  # the bundled model's context
+        ({"text_config": {"max_position_embeddings": 2048}}, [], 2048),  # a multimodal config
+        ({"max_position_embeddings": 4096}, ["--max-prompt-tokens", "100"], 100),
+        ({}, [], 32768),  # declares none: the old default, with a warning
+    ],
+)
 def test_prompt_limit_defaults_to_the_models_context(monkeypatch, tmp_path, caplog, config_json, argv, expected):
     with caplog.at_level("WARNING", logger="edge0.server"):
         ran = _serve_main(monkeypatch, tmp_path, argv, config_json)
@@ -56,8 +78,16 @@ def test_prompt_limit_defaults_to_the_models_context(monkeypatch, tmp_path, capl
     assert ("declares no context length" in caplog.text) == (not config_json)
 
 
-@pytest.mark.parametrize("argv", [["--max-queue", "-1"], ["--port", "http"], ["--default-max-tokens", "9999"],
-                                  ["--port", "70000"], ["--port", "-1"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--max-queue", "-1"],
+        ["--port", "http"],
+        ["--default-max-tokens", "9999"],
+        ["--port", "70000"],
+        ["--port", "-1"],
+    ],
+)
 def test_serve_usage_errors_are_one_line_exit_2(capsys, argv):
     from edge0.cli import serve
 
@@ -72,8 +102,11 @@ def test_real_engine_on_a_fixture_store(store_for):
     import edge0
 
     engine = edge0.load(store_for("qwen3_moe"))
-    assert model_context_length(engine.root) == json.loads((engine.root / "config.json").read_text())[
-        "max_position_embeddings"] > 0
+    assert (
+        model_context_length(engine.root)
+        == json.loads((engine.root / "config.json").read_text())["max_position_embeddings"]
+        > 0
+    )
     with running_server(engine, ServerConfig()) as base:
         client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=60)
         kwargs = dict(model=engine.model_id, messages=user("hello world"), max_tokens=12, temperature=0)
@@ -85,10 +118,13 @@ def test_real_engine_on_a_fixture_store(store_for):
         text = r.choices[0].message.content
         if len(text) >= 4:  # a random model: stop on a piece of what it said
             cut = client.chat.completions.create(**kwargs, stop=[text[2:4]])
-            assert cut.choices[0].message.content == text[:text.index(text[2:4])]
+            assert cut.choices[0].message.content == text[: text.index(text[2:4])]
         r = client.chat.completions.create(**kwargs, tools=WEATHER)  # the fixture's template takes tools
         assert r.usage.prompt_tokens > len(engine.chat_prompt(user("hello world")))
-        assert client.completions.create(model=engine.model_id, prompt="Once upon", max_tokens=4).usage.completion_tokens >= 1
+        assert (
+            client.completions.create(model=engine.model_id, prompt="Once upon", max_tokens=4).usage.completion_tokens
+            >= 1
+        )
 
 
 def test_real_engine_stops_between_prefill_chunks_and_stays_consistent(store_for):
@@ -115,8 +151,11 @@ def test_real_engine_stops_between_prefill_chunks_and_stays_consistent(store_for
 
     checks = []
     engine.reset_cache()
-    steps = list(engine.stream_generate(prompt, max_tokens=6, reuse_cache=True,
-                                        should_stop=lambda: checks.append(1) or len(checks) >= 2))
+    steps = list(
+        engine.stream_generate(
+            prompt, max_tokens=6, reuse_cache=True, should_stop=lambda: checks.append(1) or len(checks) >= 2
+        )
+    )
     assert steps == [] and len(checks) == 2  # stopped before the second chunk
     assert hooks.events[-2:] == ["start", "finish"]
     again = engine.generate(prompt, max_tokens=6, reuse_cache=True)

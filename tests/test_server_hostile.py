@@ -32,8 +32,9 @@ pytestmark = pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="
 def server_process(*args):
     """`python -m tests.fake_server ARGS`; yields (process, base URL); kills it if still alive."""
     with tempfile.TemporaryFile("w+") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "tests.fake_server", *args], cwd=ROOT,
-                                stdout=subprocess.PIPE, stderr=log, text=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.fake_server", *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=log, text=True
+        )
         try:
             base = f"http://127.0.0.1:{int(proc.stdout.readline().split()[1])}"
             deadline = time.monotonic() + 30
@@ -92,8 +93,12 @@ def check_error(path: str, r: httpx.Response, status: int) -> None:
 
 def send(base: str, path: str, body, headers=None, timeout: float = 10) -> httpx.Response:
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
-    return httpx.post(base + path, content=content, timeout=timeout,
-                      headers={**AUTH, "Content-Type": "application/json", **(headers or {})})
+    return httpx.post(
+        base + path,
+        content=content,
+        timeout=timeout,
+        headers={**AUTH, "Content-Type": "application/json", **(headers or {})},
+    )
 
 
 def read_stream(base: str, path: str, body: dict, out: list, started: threading.Event | None = None) -> None:
@@ -110,13 +115,17 @@ def test_sigterm_ends_open_streams_with_an_error_event_and_exits():
     with server_process("--delay", "0.01") as (proc, base):  # "count 2000": 20 s of tokens
         running = threading.Event()
         streams = {path: [] for path in (CHAT, MESSAGES, RESPONSES)}
-        bodies = {CHAT: chat("count 2000", stream=True, max_tokens=4000),
-                  MESSAGES: anthropic("count 2000", stream=True, max_tokens=4000),
-                  RESPONSES: responses("count 2000", stream=True, max_output_tokens=4000)}
+        bodies = {
+            CHAT: chat("count 2000", stream=True, max_tokens=4000),
+            MESSAGES: anthropic("count 2000", stream=True, max_tokens=4000),
+            RESPONSES: responses("count 2000", stream=True, max_output_tokens=4000),
+        }
         threads = [threading.Thread(target=read_stream, args=(base, CHAT, bodies[CHAT], streams[CHAT], running))]
         threads[0].start()
         assert running.wait(10)  # the chat stream is generating; the others queue behind it
-        threads += [threading.Thread(target=read_stream, args=(base, p, bodies[p], streams[p])) for p in (MESSAGES, RESPONSES)]
+        threads += [
+            threading.Thread(target=read_stream, args=(base, p, bodies[p], streams[p])) for p in (MESSAGES, RESPONSES)
+        ]
         for t in threads[1:]:
             t.start()
         queued = {}
@@ -180,9 +189,18 @@ HOSTILE = [
     (CHAT, chat("x", stop=123), None, 400),
     (CHAT, chat("x", tools=[{"type": "function"}]), None, 400),
     (CHAT, chat("x", tool_choice="required", tools=[{"type": "function", "function": {"name": "f"}}]), None, 400),
-    (CHAT, {"model": MODEL, "messages": [{"role": "assistant", "content": "",
-                                          "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}]},
-                                         {"role": "user", "content": "x"}]}, None, 400),
+    (
+        CHAT,
+        {
+            "model": MODEL,
+            "messages": [
+                {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}]},
+                {"role": "user", "content": "x"},
+            ],
+        },
+        None,
+        400,
+    ),
     (CHAT, chat("x", model="gpt-4"), None, 404),
     (CHAT, chat("x" * 70_000), None, 413),
     (CHAT, chat("x" * 40_000), None, 400),  # fits the body limit, not the prompt's 2048 tokens
@@ -202,8 +220,14 @@ HOSTILE = [
     (MESSAGES, anthropic("x"), {"Authorization": "", "x-api-key": "wrong"}, 401),
     (MESSAGES, anthropic("x", messages=[]), None, 400),
     (MESSAGES, anthropic("x", messages=user("x") + [{"role": "assistant", "content": "The answer is"}]), None, 400),
-    (MESSAGES, anthropic("x", messages=[{"role": "user", "content": [
-        {"type": "tool_use", "id": "t", "name": "f", "input": {}}]}]), None, 400),
+    (
+        MESSAGES,
+        anthropic(
+            "x", messages=[{"role": "user", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]}]
+        ),
+        None,
+        400,
+    ),
     (MESSAGES, anthropic("x", stop_sequences="END"), None, 400),
     # Responses
     (RESPONSES, {"model": MODEL}, None, 400),
@@ -225,12 +249,30 @@ def _stream_and_leave(base: str, path: str, body: dict, after_lines: int) -> Non
 
 
 def test_hostile_battery_leaves_the_server_answering_and_its_memory_back(capsys):
-    args = ["--api-key", KEY, "--delay", "0.002", "--prefill-delay", "0.0005", "--max-queue", "4",
-            "--max-body-bytes", "65536", "--max-prompt-tokens", "2048"]
+    args = [
+        "--api-key",
+        KEY,
+        "--delay",
+        "0.002",
+        "--prefill-delay",
+        "0.0005",
+        "--max-queue",
+        "4",
+        "--max-body-bytes",
+        "65536",
+        "--max-prompt-tokens",
+        "2048",
+    ]
     with server_process(*args) as (proc, base):
-        ok = [(CHAT, chat("hi")), (CHAT, chat("hi", stream=True)), (COMPLETIONS, {"model": MODEL, "prompt": "hi"}),
-              (MESSAGES, anthropic("hi")), (MESSAGES, anthropic("hi", stream=True)), (RESPONSES, responses("hi")),
-              (RESPONSES, responses("hi", stream=True))]
+        ok = [
+            (CHAT, chat("hi")),
+            (CHAT, chat("hi", stream=True)),
+            (COMPLETIONS, {"model": MODEL, "prompt": "hi"}),
+            (MESSAGES, anthropic("hi")),
+            (MESSAGES, anthropic("hi", stream=True)),
+            (RESPONSES, responses("hi")),
+            (RESPONSES, responses("hi", stream=True)),
+        ]
         for _ in range(3):  # warm up every route and error path before the idle measurement
             for path, body in ok:
                 assert send(base, path, body).status_code == 200
@@ -252,8 +294,11 @@ def test_hostile_battery_leaves_the_server_answering_and_its_memory_back(capsys)
                 check_error(path, send(base, path, body, headers), status)
 
             def burst_one(i):
-                path, body = [(CHAT, chat(f"count {30 + i}")), (MESSAGES, anthropic(f"count {30 + i}")),
-                              (RESPONSES, responses(f"count {30 + i}"))][i % 3]
+                path, body = [
+                    (CHAT, chat(f"count {30 + i}")),
+                    (MESSAGES, anthropic(f"count {30 + i}")),
+                    (RESPONSES, responses(f"count {30 + i}")),
+                ][i % 3]
                 r = send(base, path, body, timeout=30)
                 if r.status_code != 200:
                     check_error(path, r, 429)
@@ -265,12 +310,17 @@ def test_hostile_battery_leaves_the_server_answering_and_its_memory_back(capsys)
                 assert set(statuses) == {200, 429} and statuses.count(200) >= 5, statuses
 
             long_prompt = "p" * 1500  # 0.75 s of prefill
-            for path, body in [(CHAT, chat(long_prompt, stream=True)), (MESSAGES, anthropic(long_prompt, stream=True)),
-                               (RESPONSES, responses(long_prompt, stream=True))] * 2:
+            for path, body in [
+                (CHAT, chat(long_prompt, stream=True)),
+                (MESSAGES, anthropic(long_prompt, stream=True)),
+                (RESPONSES, responses(long_prompt, stream=True)),
+            ] * 2:
                 _stream_and_leave(base, path, body, 1)  # during prefill
-            for path, body in [(CHAT, chat("count 500", stream=True, max_tokens=1000)),
-                               (MESSAGES, anthropic("count 500", stream=True, max_tokens=1000)),
-                               (RESPONSES, responses("count 500", stream=True))] * 2:
+            for path, body in [
+                (CHAT, chat("count 500", stream=True, max_tokens=1000)),
+                (MESSAGES, anthropic("count 500", stream=True, max_tokens=1000)),
+                (RESPONSES, responses("count 500", stream=True)),
+            ] * 2:
                 _stream_and_leave(base, path, body, 8)  # during decode
             for path, body in [(CHAT, chat(long_prompt)), (MESSAGES, anthropic("count 500", max_tokens=1000))]:
                 with pytest.raises(httpx.ReadTimeout):  # non-streamed, the client gives up
@@ -291,8 +341,10 @@ def test_hostile_battery_leaves_the_server_answering_and_its_memory_back(capsys)
         after, peak = rss_kib(proc.pid), max(samples + [rss_kib(proc.pid)])
         stats = httpx.get(base + "/v1/stats", headers=AUTH, timeout=5).json()["server"]
     with capsys.disabled():
-        print(f"\nhostile battery: RSS idle {idle / 1024:.1f} MiB, peak {peak / 1024:.1f} MiB, "
-              f"after {after / 1024:.1f} MiB ({100 * (after - idle) / idle:+.1f}%); server counters {stats}")
+        print(
+            f"\nhostile battery: RSS idle {idle / 1024:.1f} MiB, peak {peak / 1024:.1f} MiB, "
+            f"after {after / 1024:.1f} MiB ({100 * (after - idle) / idle:+.1f}%); server counters {stats}"
+        )
     assert after <= idle * 1.2
 
 
@@ -310,8 +362,12 @@ def test_real_bundled_model_refuses_a_4mb_prompt_cancels_prefill_and_stops_on_si
     Run with `python -m pytest -m slow tests/test_server_hostile.py -s`."""
     port = _free_port()
     with tempfile.TemporaryFile("w+") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "edge0.serve", "--port", str(port), "--log-level", "warning"],
-                                cwd=ROOT, stdout=log, stderr=log)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "edge0.serve", "--port", str(port), "--log-level", "warning"],
+            cwd=ROOT,
+            stdout=log,
+            stderr=log,
+        )
         base, out = f"http://127.0.0.1:{port}", {}
         try:
             deadline = time.monotonic() + 120
@@ -359,8 +415,10 @@ def test_real_bundled_model_refuses_a_4mb_prompt_cancels_prefill_and_stops_on_si
             log.seek(0)
             text = log.read()
     with capsys.disabled():
-        print(f"\nbundled model: RSS idle {out['idle'] / 1024:.0f} MiB; 4 MB prompt refused in {out['reject_s']:.2f} s, "
-              f"RSS after {out['after_4mb'] / 1024:.0f} MiB; client gone 2 s into prefill -> next answer after "
-              f"{out['freed_s']:.1f} s; SIGTERM mid-prefill -> exit in {out['exit_s']:.1f} s")
+        print(
+            f"\nbundled model: RSS idle {out['idle'] / 1024:.0f} MiB; 4 MB prompt refused in {out['reject_s']:.2f} s, "
+            f"RSS after {out['after_4mb'] / 1024:.0f} MiB; client gone 2 s into prefill -> next answer after "
+            f"{out['freed_s']:.1f} s; SIGTERM mid-prefill -> exit in {out['exit_s']:.1f} s"
+        )
     assert out["reject_s"] < 2 and out["after_4mb"] <= out["idle"] * 1.2, text[-3000:]
     assert out["exit_s"] < 15, text[-3000:]

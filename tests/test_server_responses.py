@@ -14,8 +14,14 @@ from tests.fake_server import running_server
 
 KEY = "sk-responses-test"
 MODEL = FakeEngine.model_id
-WEATHER = [{"type": "function", "name": "get_weather", "description": "Weather in a city",
-            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}]
+WEATHER = [
+    {
+        "type": "function",
+        "name": "get_weather",
+        "description": "Weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    }
+]
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +31,9 @@ def engine():
 
 @pytest.fixture(scope="module")
 def client(engine):
-    with running_server(engine, ServerConfig(api_key=KEY, max_tokens=256, default_max_tokens=128, max_prompt_tokens=1000)) as base:
+    with running_server(
+        engine, ServerConfig(api_key=KEY, max_tokens=256, default_max_tokens=128, max_prompt_tokens=1000)
+    ) as base:
         yield openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0, timeout=20)
 
 
@@ -35,11 +43,16 @@ def test_text_response_with_instructions_and_usage(client, engine):
     assert r.output_text == "Echo: héllo 🙂" and [i.type for i in r.output] == ["message"]
     assert r.output[0].content[0].type == "output_text" and r.instructions == "Be brief."
     prompt = engine.calls[-1].prompt
-    assert prompt == engine.chat_prompt([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "héllo 🙂"}])
+    assert prompt == engine.chat_prompt(
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "héllo 🙂"}]
+    )
     assert (r.usage.input_tokens, r.usage.output_tokens) == (len(prompt), engine.calls[-1].steps)
     assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
-    items = client.responses.create(model=MODEL, instructions="Be brief.", input=[
-        {"role": "user", "content": [{"type": "input_text", "text": "héllo 🙂"}]}])
+    items = client.responses.create(
+        model=MODEL,
+        instructions="Be brief.",
+        input=[{"role": "user", "content": [{"type": "input_text", "text": "héllo 🙂"}]}],
+    )
     assert engine.calls[-1].prompt == prompt and items.output_text == r.output_text
     assert items.usage.input_tokens_details.cached_tokens == len(prompt) - 1
 
@@ -49,13 +62,25 @@ def test_streaming_events_and_final_response(client):
     whole = client.responses.create(**kwargs)
     events = list(client.responses.create(**kwargs, stream=True))
     kinds = [e.type for e in events]
-    assert kinds[:5] == ["response.created", "response.in_progress", "response.output_item.added",
-                         "response.content_part.added", "response.output_text.delta"]
-    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
-                          "response.completed"]
+    assert kinds[:5] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.output_text.delta",
+    ]
+    assert kinds[-4:] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
     assert [e.sequence_number for e in events] == list(range(len(events)))
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == whole.output_text
-    assert events[-1].response.output_text == whole.output_text and events[-1].response.usage.output_tokens == whole.usage.output_tokens
+    assert (
+        events[-1].response.output_text == whole.output_text
+        and events[-1].response.usage.output_tokens == whole.usage.output_tokens
+    )
     with client.responses.stream(**kwargs) as stream:  # the client's own event checks and accumulation
         text = "".join(e.delta for e in stream if e.type == "response.output_text.delta")
         final = stream.get_final_response()
@@ -85,8 +110,11 @@ def test_function_call_round_trip(client, engine, stream):
     (call,) = [i for i in r.output if i.type == "function_call"]
     assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris"} and call.call_id
     assert "<tools>" in engine.tokenizer.decode(engine.calls[-1].prompt)
-    follow = kwargs["input"] + [i.model_dump(exclude_none=True) for i in r.output] + [
-        {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}]
+    follow = (
+        kwargs["input"]
+        + [i.model_dump(exclude_none=True) for i in r.output]
+        + [{"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}]
+    )
     reply = client.responses.create(**{**kwargs, "input": follow})
     assert reply.output_text == "The weather is sunny."
     rendered = engine.tokenizer.decode(engine.calls[-1].prompt)
@@ -107,4 +135,6 @@ def test_errors_have_openais_shape(client):
     with pytest.raises(openai.NotFoundError):
         client.responses.create(model="gpt-5", input="x")
     with pytest.raises(openai.AuthenticationError):
-        openai.OpenAI(base_url=str(client.base_url), api_key="wrong", max_retries=0).responses.create(model=MODEL, input="x")
+        openai.OpenAI(base_url=str(client.base_url), api_key="wrong", max_retries=0).responses.create(
+            model=MODEL, input="x"
+        )

@@ -24,7 +24,12 @@ def synth_file(synth, tmp_path_factory):
 
 
 def test_budget_parsing():
-    assert [(b.label, b.capacity) for b in parse_budgets("1/8, 1/4,0.5,3", 16)] == [("1/8", 2), ("1/4", 4), ("0.5", 8), ("3", 3)]
+    assert [(b.label, b.capacity) for b in parse_budgets("1/8, 1/4,0.5,3", 16)] == [
+        ("1/8", 2),
+        ("1/4", 4),
+        ("0.5", 8),
+        ("3", 3),
+    ]
     assert [b.capacity for b in parse_byte_budgets("3MiB,2.5MB", [1 << 20] * 2, 8)] == [1, 1]
     assert parse_byte_budgets("1GiB", [1 << 20] * 2, 8)[0].capacity == 8  # capped at all experts
     for bad in ("x", "0", "2/1", "17"):
@@ -73,8 +78,25 @@ def test_train_cache_policy_cli(synth_file, tmp_path, capsys):
     from edge0.cli.train_cache_policy import main
 
     out = tmp_path / "policy.safetensors"
-    assert main(["--trace", str(synth_file), "--out", str(out), "--budget", "3,5", "--epochs", "1",
-                 "--rounds", "2", "--max-decisions", "1500"]) == 0
+    assert (
+        main(
+            [
+                "--trace",
+                str(synth_file),
+                "--out",
+                str(out),
+                "--budget",
+                "3,5",
+                "--epochs",
+                "1",
+                "--rounds",
+                "2",
+                "--max-decisions",
+                "1500",
+            ]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
     assert "| flashmoe |" in text and "| belady |" in text and "held-out" in text
     model = load_model(str(out))
@@ -95,8 +117,27 @@ def test_plan_on_fixture_store(store_for, tmp_path, capsys):
     data = tmp_path / "text.txt"
     data.write_text("a few words about lists, files and modules. " * 40)
     report = tmp_path / "plan.json"
-    assert main(["--model", str(store_for("qwen3_moe")), "--data", str(data), "--prompts", "2",
-                 "--prompt-tokens", "24", "--max-tokens", "4", "--budget", "1/4,1/2,1/1", "--json", str(report)]) == 0
+    assert (
+        main(
+            [
+                "--model",
+                str(store_for("qwen3_moe")),
+                "--data",
+                str(data),
+                "--prompts",
+                "2",
+                "--prompt-tokens",
+                "24",
+                "--max-tokens",
+                "4",
+                "--budget",
+                "1/4,1/2,1/1",
+                "--json",
+                str(report),
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "| 1/4 | 2 |" in out and "recommended:" in out
     doc = json.loads(report.read_text())
@@ -125,7 +166,24 @@ def test_simulated_substitution_saves_reads(synth, synth_file, capsys):
 def test_simulate_on_synthetic_routes(capsys):
     from edge0.cli.simulate import main
 
-    assert main(["--routing", "qwen3-like", "--layers", "2", "--steps", "600", "--budget", "1/4", "--policies", "lru,belady", "--json"]) == 0
+    assert (
+        main(
+            [
+                "--routing",
+                "qwen3-like",
+                "--layers",
+                "2",
+                "--steps",
+                "600",
+                "--budget",
+                "1/4",
+                "--policies",
+                "lru,belady",
+                "--json",
+            ]
+        )
+        == 0
+    )
     out = json.loads(capsys.readouterr().out)
     rates = {r["policy"]: r["hit_rate"] for r in out["results"]}
     assert out["steps"] == 600 and 0.74 < rates["lru"] < 0.88 and rates["belady"] > rates["lru"]

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from edge0.store.convert import convert
 from edge0.errors import Edge0Error
 from edge0.store import VERSION, ExpertStore, open_manifest
+from edge0.store.convert import convert
 from edge0.store.writer import SafetensorsWriter
 from tests.fixtures.make import fixture_dir
 
@@ -26,7 +26,7 @@ def test_streaming_writer_is_read_back_by_safetensors(tmp_path):
     np.testing.assert_array_equal(back["a"], a)
     np.testing.assert_array_equal(back["b"], b)
     raw = (tmp_path / "t.safetensors").read_bytes()
-    assert raw[w.offsets["b"]: w.offsets["b"] + 20] == b.tobytes()
+    assert raw[w.offsets["b"] : w.offsets["b"] + 20] == b.tobytes()
 
 
 def test_writer_rejects_out_of_order_and_short_tensors(tmp_path):
@@ -47,9 +47,15 @@ def test_reader_returns_exact_expert_byte_ranges(store_for):
     for name, (buf, st_dtype, shape) in got.items():
         if layer.get("layout") == "expert-major":  # one uint8 [E, expert_stride] tensor
             t = layer["tensors"][name]
-            full = np.array(stacked[f"{layer['module']}.experts"])[:, t["expert_offset"]:t["expert_offset"] + t["expert_nbytes"]]
+            full = np.array(stacked[f"{layer['module']}.experts"])[
+                :, t["expert_offset"] : t["expert_offset"] + t["expert_nbytes"]
+            ]
         else:
-            full = np.array(stacked[f"{layer['module']}.{name}"].view(mx.uint8) if st_dtype != "BF16" else stacked[f"{layer['module']}.{name}"].view(mx.uint16))
+            full = np.array(
+                stacked[f"{layer['module']}.{name}"].view(mx.uint8)
+                if st_dtype != "BF16"
+                else stacked[f"{layer['module']}.{name}"].view(mx.uint16)
+            )
             full = full.reshape(full.shape[0], -1).view(np.uint8)
         assert buf.shape == (2, full.shape[1])
         np.testing.assert_array_equal(buf[0], full[5])

@@ -17,10 +17,11 @@ from safetensors import safe_open
 
 import edge0
 from edge0.backend import core as B
+from edge0.backend.memory import available as memory_available
+from edge0.backend.memory import cgroup_available
 from edge0.errors import Edge0Error
 from edge0.store import VERSION, ExpertStore, open_manifest
 from edge0.store.format import ALIGN, EXPERT_MAJOR, manifest_hash
-from edge0.backend.memory import available as memory_available, cgroup_available
 from edge0.store.readers import STRATEGIES, choose_io
 from edge0.store.relayout import relayout_store
 from edge0.store.writer import SafetensorsWriter, write_expert_layer
@@ -39,14 +40,30 @@ def tensor_major_copy(src: Path, out: Path) -> Path:
         with safe_open(str(src / entry["file"]), framework="numpy") as f:
             rows = f.get_tensor(f"{entry['module']}.experts")
         names = [f"{entry['module']}.{n}" for n in entry["tensors"]]
-        w = SafetensorsWriter(out / entry["file"], [(k, t["dtype"], tuple(t["shape"])) for k, t in zip(names, entry["tensors"].values())],
-                              {"format": "mlx"})
+        w = SafetensorsWriter(
+            out / entry["file"],
+            [(k, t["dtype"], tuple(t["shape"])) for k, t in zip(names, entry["tensors"].values())],
+            {"format": "mlx"},
+        )
         for k, t in zip(names, entry["tensors"].values()):
-            w.write(k, np.ascontiguousarray(rows[:, t["expert_offset"]: t["expert_offset"] + t["expert_nbytes"]]).tobytes())
+            w.write(
+                k, np.ascontiguousarray(rows[:, t["expert_offset"] : t["expert_offset"] + t["expert_nbytes"]]).tobytes()
+            )
         m["files"][entry["file"]] = w.close()
-        layers.append({k: entry[k] for k in ("layer", "module", "file", "num_experts")} | {"tensors": {
-            n: {"dtype": t["dtype"], "shape": t["shape"], "offset": w.offsets[k], "expert_nbytes": t["expert_nbytes"]}
-            for (n, t), k in zip(entry["tensors"].items(), names)}})
+        layers.append(
+            {k: entry[k] for k in ("layer", "module", "file", "num_experts")}
+            | {
+                "tensors": {
+                    n: {
+                        "dtype": t["dtype"],
+                        "shape": t["shape"],
+                        "offset": w.offsets[k],
+                        "expert_nbytes": t["expert_nbytes"],
+                    }
+                    for (n, t), k in zip(entry["tensors"].items(), names)
+                }
+            }
+        )
     m.pop("manifest_sha256", None)  # version 1 manifests carried no checksum of their own
     (out / "edge0-manifest.json").write_text(json.dumps({**m, "version": 1, "expert_layers": layers}))
     return out
@@ -66,7 +83,10 @@ def reference(root, layer: int) -> dict[str, np.ndarray]:
     info = {int(l["layer"]): l for l in open_manifest(root)["expert_layers"]}[layer]
     raw = np.fromfile(root / info["file"], dtype=np.uint8)
     num = info["num_experts"]
-    return {name: raw[t["offset"]: t["offset"] + num * t["expert_nbytes"]].reshape(num, -1) for name, t in info["tensors"].items()}
+    return {
+        name: raw[t["offset"] : t["offset"] + num * t["expert_nbytes"]].reshape(num, -1)
+        for name, t in info["tensors"].items()
+    }
 
 
 def check(got: dict, ref: dict, ids) -> None:
@@ -87,7 +107,7 @@ def test_expert_major_file_is_aligned_safetensors_and_keeps_identity(stores):
         assert rows.shape == (entry["num_experts"], entry["expert_stride"])
         for name, want in reference(v1, entry["layer"]).items():
             t = entry["tensors"][name]
-            np.testing.assert_array_equal(rows[:, t["expert_offset"]: t["expert_offset"] + t["expert_nbytes"]], want)
+            np.testing.assert_array_equal(rows[:, t["expert_offset"] : t["expert_offset"] + t["expert_nbytes"]], want)
 
 
 @pytest.mark.parametrize("layout", ["v1", "v2"])
@@ -113,7 +133,7 @@ def test_every_strategy_reads_the_same_bytes(stores, layout, io):
 
 @pytest.mark.parametrize("sizes", ["odd", "pages"])
 def test_sizes_round_trip_through_both_layouts(tmp_path, sizes, monkeypatch):
-    """"odd": per-expert sizes that are not multiples of 64 or 4096, in every dtype width (rows
+    """ "odd": per-expert sizes that are not multiples of 64 or 4096, in every dtype width (rows
     with padding; direct reads go through its bounce buffer). "pages": every tensor a multiple of
     4 KiB (as on real models), so direct reads scatter straight into the output arrays."""
     from edge0.store.readers import DirectReader
@@ -121,13 +141,17 @@ def test_sizes_round_trip_through_both_layouts(tmp_path, sizes, monkeypatch):
     rng = np.random.default_rng(0)
     module, num = "m.experts", 5
     if sizes == "odd":
-        arrays = {f"{module}.a.weight": rng.integers(0, 2**32, (num, 3, 7), dtype=np.uint32),
-                  f"{module}.a.scales": rng.standard_normal((num, 3, 1)).astype(np.float16),
-                  f"{module}.b": rng.integers(0, 255, (num, 4097), dtype=np.uint8),
-                  f"{module}.c": rng.standard_normal((num, 11)).astype(np.float32)}
+        arrays = {
+            f"{module}.a.weight": rng.integers(0, 2**32, (num, 3, 7), dtype=np.uint32),
+            f"{module}.a.scales": rng.standard_normal((num, 3, 1)).astype(np.float16),
+            f"{module}.b": rng.integers(0, 255, (num, 4097), dtype=np.uint8),
+            f"{module}.c": rng.standard_normal((num, 11)).astype(np.float32),
+        }
     else:
-        arrays = {f"{module}.a.weight": rng.integers(0, 2**32, (num, 8, 256), dtype=np.uint32),
-                  f"{module}.a.scales": rng.standard_normal((num, 2048)).astype(np.float16)}
+        arrays = {
+            f"{module}.a.weight": rng.integers(0, 2**32, (num, 8, 256), dtype=np.uint32),
+            f"{module}.a.scales": rng.standard_normal((num, 2048)).astype(np.float16),
+        }
         monkeypatch.setattr(DirectReader, "_bounce", lambda self, n: pytest.fail("aligned tensors were bounced"))
     dt = {np.uint32: "U32", np.float16: "F16", np.uint8: "U8", np.float32: "F32"}
     tensors = [(k, dt[a.dtype.type], a.shape) for k, a in arrays.items()]
@@ -146,12 +170,30 @@ def test_sizes_round_trip_through_both_layouts(tmp_path, sizes, monkeypatch):
     info, fields = write_expert_layer(tmp_path / "v2" / "l.safetensors", module, tensors, get_bytes)
     assert calls == list(arrays)  # one stacked tensor at a time, in order
     assert fields["tensor_major"] == v1_info
-    assert fields["expert_stride"] == 2 * ALIGN if sizes == "odd" else 3 * ALIGN  # odd: 84+6+4097+44 bytes, 64-aligned starts
-    assert info["size"] == (tmp_path / "v2" / "l.safetensors").stat().st_size == fields["offset"] + num * fields["expert_stride"]
+    assert (
+        fields["expert_stride"] == 2 * ALIGN if sizes == "odd" else 3 * ALIGN
+    )  # odd: 84+6+4097+44 bytes, 64-aligned starts
+    assert (
+        info["size"]
+        == (tmp_path / "v2" / "l.safetensors").stat().st_size
+        == fields["offset"] + num * fields["expert_stride"]
+    )
     assert [p.name for p in (tmp_path / "v2").iterdir()] == ["l.safetensors"]  # no partial file left
-    v1_entry = {"layer": 0, "module": module, "file": "l.safetensors", "num_experts": num,
-                "tensors": {k[len(module) + 1:]: {"dtype": d, "shape": list(s), "offset": w.offsets[k],
-                                                 "expert_nbytes": arrays[k][0].nbytes} for k, d, s in tensors}}
+    v1_entry = {
+        "layer": 0,
+        "module": module,
+        "file": "l.safetensors",
+        "num_experts": num,
+        "tensors": {
+            k[len(module) + 1 :]: {
+                "dtype": d,
+                "shape": list(s),
+                "offset": w.offsets[k],
+                "expert_nbytes": arrays[k][0].nbytes,
+            }
+            for k, d, s in tensors
+        },
+    }
     v2_entry = {"layer": 0, "module": module, "file": "l.safetensors", **fields}
     for root, entry in ((tmp_path / "v1", v1_entry), (tmp_path / "v2", v2_entry)):
         for io in STRATEGIES:
@@ -182,7 +224,7 @@ def test_arrays_are_contiguous_and_separate(stores):
             for got in (store.read(0, [6, 1, 2]), store.read_layer(0)):
                 bufs = [b for b, _, _ in got.values()]
                 assert all(b.flags.c_contiguous for b in bufs)
-                assert not any(np.shares_memory(a, b) for i, a in enumerate(bufs) for b in bufs[i + 1:])
+                assert not any(np.shares_memory(a, b) for i, a in enumerate(bufs) for b in bufs[i + 1 :])
             store.close()
     v1, v2 = stores
     ra, rb = (ExpertStore(r, open_manifest(r), io="pread").read(0, [6, 1, 2]) for r in (v1, v2))
@@ -201,8 +243,13 @@ def test_engine_tokens_match_on_both_layouts_and_every_reader(stores):
     v1, v2 = stores
     prompt = list(range(3, 43))  # >= 32 tokens: whole-layer prefill, then staged decode
     want = edge0.load(v1, lora=False).generate(prompt, max_tokens=8, ignore_eos=True).tokens
-    for kw in ({}, {"decode_executor": "exact", "prefill_executor": "exact"}, {"io": "mmap"}, {"io": "pread"},
-               {"io": "direct"}):
+    for kw in (
+        {},
+        {"decode_executor": "exact", "prefill_executor": "exact"},
+        {"io": "mmap"},
+        {"io": "pread"},
+        {"io": "direct"},
+    ):
         e = edge0.load(v2, lora=False, **kw)
         assert e.generate(prompt, max_tokens=8, ignore_eos=True).tokens == want
         assert "expert-major layout" in e.store.describe_io()
@@ -218,12 +265,22 @@ def test_older_store_loads_and_names_the_relayout(stores):
 def test_relayout_cli_and_damaged_source(stores, tmp_path):
     v1, _ = stores
     out = tmp_path / "cli"
-    r = subprocess.run([sys.executable, "-m", "edge0", "relayout", str(v1), str(out)], cwd=ROOT,
-                       capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    r = subprocess.run(
+        [sys.executable, "-m", "edge0", "relayout", str(v1), str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert r.returncode == 0, r.stderr
     assert manifest_hash(out) == manifest_hash(v1)
-    r = subprocess.run([sys.executable, "-m", "edge0", "relayout", str(v1), str(out)], cwd=ROOT,
-                       capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    r = subprocess.run(
+        [sys.executable, "-m", "edge0", "relayout", str(v1), str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert r.returncode == 2 and "already exists" in r.stderr and len(r.stderr.strip().splitlines()) == 1
     bad = tmp_path / "bad"
     shutil.copytree(v1, bad)
@@ -357,9 +414,17 @@ def test_cgroup_limit_is_seen_inside_a_memory_cgroup():
         pytest.skip(why)
     cg = MemoryCgroup.create(parent, 300 * 2**20)
     try:
-        code = "from edge0.backend.memory import available, cgroup_available; print(cgroup_available()[0], available()[1])"
-        r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, preexec_fn=cg.enter,
-                           env={**os.environ, "PYTHONPATH": str(ROOT)})
+        code = (
+            "from edge0.backend.memory import available, cgroup_available; print(cgroup_available()[0], available()[1])"
+        )
+        r = subprocess.run(
+            [sys.executable, "-c", code],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            preexec_fn=cg.enter,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
         assert r.returncode == 0, r.stderr
         avail, source = r.stdout.split(maxsplit=1)
         assert 0 < int(avail) <= 300 * 2**20 and source.startswith("cgroup")

@@ -44,8 +44,10 @@ def test_tokens_and_logits_match_mlx_lm(family, store_for):
     assert np.abs(ours - ref_logits).max() <= 1e-4
 
 
-@pytest.mark.parametrize("family,dtype", [("qwen3_moe", "float32"), ("deepseek_v3", "float32"),
-                                          ("qwen3_moe", "bfloat16"), ("mixtral", "float16")])
+@pytest.mark.parametrize(
+    "family,dtype",
+    [("qwen3_moe", "float32"), ("deepseek_v3", "float32"), ("qwen3_moe", "bfloat16"), ("mixtral", "float16")],
+)
 def test_converted_tensors_bit_identical_to_mlx_lm_convert(family, dtype, store_for):
     store = store_for(family, "hf", dtype=dtype)
     ref = {}
@@ -54,8 +56,12 @@ def test_converted_tensors_bit_identical_to_mlx_lm_convert(family, dtype, store_
     ours = dict(mx.load(str(store / "model.safetensors")))
     experts = ExpertStore(store, open_manifest(store))
     for layer, info in experts.layers.items():
-        ours.update({f"{info['module']}.{name}": B.from_raw(buf, dt, (info["num_experts"], *shape))
-                     for name, (buf, dt, shape) in experts.read_layer(layer).items()})
+        ours.update(
+            {
+                f"{info['module']}.{name}": B.from_raw(buf, dt, (info["num_experts"], *shape))
+                for name, (buf, dt, shape) in experts.read_layer(layer).items()
+            }
+        )
     assert set(ours) == set(ref)
     for k in ref:
         assert ours[k].dtype == ref[k].dtype, k

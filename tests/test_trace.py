@@ -24,10 +24,17 @@ def synthetic_trace(layers=2, steps=600, experts=8, k=2, seed=0) -> tracefile.Tr
             p /= p.sum()
             routes[l, t] = np.argsort(-p)[:k]
             scores[l, t] = p
-    meta = {"model": "synthetic", "num_experts": experts, "top_k": k, "layers": [1 + 2 * l for l in range(layers)],
-            "expert_bytes": [1 << 20] * layers, "source": {"data": "synthetic"}}
-    return tracefile.Trace(routes, scores.astype(np.float16), np.arange(steps), np.zeros(steps, np.uint8),
-                           np.array([0, steps // 2]), meta)
+    meta = {
+        "model": "synthetic",
+        "num_experts": experts,
+        "top_k": k,
+        "layers": [1 + 2 * l for l in range(layers)],
+        "expert_bytes": [1 << 20] * layers,
+        "source": {"data": "synthetic"},
+    }
+    return tracefile.Trace(
+        routes, scores.astype(np.float16), np.arange(steps), np.zeros(steps, np.uint8), np.array([0, steps // 2]), meta
+    )
 
 
 def test_round_trip(tmp_path):
@@ -92,10 +99,29 @@ def fixture_trace(store_for, tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("trace")
     data = tmp / "text.txt"
-    data.write_text("first document about files and lists. " * 20 + "\n<|endoftext|>\n" + "second one, on modules and errors. " * 20)
+    data.write_text(
+        "first document about files and lists. " * 20 + "\n<|endoftext|>\n" + "second one, on modules and errors. " * 20
+    )
     out = tmp / "t.npz"
-    assert main(["--model", str(store_for("qwen3_moe")), "--data", str(data), "--out", str(out),
-                 "--prompts", "2", "--prompt-tokens", "24", "--max-tokens", "5"]) == 0
+    assert (
+        main(
+            [
+                "--model",
+                str(store_for("qwen3_moe")),
+                "--data",
+                str(data),
+                "--out",
+                str(out),
+                "--prompts",
+                "2",
+                "--prompt-tokens",
+                "24",
+                "--max-tokens",
+                "5",
+            ]
+        )
+        == 0
+    )
     return tracefile.read(out)
 
 
@@ -121,7 +147,16 @@ def test_trace_cli_errors(tmp_path, store_for):
     from edge0.cli.trace import main
 
     with pytest.raises(Edge0Error, match="no such file"):
-        main(["--model", str(store_for("qwen3_moe")), "--data", str(tmp_path / "none.txt"), "--out", str(tmp_path / "t.npz")])
+        main(
+            [
+                "--model",
+                str(store_for("qwen3_moe")),
+                "--data",
+                str(tmp_path / "none.txt"),
+                "--out",
+                str(tmp_path / "t.npz"),
+            ]
+        )
     with pytest.raises(Edge0Error, match="does not exist"):
         main(["--model", "x", "--data", "x", "--out", str(tmp_path / "no" / "t.npz")])
 
@@ -134,7 +169,10 @@ def test_trace_records_the_routes_pre_routed_layers_use(tmp_path):
     data = tmp_path / "text.txt"
     data.write_text("The Python tutorial explains lists, dictionaries and modules. " * 8)
     out = tmp_path / "t.npz"
-    assert main(["--data", str(data), "--out", str(out), "--prompts", "1", "--prompt-tokens", "12", "--max-tokens", "6"]) == 0
+    assert (
+        main(["--data", str(data), "--out", str(out), "--prompts", "1", "--prompt-tokens", "12", "--max-tokens", "6"])
+        == 0
+    )
     tr = tracefile.read(out)
     assert tr.routes.shape[:2] == (6, 12 + 6 - 1)
     assert tr.phase.sum() == 5
@@ -145,8 +183,28 @@ def test_trace_of_synthetic_routes_has_the_model_shape(tmp_path, store_for):
     from edge0.store.format import manifest_hash
 
     out = tmp_path / "s.npz"
-    assert main(["--model", str(store_for("qwen3_moe")), "--routing", "qwen3-like", "--out", str(out),
-                 "--prompts", "2", "--prompt-tokens", "10", "--max-tokens", "5"]) == 0
+    assert (
+        main(
+            [
+                "--model",
+                str(store_for("qwen3_moe")),
+                "--routing",
+                "qwen3-like",
+                "--out",
+                str(out),
+                "--prompts",
+                "2",
+                "--prompt-tokens",
+                "10",
+                "--max-tokens",
+                "5",
+            ]
+        )
+        == 0
+    )
     tr = tracefile.read(out)
     assert tr.routes.shape == (2, 30, 2) and tr.num_experts == 8
-    assert tr.meta["manifest_hash"] == manifest_hash(store_for("qwen3_moe")) and tr.meta["source"]["routing"] == "qwen3-like"
+    assert (
+        tr.meta["manifest_hash"] == manifest_hash(store_for("qwen3_moe"))
+        and tr.meta["source"]["routing"] == "qwen3-like"
+    )

@@ -15,8 +15,16 @@ from edge0.backend.modules import get_module, set_module
 from edge0.backend.moe import SpecMoEBlock, StreamingExperts
 
 
-def assemble(root: Path, resident_file: str, manifest: dict, config: dict, spec, k: int | None, compute_dtype: str,
-             stage: tuple[int, int, list[int]] | None = None):
+def assemble(
+    root: Path,
+    resident_file: str,
+    manifest: dict,
+    config: dict,
+    spec,
+    k: int | None,
+    compute_dtype: str,
+    stage: tuple[int, int, list[int]] | None = None,
+):
     """Build the model of a store: resident weights loaded and evaluated, each expert module
     replaced by a StreamingExperts (see attach_executors), and, for spec'd families, each MoE
     block replaced by a SpecMoEBlock serving width `k`.
@@ -31,6 +39,7 @@ def assemble(root: Path, resident_file: str, manifest: dict, config: dict, spec,
         names.update(f"{layer['module']}.{t}" for t in layer["tensors"])
     q = config.get("quantization")
     if q:
+
         def predicate(p, m):
             if p in q:
                 return q[p]
@@ -57,7 +66,8 @@ def assemble(root: Path, resident_file: str, manifest: dict, config: dict, spec,
     cast = getattr(model, "cast_predicate", lambda _: True)
     weights = [
         (n, w.astype(dt) if mx.issubdtype(w.dtype, mx.floating) and cast(n) else w)
-        for n, w in resident.items() if keep is None or n in keep
+        for n, w in resident.items()
+        if keep is None or n in keep
     ]
     model.eval()
     model.load_weights(weights, strict=keep is None)

@@ -39,7 +39,9 @@ def _hosts() -> list:
         text = open(path).read().strip()
         return json.loads(text) if text else []
     except (OSError, ValueError) as e:
-        raise Edge0Error(f"MLX_HOSTFILE {path}: unreadable ring hostfile ({e}); start the ranks with {LAUNCH}") from None
+        raise Edge0Error(
+            f"MLX_HOSTFILE {path}: unreadable ring hostfile ({e}); start the ranks with {LAUNCH}"
+        ) from None
 
 
 def init_group(timeout: float):
@@ -64,9 +66,11 @@ def init_group(timeout: float):
         return mx.distributed.init(strict=True, backend="ring")
     except RuntimeError as e:
         peers = ", ".join(a for r, addrs in enumerate(hosts) if r != rank for a in addrs)
-        raise Edge0Error(f"rank {rank} of {len(hosts)}: could not reach its peers at {peers} in "
-                         f"{time.monotonic() - t0:.0f} s ({e}); "
-                         f"start every rank ({LAUNCH}) and check the hostfile's addresses") from None
+        raise Edge0Error(
+            f"rank {rank} of {len(hosts)}: could not reach its peers at {peers} in "
+            f"{time.monotonic() - t0:.0f} s ({e}); "
+            f"start every rank ({LAUNCH}) and check the hostfile's addresses"
+        ) from None
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
@@ -104,7 +108,7 @@ def all_gather_bytes(group, data: bytes) -> list[bytes]:
     """Every rank's `data` (all the same length), in rank order."""
     out = mx.distributed.all_gather(mx.array(np.frombuffer(data, dtype=np.uint8)), group=group)
     flat = bytes(np.array(deliver(out)))
-    return [flat[i * len(data):(i + 1) * len(data)] for i in range(group.size())]
+    return [flat[i * len(data) : (i + 1) * len(data)] for i in range(group.size())]
 
 
 def deliver(x):
@@ -113,8 +117,9 @@ def deliver(x):
         mx.eval(x)
     except RuntimeError as e:
         if "[ring]" in str(e):
-            raise Edge0Error(f"lost a peer rank ({e}): another rank exited or its machine is unreachable; "
-                             "its own output says why") from None
+            raise Edge0Error(
+                f"lost a peer rank ({e}): another rank exited or its machine is unreachable; its own output says why"
+            ) from None
         raise
     return x
 
@@ -178,8 +183,10 @@ class PassThrough(nn.Module):
 def _pipeline_module(model) -> tuple[str, nn.Module]:
     found = [(p, m) for p, m in model.named_modules() if isinstance(m, PipelineMixin)]
     if len(found) != 1 or not all(hasattr(found[0][1], a) for a in ("embed_tokens", "norm", "layers")):
-        raise Edge0Error(f"model_type {getattr(model, 'model_type', '?')!r}: mlx-lm has no pipeline support for "
-                         "this family (no PipelineMixin model with embed_tokens, layers and norm); run it in one process")
+        raise Edge0Error(
+            f"model_type {getattr(model, 'model_type', '?')!r}: mlx-lm has no pipeline support for "
+            "this family (no PipelineMixin model with embed_tokens, layers and norm); run it in one process"
+        )
     return found[0]
 
 
@@ -189,9 +196,11 @@ def num_layers(model) -> int:
     it holds (what the stage exchange keeps in step across ranks)."""
     n = len(_pipeline_module(model)[1].layers)
     if not all(hasattr(c, "offset") for c in make_prompt_cache(model)):
-        raise Edge0Error(f"model_type {getattr(model, 'model_type', '?')!r}: some layers keep state other than a KV "
-                         "cache (linear attention), which the stage exchange does not keep in step across ranks; "
-                         "run it in one process")
+        raise Edge0Error(
+            f"model_type {getattr(model, 'model_type', '?')!r}: some layers keep state other than a KV "
+            "cache (linear attention), which the stage exchange does not keep in step across ranks; "
+            "run it in one process"
+        )
     return n
 
 

@@ -38,7 +38,15 @@ def build_heads(tensors: dict, owners: list[int], dim: int, num_experts: int, hi
     heads = {}
     for o in owners:
         h = Head(dim, num_experts, hidden)
-        h.update(tree_unflatten([(k.split(".", 1)[1], mx.array(v).astype(dtype)) for k, v in tensors.items() if k.split(".", 1)[0] == str(o)]))
+        h.update(
+            tree_unflatten(
+                [
+                    (k.split(".", 1)[1], mx.array(v).astype(dtype))
+                    for k, v in tensors.items()
+                    if k.split(".", 1)[0] == str(o)
+                ]
+            )
+        )
         heads[o] = h
     mx.eval([h.parameters() for h in heads.values()])
     return heads

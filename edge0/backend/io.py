@@ -62,8 +62,10 @@ def build_model(config: dict, where: Path) -> nn.Module:
         return model_class(args_class.from_dict(config))
     except (TypeError, ValueError, KeyError, AttributeError) as e:
         # Nothing but config.json goes in here, so a failure is a field missing or of the wrong type.
-        raise Edge0Error(f"{where / 'config.json'}: mlx-lm cannot build a {config['model_type']!r} model from it "
-                         f"({type(e).__name__}: {e}); the file is damaged or incomplete") from None
+        raise Edge0Error(
+            f"{where / 'config.json'}: mlx-lm cannot build a {config['model_type']!r} model from it "
+            f"({type(e).__name__}: {e}); the file is damaged or incomplete"
+        ) from None
 
 
 def layer_index(path: str) -> int:

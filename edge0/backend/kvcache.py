@@ -4,12 +4,26 @@ from __future__ import annotations
 
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
-from mlx_lm.models.cache import (can_trim_prompt_cache, load_prompt_cache, make_prompt_cache, save_prompt_cache,
-                                  trim_prompt_cache)
+from mlx_lm.models.cache import (
+    can_trim_prompt_cache,
+    load_prompt_cache,
+    make_prompt_cache,
+    save_prompt_cache,
+    trim_prompt_cache,
+)
 from mlx_lm.utils import common_prefix_len
 
-__all__ = ["make_prompt_cache", "can_trim_prompt_cache", "trim_prompt_cache", "common_prefix_len", "save_prompt_cache",
-           "cache_offset", "prompt_cache_nbytes", "read_prompt_cache", "prompt_cache_metadata"]
+__all__ = [
+    "make_prompt_cache",
+    "can_trim_prompt_cache",
+    "trim_prompt_cache",
+    "common_prefix_len",
+    "save_prompt_cache",
+    "cache_offset",
+    "prompt_cache_nbytes",
+    "read_prompt_cache",
+    "prompt_cache_metadata",
+]
 
 
 def cache_offset(cache) -> int:

@@ -45,7 +45,16 @@ def _input_dims(m) -> int:
 
 # Path components of routers, routed experts, embeddings and the output head: never adapted
 # (experts must stay streamable; routers decide the route the pre-router predicts).
-_EXCLUDE = {"gate", "router", "shared_expert_gate", "switch_mlp", "experts", "lm_head", "embed_tokens", "word_embeddings"}
+_EXCLUDE = {
+    "gate",
+    "router",
+    "shared_expert_gate",
+    "switch_mlp",
+    "experts",
+    "lm_head",
+    "embed_tokens",
+    "word_embeddings",
+}
 _INCLUDE = {"self_attn", "linear_attn", "attention", "shared_expert", "shared_experts", "mlp"}
 
 
@@ -73,8 +82,10 @@ def resolve_targets(model: nn.Module, targets) -> list[str]:
         chosen.update(hits)
     if unmatched:
         names = sorted({p.rsplit(".", 1)[1] for p in candidates})
-        raise Edge0Error(f"--targets: {unmatched} match no attention, shared-expert or dense-MLP linear of this model; "
-                         f"choose among {names} (or full paths)")
+        raise Edge0Error(
+            f"--targets: {unmatched} match no attention, shared-expert or dense-MLP linear of this model; "
+            f"choose among {names} (or full paths)"
+        )
     return sorted(chosen)
 
 
@@ -90,8 +101,11 @@ def apply_lora(model: nn.Module, paths: list[str], r: int, alpha: float) -> dict
 
 def lora_tensors(wrapped: dict) -> dict[str, np.ndarray]:
     """The adapter's matrices as float32 numpy, keyed "<path>.lora_a" / "<path>.lora_b"."""
-    return {f"{path}.{k}": np.array(v.astype(mx.float32)) for path, m in wrapped.items()
-            for k, v in (("lora_a", m.lora_a), ("lora_b", m.lora_b))}
+    return {
+        f"{path}.{k}": np.array(v.astype(mx.float32))
+        for path, m in wrapped.items()
+        for k, v in (("lora_a", m.lora_a), ("lora_b", m.lora_b))
+    }
 
 
 def load_lora_tensors(wrapped: dict, tensors: dict, dtype) -> None:
@@ -148,7 +162,11 @@ def merged_linear(layer: LoRALinear, how: str = "fresh") -> tuple[nn.Module, dic
     if how == "fresh":
         merged = nn.QuantizedLinear(w.shape[1], w.shape[0], bias=bias is not None, group_size=gs, bits=bits)
         qw, scales, biases = mx.quantize(w + delta, group_size=gs, bits=bits)
-        merged.weight, merged.scales, merged.biases = qw, scales.astype(base.scales.dtype), biases.astype(base.biases.dtype)
+        merged.weight, merged.scales, merged.biases = (
+            qw,
+            scales.astype(base.scales.dtype),
+            biases.astype(base.biases.dtype),
+        )
         w_new = mx.dequantize(qw, scales, biases, group_size=gs, bits=bits).astype(mx.float32)
     else:
         if how == "fixed":

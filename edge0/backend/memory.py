@@ -18,8 +18,11 @@ from pathlib import Path
 
 def _numbers(path: Path) -> dict[str, int]:
     try:
-        return {k: int(v) for k, v in (line.split()[:2] for line in path.read_text().splitlines()
-                                       if len(line.split()) >= 2) if v.isdigit()}
+        return {
+            k: int(v)
+            for k, v in (line.split()[:2] for line in path.read_text().splitlines() if len(line.split()) >= 2)
+            if v.isdigit()
+        }
     except OSError:
         return {}
 

@@ -133,5 +133,8 @@ class SpecMoEBlock(nn.Module):
         if self.observer is not None:
             self.observer(np.array(inds).reshape(-1, inds.shape[-1]), np.array(probs).reshape(-1, probs.shape[-1]))
         if self.capture is not None:
-            self.capture(np.array(x.astype(mx.float32)).reshape(-1, x.shape[-1]),
-                         np.array(inds).reshape(-1, inds.shape[-1]), np.array(probs).reshape(-1, probs.shape[-1]))
+            self.capture(
+                np.array(x.astype(mx.float32)).reshape(-1, x.shape[-1]),
+                np.array(inds).reshape(-1, inds.shape[-1]),
+                np.array(probs).reshape(-1, probs.shape[-1]),
+            )

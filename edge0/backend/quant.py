@@ -26,8 +26,10 @@ def quantize_hf(src: Path, bits: int = 4, group_size: int = 64, dtype: str | Non
         with contextlib.redirect_stdout(io.StringIO()):
             model, tokenizer, config = mlx_lm_load(str(src), lazy=True, return_config=True)
     except (ValueError, KeyError, FileNotFoundError) as e:
-        raise Edge0Error(f"{src}: mlx-lm cannot load this checkpoint ({e}); check that the "
-                         "directory holds a complete model (config.json, *.safetensors, tokenizer)") from None
+        raise Edge0Error(
+            f"{src}: mlx-lm cannot load this checkpoint ({e}); check that the "
+            "directory holds a complete model (config.json, *.safetensors, tokenizer)"
+        ) from None
     experts = bio.expert_modules(model, src)
     if dtype is None:
         dtype = config.get("torch_dtype") or config.get("text_config", {}).get("dtype")

@@ -29,8 +29,11 @@ def load(path, dtype: str | None):
     if compute != ckpt:
         dt = getattr(mx, compute)
         cast = getattr(model, "cast_predicate", lambda _: True)
-        model.update(tree_map_with_path(
-            lambda k, v: v.astype(dt) if cast(k) and mx.issubdtype(v.dtype, mx.floating) else v, model.parameters()))
+        model.update(
+            tree_map_with_path(
+                lambda k, v: v.astype(dt) if cast(k) and mx.issubdtype(v.dtype, mx.floating) else v, model.parameters()
+            )
+        )
     mx.eval(model.parameters())
     return model, tokenizer, compute, sum(v.nbytes for _, v in tree_flatten(model.parameters()))
 

@@ -28,9 +28,7 @@ def topk_softmax(logits, k: int):
 
 
 @B.compile
-def _grouped(
-    logits, bias, k, n_group, topk_group, scale, norm, score_function, select, eps, cast
-):
+def _grouped(logits, bias, k, n_group, topk_group, scale, norm, score_function, select, eps, cast):
     in_type = logits.dtype
     if score_function == "sigmoid":
         scores = B.sigmoid(logits.astype(B.float32))

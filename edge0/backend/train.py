@@ -18,8 +18,10 @@ def cosine(lr: float, steps: int):
 def warmup_cosine(lr: float, steps: int, warmup: int):
     """Linear warmup to `lr` over `warmup` steps, then cosine decay to lr/10."""
     warmup = max(1, min(warmup, steps // 2))
-    return optim.join_schedules([optim.linear_schedule(lr / warmup, lr, warmup),
-                                 optim.cosine_decay(lr, max(1, steps - warmup), lr * 0.1)], [warmup])
+    return optim.join_schedules(
+        [optim.linear_schedule(lr / warmup, lr, warmup), optim.cosine_decay(lr, max(1, steps - warmup), lr * 0.1)],
+        [warmup],
+    )
 
 
 class Trainer:

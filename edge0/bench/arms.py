@@ -30,10 +30,18 @@ BASES = (
     Base("exact", "edge0", {"decode_executor": "exact", "prerouter": False, "lora": False}),
     Base("staged", "edge0", {"decode_executor": "staged", "prerouter": False, "lora": False}),
     Base("hot", "edge0", {"decode_executor": "hot", "prerouter": False, "lora": False}),
-    Base("prerouter", "edge0", {"decode_executor": "staged", "prerouter": PREROUTER, "lora": False}, needs_prerouter=True),
+    Base(
+        "prerouter", "edge0", {"decode_executor": "staged", "prerouter": PREROUTER, "lora": False}, needs_prerouter=True
+    ),
     # the decode cost of the recovery LoRA: compare with prerouter-warm
-    Base("prerouter-lora", "edge0", {"decode_executor": "staged", "prerouter": PREROUTER, "lora": LORA},
-         needs_prerouter=True, needs_lora=True, storages=("warm",)),
+    Base(
+        "prerouter-lora",
+        "edge0",
+        {"decode_executor": "staged", "prerouter": PREROUTER, "lora": LORA},
+        needs_prerouter=True,
+        needs_lora=True,
+        storages=("warm",),
+    ),
 )
 CAPPED = ("mlx-lm", "exact", "staged", "prerouter")  # run under the memory cap
 
@@ -60,11 +68,28 @@ def all_arms() -> list[Arm]:
 
 
 # Per-arm numbers (positive and finite, or null where they do not apply).
-METRICS = ("decode_tps", "prefill_tps", "ttft_s", "load_s", "wall_s", "mlx_peak_bytes", "mlx_decode_peak_bytes",
-           "mlx_load_peak_bytes", "peak_rss_bytes", "resident_bytes", "expert_cache_bytes", "expert_bytes_read",
-           "decode_expert_bytes_read", "hit_rate", "stall_ms_per_step", "host_syncs_per_step", "expert_reads_per_step",
-           "io_max_queue_depth",
-           "prompt_tokens", "generation_tokens")
+METRICS = (
+    "decode_tps",
+    "prefill_tps",
+    "ttft_s",
+    "load_s",
+    "wall_s",
+    "mlx_peak_bytes",
+    "mlx_decode_peak_bytes",
+    "mlx_load_peak_bytes",
+    "peak_rss_bytes",
+    "resident_bytes",
+    "expert_cache_bytes",
+    "expert_bytes_read",
+    "decode_expert_bytes_read",
+    "hit_rate",
+    "stall_ms_per_step",
+    "host_syncs_per_step",
+    "expert_reads_per_step",
+    "io_max_queue_depth",
+    "prompt_tokens",
+    "generation_tokens",
+)
 COUNTERS = ("fallbacks", "dropped_experts")
 
 SIZES = {  # preset -> (bench-model size, prompt tokens, decode tokens)
@@ -81,8 +106,13 @@ def resolved_load(arm: Arm, args) -> dict:
 
 
 def arm_spec(arm: Arm, model: Model, args, budget: int, sizes: dict) -> dict:
-    spec = {"name": arm.name, "runtime": arm.runtime, "prompt_tokens": args.prompt_tokens,
-            "decode_tokens": args.decode_tokens, "dtype": args.dtype}
+    spec = {
+        "name": arm.name,
+        "runtime": arm.runtime,
+        "prompt_tokens": args.prompt_tokens,
+        "decode_tokens": args.decode_tokens,
+        "dtype": args.dtype,
+    }
     if arm.runtime == "mlx-lm":
         spec["mlx_model"] = str(model.mlx)
         files = sorted(model.mlx.glob("*.safetensors"))
@@ -95,8 +125,12 @@ def arm_spec(arm: Arm, model: Model, args, budget: int, sizes: dict) -> dict:
             spec.update(routing=args.routing, lookahead=arm.base.needs_prerouter)
         if arm.storage == "cold":
             load["cold_reads"] = True  # every expert read comes from storage, as with a model > RAM
-        spec.update(store=str(model.store), load=load, prerouter_required=arm.base.needs_prerouter and args.routing == "uniform",
-                    lora_required=arm.base.needs_lora)
+        spec.update(
+            store=str(model.store),
+            load=load,
+            prerouter_required=arm.base.needs_prerouter and args.routing == "uniform",
+            lora_required=arm.base.needs_lora,
+        )
         files = sorted(model.store.rglob("*.safetensors"))
     if arm.storage in ("cold", "capped"):
         spec["evict"] = [str(f) for f in files]
@@ -110,12 +144,21 @@ def skip_reason(arm: Arm, model: Model, args, cgroup_parent) -> str:
         return model.mlx_missing_reason
     if args.routing != "uniform" and arm.base.needs_lora:
         return f"--routing {args.routing}: the recovery LoRA is trained for the model's own routes"
-    if args.routing == "uniform" and arm.base.needs_prerouter and args.prerouter is None and not (model.store / HEADS_FILE).is_file():
-        return ("no pre-router heads for this model: the store has no prerouter.safetensors and --prerouter "
-                "was not given (train some with edge0 train-prerouter)")
+    if (
+        args.routing == "uniform"
+        and arm.base.needs_prerouter
+        and args.prerouter is None
+        and not (model.store / HEADS_FILE).is_file()
+    ):
+        return (
+            "no pre-router heads for this model: the store has no prerouter.safetensors and --prerouter "
+            "was not given (train some with edge0 train-prerouter)"
+        )
     if arm.base.needs_lora and args.lora is None and not any(model.store.glob("lora*.safetensors")):
-        return ("no recovery LoRA for this model: the store has no adapter and --lora was not given "
-                "(train one with edge0 train-lora)")
+        return (
+            "no recovery LoRA for this model: the store has no adapter and --lora was not given "
+            "(train one with edge0 train-lora)"
+        )
     if arm.storage == "capped":
         if args.no_cap:
             return "--no-cap"
@@ -132,6 +175,8 @@ def select_arms(spec: str | None) -> list[Arm]:
     names = {a.name for a in arms} | {b.name for b in BASES}
     bad = [w for w in wanted if w not in names]
     if bad:
-        raise Edge0Error(f"--arms {','.join(bad)}: unknown; choose from {', '.join(a.name for a in arms)} "
-                         f"(or an executor name: {', '.join(b.name for b in BASES)})")
+        raise Edge0Error(
+            f"--arms {','.join(bad)}: unknown; choose from {', '.join(a.name for a in arms)} "
+            f"(or an executor name: {', '.join(b.name for b in BASES)})"
+        )
     return [a for a in arms if a.name in wanted or a.base.name in wanted]

@@ -61,8 +61,12 @@ class MemoryCgroup:
                 return ""
 
         oom = dict(l.split() for l in read("memory.oom_control").splitlines() if len(l.split()) == 2)
-        return {"limit_bytes": self.limit, "max_usage_bytes": int(read("memory.max_usage_in_bytes") or 0),
-                "failcnt": int(read("memory.failcnt") or 0), "oom_kills": int(oom.get("oom_kill", 0))}
+        return {
+            "limit_bytes": self.limit,
+            "max_usage_bytes": int(read("memory.max_usage_in_bytes") or 0),
+            "failcnt": int(read("memory.failcnt") or 0),
+            "oom_kills": int(oom.get("oom_kill", 0)),
+        }
 
     def remove(self) -> None:
         for _ in range(50):

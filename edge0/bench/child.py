@@ -95,16 +95,25 @@ def _delta(a: dict, b: dict) -> dict:
 def _trace_row(step: int, wall_s: float, a: dict, b: dict) -> dict:
     d = _delta(a, b)
     stall = d.get("stall_ms", 0.0)
-    row = {"step": step, "phase": "prefill+first" if step == 0 else "decode", "wall_ms": 1000 * wall_s,
-           "stall_ms": stall, "compute_ms": max(0.0, 1000 * wall_s - stall),
-           "bytes_read": d.get("bytes_read", 0), "loads": d.get("loads", 0), "hits": d.get("hits", 0),
-           "misses": d.get("misses", 0), "host_syncs": d.get("host_syncs", 0)}
+    row = {
+        "step": step,
+        "phase": "prefill+first" if step == 0 else "decode",
+        "wall_ms": 1000 * wall_s,
+        "stall_ms": stall,
+        "compute_ms": max(0.0, 1000 * wall_s - stall),
+        "bytes_read": d.get("bytes_read", 0),
+        "loads": d.get("loads", 0),
+        "hits": d.get("hits", 0),
+        "misses": d.get("misses", 0),
+        "host_syncs": d.get("host_syncs", 0),
+    }
     if "layer_stall_ms" in b:
         row["layer_stall_ms"] = [round(y - x, 3) for x, y in zip(a["layer_stall_ms"], b["layer_stall_ms"])]
     return row
 
 
 # ----------------------------------------------------------------------------- edge0
+
 
 def run_edge0(spec: dict) -> dict:
     import edge0
@@ -124,11 +133,17 @@ def run_edge0(spec: dict) -> dict:
 
         use_synthetic_routing(engine, seed=0, lookahead=spec.get("lookahead", False))
     elif want_prerouter and engine.prerouting is None:
-        return {"status": "skipped", "reason": "no pre-router heads were attached (the store has no "
-                "prerouter.safetensors and --prerouter was not given)"}
+        return {
+            "status": "skipped",
+            "reason": "no pre-router heads were attached (the store has no "
+            "prerouter.safetensors and --prerouter was not given)",
+        }
     if spec.get("lora_required") and engine.lora_path is None:
-        return {"status": "skipped", "reason": engine.lora_note or "no recovery LoRA was attached (the store has no "
-                "adapter and --lora was not given)"}
+        return {
+            "status": "skipped",
+            "reason": engine.lora_note
+            or "no recovery LoRA was attached (the store has no adapter and --lora was not given)",
+        }
     load_s = time.perf_counter() - t0
     load_peak = B.peak_memory()
     B.reset_peak_memory()
@@ -137,7 +152,9 @@ def run_edge0(spec: dict) -> dict:
 
     def snapshot():
         t = stats.totals()
-        s = {k: t[k] for k in ("bytes_read", "loads", "hits", "misses", "host_syncs", "stall_ms", "fallbacks", "dropped")}
+        s = {
+            k: t[k] for k in ("bytes_read", "loads", "hits", "misses", "host_syncs", "stall_ms", "fallbacks", "dropped")
+        }
         s["reads"] = engine.store.io_stats()["reads"]
         s["layer_stall_ms"] = [1000 * stats.layer(l).stall_s for l in layers]
         return s
@@ -149,29 +166,35 @@ def run_edge0(spec: dict) -> dict:
     total, dec = out.pop("counters_total"), out.pop("counters_decode")
     lookups = dec["hits"] + dec["misses"]
     n_dec = max(1, out["generation_tokens"] - 1)
-    out.update({
-        "status": "ok",
-        "describe": engine.describe() + (f", pre-router {engine.heads_path}" if engine.heads_path else "")
-        + (f", routing {spec['routing']}" + (" (routes staged one step ahead)" if spec.get("lookahead") else "")
-           if spec.get("routing", "uniform") != "uniform" else ""),
-        "load_s": load_s,
-        "mlx_load_peak_bytes": load_peak,
-        "resident_bytes": engine.resident_bytes,
-        "expert_cache_bytes": engine.streaming.budget,
-        "expert_bytes_read": total["bytes_read"],
-        "decode_expert_bytes_read": dec["bytes_read"],
-        "hit_rate": dec["hits"] / lookups if lookups and engine.streaming.n_slots else None,  # exact: no cache
-        "stall_ms_per_step": dec["stall_ms"] / n_dec,
-        "host_syncs_per_step": dec["host_syncs"] / n_dec,
-        "expert_reads_per_step": dec["reads"] / n_dec,
-        "io_max_queue_depth": engine.store.io_stats()["max_queue_depth"],
-        "io": engine.store.io_stats(),
-        "fallbacks": total["fallbacks"],
-        "dropped_experts": total["dropped"],
-        "prompt_digest": ids_digest(ids),
-        "prompt_tokens": len(ids),
-        "trace": timing.trace,
-    })
+    out.update(
+        {
+            "status": "ok",
+            "describe": engine.describe()
+            + (f", pre-router {engine.heads_path}" if engine.heads_path else "")
+            + (
+                f", routing {spec['routing']}" + (" (routes staged one step ahead)" if spec.get("lookahead") else "")
+                if spec.get("routing", "uniform") != "uniform"
+                else ""
+            ),
+            "load_s": load_s,
+            "mlx_load_peak_bytes": load_peak,
+            "resident_bytes": engine.resident_bytes,
+            "expert_cache_bytes": engine.streaming.budget,
+            "expert_bytes_read": total["bytes_read"],
+            "decode_expert_bytes_read": dec["bytes_read"],
+            "hit_rate": dec["hits"] / lookups if lookups and engine.streaming.n_slots else None,  # exact: no cache
+            "stall_ms_per_step": dec["stall_ms"] / n_dec,
+            "host_syncs_per_step": dec["host_syncs"] / n_dec,
+            "expert_reads_per_step": dec["reads"] / n_dec,
+            "io_max_queue_depth": engine.store.io_stats()["max_queue_depth"],
+            "io": engine.store.io_stats(),
+            "fallbacks": total["fallbacks"],
+            "dropped_experts": total["dropped"],
+            "prompt_digest": ids_digest(ids),
+            "prompt_tokens": len(ids),
+            "trace": timing.trace,
+        }
+    )
     engine.close()
     return out
 
@@ -191,17 +214,19 @@ def run_resident(spec: dict) -> dict:
     out = timing.run(resident.generate_tokens(model, ids, spec["decode_tokens"]))
     out.pop("counters_total")
     out.pop("counters_decode")
-    out.update({
-        "status": "ok",
-        "describe": f"mlx-lm {resident.version()} resident: {dtype}, {resident_bytes / 1e9:.2f} GB of weights in memory",
-        "compute_dtype": dtype,
-        "load_s": load_s,
-        "mlx_load_peak_bytes": load_peak,
-        "resident_bytes": resident_bytes,
-        "prompt_digest": ids_digest(ids),
-        "prompt_tokens": len(ids),
-        "trace": timing.trace,
-    })
+    out.update(
+        {
+            "status": "ok",
+            "describe": f"mlx-lm {resident.version()} resident: {dtype}, {resident_bytes / 1e9:.2f} GB of weights in memory",
+            "compute_dtype": dtype,
+            "load_s": load_s,
+            "mlx_load_peak_bytes": load_peak,
+            "resident_bytes": resident_bytes,
+            "prompt_digest": ids_digest(ids),
+            "prompt_tokens": len(ids),
+            "trace": timing.trace,
+        }
+    )
     return out
 
 

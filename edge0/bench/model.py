@@ -44,8 +44,10 @@ def resolve_model(args) -> Model:
         mlx = Path(args.mlx_model).expanduser() if args.mlx_model else None
         return _check_model(d, mlx, {})
     if not (d / "store").is_dir():
-        raise Edge0Error(f"--model {d}: neither an edge0 store nor a bench-model directory (store/ + mlx/); "
-                         "make one with: python scripts/make_bench_model.py DIR")
+        raise Edge0Error(
+            f"--model {d}: neither an edge0 store nor a bench-model directory (store/ + mlx/); "
+            "make one with: python scripts/make_bench_model.py DIR"
+        )
     info = _read_json(d / "bench-model.json") if (d / "bench-model.json").is_file() else {}
     mlx = Path(args.mlx_model).expanduser() if args.mlx_model else d / "mlx"
     return _check_model(d / "store", mlx, info)
@@ -60,11 +62,15 @@ def _check_model(store: Path, mlx: Path | None, info: dict) -> Model:
         if src.get("already_quantized") and Path(src.get("path", "")).is_dir():
             mlx = Path(src["path"])  # the store was converted from this mlx-lm checkpoint
     if mlx is None:
-        m.mlx_missing_reason = ("no mlx-lm checkpoint with the same weights: pass --mlx-model DIR (the mlx-lm "
-                                "quantized checkpoint the store was converted from)")
+        m.mlx_missing_reason = (
+            "no mlx-lm checkpoint with the same weights: pass --mlx-model DIR (the mlx-lm "
+            "quantized checkpoint the store was converted from)"
+        )
     elif not (mlx / "config.json").is_file() or "quantization" not in _read_json(mlx / "config.json"):
-        raise Edge0Error(f"--mlx-model {mlx}: not an mlx-lm quantized checkpoint (config.json without "
-                         "\"quantization\"); pass the directory the store was converted from")
+        raise Edge0Error(
+            f"--mlx-model {mlx}: not an mlx-lm quantized checkpoint (config.json without "
+            '"quantization"); pass the directory the store was converted from'
+        )
     else:
         m.mlx = mlx
     return m
@@ -73,8 +79,10 @@ def _check_model(store: Path, mlx: Path | None, info: dict) -> Model:
 def build_bench_model(out: Path, size: str) -> None:
     script = PKG_ROOT / "scripts" / "make_bench_model.py"
     if not script.is_file():
-        raise Edge0Error(f"no --model given and {script} is missing (it ships with a source checkout); "
-                         "make a bench model there, or pass --model DIR")
+        raise Edge0Error(
+            f"no --model given and {script} is missing (it ships with a source checkout); "
+            "make a bench model there, or pass --model DIR"
+        )
     print(f"edge0 bench: building the {size} bench model into {out} (once)", file=sys.stderr)
     out.parent.mkdir(parents=True, exist_ok=True)
     r = subprocess.run([sys.executable, str(script), str(out), "--size", size], env=_child_env())
@@ -87,11 +95,17 @@ def store_sizes(store: Path) -> dict:
     config = _read_json(store / CONFIG_FILE)
     c = {**config, **config.get("text_config", {})}
     per_slot = sum(sum(t["expert_nbytes"] for t in l["tensors"].values()) for l in man["expert_layers"])
-    experts = sum(sum(t["expert_nbytes"] for t in l["tensors"].values()) * int(l["num_experts"])
-                  for l in man["expert_layers"])
+    experts = sum(
+        sum(t["expert_nbytes"] for t in l["tensors"].values()) * int(l["num_experts"]) for l in man["expert_layers"]
+    )
     top_k = int((man.get("spec") or {}).get("top_k") or c.get("num_experts_per_tok") or 1)
-    return {"store_bytes": sum(int(f["size"]) for f in man["files"].values()), "expert_bytes": experts,
-            "slot_bytes_all_layers": per_slot, "top_k": top_k, "moe_layers": len(man["expert_layers"])}
+    return {
+        "store_bytes": sum(int(f["size"]) for f in man["files"].values()),
+        "expert_bytes": experts,
+        "slot_bytes_all_layers": per_slot,
+        "top_k": top_k,
+        "moe_layers": len(man["expert_layers"]),
+    }
 
 
 def expert_budget(text: str, sizes: dict) -> int:

@@ -34,15 +34,28 @@ def summary(result: dict) -> dict:
 
     out = {
         "staged_warm_vs_resident_decode": ratio(m("staged-warm", "decode_tps"), m("mlx-lm-resident", "decode_tps")),
-        "staged_warm_mlx_peak_vs_resident": ratio(m("staged-warm", "mlx_peak_bytes"), m("mlx-lm-resident", "mlx_peak_bytes")),
-        "staged_warm_decode_peak_vs_resident": ratio(m("staged-warm", "mlx_decode_peak_bytes"), m("mlx-lm-resident", "mlx_decode_peak_bytes")),
+        "staged_warm_mlx_peak_vs_resident": ratio(
+            m("staged-warm", "mlx_peak_bytes"), m("mlx-lm-resident", "mlx_peak_bytes")
+        ),
+        "staged_warm_decode_peak_vs_resident": ratio(
+            m("staged-warm", "mlx_decode_peak_bytes"), m("mlx-lm-resident", "mlx_decode_peak_bytes")
+        ),
         "prerouter_cold_vs_exact_cold_decode": ratio(m("prerouter-cold", "decode_tps"), m("exact-cold", "decode_tps")),
-        "lora_warm_vs_prerouter_warm_decode": ratio(m("prerouter-lora-warm", "decode_tps"), m("prerouter-warm", "decode_tps")),
+        "lora_warm_vs_prerouter_warm_decode": ratio(
+            m("prerouter-lora-warm", "decode_tps"), m("prerouter-warm", "decode_tps")
+        ),
         "staged_capped_vs_staged_cold_decode": ratio(m("staged-capped", "decode_tps"), m("staged-cold", "decode_tps")),
         "staged_capped_vs_staged_warm_decode": ratio(m("staged-capped", "decode_tps"), m("staged-warm", "decode_tps")),
-        "prerouter_capped_vs_exact_capped_decode": ratio(m("prerouter-capped", "decode_tps"), m("exact-capped", "decode_tps")),
-        "targets": {"decode_vs_resident": 0.9, "mlx_peak_vs_resident": 0.3, "lora_vs_no_lora": 0.95,
-                    "staged_capped_vs_cold_and_warm": 0.8, "prerouter_capped_vs_exact_capped": 1.5},
+        "prerouter_capped_vs_exact_capped_decode": ratio(
+            m("prerouter-capped", "decode_tps"), m("exact-capped", "decode_tps")
+        ),
+        "targets": {
+            "decode_vs_resident": 0.9,
+            "mlx_peak_vs_resident": 0.3,
+            "lora_vs_no_lora": 0.95,
+            "staged_capped_vs_cold_and_warm": 0.8,
+            "prerouter_capped_vs_exact_capped": 1.5,
+        },
     }
     out["capped"] = {n[: -len("-capped")]: arms[n]["status"] for n in arms if n.endswith("-capped")}
     return out
@@ -52,9 +65,11 @@ def markdown(result: dict) -> str:
     s = result["settings"]
     ref = next((a for a in result["arms"] if a["name"] == "mlx-lm-resident" and a["status"] == "ok"), None)
     ref_tps = ref["metrics"]["decode_tps"] if ref else None
-    lines = ["| arm | storage | decode tok/s | vs resident | prefill tok/s | TTFT s | MLX peak | MLX peak (decode) "
-             "| peak RSS | expert bytes read | hit rate | stall ms/step | reads/step (reader) | tokens = resident |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| arm | storage | decode tok/s | vs resident | prefill tok/s | TTFT s | MLX peak | MLX peak (decode) "
+        "| peak RSS | expert bytes read | hit rate | stall ms/step | reads/step (reader) | tokens = resident |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for a in result["arms"]:
         m = a["metrics"]
         if a["status"] != "ok":
@@ -67,22 +82,27 @@ def markdown(result: dict) -> str:
             f"| {a['name']} | {a['storage']} | {_f(m['decode_tps'])} | {_f(vs, '{:.2f}x')} | {_f(m['prefill_tps'])} "
             f"| {_f(m['ttft_s'], '{:.1f}')} | {_gb(m['mlx_peak_bytes'])} | {_gb(m['mlx_decode_peak_bytes'])} "
             f"| {_gb(m['peak_rss_bytes'])} | {_gb(m['expert_bytes_read'])} | {_f(m['hit_rate'], '{:.0%}')} "
-            f"| {_f(m['stall_ms_per_step'], '{:.0f}')} | {_reads(a)} | {'-' if match is None else ('yes' if match else 'no')} |")
+            f"| {_f(m['stall_ms_per_step'], '{:.0f}')} | {_reads(a)} | {'-' if match is None else ('yes' if match else 'no')} |"
+        )
     if s.get("routing", "uniform") != "uniform":
         lines.append("")
-        lines.append(f"Routing: {s['routing']}. Every Edge0 arm computes with synthetic routes fitted to published "
-                     "Qwen3-30B-A3B cache statistics (docs/synthetic-routing.md), not a real model's: reads, slot "
-                     "rewrites, stalls and compute are real, the choice of experts is not. Tokens are not compared "
-                     "with mlx-lm (the routes differ by design); the mlx-lm arms route with the model's own gates "
-                     "(every weight resident, so routing does not change what they read). The pre-router arms take "
-                     "the generated route of step t+1 as their prediction, one step ahead, as the pre-router does "
-                     "by construction.")
+        lines.append(
+            f"Routing: {s['routing']}. Every Edge0 arm computes with synthetic routes fitted to published "
+            "Qwen3-30B-A3B cache statistics (docs/synthetic-routing.md), not a real model's: reads, slot "
+            "rewrites, stalls and compute are real, the choice of experts is not. Tokens are not compared "
+            "with mlx-lm (the routes differ by design); the mlx-lm arms route with the model's own gates "
+            "(every weight resident, so routing does not change what they read). The pre-router arms take "
+            "the generated route of step t+1 as their prediction, one step ahead, as the pre-router does "
+            "by construction."
+        )
     cap = s["memory_cap"]
     if cap.get("cap_bytes"):
         lines.append("")
-        lines.append(f"Memory cap: {_gb(cap['cap_bytes'])} = baseline process RSS {_gb(cap['baseline_rss_bytes'])} "
-                     f"(runtimes imported, tokenizer loaded, no weights) + {cap['cap_fraction_of_store']:.0%} of the "
-                     f"{_gb(s['store_bytes'])} store; a cgroup v1 memory limit (page cache included, reclaimable).")
+        lines.append(
+            f"Memory cap: {_gb(cap['cap_bytes'])} = baseline process RSS {_gb(cap['baseline_rss_bytes'])} "
+            f"(runtimes imported, tokenizer loaded, no weights) + {cap['cap_fraction_of_store']:.0%} of the "
+            f"{_gb(s['store_bytes'])} store; a cgroup v1 memory limit (page cache included, reclaimable)."
+        )
     else:
         lines.append("")
         lines.append(f"Memory-cap arms skipped: {cap.get('skipped')}.")
@@ -129,8 +149,11 @@ def plot(result: dict, path: Path) -> str:
     ax2.set_xticks(range(len(arms)))
     ax2.set_xticklabels(names, rotation=35, ha="right", fontsize=8)
     s = result["settings"]
-    fig.suptitle(f"edge0 bench {result['date'][:10]}: {s['prompt_tokens']} prompt + {s['decode_tokens']} greedy tokens, "
-                 f"expert cache {s['expert_cache']}", fontsize=10)
+    fig.suptitle(
+        f"edge0 bench {result['date'][:10]}: {s['prompt_tokens']} prompt + {s['decode_tokens']} greedy tokens, "
+        f"expert cache {s['expert_cache']}",
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -138,8 +161,13 @@ def plot(result: dict, path: Path) -> str:
 
 
 def machine_info() -> dict:
-    info = {"platform": platform.platform(), "machine": platform.machine(), "node": platform.node(),
-            "cpus": os.cpu_count(), "python": platform.python_version()}
+    info = {
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "node": platform.node(),
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+    }
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -181,26 +209,42 @@ def append_docs(path: Path, result: dict, table: str, json_path: Path, png_path:
     s, sm, mi = result["settings"], result["summary"], result["machine"]
     model = result["model"]
     shape = model.get("shape") or {}
-    shape_txt = (f"hidden {shape['hidden']}, {shape['layers']} layers, {shape['experts']} experts top-{shape['top_k']}, "
-                 f"moe_intermediate {shape['moe_intermediate']}, vocab {shape['vocab']}; " if shape else "")
+    shape_txt = (
+        f"hidden {shape['hidden']}, {shape['layers']} layers, {shape['experts']} experts top-{shape['top_k']}, "
+        f"moe_intermediate {shape['moe_intermediate']}, vocab {shape['vocab']}; "
+        if shape
+        else ""
+    )
     rel = lambda p: os.path.relpath(p, path.parent)  # noqa: E731
     lines = [
-        "", f"## Bench suite ({result['date'][:10]}, {mi.get('cpus')}-core {mi.get('machine')}, "
-        f"mlx {result['packages'].get('mlx')}, mlx-lm {result['packages'].get('mlx-lm')})", "",
+        "",
+        f"## Bench suite ({result['date'][:10]}, {mi.get('cpus')}-core {mi.get('machine')}, "
+        f"mlx {result['packages'].get('mlx')}, mlx-lm {result['packages'].get('mlx-lm')})",
+        "",
         f"`{result['command']}` at commit {(result['git']['commit'] or '?')[:10]}: {shape_txt}"
         f"{_gb(s['store_bytes'])} store ({_gb(s['expert_bytes'])} of int4 experts, random weights: near-flat routing). "
         f"{s['prompt_tokens']} prompt tokens, {s['decode_tokens']} greedy tokens, expert cache {s['expert_cache']} of the experts "
         f"({_gb(s['expert_cache_bytes'])}), each arm in its own process. Raw numbers: [{json_path.name}]({rel(json_path)})"
-        + (f", plot: [{png_path.name}]({rel(png_path)})." if png_path else "."), "", table, ""]
+        + (f", plot: [{png_path.name}]({rel(png_path)})." if png_path else "."),
+        "",
+        table,
+        "",
+    ]
     r1, r2 = sm.get("staged_warm_vs_resident_decode"), sm.get("staged_warm_mlx_peak_vs_resident")
     if r1 is not None:
-        lines.append(f"- Staged (warm) decodes at {r1:.2f}x mlx-lm resident (target 0.9x) with {r2:.0%} of its MLX "
-                     f"allocator peak (target <= 30%).")
+        lines.append(
+            f"- Staged (warm) decodes at {r1:.2f}x mlx-lm resident (target 0.9x) with {r2:.0%} of its MLX "
+            f"allocator peak (target <= 30%)."
+        )
     for name, st in sm.get("capped", {}).items():
         lines.append(f"- Under the memory cap, {name}: {st}.")
     if sm.get("lora_warm_vs_prerouter_warm_decode") is not None:
-        lines.append(f"- Recovery LoRA: decode at {sm['lora_warm_vs_prerouter_warm_decode']:.3f}x the same arm without it.")
+        lines.append(
+            f"- Recovery LoRA: decode at {sm['lora_warm_vs_prerouter_warm_decode']:.3f}x the same arm without it."
+        )
     if sm.get("prerouter_cold_vs_exact_cold_decode") is not None:
-        lines.append(f"- Cold storage: pre-router decodes at {sm['prerouter_cold_vs_exact_cold_decode']:.2f}x exact on-demand.")
+        lines.append(
+            f"- Cold storage: pre-router decodes at {sm['prerouter_cold_vs_exact_cold_decode']:.2f}x exact on-demand."
+        )
     with open(path, "a") as fh:
         fh.write("\n".join(lines) + "\n")

@@ -11,11 +11,12 @@ from collections import deque
 
 import numpy as np
 
-from edge0.backend import core as B
 from edge0.backend import assemble as bas
+from edge0.backend import core as B
 from edge0.cache.synthetic import RouteSource
 from edge0.engine.hooks import StepHooks
 from edge0.errors import Edge0Error
+
 
 class SyntheticRoutes:
     """The route of every MoE layer, token by token, from a seeded RouteSource. The first MoE
@@ -83,10 +84,14 @@ class LookaheadStager(StepHooks):
 def use_synthetic_routing(engine, seed: int = 0, lookahead: bool = False) -> SyntheticRoutes:
     """Route every MoE layer of `engine` with qwen3-like synthetic routes (benchmarks only)."""
     if engine.spec is None:
-        raise Edge0Error(f"--routing qwen3-like: {engine.model_id} is served at the universal level; synthetic routes "
-                         "need a spec'd family")
+        raise Edge0Error(
+            f"--routing qwen3-like: {engine.model_id} is served at the universal level; synthetic routes "
+            "need a spec'd family"
+        )
     if engine.prerouting is not None or engine.lora_path is not None:
-        raise Edge0Error("--routing qwen3-like replaces the routing: load the model with prerouter=False and lora=False")
+        raise Edge0Error(
+            "--routing qwen3-like replaces the routing: load the model with prerouter=False and lora=False"
+        )
     blocks = bas.moe_blocks(engine.model)
     routes = SyntheticRoutes([l for l, _ in blocks], engine.spec.num_experts, engine.k, seed)
     for _, block in blocks:

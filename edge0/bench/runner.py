@@ -33,14 +33,20 @@ def run_child(spec: dict, timeout: float, cgroup: MemoryCgroup | None = None) ->
     cmd = [sys.executable, "-m", "edge0.bench.child", json.dumps(spec)]
     t0 = time.perf_counter()
     try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_child_env(),
-                           preexec_fn=cgroup.enter if cgroup else None)
+        r = subprocess.run(
+            cmd,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=_child_env(),
+            preexec_fn=cgroup.enter if cgroup else None,
+        )
     except subprocess.TimeoutExpired:
         return {"status": "failed", "reason": f"timed out after {timeout:.0f} s"}
     wall = time.perf_counter() - t0
     lines = [l for l in r.stdout.splitlines() if l.startswith(RESULT_PREFIX)]
     if r.returncode == 0 and lines:
-        return json.loads(lines[-1][len(RESULT_PREFIX):])
+        return json.loads(lines[-1][len(RESULT_PREFIX) :])
     if r.returncode < 0:
         sig = signal.Signals(-r.returncode).name
         return {"status": "killed", "reason": f"killed by {sig} after {wall:.1f} s", "signal": sig}
@@ -66,16 +72,26 @@ def run_suite(args, model: Model, arms: list[Arm]) -> dict:
     if any(a.storage == "capped" for a in arms) and parent is not None and not args.no_cap:
         base = run_child({"runtime": "baseline", "store": str(model.store)}, args.arm_timeout)
         if base.get("status") != "ok":
-            raise Edge0Error(f"the baseline-memory probe failed ({base.get('reason')}); rerun with --no-cap to skip the cap arms")
+            raise Edge0Error(
+                f"the baseline-memory probe failed ({base.get('reason')}); rerun with --no-cap to skip the cap arms"
+            )
         base_rss = base.get("peak_rss_bytes", 0)
         if args.cap:
             cap = parse_size(args.cap, "--cap")
         else:
             cap = int(base_rss + args.cap_fraction * sizes["store_bytes"])
-        cap_info = {"cap_bytes": cap, "baseline_rss_bytes": base_rss, "cap_fraction_of_store": args.cap_fraction,
-                    "cgroup_parent": str(parent)}
+        cap_info = {
+            "cap_bytes": cap,
+            "baseline_rss_bytes": base_rss,
+            "cap_fraction_of_store": args.cap_fraction,
+            "cgroup_parent": str(parent),
+        }
     else:
-        why = "--no-cap" if args.no_cap else ("--arms selected none" if not any(a.storage == "capped" for a in arms) else reason)
+        why = (
+            "--no-cap"
+            if args.no_cap
+            else ("--arms selected none" if not any(a.storage == "capped" for a in arms) else reason)
+        )
         cap_info = {"cap_bytes": None, "skipped": why}
 
     results = {a.name: {"runs": []} for a in arms}
@@ -110,41 +126,68 @@ def run_suite(args, model: Model, arms: list[Arm]) -> dict:
             print(f"edge0 bench: {label}: {_one_line(out)}", file=sys.stderr, flush=True)
 
     # synthetic routes differ from the gates by design: tokens are compared only with the model's own routing
-    ref_tokens = None if args.routing != "uniform" else next(
-        (r["tokens"] for r in results.get("mlx-lm-resident", {}).get("runs", []) if r.get("status") == "ok"), None)
+    ref_tokens = (
+        None
+        if args.routing != "uniform"
+        else next(
+            (r["tokens"] for r in results.get("mlx-lm-resident", {}).get("runs", []) if r.get("status") == "ok"), None
+        )
+    )
     rows = []
     for arm in arms:
         res = results[arm.name]
         runs = res["runs"]
         ok = [r for r in runs if r.get("status") == "ok"]
         status = res.get("status") or ("ok" if ok else (runs[-1]["status"] if runs else "skipped"))
-        row = {"name": arm.name, "runtime": arm.runtime, "executor": arm.base.name if arm.runtime == "edge0" else None,
-               "storage": arm.storage, "status": status, "reason": res.get("reason") or
-               (None if ok else (runs[-1].get("reason") if runs else None)),
-               "load_options": {k: v for k, v in resolved_load(arm, args).items() if k != "prerouter" or v is not False},
-               "metrics": median_metrics(runs) if ok else {k: None for k in METRICS},
-               "counters": {k: max((r.get(k) or 0) for r in ok) if ok else None for k in COUNTERS},
-               "runs": [{k: v for k, v in r.items() if k != "tokens"} for r in runs]}
+        row = {
+            "name": arm.name,
+            "runtime": arm.runtime,
+            "executor": arm.base.name if arm.runtime == "edge0" else None,
+            "storage": arm.storage,
+            "status": status,
+            "reason": res.get("reason") or (None if ok else (runs[-1].get("reason") if runs else None)),
+            "load_options": {k: v for k, v in resolved_load(arm, args).items() if k != "prerouter" or v is not False},
+            "metrics": median_metrics(runs) if ok else {k: None for k in METRICS},
+            "counters": {k: max((r.get(k) or 0) for r in ok) if ok else None for k in COUNTERS},
+            "runs": [{k: v for k, v in r.items() if k != "tokens"} for r in runs],
+        }
         if ok:
             row["describe"] = ok[0].get("describe")
             row["io"] = ok[0].get("io")
             row["prompt_digest"] = ok[0].get("prompt_digest")
-            row["tokens_match_resident"] = (ok[0]["tokens"] == ref_tokens) if ref_tokens is not None and arm.name != "mlx-lm-resident" else None
+            row["tokens_match_resident"] = (
+                (ok[0]["tokens"] == ref_tokens) if ref_tokens is not None and arm.name != "mlx-lm-resident" else None
+            )
         if arm.storage == "capped" and runs:
             row["cgroup"] = runs[-1].get("cgroup")
         rows.append(row)
-    return {"settings": {"prompt_tokens": args.prompt_tokens, "decode_tokens": args.decode_tokens,
-                         "expert_cache": args.expert_cache, "expert_cache_bytes": budget, "dtype": args.dtype or "auto",
-                         "repeats": args.repeats, "greedy": True, "memory_cap": cap_info, "routing": args.routing, **sizes},
-            "arms": rows, "reference_tokens": ref_tokens}
+    return {
+        "settings": {
+            "prompt_tokens": args.prompt_tokens,
+            "decode_tokens": args.decode_tokens,
+            "expert_cache": args.expert_cache,
+            "expert_cache_bytes": budget,
+            "dtype": args.dtype or "auto",
+            "repeats": args.repeats,
+            "greedy": True,
+            "memory_cap": cap_info,
+            "routing": args.routing,
+            **sizes,
+        },
+        "arms": rows,
+        "reference_tokens": ref_tokens,
+    }
 
 
 def _one_line(out: dict) -> str:
     if out.get("status") != "ok":
         return f"{out.get('status')}: {out.get('reason')}"
-    bits = [f"decode {out['decode_tps']:.2f} tok/s" if out.get("decode_tps") else "decode -",
-            f"TTFT {out['ttft_s']:.1f} s", f"MLX peak {_gb(out.get('mlx_peak_bytes'))}",
-            f"RSS {_gb(out.get('peak_rss_bytes'))}"]
+    bits = [
+        f"decode {out['decode_tps']:.2f} tok/s" if out.get("decode_tps") else "decode -",
+        f"TTFT {out['ttft_s']:.1f} s",
+        f"MLX peak {_gb(out.get('mlx_peak_bytes'))}",
+        f"RSS {_gb(out.get('peak_rss_bytes'))}",
+    ]
     if out.get("stall_ms_per_step") is not None:
         bits.append(f"stall {out['stall_ms_per_step']:.0f} ms/step")
     return ", ".join(bits)

@@ -5,7 +5,7 @@ from edge0.cache.arc import ARC
 from edge0.cache.belady import Belady
 from edge0.cache.flashmoe import FlashMoE
 from edge0.cache.lfu import LFU
-from edge0.cache.policy import POLICIES, ExpertCache, LRU, Policy, make_policy
+from edge0.cache.policy import LRU, POLICIES, ExpertCache, Policy, make_policy
 from edge0.cache.smoe import SMoE
 from edge0.cache.substitute import substitute
 
@@ -18,5 +18,18 @@ OFFLINE = {"belady"}
 # What the live expert cache can run, in POLICIES order.
 LIVE_POLICIES = tuple(p for p in POLICIES if p not in OFFLINE)
 
-__all__ = ["POLICIES", "OFFLINE", "LIVE_POLICIES", "ExpertCache", "LRU", "LFU", "ARC", "SMoE", "FlashMoE", "Belady",
-           "Policy", "make_policy", "substitute"]
+__all__ = [
+    "POLICIES",
+    "OFFLINE",
+    "LIVE_POLICIES",
+    "ExpertCache",
+    "LRU",
+    "LFU",
+    "ARC",
+    "SMoE",
+    "FlashMoE",
+    "Belady",
+    "Policy",
+    "make_policy",
+    "substitute",
+]

@@ -58,7 +58,9 @@ class FlashMoEModel:
 
     def rows(self, layer: int, experts: np.ndarray) -> np.ndarray:
         if layer not in self.layers:
-            raise Edge0Error(f"cache policy weights: no layer {layer} (trained on layers {self.layers}); train them on a trace of this model")
+            raise Edge0Error(
+                f"cache policy weights: no layer {layer} (trained on layers {self.layers}); train them on a trace of this model"
+            )
         return self.layers.index(layer) * self.num_experts + np.asarray(experts)
 
     def score(self, feats: np.ndarray, rows: np.ndarray) -> np.ndarray:
@@ -74,8 +76,13 @@ class FlashMoEModel:
         """Write safetensors atomically; `metadata` values are JSON-encoded."""
         from safetensors.numpy import save_file
 
-        meta = {"format": FORMAT, "version": str(VERSION), "features": json.dumps(FEATURES),
-                "layers": json.dumps(self.layers), "num_experts": str(self.num_experts)}
+        meta = {
+            "format": FORMAT,
+            "version": str(VERSION),
+            "features": json.dumps(FEATURES),
+            "layers": json.dumps(self.layers),
+            "num_experts": str(self.num_experts),
+        }
         meta.update({k: json.dumps(v) for k, v in metadata.items()})
         path = Path(path)
         tmp = path.with_name(f".{path.name}.tmp")
@@ -99,7 +106,9 @@ def load_model(path: str) -> FlashMoEModel:
     except Exception as e:  # safetensors raises its own error types for damaged files
         raise Edge0Error(f"{p}: not a safetensors file ({e}); {regen}") from None
     if meta.get("format") != FORMAT or meta.get("version") != str(VERSION):
-        raise Edge0Error(f"{p}: format {meta.get('format')!r} version {meta.get('version')}, this edge0 reads {FORMAT!r} version {VERSION}; {regen}")
+        raise Edge0Error(
+            f"{p}: format {meta.get('format')!r} version {meta.get('version')}, this edge0 reads {FORMAT!r} version {VERSION}; {regen}"
+        )
     if json.loads(meta["features"]) != FEATURES or set(params) != set(PARAMS):
         raise Edge0Error(f"{p}: features or parameters differ from this edge0's model; {regen}")
     return FlashMoEModel(params, json.loads(meta["layers"]), int(meta["num_experts"]), metadata=meta)
@@ -116,7 +125,9 @@ class FlashMoE(Policy):
             raise ValueError("flashmoe needs weights=FILE (from edge0 train-cache-policy) and layer=N")
         self.model = weights if isinstance(weights, FlashMoEModel) else load_model(str(weights))
         if self.model.num_experts != num_experts:
-            raise Edge0Error(f"cache policy weights are for {self.model.num_experts} experts, this layer has {num_experts}; train them on a trace of this model")
+            raise Edge0Error(
+                f"cache policy weights are for {self.model.num_experts} experts, this layer has {num_experts}; train them on a trace of this model"
+            )
         self.layer = layer
         self.feats = Features(num_experts)
 

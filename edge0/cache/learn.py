@@ -87,10 +87,15 @@ def init_params(num_rows: int, embed: int, hidden: int, rng) -> dict:
     def dense(i, o):
         return (rng.normal(size=(i, o)) * math.sqrt(2.0 / i)).astype(np.float32)
 
-    return {"emb": (rng.normal(size=(num_rows, embed)) * 0.1).astype(np.float32),
-            "w1": dense(2 + embed, hidden), "b1": np.zeros(hidden, np.float32),
-            "w2": dense(hidden, hidden), "b2": np.zeros(hidden, np.float32),
-            "w3": dense(hidden, 1), "b3": np.zeros(1, np.float32)}
+    return {
+        "emb": (rng.normal(size=(num_rows, embed)) * 0.1).astype(np.float32),
+        "w1": dense(2 + embed, hidden),
+        "b1": np.zeros(hidden, np.float32),
+        "w2": dense(hidden, hidden),
+        "b2": np.zeros(hidden, np.float32),
+        "w3": dense(hidden, 1),
+        "b3": np.zeros(1, np.float32),
+    }
 
 
 def _loss_and_grads(p: dict, x, rows, y, mask):
@@ -131,7 +136,7 @@ def fit(params: dict, decisions: list, epochs: int, rng, lr: float = 3e-3, batch
         order = rng.permutation(len(x))
         losses = []
         for i in range(0, len(order), batch):
-            idx = order[i:i + batch]
+            idx = order[i : i + batch]
             l, g = _loss_and_grads(params, x[idx], rows[idx], y[idx], mask[idx])
             losses.append(l * len(idx))
             t += 1
@@ -143,8 +148,17 @@ def fit(params: dict, decisions: list, epochs: int, rng, lr: float = 3e-3, batch
     return loss
 
 
-def train(trace, capacities: list[int], embed: int = 4, hidden: int = 64, rounds: int = 2, epochs: int = 6,
-          max_decisions: int = 50000, seed: int = 0, log=print) -> tuple[FlashMoEModel, float]:
+def train(
+    trace,
+    capacities: list[int],
+    embed: int = 4,
+    hidden: int = 64,
+    rounds: int = 2,
+    epochs: int = 6,
+    max_decisions: int = 50000,
+    seed: int = 0,
+    log=print,
+) -> tuple[FlashMoEModel, float]:
     """Train on `trace` at `capacities`; returns (model, final training loss)."""
     rng = np.random.default_rng(seed)
     E = trace.num_experts
@@ -158,8 +172,12 @@ def train(trace, capacities: list[int], embed: int = 4, hidden: int = 64, rounds
             new = [new[i] for i in rng.choice(len(new), max_decisions, replace=False)]
         pool += new
         if not pool:
-            raise ValueError("the trace has no eviction decision with two or more candidates; record a longer trace or use a smaller budget")
+            raise ValueError(
+                "the trace has no eviction decision with two or more candidates; record a longer trace or use a smaller budget"
+            )
         loss = fit(params, pool, epochs, rng)
         model = FlashMoEModel(params, trace.layers, E)
-        log(f"round {rnd + 1}/{rounds}: {len(new)} new decisions ({'Belady' if rnd == 0 else 'model'}-driven), {len(pool)} in all, loss {loss:.4f}")
+        log(
+            f"round {rnd + 1}/{rounds}: {len(new)} new decisions ({'Belady' if rnd == 0 else 'model'}-driven), {len(pool)} in all, loss {loss:.4f}"
+        )
     return model, loss

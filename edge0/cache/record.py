@@ -26,7 +26,7 @@ def split_prompts(engine, text: str, prompts: int, prompt_tokens: int) -> list[l
         # Generous 16 characters per token: encode only what the prompts can use.
         ids = engine.encode(text.replace(DOC_SEP, "\n")[: 16 * prompts * prompt_tokens])
         step = max(1, len(ids) // prompts)
-        out = [ids[i:i + min(step, prompt_tokens)] for i in range(0, step * prompts, step)]
+        out = [ids[i : i + min(step, prompt_tokens)] for i in range(0, step * prompts, step)]
     out = [p for p in out if len(p) >= 2]
     if not out:
         raise Edge0Error("--data: the text is too short to make a prompt of 2 tokens or more; pass a longer file")
@@ -77,8 +77,13 @@ def record_file(engine, data: Path, prompts: int, prompt_tokens: int, max_tokens
         raise Edge0Error(f"{data}: no such file; pass --data with a text file (e.g. data/valid.txt)")
     raw = data.read_bytes()
     chosen = split_prompts(engine, raw.decode("utf-8", errors="replace"), prompts, prompt_tokens)
-    source = {"data": str(data), "sha256": hashlib.sha256(raw).hexdigest(), "prompts": len(chosen),
-              "prompt_tokens": prompt_tokens, "max_tokens": max_tokens}
+    source = {
+        "data": str(data),
+        "sha256": hashlib.sha256(raw).hexdigest(),
+        "prompts": len(chosen),
+        "prompt_tokens": prompt_tokens,
+        "max_tokens": max_tokens,
+    }
     return record(engine, chosen, max_tokens, source)
 
 
@@ -88,9 +93,15 @@ def synthetic_record(engine, steps: int, seed: int = 0) -> tracefile.Trace:
     from edge0.cache.synthetic import synthetic_trace
 
     if engine.spec is None:
-        raise Edge0Error(f"--routing qwen3-like: {engine.model_id} is served at the universal level; synthetic routes need a spec'd family")
+        raise Edge0Error(
+            f"--routing qwen3-like: {engine.model_id} is served at the universal level; synthetic routes need a spec'd family"
+        )
     layers = sorted(engine.store.layers)
-    meta = {"model": engine.model_id, "manifest_hash": manifest_hash(engine.root),
-            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
-    return synthetic_trace(engine.spec.num_experts, engine.k, layers, [engine.store.expert_nbytes(l) for l in layers],
-                           steps, seed, meta)
+    meta = {
+        "model": engine.model_id,
+        "manifest_hash": manifest_hash(engine.root),
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+    return synthetic_trace(
+        engine.spec.num_experts, engine.k, layers, [engine.store.expert_nbytes(l) for l in layers], steps, seed, meta
+    )

@@ -29,7 +29,9 @@ def parse_budgets(text: str, num_experts: int, field_name: str = "--budget") -> 
         try:
             value = Fraction(part)
         except (ValueError, ZeroDivisionError):
-            raise Edge0Error(f"{field_name}: {part!r} is not a fraction or a count; use e.g. 1/8,1/4,3/8 or 4,8") from None
+            raise Edge0Error(
+                f"{field_name}: {part!r} is not a fraction or a count; use e.g. 1/8,1/4,3/8 or 4,8"
+            ) from None
         # A plain integer is a count of experts; anything with '/' or '.' is a fraction of them.
         cap = int(value) if part.isdigit() else round(value * num_experts)
         if not 1 <= cap <= num_experts:
@@ -47,7 +49,9 @@ def parse_byte_budgets(text: str, expert_bytes: list[int], num_experts: int) -> 
     for part in (p.strip() for p in text.split(",") if p.strip()):
         cap = parse_size(part, "--budget-bytes") // per_expert_all_layers
         if cap < 1:
-            raise Edge0Error(f"--budget-bytes: {part} holds no expert per layer (one expert in every layer is {per_expert_all_layers} bytes)")
+            raise Edge0Error(
+                f"--budget-bytes: {part} holds no expert per layer (one expert in every layer is {per_expert_all_layers} bytes)"
+            )
         out.append(Budget(part, min(cap, num_experts)))
     return out
 
@@ -83,8 +87,9 @@ def replay_layer(routes: np.ndarray, scores: np.ndarray | None, policy, alpha: f
     return cache, subs
 
 
-def simulate(trace, policies: list[str], budgets: list[Budget], options: dict | None = None,
-             alpha: float = 0.0) -> list[Result]:
+def simulate(
+    trace, policies: list[str], budgets: list[Budget], options: dict | None = None, alpha: float = 0.0
+) -> list[Result]:
     """Hit rates of every policy at every budget. `options[name]` are extra keyword arguments of
     a policy (e.g. {"smoe": {"window": 16}, "flashmoe": {"weights": model}}). With `alpha` > 0
     routes are substituted first; the trace's later routes do not reflect the changed outputs,
@@ -103,8 +108,12 @@ def simulate(trace, policies: list[str], budgets: list[Budget], options: dict | 
             if name == "flashmoe":
                 kw["layer"] = layer
             for b in budgets:
-                cache, subs = replay_layer(routes, scores if name == "smoe" or alpha else None,
-                                           make_policy(name, b.capacity, trace.num_experts, **kw), alpha)
+                cache, subs = replay_layer(
+                    routes,
+                    scores if name == "smoe" or alpha else None,
+                    make_policy(name, b.capacity, trace.num_experts, **kw),
+                    alpha,
+                )
                 r = results[(name, b)]
                 r.hits += cache.hits
                 r.misses += cache.misses

@@ -39,8 +39,12 @@ def _substitute_row(s: np.ndarray, idx: np.ndarray, cached: set[int], alpha: flo
         return 0
     bound = float(s[rest].max())
     hi, lo = (1 + alpha) * bound, (1 - alpha) * bound
-    weak = sorted((p for p, e in enumerate(idx) if int(e) not in cached and bound <= s[e] <= hi), key=lambda p: s[idx[p]])
-    subs = sorted((e for e in cached if e not in chosen and 0 <= e < s.shape[0] and lo <= s[e] <= bound), key=lambda e: -s[e])
+    weak = sorted(
+        (p for p, e in enumerate(idx) if int(e) not in cached and bound <= s[e] <= hi), key=lambda p: s[idx[p]]
+    )
+    subs = sorted(
+        (e for e in cached if e not in chosen and 0 <= e < s.shape[0] and lo <= s[e] <= bound), key=lambda e: -s[e]
+    )
     for p, e in zip(weak, subs):
         idx[p] = e
     return min(len(weak), len(subs))

@@ -16,7 +16,6 @@ from statistics import NormalDist
 
 import numpy as np
 
-
 # The routing regimes benchmarks offer: the model's own gates (a random-weight bench model routes
 # nearly uniformly, the worst case for caching) or these synthetic routes.
 ROUTINGS = ("uniform", "qwen3-like")
@@ -43,8 +42,15 @@ class RouteSource:
     Deterministic for a seed: call n (from 0) gives `generate(..., seed)`'s routes[:, n] and
     scores[:, n]; `next()` and `step()` may be mixed, each advances one token."""
 
-    def __init__(self, num_experts: int, top_k: int, layers: int, seed: int, params: RoutingParams = QWEN3_LIKE,
-                 text_seed: int | None = None):
+    def __init__(
+        self,
+        num_experts: int,
+        top_k: int,
+        layers: int,
+        seed: int,
+        params: RoutingParams = QWEN3_LIKE,
+        text_seed: int | None = None,
+    ):
         """`seed` fixes the model (which experts are popular in each layer); `text_seed`, when
         given, draws the token-by-token process separately: another text through the same model."""
         if not 1 <= top_k <= num_experts:
@@ -97,8 +103,15 @@ class RouteSource:
         return self.step()[0]
 
 
-def generate(num_experts: int, top_k: int, layers: int, steps: int, seed: int,
-             params: RoutingParams = QWEN3_LIKE, text_seed: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+def generate(
+    num_experts: int,
+    top_k: int,
+    layers: int,
+    steps: int,
+    seed: int,
+    params: RoutingParams = QWEN3_LIKE,
+    text_seed: int | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
     """`steps` tokens of routing: (routes int64 [layers, steps, top_k], scores float32
     [layers, steps, num_experts]); the same as `steps` calls of RouteSource(...).step()."""
     src = RouteSource(num_experts, top_k, layers, seed, params, text_seed)
@@ -109,14 +122,35 @@ def generate(num_experts: int, top_k: int, layers: int, steps: int, seed: int,
     return routes, scores
 
 
-def synthetic_trace(num_experts: int, top_k: int, layers: list[int], expert_bytes: list[int], steps: int, seed: int,
-                    meta: dict | None = None, params: RoutingParams = QWEN3_LIKE, text_seed: int | None = None):
+def synthetic_trace(
+    num_experts: int,
+    top_k: int,
+    layers: list[int],
+    expert_bytes: list[int],
+    steps: int,
+    seed: int,
+    meta: dict | None = None,
+    params: RoutingParams = QWEN3_LIKE,
+    text_seed: int | None = None,
+):
     """A routing trace (edge0.cache.tracefile) of `steps` generated tokens for a model of this
     shape, for the simulator and the planner: one prompt, every step marked as generated."""
     from edge0.cache.tracefile import Trace
 
     routes, scores = generate(num_experts, top_k, len(layers), steps, seed, params, text_seed)
-    info = {"num_experts": num_experts, "top_k": top_k, "layers": list(layers), "expert_bytes": list(expert_bytes),
-            "score_kind": "softmax", "source": {"routing": "qwen3-like", "seed": seed, "text_seed": text_seed, "params": asdict(params)}}
-    return Trace(routes, scores.astype(np.float16), np.zeros(steps, np.int32), np.ones(steps, np.uint8),
-                 np.zeros(1, np.int64), {**(meta or {}), **info})
+    info = {
+        "num_experts": num_experts,
+        "top_k": top_k,
+        "layers": list(layers),
+        "expert_bytes": list(expert_bytes),
+        "score_kind": "softmax",
+        "source": {"routing": "qwen3-like", "seed": seed, "text_seed": text_seed, "params": asdict(params)},
+    }
+    return Trace(
+        routes,
+        scores.astype(np.float16),
+        np.zeros(steps, np.int32),
+        np.ones(steps, np.uint8),
+        np.zeros(1, np.int64),
+        {**(meta or {}), **info},
+    )

@@ -65,8 +65,14 @@ class Trace:
         starts = self.starts[(self.starts >= start) & (self.starts < stop)] - start
         if not len(starts) or starts[0] != 0:
             starts = np.concatenate([[0], starts]).astype(np.int64)
-        return Trace(self.routes[:, start:stop], self.scores[:, start:stop], self.tokens[start:stop],
-                     self.phase[start:stop], starts, dict(self.meta))
+        return Trace(
+            self.routes[:, start:stop],
+            self.scores[:, start:stop],
+            self.tokens[start:stop],
+            self.phase[start:stop],
+            starts,
+            dict(self.meta),
+        )
 
 
 def check(trace: Trace) -> None:
@@ -113,7 +119,9 @@ def read(path) -> Trace:
     """Read and check a trace; every problem is an Edge0Error that says how to regenerate it."""
     path = Path(path)
     if not path.is_file():
-        raise Edge0Error(f"{path}: no such trace file; record one with: edge0 trace --model DIR --data FILE --out {path}")
+        raise Edge0Error(
+            f"{path}: no such trace file; record one with: edge0 trace --model DIR --data FILE --out {path}"
+        )
     try:
         with np.load(path, allow_pickle=False) as z:
             arrays = {k: z[k] for k in z.files}
@@ -123,7 +131,9 @@ def read(path) -> Trace:
     if meta.get("format") != FORMAT:
         raise Edge0Error(f"{path}: format is {meta.get('format')!r}, not {FORMAT!r}; {REGENERATE}")
     if meta.get("version") != VERSION:
-        raise Edge0Error(f"{path}: trace format version {meta.get('version')} but this edge0 reads version {VERSION}; {REGENERATE}")
+        raise Edge0Error(
+            f"{path}: trace format version {meta.get('version')} but this edge0 reads version {VERSION}; {REGENERATE}"
+        )
     missing = [k for k in ("routes", "scores", "tokens", "phase", "starts") if k not in arrays]
     missing += [k for k in _META_KEYS if k not in meta]
     if missing:

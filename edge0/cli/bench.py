@@ -33,39 +33,73 @@ docs/benchmarks.md with --append-docs) and a PNG plot (needs matplotlib). See do
 
 
 def parse_args(argv):
-    p = OneLineParser(prog="edge0 bench", description=USAGE.splitlines()[0],
-                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog="\n".join(USAGE.splitlines()[6:]))
+    p = OneLineParser(
+        prog="edge0 bench",
+        description=USAGE.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="\n".join(USAGE.splitlines()[6:]),
+    )
     g = p.add_argument_group("model")
-    g.add_argument("--model", help="bench-model directory (store/ + mlx/, from scripts/make_bench_model.py) or an "
-                   "edge0 store (default: the bench model in the user cache, built on first use)")
+    g.add_argument(
+        "--model",
+        help="bench-model directory (store/ + mlx/, from scripts/make_bench_model.py) or an "
+        "edge0 store (default: the bench model in the user cache, built on first use)",
+    )
     g.add_argument("--store", help="edge0 store (with --mlx-model; instead of --model)")
     g.add_argument("--mlx-model", help="mlx-lm quantized checkpoint with the store's weights (the resident arm)")
     g.add_argument("--quick", action="store_true", help="smaller bench model and fewer tokens (a few minutes)")
-    g.add_argument("--prerouter", help="pre-router heads for the prerouter arms (default: the store's prerouter.safetensors)")
-    g.add_argument("--lora", help="recovery LoRA for the prerouter-lora arm (default: the store's adapter for the serving K)")
+    g.add_argument(
+        "--prerouter", help="pre-router heads for the prerouter arms (default: the store's prerouter.safetensors)"
+    )
+    g.add_argument(
+        "--lora", help="recovery LoRA for the prerouter-lora arm (default: the store's adapter for the serving K)"
+    )
     g = p.add_argument_group("workload")
     g.add_argument("--prompt-tokens", type=int, help="prompt length (default 40)")
     g.add_argument("--decode-tokens", type=int, help="greedy tokens generated (default 32)")
-    g.add_argument("--routing", default="uniform", choices=ROUTINGS,
-                   help="uniform (default): the bench model's own gates, which route nearly uniformly (the worst case); "
-                        "qwen3-like: synthetic routes fitted to Qwen3-30B-A3B's cache statistics (docs/synthetic-routing.md)")
-    g.add_argument("--expert-cache", default="20%", help="edge0 expert cache: a share of all experts (20%%) or a size (400MB)")
-    g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                   help="compute dtype of both runtimes (default: edge0's auto choice, float32 on CPU)")
+    g.add_argument(
+        "--routing",
+        default="uniform",
+        choices=ROUTINGS,
+        help="uniform (default): the bench model's own gates, which route nearly uniformly (the worst case); "
+        "qwen3-like: synthetic routes fitted to Qwen3-30B-A3B's cache statistics (docs/synthetic-routing.md)",
+    )
+    g.add_argument(
+        "--expert-cache", default="20%", help="edge0 expert cache: a share of all experts (20%%) or a size (400MB)"
+    )
+    g.add_argument(
+        "--dtype",
+        default=None,
+        choices=["float32", "bfloat16", "float16"],
+        help="compute dtype of both runtimes (default: edge0's auto choice, float32 on CPU)",
+    )
     g.add_argument("--arms", help="comma-separated arm names or executor names (default: all); see docs/bench-suite.md")
     g.add_argument("--repeats", type=int, default=1, help="run the arm list this many times, report medians")
     g.add_argument("--arm-timeout", type=float, default=1800, help="seconds before an arm is stopped")
     g = p.add_argument_group("memory cap")
-    g.add_argument("--cap-fraction", type=float, default=0.5,
-                   help="cap = baseline process RSS + this share of the store (default 0.5)")
+    g.add_argument(
+        "--cap-fraction",
+        type=float,
+        default=0.5,
+        help="cap = baseline process RSS + this share of the store (default 0.5)",
+    )
     g.add_argument("--cap", help="absolute cap instead, e.g. 1.5GB")
     g.add_argument("--no-cap", action="store_true", help="skip the memory-cap arms")
     g = p.add_argument_group("output")
-    g.add_argument("--out", help="JSON file (default docs/benchmarks/bench.json, --quick: bench-quick.json); "
-                   "the plot goes beside it as .png")
+    g.add_argument(
+        "--out",
+        help="JSON file (default docs/benchmarks/bench.json, --quick: bench-quick.json); "
+        "the plot goes beside it as .png",
+    )
     g.add_argument("--no-plot", action="store_true")
-    g.add_argument("--append-docs", nargs="?", const="docs/benchmarks.md", default=None, metavar="FILE",
-                   help="append the table as a new section (default file docs/benchmarks.md)")
+    g.add_argument(
+        "--append-docs",
+        nargs="?",
+        const="docs/benchmarks.md",
+        default=None,
+        metavar="FILE",
+        help="append the table as a new section (default file docs/benchmarks.md)",
+    )
     g.add_argument("--trace-arm", help="write per-step timings (compute, stall, reads) of this arm")
     g.add_argument("--trace-out", help="file for --trace-arm (JSON)")
     args = p.parse_args(argv)
@@ -92,16 +126,26 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     arms = select_arms(args.arms)
     if args.trace_arm and args.trace_arm not in {a.name for a in arms}:
-        raise Edge0Error(f"--trace-arm {args.trace_arm}: not among the arms run; choose one of {', '.join(a.name for a in arms)}")
+        raise Edge0Error(
+            f"--trace-arm {args.trace_arm}: not among the arms run; choose one of {', '.join(a.name for a in arms)}"
+        )
     model = resolve_model(args)
     out = Path(args.out or f"docs/benchmarks/bench{'-quick' if args.quick else ''}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     started = datetime.datetime.now().astimezone()
-    result = {"schema": SCHEMA, "date": started.isoformat(timespec="seconds"),
-              "command": "edge0 bench " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)),
-              "machine": machine_info(), "git": git_commit(), "packages": package_versions(),
-              "model": {"store": str(model.store), "mlx_model": str(model.mlx) if model.mlx else None,
-                        **{k: model.info.get(k) for k in ("shape", "seed", "size", "generator_version") if k in model.info}}}
+    result = {
+        "schema": SCHEMA,
+        "date": started.isoformat(timespec="seconds"),
+        "command": "edge0 bench " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)),
+        "machine": machine_info(),
+        "git": git_commit(),
+        "packages": package_versions(),
+        "model": {
+            "store": str(model.store),
+            "mlx_model": str(model.mlx) if model.mlx else None,
+            **{k: model.info.get(k) for k in ("shape", "seed", "size", "generator_version") if k in model.info},
+        },
+    }
     import threading
 
     main_thread = threading.current_thread() is threading.main_thread()

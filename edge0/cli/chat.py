@@ -8,8 +8,15 @@ from __future__ import annotations
 
 import sys
 
-from edge0.cli.common import (OneLineParser, load_or_follow, add_model_options, add_sampling_options, check_sampling_options,
-                              format_rank_stats, run_main)
+from edge0.cli.common import (
+    OneLineParser,
+    add_model_options,
+    add_sampling_options,
+    check_sampling_options,
+    format_rank_stats,
+    load_or_follow,
+    run_main,
+)
 
 COMMANDS = "/reset (forget the conversation), /stats (engine statistics), /exit"
 
@@ -22,9 +29,11 @@ def stats_line(s: dict) -> str:
     """The one line printed after each reply: speed, reused KV, peak memory, expert-cache hits."""
     reused = s["prompt_tokens"] - s["prefill_tokens"]
     hit = "off" if s.get("expert_hit_rate") is None else f"{100 * s['expert_hit_rate']:.1f}%"
-    return (f"[{s['decode_tps']:.1f} tok/s, {s['generation_tokens']} tokens | prefill {s['prefill_tokens']} "
-            f"of {s['prompt_tokens']} prompt tokens ({reused} reused) | peak memory "
-            f"{_size(s['peak_memory_bytes'])} | expert cache hit {hit}]")
+    return (
+        f"[{s['decode_tps']:.1f} tok/s, {s['generation_tokens']} tokens | prefill {s['prefill_tokens']} "
+        f"of {s['prompt_tokens']} prompt tokens ({reused} reused) | peak memory "
+        f"{_size(s['peak_memory_bytes'])} | expert cache hit {hit}]"
+    )
 
 
 class Session:
@@ -47,8 +56,14 @@ class Session:
         try:
             # The whole history goes in; with reuse_cache the engine prefills only what is new.
             prompt = self.engine.chat_prompt(self.history + [user])
-            steps = self.engine.stream_generate(prompt, max_tokens=self.args.max_tokens, temperature=self.args.temp,
-                                                top_p=self.args.top_p, seed=self.args.seed, reuse_cache=True)
+            steps = self.engine.stream_generate(
+                prompt,
+                max_tokens=self.args.max_tokens,
+                temperature=self.args.temp,
+                top_p=self.args.top_p,
+                seed=self.args.seed,
+                reuse_cache=True,
+            )
             try:
                 for step in steps:
                     sys.stdout.write(step.text)

@@ -57,10 +57,15 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
         elif kind == "layer_executors":
             p.add_argument(name, dest=f.name, action="append", default=[], metavar=m["metavar"], help=m["help"])
         else:
-            p.add_argument(name, dest=f.name, default=f.default, type=_TYPES.get(kind, str),
-                           choices=None if m.get("checked_later") else m.get("choices"),
-                           metavar=m.get("metavar", "FILE" if kind == "path" else "SIZE" if kind == "size" else None),
-                           help=m["help"])
+            p.add_argument(
+                name,
+                dest=f.name,
+                default=f.default,
+                type=_TYPES.get(kind, str),
+                choices=None if m.get("checked_later") else m.get("choices"),
+                metavar=m.get("metavar", "FILE" if kind == "path" else "SIZE" if kind == "size" else None),
+                help=m["help"],
+            )
 
 
 def add_sampling_options(p: argparse.ArgumentParser, max_tokens: int, what: str) -> None:
@@ -76,7 +81,9 @@ def check_sampling_options(p: argparse.ArgumentParser, args) -> None:
     try:
         if args.max_tokens < 1:
             raise Edge0Error(f"--max-tokens {args.max_tokens}: must be >= 1")
-        check_sampling(args.temp, args.top_p, args.seed, {"temperature": "--temp", "top_p": "--top-p", "seed": "--seed"})
+        check_sampling(
+            args.temp, args.top_p, args.seed, {"temperature": "--temp", "top_p": "--top-p", "seed": "--seed"}
+        )
     except Edge0Error as e:
         p.error(str(e))
 
@@ -124,7 +131,9 @@ def read_utf8(path: Path, flag: str = "--data") -> str:
     try:
         return path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
-        raise Edge0Error(f"{flag} {path}: not UTF-8 text ({e.reason} at byte {e.start}); pass a UTF-8 text file") from None
+        raise Edge0Error(
+            f"{flag} {path}: not UTF-8 text ({e.reason} at byte {e.start}); pass a UTF-8 text file"
+        ) from None
 
 
 def read_text(path: Path) -> str:
@@ -134,7 +143,7 @@ def read_text(path: Path) -> str:
         try:
             return "\n\n".join(json.loads(line)["text"] for line in raw.splitlines() if line.strip())
         except (json.JSONDecodeError, KeyError, TypeError):
-            raise Edge0Error(f"--data {path}: every JSONL line needs a \"text\" field") from None
+            raise Edge0Error(f'--data {path}: every JSONL line needs a "text" field') from None
     return raw
 
 
@@ -154,22 +163,42 @@ def format_stats(s: dict) -> str:
 
 def format_layer_stats(st: dict) -> str:
     """Per-layer executor statistics as a table."""
-    cols = ("calls", "host_syncs", "loads", "hits", "misses", "bytes_read", "read_amplification",
-            "stall_ms", "slot_rewrites", "slot_scatters", "fallbacks", "dropped", "substitutions")
+    cols = (
+        "calls",
+        "host_syncs",
+        "loads",
+        "hits",
+        "misses",
+        "bytes_read",
+        "read_amplification",
+        "stall_ms",
+        "slot_rewrites",
+        "slot_scatters",
+        "fallbacks",
+        "dropped",
+        "substitutions",
+    )
     rows = [" ".join(f"{c:>12}" for c in ("layer",) + cols)]
     for name, s in list(st["layers"].items()) + [("total", st["totals"])]:
         vals = [s[c] for c in cols]
-        rows.append(" ".join(f"{v:>12.2f}" if isinstance(v, float) else f"{'-' if v is None else v:>12}" for v in [name, *vals]))
+        rows.append(
+            " ".join(f"{v:>12.2f}" if isinstance(v, float) else f"{'-' if v is None else v:>12}" for v in [name, *vals])
+        )
     rows.append(f"stall {st['stall_ms_per_step']:.2f} ms per decode step over {st['decode_steps']} steps")
     io = st.get("io")
     if io:
-        rows.append(f"expert reads: {io['reader']} ({io['reason']}), {io['reads']} reads, {io['bytes_issued'] / 2**20:.1f} MiB "
-                    f"issued, at most {io['max_queue_depth']} in flight, {io['direct_fallbacks']} direct-I/O fallbacks")
+        rows.append(
+            f"expert reads: {io['reader']} ({io['reason']}), {io['reads']} reads, {io['bytes_issued'] / 2**20:.1f} MiB "
+            f"issued, at most {io['max_queue_depth']} in flight, {io['direct_fallbacks']} direct-I/O fallbacks"
+        )
     pr = st.get("prerouter")
     if pr:
         rows.append(f"pre-router {pr['heads']}: routed by head {pr['routed_by_head']}, by gate {pr['routed_by_gate']}")
         if pr["recall"] is not None:
-            rows.append("recall of predicted vs gate routes: " + ", ".join(f"layer {l} {r:.3f}" for l, r in pr["recall"].items()))
+            rows.append(
+                "recall of predicted vs gate routes: "
+                + ", ".join(f"layer {l} {r:.3f}" for l, r in pr["recall"].items())
+            )
     return "\n".join(rows)
 
 
@@ -178,9 +207,11 @@ def format_rank_stats(st: dict) -> str:
     rows = []
     for r in st["ranks"]:
         hit = "n/a" if r["hit_rate"] is None else f"{100 * r['hit_rate']:.0f}%"
-        rows.append(f"{r['stage']}: resident {format_size(r['resident_bytes'])}, expert cache "
-                    f"{format_size(r['expert_cache_bytes'])} of {format_size(r['expert_bytes'])}, "
-                    f"MLX peak {format_size(r['peak_memory_bytes'])}, RSS peak {format_size(r['peak_rss_bytes'])}, "
-                    f"cache hits {hit}, stall {r['stall_ms_per_step']:.1f} ms/step, sent {format_size(r['bytes_sent'])} "
-                    f"in {r['send_ms']:.0f} ms, waited {r['wait_ms']:.0f} ms for the previous stage")
+        rows.append(
+            f"{r['stage']}: resident {format_size(r['resident_bytes'])}, expert cache "
+            f"{format_size(r['expert_cache_bytes'])} of {format_size(r['expert_bytes'])}, "
+            f"MLX peak {format_size(r['peak_memory_bytes'])}, RSS peak {format_size(r['peak_rss_bytes'])}, "
+            f"cache hits {hit}, stall {r['stall_ms_per_step']:.1f} ms/step, sent {format_size(r['bytes_sent'])} "
+            f"in {r['send_ms']:.0f} ms, waited {r['wait_ms']:.0f} ms for the previous stage"
+        )
     return "\n".join(rows)

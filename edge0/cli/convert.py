@@ -10,8 +10,12 @@ def main(argv=None) -> int:
     p = OneLineParser(prog="edge0 convert", description=__doc__.splitlines()[0])
     p.add_argument("--hf-path", required=True, help="Hugging Face repo id or local model directory")
     p.add_argument("-o", "--out", required=True, help="output store directory (must not exist)")
-    p.add_argument("--dtype", choices=["float16", "bfloat16", "float32"], default=None,
-                   help="dtype of unquantized tensors (default: the checkpoint's torch_dtype)")
+    p.add_argument(
+        "--dtype",
+        choices=["float16", "bfloat16", "float32"],
+        default=None,
+        help="dtype of unquantized tensors (default: the checkpoint's torch_dtype)",
+    )
     args = p.parse_args(argv)
     convert(args.hf_path, args.out, dtype=args.dtype)
     return 0

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import edge0
 from edge0.cli.common import OneLineParser, add_model_options, load_options, read_utf8, run_main
-from edge0.errors import Edge0Error
 from edge0.engine.evaluate import evaluate
+from edge0.errors import Edge0Error
 from edge0.store.format import MANIFEST
 
 
@@ -46,13 +46,19 @@ def main(argv=None) -> int:
     p = OneLineParser(prog="edge0 eval", description=__doc__.splitlines()[0])
     add_model_options(p)
     p.add_argument("--data", required=True, help="held-out text file (UTF-8)")
-    p.add_argument("--reference", default=None,
-                   help="edge0 store (run with gate routing, no adapter) or mlx-lm/HF model directory to compare with")
+    p.add_argument(
+        "--reference",
+        default=None,
+        help="edge0 store (run with gate routing, no adapter) or mlx-lm/HF model directory to compare with",
+    )
     p.add_argument("--window", type=int, default=256, help="tokens per window (default 256)")
     p.add_argument("--max-windows", type=int, default=None, help="evaluate only the first N windows")
-    p.add_argument("--decode", action="store_true",
-                   help="token by token through the KV cache and the expert cache, as decoding runs (slower); "
-                        "needed to measure --cache-policy and --substitute-alpha, which act on decode steps")
+    p.add_argument(
+        "--decode",
+        action="store_true",
+        help="token by token through the KV cache and the expert cache, as decoding runs (slower); "
+        "needed to measure --cache-policy and --substitute-alpha, which act on decode steps",
+    )
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     args = p.parse_args(argv)
     if args.window < 2:
@@ -67,17 +73,30 @@ def main(argv=None) -> int:
     print(engine.describe(), file=sys.stderr)
     tokens = engine.encode(text)
     # the reference is the plain model: gate routing, no adapter
-    ref = reference_fn(args.reference, {"dtype": args.dtype, "prerouter": False, "lora": False}) if args.reference else None
+    ref = (
+        reference_fn(args.reference, {"dtype": args.dtype, "prerouter": False, "lora": False})
+        if args.reference
+        else None
+    )
     # With a pre-router, every position is routed as decoding would route it.
     logits = engine.decode_logits if args.decode else engine.prerouted_logits
     result = evaluate(logits, tokens, args.window, args.max_windows, ref, progress=True)
     st = engine.stats()
     processed = result["tokens"] + result["windows"]  # a window's last token predicts nothing
-    result.update({"model": engine.model_id, "data": str(data), "top_k": engine.k,
-                   "prerouter": str(engine.heads_path) if engine.heads_path else None, "decode": args.decode,
-                   "cache_policy": st["cache_policy"], "substitute_alpha": st["substitute_alpha"],
-                   "expert_bytes_per_token": st["totals"]["bytes_read"] / processed,
-                   "expert_hit_rate": st["totals"]["hit_rate"], "substitutions": st["totals"]["substitutions"]})
+    result.update(
+        {
+            "model": engine.model_id,
+            "data": str(data),
+            "top_k": engine.k,
+            "prerouter": str(engine.heads_path) if engine.heads_path else None,
+            "decode": args.decode,
+            "cache_policy": st["cache_policy"],
+            "substitute_alpha": st["substitute_alpha"],
+            "expert_bytes_per_token": st["totals"]["bytes_read"] / processed,
+            "expert_hit_rate": st["totals"]["hit_rate"],
+            "substitutions": st["totals"]["substitutions"],
+        }
+    )
     if args.json:
         print(json.dumps(result, indent=1))
     else:
@@ -85,9 +104,11 @@ def main(argv=None) -> int:
         if ref is not None:
             line += f", agreement {100 * result['agreement']:.2f}%, KL {result['kl_to_reference']:.4f} nats/token"
         hit = result["expert_hit_rate"]
-        line += (f"; experts read {result['expert_bytes_per_token'] / 2**20:.3f} MiB/token"
-                 + (f", cache hits {100 * hit:.1f}%" if hit is not None else "")
-                 + (f", substitutions {result['substitutions']} (lossy)" if result["substitutions"] else ""))
+        line += (
+            f"; experts read {result['expert_bytes_per_token'] / 2**20:.3f} MiB/token"
+            + (f", cache hits {100 * hit:.1f}%" if hit is not None else "")
+            + (f", substitutions {result['substitutions']} (lossy)" if result["substitutions"] else "")
+        )
         print(line)
     return 0
 

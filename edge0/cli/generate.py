@@ -4,8 +4,17 @@ from __future__ import annotations
 
 import sys
 
-from edge0.cli.common import (OneLineParser, load_or_follow, add_model_options, add_sampling_options, check_sampling_options,
-                              format_layer_stats, format_rank_stats, format_stats, run_main)
+from edge0.cli.common import (
+    OneLineParser,
+    add_model_options,
+    add_sampling_options,
+    check_sampling_options,
+    format_layer_stats,
+    format_rank_stats,
+    format_stats,
+    load_or_follow,
+    run_main,
+)
 from edge0.errors import Edge0Error
 
 
@@ -37,7 +46,9 @@ def _generate(engine, args, text: str) -> int:
     if not prompt:
         raise Edge0Error(f"--prompt {args.prompt!r}: no tokens to start from; pass some text")
     stats = None
-    for step in engine.stream_generate(prompt, args.max_tokens, temperature=args.temp, top_p=args.top_p, seed=args.seed):
+    for step in engine.stream_generate(
+        prompt, args.max_tokens, temperature=args.temp, top_p=args.top_p, seed=args.seed
+    ):
         print(step.text, end="", flush=True)
         stats = step.stats
     print()

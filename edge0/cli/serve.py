@@ -8,10 +8,10 @@ import logging
 import math
 import os
 
+from edge0.backend.memory import available as memory_available
 from edge0.cli.common import OneLineParser, add_model_options, load_or_follow, run_main
 from edge0.errors import Edge0Error
 from edge0.server.memory import DEFAULT_POLL_S, default_memory_low
-from edge0.backend.memory import available as memory_available
 from edge0.units import format_size, parse_size
 
 log = logging.getLogger("edge0.server")
@@ -27,6 +27,7 @@ def _count(minimum: int, maximum: int | None = None):
             bound = f"from {minimum} to {maximum}" if maximum is not None else f">= {minimum}"
             raise argparse.ArgumentTypeError(f"must be {bound}, got {value}")
         return value
+
     return parse
 
 
@@ -36,6 +37,7 @@ def _size(flag: str):
             return parse_size(text, flag)
         except Edge0Error as e:
             raise argparse.ArgumentTypeError(str(e)) from None
+
     return parse
 
 
@@ -61,24 +63,47 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_options(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=_count(0, 65535), default=8080, help="port, 0 to 65535 (default 8080)")
-    p.add_argument("--api-key", default=os.environ.get("EDGE0_API_KEY"),
-                   help="require the key on /v1/*, as 'Authorization: Bearer KEY' or 'x-api-key: KEY' "
-                   "(default: $EDGE0_API_KEY, else none)")
-    p.add_argument("--max-queue", type=_count(0), default=16,
-                   help="requests that may wait behind the running one; more get 429 (default 16)")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("EDGE0_API_KEY"),
+        help="require the key on /v1/*, as 'Authorization: Bearer KEY' or 'x-api-key: KEY' "
+        "(default: $EDGE0_API_KEY, else none)",
+    )
+    p.add_argument(
+        "--max-queue",
+        type=_count(0),
+        default=16,
+        help="requests that may wait behind the running one; more get 429 (default 16)",
+    )
     p.add_argument("--max-body-bytes", type=_count(1), default=4 << 20, help="request body limit (default 4 MiB)")
-    p.add_argument("--max-tokens", type=_count(1), default=4096, help="largest max_tokens a request may ask (default 4096)")
-    p.add_argument("--default-max-tokens", type=_count(1), default=512,
-                   help="max_tokens when a request gives none (default 512)")
-    p.add_argument("--max-prompt-tokens", type=_count(1), default=None,
-                   help="prompt length limit in tokens (default: the model's context length, max_position_embeddings)")
+    p.add_argument(
+        "--max-tokens", type=_count(1), default=4096, help="largest max_tokens a request may ask (default 4096)"
+    )
+    p.add_argument(
+        "--default-max-tokens", type=_count(1), default=512, help="max_tokens when a request gives none (default 512)"
+    )
+    p.add_argument(
+        "--max-prompt-tokens",
+        type=_count(1),
+        default=None,
+        help="prompt length limit in tokens (default: the model's context length, max_position_embeddings)",
+    )
     p.add_argument("--max-messages", type=_count(1), default=512, help="messages per chat request (default 512)")
-    p.add_argument("--memory-low", type=_size("--memory-low"), default=None, metavar="SIZE",
-                   help="shrink the expert cache between requests while less memory than this is available, grow "
-                   "it back when memory is free (default: 10%% of the memory available at start, at most 2GB; "
-                   "0: off)")
-    p.add_argument("--memory-poll-s", type=_seconds, default=DEFAULT_POLL_S,
-                   help=f"seconds between memory readings (default {DEFAULT_POLL_S:g})")
+    p.add_argument(
+        "--memory-low",
+        type=_size("--memory-low"),
+        default=None,
+        metavar="SIZE",
+        help="shrink the expert cache between requests while less memory than this is available, grow "
+        "it back when memory is free (default: 10%% of the memory available at start, at most 2GB; "
+        "0: off)",
+    )
+    p.add_argument(
+        "--memory-poll-s",
+        type=_seconds,
+        default=DEFAULT_POLL_S,
+        help=f"seconds between memory readings (default {DEFAULT_POLL_S:g})",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
 
@@ -90,8 +115,11 @@ def main(argv=None) -> int:
         p.error("--default-max-tokens must not exceed --max-tokens")
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(message)s")
     if not _is_loopback(args.host):
-        log.warning("binding to %s: the server is reachable from other machines%s", args.host,
-                    "" if args.api_key else ", and without --api-key anyone who reaches it can use it")
+        log.warning(
+            "binding to %s: the server is reachable from other machines%s",
+            args.host,
+            "" if args.api_key else ", and without --api-key anyone who reaches it can use it",
+        )
 
     from edge0.server.app import create_app, run
     from edge0.server.config import DEFAULT_MAX_PROMPT_TOKENS, ServerConfig, model_context_length
@@ -106,16 +134,31 @@ def main(argv=None) -> int:
     if max_prompt_tokens is None:
         context = model_context_length(engine.root)
         if context is None:
-            log.warning("the model's config.json declares no context length (max_position_embeddings); "
-                        "--max-prompt-tokens defaults to %d", DEFAULT_MAX_PROMPT_TOKENS)
+            log.warning(
+                "the model's config.json declares no context length (max_position_embeddings); "
+                "--max-prompt-tokens defaults to %d",
+                DEFAULT_MAX_PROMPT_TOKENS,
+            )
         max_prompt_tokens = context or DEFAULT_MAX_PROMPT_TOKENS
-    config = ServerConfig(api_key=args.api_key, max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
-                          max_tokens=args.max_tokens, default_max_tokens=args.default_max_tokens,
-                          max_prompt_tokens=max_prompt_tokens, max_messages=args.max_messages,
-                          memory_low=memory_low, memory_poll_s=args.memory_poll_s)
-    log.info("limits: prompt %d tokens (--max-prompt-tokens), max_tokens %d (--max-tokens), queue %d (--max-queue); "
-             "expert cache shrinks below %s available (--memory-low)", config.max_prompt_tokens, config.max_tokens,
-             config.max_queue, format_size(memory_low) if memory_low else "never")
+    config = ServerConfig(
+        api_key=args.api_key,
+        max_queue=args.max_queue,
+        max_body_bytes=args.max_body_bytes,
+        max_tokens=args.max_tokens,
+        default_max_tokens=args.default_max_tokens,
+        max_prompt_tokens=max_prompt_tokens,
+        max_messages=args.max_messages,
+        memory_low=memory_low,
+        memory_poll_s=args.memory_poll_s,
+    )
+    log.info(
+        "limits: prompt %d tokens (--max-prompt-tokens), max_tokens %d (--max-tokens), queue %d (--max-queue); "
+        "expert cache shrinks below %s available (--memory-low)",
+        config.max_prompt_tokens,
+        config.max_tokens,
+        config.max_queue,
+        format_size(memory_low) if memory_low else "never",
+    )
     try:
         run(create_app(engine, config), host=args.host, port=args.port, log_level=args.log_level)
     finally:

@@ -6,23 +6,31 @@ from __future__ import annotations
 from pathlib import Path
 
 from edge0.cache import tracefile
+from edge0.cache.record import record_file, synthetic_record
 from edge0.cli.common import OneLineParser, add_model_options, load_options, run_main
 from edge0.errors import Edge0Error
-from edge0.cache.record import record_file, synthetic_record
 
 
 def main(argv=None) -> int:
     p = OneLineParser(prog="edge0 trace", description=__doc__.splitlines()[0])
     add_model_options(p)
-    p.add_argument("--data", type=Path, help="text file; documents separated by <|endoftext|> lines (with --routing model)")
+    p.add_argument(
+        "--data", type=Path, help="text file; documents separated by <|endoftext|> lines (with --routing model)"
+    )
     p.add_argument("--out", required=True, type=Path, help="trace file to write (.npz)")
     p.add_argument("--prompts", type=int, default=8, help="number of prompts taken from --data (default 8)")
     p.add_argument("--prompt-tokens", type=int, default=512, help="teacher-forced tokens per prompt (default 512)")
-    p.add_argument("--max-tokens", type=int, default=64, help="tokens generated after each prompt (default 64; 0: none)")
-    p.add_argument("--routing", choices=["model", "qwen3-like"], default="model",
-                   help="model (default): record the model's own routes on --data; qwen3-like: write synthetic routes fitted to "
-                        "Qwen3-30B-A3B's cache statistics, with this model's shape, one per token of prompts x (prompt-tokens + "
-                        "max-tokens) (docs/synthetic-routing.md)")
+    p.add_argument(
+        "--max-tokens", type=int, default=64, help="tokens generated after each prompt (default 64; 0: none)"
+    )
+    p.add_argument(
+        "--routing",
+        choices=["model", "qwen3-like"],
+        default="model",
+        help="model (default): record the model's own routes on --data; qwen3-like: write synthetic routes fitted to "
+        "Qwen3-30B-A3B's cache statistics, with this model's shape, one per token of prompts x (prompt-tokens + "
+        "max-tokens) (docs/synthetic-routing.md)",
+    )
     p.add_argument("--routing-seed", type=int, default=0, help="seed of the synthetic routes (default 0)")
     args = p.parse_args(argv)
     if args.routing == "model" and args.data is None:
@@ -41,8 +49,10 @@ def main(argv=None) -> int:
         trace = record_file(engine, args.data, args.prompts, args.prompt_tokens, args.max_tokens)
     tracefile.write(args.out, trace)
     gen = int(trace.phase.sum())
-    print(f"{args.out}: {trace.num_steps} steps ({trace.num_steps - gen} teacher-forced, {gen} generated), "
-          f"{len(trace.layers)} MoE layers, {trace.num_experts} experts, top-{trace.top_k}")
+    print(
+        f"{args.out}: {trace.num_steps} steps ({trace.num_steps - gen} teacher-forced, {gen} generated), "
+        f"{len(trace.layers)} MoE layers, {trace.num_experts} experts, top-{trace.top_k}"
+    )
     return 0
 
 

@@ -20,7 +20,9 @@ def main(argv=None) -> int:
     for line in problems:
         print(f"edge0: error: {line}", file=sys.stderr)
     if problems:
-        raise Edge0Error(f"{args.model}: {len(problems)} problems in {len(manifest['files'])} files and the manifest (above)")
+        raise Edge0Error(
+            f"{args.model}: {len(problems)} problems in {len(manifest['files'])} files and the manifest (above)"
+        )
     print(f"{args.model}: {len(manifest['files'])} files and the manifest OK")
     return 0
 

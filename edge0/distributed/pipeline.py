@@ -90,8 +90,17 @@ class Pipeline:
         self.send_s += time.perf_counter() - t0
         self.bytes_sent += x.nbytes
 
-    def _send_header(self, op: int, tokens: int = 0, hidden: int = 0, offset: int = 0, step: int = -1,
-                     n_pred: int = 0, experts: int = 0, payload: int = 0) -> None:
+    def _send_header(
+        self,
+        op: int,
+        tokens: int = 0,
+        hidden: int = 0,
+        offset: int = 0,
+        step: int = -1,
+        n_pred: int = 0,
+        experts: int = 0,
+        payload: int = 0,
+    ) -> None:
         self._send(bdist.int_array([op, tokens, hidden, offset, step, n_pred, experts, payload, self.seq]))
 
     def _recv(self, shape, dtype: str):
@@ -130,16 +139,20 @@ class Pipeline:
 
     def _expect(self, h: list[int], op: int) -> None:
         if h[OP] != op or h[SEQ] != self.seq:
-            raise Edge0Error(f"rank {self.stage.rank}: the stage exchange is out of step (expected {OPS[op]} #{self.seq}, "
-                             f"got {OPS.get(h[OP], h[OP])} #{h[SEQ]}); restart every rank")
+            raise Edge0Error(
+                f"rank {self.stage.rank}: the stage exchange is out of step (expected {OPS[op]} #{self.seq}, "
+                f"got {OPS.get(h[OP], h[OP])} #{h[SEQ]}); restart every rank"
+            )
 
     # -- rank 0 --------------------------------------------------------------------------------
     def source(self, inputs):
         """Rank 0's hidden state for a forward of token ids `inputs` [1, T]: the ids go to the first
         stage, the hidden state comes back from rank 1 (StageEmbedding calls this)."""
         if not self.generating:
-            raise Edge0Error("a distributed engine runs generations only (generate, stream_generate, chat, "
-                             "decode_logits); logits, prerouted_logits and traces run in one process")
+            raise Edge0Error(
+                "a distributed engine runs generations only (generate, stream_generate, chat, "
+                "decode_logits); logits, prerouted_logits and traces run in one process"
+            )
         t = int(inputs.shape[-1])
         offset = bkv.cache_offset(self.engine.kv.cache)
         with self._op():
@@ -249,16 +262,24 @@ class Pipeline:
         lookups = totals["hits"] + totals["misses"]
         totals["hit_rate"] = totals["hits"] / lookups if lookups else None
         totals["read_amplification"] = totals["bytes_read"] / totals["bytes_used"] if totals["bytes_used"] else None
-        out = dict(out, layers=dict(sorted(layers.items())), totals=totals,
-                   stall_ms_per_step=totals["stall_ms"] / max(1, out["decode_steps"]))
+        out = dict(
+            out,
+            layers=dict(sorted(layers.items())),
+            totals=totals,
+            stall_ms_per_step=totals["stall_ms"] / max(1, out["decode_steps"]),
+        )
         pr = out["prerouter"]
         if pr is not None:  # per-layer counts of the pre-routed layers on every rank
             pr = dict(pr)
             for key in ("routed_by_head", "routed_by_gate", "recall"):
                 parts = [pr[key]] + [r["prerouter"][key] for r in self.ranks if r["prerouter"]]
-                pr[key] = None if pr[key] is None else dict(sorted({int(l): v for p in parts for l, v in p.items()}.items()))
+                pr[key] = (
+                    None if pr[key] is None else dict(sorted({int(l): v for p in parts for l, v in p.items()}.items()))
+                )
             out["prerouter"] = pr
-        out["ranks"] = [{k: v for k, v in r.items() if k not in ("layer_stats", "prerouter")} for r in [mine, *self.ranks]]
+        out["ranks"] = [
+            {k: v for k, v in r.items() if k not in ("layer_stats", "prerouter")} for r in [mine, *self.ranks]
+        ]
         return out
 
     # -- the other ranks -------------------------------------------------------------------------
@@ -316,8 +337,15 @@ class Pipeline:
         B.eval(out, [c.state for c in engine.kv.cache])
         if step >= 0:
             self.compute_s += time.perf_counter() - received
-        self._send_header(FORWARD, tokens=t, hidden=int(out.shape[-1]), offset=h[OFFSET], step=step,
-                          n_pred=len(preds), experts=int(next(iter(preds.values())).shape[-1]) if preds else 0)
+        self._send_header(
+            FORWARD,
+            tokens=t,
+            hidden=int(out.shape[-1]),
+            offset=h[OFFSET],
+            step=step,
+            n_pred=len(preds),
+            experts=int(next(iter(preds.values())).shape[-1]) if preds else 0,
+        )
         self._send_predictions(preds)
         self._send(out)
         if step >= 0:

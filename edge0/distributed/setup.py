@@ -30,8 +30,10 @@ def agree(group, what: str, value: str, fix: str) -> None:
     differ = [r for r, v in enumerate(every) if v != every[0]]
     if differ:
         r = differ[0]
-        raise Edge0Error(f"rank {group.rank()}: {what} differs between ranks (rank 0: {every[0][:16]}, rank {r}: "
-                         f"{every[r][:16]}); {fix}")
+        raise Edge0Error(
+            f"rank {group.rank()}: {what} differs between ranks (rank 0: {every[0][:16]}, rank {r}: "
+            f"{every[r][:16]}); {fix}"
+        )
 
 
 def stage_planner(group, options):
@@ -45,8 +47,12 @@ def plan_stage(group, root, resident_file: str, manifest: dict, config: dict, op
     """This rank's stage, or None in one process (where a --pipeline-split must be the one count
     that covers every layer)."""
     if group is not None:  # the root cause first: a different store makes every other check differ
-        agree(group, "the store (manifest hash)", manifest_hash(root),
-              "every rank must load the same store: copy one store to every machine, or convert the same checkpoint on each")
+        agree(
+            group,
+            "the store (manifest hash)",
+            manifest_hash(root),
+            "every rank must load the same store: copy one store to every machine, or convert the same checkpoint on each",
+        )
     num_layers = bdist.num_layers(bio.build_model(config, root))
     ranks = group.size() if group is not None else 1
     split = plan_split(root, resident_file, manifest, num_layers, ranks, options.pipeline_split)
@@ -68,11 +74,17 @@ def ready(engine) -> None:
     (serving width, dtype, heads, adapter, substitution), then let rank 0 lead."""
     pipe = engine.pipeline
     serving = {
-        "k": engine.k, "dtype": engine.compute_dtype, "substitute_alpha": engine.streaming.options.substitute_alpha,
+        "k": engine.k,
+        "dtype": engine.compute_dtype,
+        "substitute_alpha": engine.streaming.options.substitute_alpha,
         "heads": sha256_file(engine.heads_path) if engine.heads_path else None,
         "lora": sha256_file(engine.lora_path) if engine.lora_path else None,
     }
-    agree(pipe.group, "the serving options (top-k, dtype, pre-router heads, LoRA adapter, substitution)",
-          json.dumps(serving, sort_keys=True), "start every rank with the same flags and the same sidecar files")
+    agree(
+        pipe.group,
+        "the serving options (top-k, dtype, pre-router heads, LoRA adapter, substitution)",
+        json.dumps(serving, sort_keys=True),
+        "start every rank with the same flags and the same sidecar files",
+    )
     if pipe.leads:
         pipe.lead(engine)

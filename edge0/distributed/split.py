@@ -32,7 +32,7 @@ class Stage:
 
     @property
     def start(self) -> int:
-        return sum(self.split[self.rank + 1:])
+        return sum(self.split[self.rank + 1 :])
 
     @property
     def end(self) -> int:
@@ -57,8 +57,10 @@ class Stage:
 
     def describe(self) -> str:
         ends = [e for e, held in (("embedding", self.first), ("norm and head", self.last)) if held]
-        return (f"rank {self.rank} of {self.size}: layers {self.start}-{self.end - 1}"
-                f"{' + ' + ' + '.join(ends) if ends else ''}")
+        return (
+            f"rank {self.rank} of {self.size}: layers {self.start}-{self.end - 1}"
+            f"{' + ' + ' + '.join(ends) if ends else ''}"
+        )
 
 
 def check_split(split: tuple[int, ...], num_layers: int, ranks: int) -> None:
@@ -66,12 +68,16 @@ def check_split(split: tuple[int, ...], num_layers: int, ranks: int) -> None:
     given = ",".join(map(str, split))
     if len(split) != ranks:
         run = "this process runs alone" if ranks == 1 else f"{ranks} ranks were launched"
-        raise Edge0Error(f"--pipeline-split {given}: {len(split)} counts, but {run}; give one count per rank "
-                         f"(start {len(split)} ranks with mlx.launch -n {len(split)}, or drop the flag)")
+        raise Edge0Error(
+            f"--pipeline-split {given}: {len(split)} counts, but {run}; give one count per rank "
+            f"(start {len(split)} ranks with mlx.launch -n {len(split)}, or drop the flag)"
+        )
     if sum(split) != num_layers:
-        raise Edge0Error(f"--pipeline-split {given}: covers {sum(split)} layer{'s' if sum(split) > 1 else ''}, but the model has {num_layers} "
-                         f"(layers 0-{num_layers - 1}); the counts (rank 0 first, rank 0 runs the last layers) "
-                         f"must sum to {num_layers}")
+        raise Edge0Error(
+            f"--pipeline-split {given}: covers {sum(split)} layer{'s' if sum(split) > 1 else ''}, but the model has {num_layers} "
+            f"(layers 0-{num_layers - 1}); the counts (rank 0 first, rank 0 runs the last layers) "
+            f"must sum to {num_layers}"
+        )
 
 
 def balanced_split(costs: list[int], ranks: int, first_extra: int = 0, last_extra: int = 0) -> tuple[int, ...]:
@@ -80,8 +86,9 @@ def balanced_split(costs: list[int], ranks: int, first_extra: int = 0, last_extr
     (the last stage) first."""
     n = len(costs)
     if ranks > n:
-        raise Edge0Error(f"{ranks} ranks for a model of {n} layers: every rank needs at least one layer; "
-                         f"launch at most {n} ranks")
+        raise Edge0Error(
+            f"{ranks} ranks for a model of {n} layers: every rank needs at least one layer; launch at most {n} ranks"
+        )
     prefix = [0]
     for c in costs:
         prefix.append(prefix[-1] + c)
@@ -127,11 +134,15 @@ def layer_costs(root: Path, resident_file: str, manifest: dict, num_layers: int)
     if not any(name.startswith("lm_head") or ".lm_head." in name for name in sizes):
         head += embed
     for layer in manifest["expert_layers"]:
-        costs[int(layer["layer"])] += sum(t["expert_nbytes"] for t in layer["tensors"].values()) * int(layer["num_experts"])
+        costs[int(layer["layer"])] += sum(t["expert_nbytes"] for t in layer["tensors"].values()) * int(
+            layer["num_experts"]
+        )
     return costs, embed, head
 
 
-def plan_split(root: Path, resident_file: str, manifest: dict, num_layers: int, ranks: int, explicit) -> tuple[int, ...]:
+def plan_split(
+    root: Path, resident_file: str, manifest: dict, num_layers: int, ranks: int, explicit
+) -> tuple[int, ...]:
     """The split to run: `explicit` (validated LoadOptions.pipeline_split, checked against the
     model here), or the byte-balanced one."""
     if explicit is not None:

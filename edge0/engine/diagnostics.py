@@ -3,8 +3,8 @@ routing, or along the routes decoding would use) and route observation."""
 
 from __future__ import annotations
 
-from edge0.backend import core as B
 from edge0.backend import assemble as bas
+from edge0.backend import core as B
 from edge0.backend import forward as bfw
 from edge0.errors import Edge0Error
 
@@ -48,6 +48,8 @@ def observe_routes(engine, fn) -> None:
     """Call fn(layer, indices [T, K] int array, scores [T, E] float32) for every forward pass of
     every spec'd MoE layer (None stops). Each call syncs to the host: for traces only."""
     if engine.spec is None:
-        raise Edge0Error(f"{engine.model_id}: route tracing needs a spec'd family (this one is served at the universal level)")
+        raise Edge0Error(
+            f"{engine.model_id}: route tracing needs a spec'd family (this one is served at the universal level)"
+        )
     for layer, block in bas.moe_blocks(engine.model):
         block.use_observer(None if fn is None else (lambda i, s, layer=layer: fn(layer, i, s)))

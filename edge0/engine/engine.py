@@ -105,7 +105,9 @@ class Engine:
     def _leads(self) -> None:
         if self.follower:
             s = self.pipeline.stage
-            raise Edge0Error(f"rank {s.rank} of {s.size} follows rank 0, which generates; call engine.follow() on this rank")
+            raise Edge0Error(
+                f"rank {s.rank} of {s.size} follows rank 0, which generates; call engine.follow() on this rank"
+            )
 
     def _one_process(self, what: str) -> None:
         if self.pipeline is not None:
@@ -136,10 +138,15 @@ class Engine:
         """sha256 of everything this engine's KV cache depends on: edge0's version, the store
         (manifest hash), compute dtype, serving K, pre-router heads and adapter files, and the
         substitution alpha (which changes outputs)."""
-        ident = {"edge0": __version__, "store": manifest_hash(self.root), "dtype": self.compute_dtype, "top_k": self.k,
-                 "prerouter": sha256_file(self.heads_path) if self.prerouting is not None else None,
-                 "lora": sha256_file(self.lora_path) if self.lora_path else None,
-                 "substitute_alpha": self.streaming.options.substitute_alpha}
+        ident = {
+            "edge0": __version__,
+            "store": manifest_hash(self.root),
+            "dtype": self.compute_dtype,
+            "top_k": self.k,
+            "prerouter": sha256_file(self.heads_path) if self.prerouting is not None else None,
+            "lora": sha256_file(self.lora_path) if self.lora_path else None,
+            "substitute_alpha": self.streaming.options.substitute_alpha,
+        }
         return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
 
     def use_prompt_cache_dir(self, path, max_bytes: int) -> None:
@@ -152,9 +159,18 @@ class Engine:
         one is set and it holds tokens not saved yet; returns whether it saved. Between generations."""
         return self.kv.persist()
 
-    def stream_generate(self, prompt, max_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
-                        seed: int | None = None, stop=None, reuse_cache: bool = False, ignore_eos: bool = False,
-                        should_stop=None):
+    def stream_generate(
+        self,
+        prompt,
+        max_tokens: int = 256,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        stop=None,
+        reuse_cache: bool = False,
+        ignore_eos: bool = False,
+        should_stop=None,
+    ):
         """Yield one Step per generated token; the last Step carries finish_reason and stats.
 
         `should_stop()`, if given, is checked between prefill chunks (of CANCELLABLE_PREFILL_CHUNK
@@ -197,13 +213,13 @@ class Engine:
         """Feed the prompt (all but the part the KV cache already holds); returns (the first
         generated token, or None if `should_stop` said so between chunks, and tokens prefilled)."""
         kv = self.kv
-        new = tokens[kv.prepare(tokens, reuse):]
+        new = tokens[kv.prepare(tokens, reuse) :]
         kv.begin()
         chunk = CANCELLABLE_PREFILL_CHUNK if should_stop else len(new)
         for i in range(0, len(new) - 1, chunk):
             if should_stop and should_stop():
                 return None, i
-            bfw.prefill(self.model, new[i:min(i + chunk, len(new) - 1)], kv.cache)
+            bfw.prefill(self.model, new[i : min(i + chunk, len(new) - 1)], kv.cache)
         if should_stop and should_stop():
             return None, len(new) - 1
         y = self.step(new[-1:], 0, sampler)
@@ -244,9 +260,17 @@ class Engine:
                     detok.finalize()
                     text += stopper.flush(detok.last_segment)
             if finish:
-                stats = call_stats(before, self.streaming.stats.totals(), io_before, self.store.io_stats(),
-                                   len(tokens), n_prefill, len(generated),
-                                   t_prefill, time.perf_counter() - t1)
+                stats = call_stats(
+                    before,
+                    self.streaming.stats.totals(),
+                    io_before,
+                    self.store.io_stats(),
+                    len(tokens),
+                    n_prefill,
+                    len(generated),
+                    t_prefill,
+                    time.perf_counter() - t1,
+                )
                 yield Step(y, text, finish, stats, stopper.matched)
                 return
             yield Step(y, text)
@@ -308,8 +332,10 @@ class Engine:
         """One line about the loaded model and how its experts are streamed."""
         lora = f", LoRA {self.lora_path.name}" if self.lora_path else (f"; {self.lora_note}" if self.lora_note else "")
         rank = f"[{self.pipeline.stage.describe()}] " if self.pipeline is not None else ""
-        return (f"{rank}{self.model_id}: {self.compute_dtype}, resident {format_size(self.resident_bytes)}, "
-                f"{self.streaming.describe()}{lora}; {self.store.describe_io()}")
+        return (
+            f"{rank}{self.model_id}: {self.compute_dtype}, resident {format_size(self.resident_bytes)}, "
+            f"{self.streaming.describe()}{lora}; {self.store.describe_io()}"
+        )
 
     def close(self) -> None:
         """Release the store and reader threads (on rank 0 of a distributed engine, the other

@@ -26,13 +26,19 @@ def _log_softmax(logits: np.ndarray) -> np.ndarray:
 
 
 def windows(tokens: list[int], window: int, max_windows: int | None) -> list[list[int]]:
-    out = [tokens[i:i + window] for i in range(0, len(tokens) - 1, window)]
+    out = [tokens[i : i + window] for i in range(0, len(tokens) - 1, window)]
     out = [w for w in out if len(w) >= 2]
     return out[:max_windows] if max_windows else out
 
 
-def evaluate(model_logits, tokens: list[int], window: int = 256, max_windows: int | None = None,
-             reference_logits=None, progress: bool = False) -> dict:
+def evaluate(
+    model_logits,
+    tokens: list[int],
+    window: int = 256,
+    max_windows: int | None = None,
+    reference_logits=None,
+    progress: bool = False,
+) -> dict:
     """`model_logits(ids) -> [T, V]` float logits. Returns perplexity (and agreement/KL to the
     reference when `reference_logits` is given) over the windows of `tokens`."""
     from tqdm import tqdm
@@ -50,7 +56,13 @@ def evaluate(model_logits, tokens: list[int], window: int = 256, max_windows: in
             rp = _log_softmax(reference_logits(w))[:-1]
             agree += int((rp.argmax(-1) == lp.argmax(-1)).sum())
             kl += float((np.exp(rp) * (rp - lp)).sum())
-    out = {"tokens": count, "windows": len(ws), "window": window, "nll": nll / count, "perplexity": math.exp(nll / count)}
+    out = {
+        "tokens": count,
+        "windows": len(ws),
+        "window": window,
+        "nll": nll / count,
+        "perplexity": math.exp(nll / count),
+    }
     if reference_logits is not None:
         out["agreement"] = agree / count
         out["kl_to_reference"] = kl / count

@@ -76,15 +76,17 @@ class PromptCache:
         elif held > offset and bkv.can_trim_prompt_cache(self.cache):
             bkv.trim_prompt_cache(self.cache, held - offset)
         elif held != offset:
-            raise Edge0Error(f"this stage's KV cache holds {held} tokens, rank 0's {offset}: the ranks are out of step; "
-                             "restart every rank")
+            raise Edge0Error(
+                f"this stage's KV cache holds {held} tokens, rank 0's {offset}: the ranks are out of step; "
+                "restart every rank"
+            )
 
     def persist(self) -> bool:
         """Save the cache to disk when a directory is set, the last generation asked for reuse, and
         it holds tokens that are not on disk yet. Returns whether it saved."""
         if self.disk is None or not self.persistable or self.cache is None or self.dirty or not self.tokens:
             return False
-        if self.tokens == self.on_disk[:len(self.tokens)]:
+        if self.tokens == self.on_disk[: len(self.tokens)]:
             return False
         if not self.disk.save(self.tokens, self.cache):
             return False

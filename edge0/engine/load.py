@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from edge0.backend import assemble as bas
 from edge0.backend import core as B
 from edge0.backend import io as bio
-from edge0.backend import assemble as bas
 from edge0.backend import modules as bmod
 from edge0.engine.engine import Engine
 from edge0.errors import Edge0Error
@@ -30,13 +30,23 @@ def open_engine(root: Path, options, stage_for=None) -> Engine:
     if spec is None:
         _universal_checks(manifest, options)
     k = spec.serving_k(options.top_k) if spec else None
-    ckpt_dtype = next((t["dtype"] for l in manifest["expert_layers"] for n, t in l["tensors"].items() if n.endswith("scales")), "F32")
+    ckpt_dtype = next(
+        (t["dtype"] for l in manifest["expert_layers"] for n, t in l["tensors"].items() if n.endswith("scales")), "F32"
+    )
     compute = B.pick_compute_dtype(options.dtype, B.ST_DTYPES.get(ckpt_dtype, "float32"))
     stage = stage_for(root, manifest, config) if stage_for else None
     local = stage.restrict(manifest) if stage else manifest
     store = ExpertStore(root, local, cold_reads=options.cold_reads, io=options.io, check_experts=options.check_experts)
-    model = bas.assemble(root, RESIDENT_FILE, local, config, spec, k, compute,
-                         stage=(stage.rank, stage.size, list(stage.split)) if stage else None)
+    model = bas.assemble(
+        root,
+        RESIDENT_FILE,
+        local,
+        config,
+        spec,
+        k,
+        compute,
+        stage=(stage.rank, stage.size, list(stage.split)) if stage else None,
+    )
     streaming = Streaming(store, compute, k or _native_k(config), bmod.resident_bytes(model), options)
     bas.attach_executors(model, streaming.layers)
     return Engine(root, model, bio.load_tokenizer(root), store, streaming, spec, k, compute, stage)
@@ -51,11 +61,15 @@ def _check_config(root: Path, config: dict, manifest: dict) -> None:
     path = root / "config.json"
     found = bio.expert_modules(bio.build_model(config, root), root, supported())
     if config["model_type"] != manifest["model_type"]:
-        raise Edge0Error(f"{path}: model_type {config['model_type']!r}, but the store holds a "
-                         f"{manifest['model_type']!r} model; {REBUILD}")
+        raise Edge0Error(
+            f"{path}: model_type {config['model_type']!r}, but the store holds a "
+            f"{manifest['model_type']!r} model; {REBUILD}"
+        )
     if {p for p, _ in found} != {l["module"] for l in manifest["expert_layers"]}:
-        raise Edge0Error(f"{path}: its model has routed experts in {len(found)} layers, not in the "
-                         f"{len(manifest['expert_layers'])} MoE layers the store holds; {REBUILD}")
+        raise Edge0Error(
+            f"{path}: its model has routed experts in {len(found)} layers, not in the "
+            f"{len(manifest['expert_layers'])} MoE layers the store holds; {REBUILD}"
+        )
 
 
 def _check_layer_executors(options, manifest: dict) -> None:
@@ -64,8 +78,10 @@ def _check_layer_executors(options, manifest: dict) -> None:
     for layer, choice in sorted(options.layer_executors.items()):
         if layer not in moe:
             spec = ",".join(f"{layer}:{phase}={name}" for phase, name in choice.items())
-            raise Edge0Error(f"--layer-executor {spec}: layer {layer} is not a MoE layer of this store; "
-                             f"its MoE layers are {_spans(moe)}")
+            raise Edge0Error(
+                f"--layer-executor {spec}: layer {layer} is not a MoE layer of this store; "
+                f"its MoE layers are {_spans(moe)}"
+            )
 
 
 def _spans(layers: list[int]) -> str:
@@ -83,11 +99,15 @@ def _universal_checks(manifest: dict, options) -> None:
     """Options that need Edge0's own routing, refused for a family served at the universal level."""
     family = manifest["model_type"]
     if options.top_k is not None:
-        raise Edge0Error(f"--top-k: {family} has no MoESpec (universal level); the serving width can only be changed for spec'd families")
+        raise Edge0Error(
+            f"--top-k: {family} has no MoESpec (universal level); the serving width can only be changed for spec'd families"
+        )
     if options.cache_policy == "smoe" or options.substitute_alpha:
         flag = "--cache-policy smoe" if options.cache_policy == "smoe" else "--substitute-alpha"
-        raise Edge0Error(f"{flag} needs router scores, which Edge0 has only for spec'd families ({family} "
-                         "is served at the universal level); use --cache-policy lru, lfu or arc without substitution")
+        raise Edge0Error(
+            f"{flag} needs router scores, which Edge0 has only for spec'd families ({family} "
+            "is served at the universal level); use --cache-policy lru, lfu or arc without substitution"
+        )
 
 
 def _native_k(config: dict) -> int:

@@ -5,8 +5,17 @@ from __future__ import annotations
 from edge0.backend import core as B
 
 
-def call_stats(totals_before: dict, totals_after: dict, io_before: dict, io_after: dict, n_prompt: int,
-               n_prefill: int, n_gen: int, t_prefill: float, t_decode: float) -> dict:
+def call_stats(
+    totals_before: dict,
+    totals_after: dict,
+    io_before: dict,
+    io_after: dict,
+    n_prompt: int,
+    n_prefill: int,
+    n_gen: int,
+    t_prefill: float,
+    t_decode: float,
+) -> dict:
     """The stats of one generate call (docs/engine-api.md, "Stats keys"), from executor totals
     and the store's read counters before and after it."""
     a, b = totals_after, totals_before

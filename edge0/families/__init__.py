@@ -21,5 +21,7 @@ def spec_for(config: dict) -> MoESpec | None:
 
 def supported() -> str:
     """Which models edge0 runs, for errors about a model it cannot run."""
-    return (f"spec'd families: {', '.join(sorted(FAMILIES))}; other mlx-lm families whose routed experts are "
-            "SwitchGLU/SwitchMLP modules, at the universal level")
+    return (
+        f"spec'd families: {', '.join(sorted(FAMILIES))}; other mlx-lm families whose routed experts are "
+        "SwitchGLU/SwitchMLP modules, at the universal level"
+    )

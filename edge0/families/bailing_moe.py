@@ -7,9 +7,7 @@ MODEL_TYPES = ("bailing_moe",)
 
 
 def build_spec(config: dict) -> MoESpec:
-    shared = config.get("num_shared_experts", 0) > 0 and config.get(
-        "moe_router_enable_shared_expert", True
-    )
+    shared = config.get("num_shared_experts", 0) > 0 and config.get("moe_router_enable_shared_expert", True)
     return MoESpec(
         family="bailing_moe",
         num_experts=config["num_experts"],
@@ -26,9 +24,7 @@ def build_spec(config: dict) -> MoESpec:
             cast_to_input=True,
         ),
         router="gate.gate_proj",
-        router_bias="gate.expert_bias"
-        if config.get("moe_router_enable_expert_bias", False)
-        else None,
+        router_bias="gate.expert_bias" if config.get("moe_router_enable_expert_bias", False) else None,
         shared=SharedSpec("plain", module="shared_experts") if shared else SharedSpec(),
         quant=quant_from_config(config),
     )

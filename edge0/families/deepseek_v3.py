@@ -22,8 +22,6 @@ def build_spec(config: dict) -> MoESpec:
         ),
         router="gate.weight",
         router_bias="gate.e_score_correction_bias",
-        shared=SharedSpec("plain", module="shared_experts")
-        if config.get("n_shared_experts")
-        else SharedSpec(),
+        shared=SharedSpec("plain", module="shared_experts") if config.get("n_shared_experts") else SharedSpec(),
         quant=quant_from_config(config),
     )

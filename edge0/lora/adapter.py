@@ -22,8 +22,10 @@ _STRINGS = ("format", "version", "manifest_sha256", "prerouter_sha256", "tensors
 
 def retrain_hint(store, k=None, heads=None) -> str:
     flags = (f" --top-k {k}" if k else "") + (f" --prerouter {heads}" if heads else " --no-prerouter")
-    return (f"retrain it with: edge0 train-lora --model {store} --teacher <full-precision checkpoint> --data <text>{flags} "
-            f"--out <file> (or serve without it: --no-lora)")
+    return (
+        f"retrain it with: edge0 train-lora --model {store} --teacher <full-precision checkpoint> --data <text>{flags} "
+        f"--out <file> (or serve without it: --no-lora)"
+    )
 
 
 def tensors_digest(tensors: dict[str, np.ndarray]) -> str:
@@ -40,8 +42,12 @@ def save_adapter(path, tensors: dict[str, np.ndarray], meta: dict) -> Path:
     """Write atomically (temp file, then rename). `meta` needs manifest_sha256, prerouter_sha256
     (None without heads), top_k, r, alpha, targets; anything else (provenance) is kept as JSON."""
     tensors = {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in tensors.items()}
-    header = {"format": FORMAT, "version": str(VERSION), "tensors_sha256": tensors_digest(tensors),
-              "prerouter_sha256": meta.get("prerouter_sha256") or "none"}
+    header = {
+        "format": FORMAT,
+        "version": str(VERSION),
+        "tensors_sha256": tensors_digest(tensors),
+        "prerouter_sha256": meta.get("prerouter_sha256") or "none",
+    }
     header.update({k: v if k in _STRINGS else json.dumps(v) for k, v in meta.items() if k not in header})
     return write_sidecar(path, tensors, header)
 

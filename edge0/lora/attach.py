@@ -24,8 +24,10 @@ def _mismatch(engine, meta: dict, heads_sha) -> str | None:
     this engine (store, serving K, heads with sha256 `heads_sha` or None for gate routing)."""
     base = manifest_hash(engine.root)
     if meta.get("manifest_sha256") != base:
-        return (f"adapter was trained for another base model (store manifest {str(meta.get('manifest_sha256'))[:12]}, "
-                f"this store {base[:12]})")
+        return (
+            f"adapter was trained for another base model (store manifest {str(meta.get('manifest_sha256'))[:12]}, "
+            f"this store {base[:12]})"
+        )
     if meta.get("top_k") != engine.k:
         return f"adapter was trained at K={meta.get('top_k')}, this engine serves K={engine.k}"
     theirs = meta.get("prerouter_sha256")
@@ -49,8 +51,11 @@ def store_adapter(engine) -> tuple[Path | None, str]:
         try:  # the identity only: the tensors are read and checked by attach_lora
             with safe_open(str(p), framework="numpy") as f:
                 raw = f.metadata() or {}
-            meta = {"manifest_sha256": raw.get("manifest_sha256"), "top_k": json.loads(raw.get("top_k", "null")),
-                    "prerouter_sha256": None if raw.get("prerouter_sha256", "none") == "none" else raw["prerouter_sha256"]}
+            meta = {
+                "manifest_sha256": raw.get("manifest_sha256"),
+                "top_k": json.loads(raw.get("top_k", "null")),
+                "prerouter_sha256": None if raw.get("prerouter_sha256", "none") == "none" else raw["prerouter_sha256"],
+            }
         except Exception:  # noqa: BLE001 - a damaged file is reported by attach_lora's checks
             return p, ""
         reason = _mismatch(engine, meta, ours)
@@ -84,7 +89,9 @@ def attach_lora(engine, path, dtype: str | None = None) -> dict:
     shapes = blora.expected_shapes(engine.model, targets, meta["r"])
     wrong = [k for k, s in shapes.items() if tuple(tensors[k].shape) != s]
     if wrong:
-        raise Edge0Error(f"{path}: tensor {wrong[0]} has shape {tensors[wrong[0]].shape}, the model needs {shapes[wrong[0]]}; {hint}")
+        raise Edge0Error(
+            f"{path}: tensor {wrong[0]} has shape {tensors[wrong[0]].shape}, the model needs {shapes[wrong[0]]}; {hint}"
+        )
     wrapped = blora.apply_lora(engine.model, targets, meta["r"], meta["alpha"])
     blora.load_lora_tensors(wrapped, tensors, B.dtype(dtype or engine.compute_dtype))
     engine.use_lora(path, meta)

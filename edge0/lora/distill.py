@@ -67,7 +67,7 @@ def student_generate(model, prerouting, prompts, n: int, temperature: float, see
 
 def sft_loss(logits, ids, start: int):
     """Mean cross-entropy of ids[:, start:] (the teacher's continuation) under the student."""
-    z = logits[:, start - 1:-1].astype(B.float32)
+    z = logits[:, start - 1 : -1].astype(B.float32)
     target = B.array(np.asarray(ids, dtype=np.int32)[:, start:])
     picked = B.take_along_axis(z, target[..., None], axis=-1)[..., 0]
     return (B.logsumexp(z, axis=-1) - picked).mean()
@@ -82,7 +82,7 @@ def _coarse_student(logits, start: int, top_idx):
     """Student log-probabilities of the teacher's top-k tokens S [B, n, k] and of the bucket R of
     every other token [B, n], at the positions predicting ids[:, start:]. With top_idx None
     (no coarsening) S is the whole vocabulary, in token order, and R is None."""
-    z = logits[:, start - 1:-1].astype(B.float32)
+    z = logits[:, start - 1 : -1].astype(B.float32)
     lse = B.logsumexp(z, axis=-1)
     if top_idx is None:
         return B.maximum(z - lse[..., None], _LOG_FLOOR), None
@@ -130,10 +130,14 @@ class LoRATrainer:
         return sft_loss(student_logits(self.model, self.prerouting, ids), ids, start)
 
     def _soft_objective(self, ids, start, top_idx, top_logp, rest_logp):
-        return truncated_forward_kl(student_logits(self.model, self.prerouting, ids), start, top_idx, top_logp, rest_logp)
+        return truncated_forward_kl(
+            student_logits(self.model, self.prerouting, ids), start, top_idx, top_logp, rest_logp
+        )
 
     def _kl_objective(self, ids, start, top_idx, top_logp, rest_logp):
-        return truncated_reverse_kl(student_logits(self.model, self.prerouting, ids), start, top_idx, top_logp, rest_logp)
+        return truncated_reverse_kl(
+            student_logits(self.model, self.prerouting, ids), start, top_idx, top_logp, rest_logp
+        )
 
     def sft_step(self, ids, start: int) -> float:
         """One optimizer step on the SFT loss of a batch [B, T]; returns the loss before the step."""
@@ -189,7 +193,7 @@ class Teacher:
         """The teacher's view of the positions predicting ids[:, start:]: its top-k token ids
         [B, n, k], their log-probabilities [B, n, k] and the log of the remaining mass [B, n].
         k = 0 keeps the whole vocabulary: (None, log-probabilities [B, n, V], None)."""
-        z = self.model(B.array(np.asarray(ids, dtype=np.int32)))[:, start - 1:-1].astype(B.float32)
+        z = self.model(B.array(np.asarray(ids, dtype=np.int32)))[:, start - 1 : -1].astype(B.float32)
         logp = z - B.logsumexp(z, axis=-1, keepdims=True)
         if k == 0:
             return None, np.maximum(B.to_numpy(logp), _LOG_FLOOR), None
@@ -197,5 +201,8 @@ class Teacher:
         top = B.take_along_axis(logp, idx, axis=-1)
         rest = B.logsumexp(logp + _rest_mask(logp.shape, idx), axis=-1)
         B.eval(idx, top, rest)
-        return (B.to_numpy(idx).astype(np.int32), np.maximum(B.to_numpy(top), _LOG_FLOOR),
-                np.maximum(B.to_numpy(rest), _LOG_FLOOR))
+        return (
+            B.to_numpy(idx).astype(np.int32),
+            np.maximum(B.to_numpy(top), _LOG_FLOOR),
+            np.maximum(B.to_numpy(rest), _LOG_FLOOR),
+        )

@@ -15,14 +15,13 @@ from tqdm import tqdm
 from edge0.backend import core as B
 from edge0.backend import lora as blora
 from edge0.backend import train as bt
-from edge0.errors import Edge0Error
 from edge0.engine.evaluate import evaluate
+from edge0.errors import Edge0Error
 from edge0.lora import distill as bd
 from edge0.lora.attach import attach_lora, prerouter_hash
 from edge0.store.format import manifest_hash, sha256_file
 
-PHASE1 = {"soft": "forward KL(teacher || student) on {text}",
-          "hard": "cross-entropy of the tokens of {text}"}
+PHASE1 = {"soft": "forward KL(teacher || student) on {text}", "hard": "cross-entropy of the tokens of {text}"}
 SFT_TEXT = {"teacher": "teacher-generated continuations", "data": "windows of the training data"}
 PHASE2 = "reverse KL(student || teacher) on student-generated continuations"
 COARSENING = "each KL over the teacher's top-{k} tokens plus one bucket holding every other token"
@@ -55,8 +54,11 @@ class TrainOptions:
 
 
 def _check(opts: TrainOptions, vocab: int) -> None:
-    bad = [(f, getattr(opts, f)) for f in ("r", "batch", "prompt_tokens", "gen_tokens", "val_window", "val_windows")
-           if getattr(opts, f) < 1]
+    bad = [
+        (f, getattr(opts, f))
+        for f in ("r", "batch", "prompt_tokens", "gen_tokens", "val_window", "val_windows")
+        if getattr(opts, f) < 1
+    ]
     bad += [(f, getattr(opts, f)) for f in ("sft_steps", "distill_steps") if getattr(opts, f) < 0]
     if bad:
         raise Edge0Error(f"--{bad[0][0].replace('_', '-')} {bad[0][1]}: must be positive; pass a larger value")
@@ -67,20 +69,26 @@ def _check(opts: TrainOptions, vocab: int) -> None:
     if opts.sft_steps + opts.distill_steps == 0:
         raise Edge0Error("--sft-steps/--distill-steps: both are 0; give at least one training step")
     if not 0 <= opts.distill_top_k < vocab:
-        raise Edge0Error(f"--distill-top-k {opts.distill_top_k}: must be between 1 and {vocab - 1} (vocabulary minus one), "
-                         "or 0 for the whole vocabulary")
+        raise Edge0Error(
+            f"--distill-top-k {opts.distill_top_k}: must be between 1 and {vocab - 1} (vocabulary minus one), "
+            "or 0 for the whole vocabulary"
+        )
 
 
 def check_teacher(engine, teacher, sample: str) -> None:
     """The teacher must share the student's tokenizer and vocabulary."""
     ids = engine.encode(sample)
     if teacher.tokenizer.encode(sample) != ids:
-        raise Edge0Error("--teacher: its tokenizer splits text differently from the model's; "
-                         "pass the full-precision checkpoint the store was converted from")
+        raise Edge0Error(
+            "--teacher: its tokenizer splits text differently from the model's; "
+            "pass the full-precision checkpoint the store was converted from"
+        )
     ours, theirs = engine.logits(ids[:4]).shape[-1], teacher.logits(ids[:4]).shape[-1]
     if ours != theirs:
-        raise Edge0Error(f"--teacher: vocabulary of {theirs} tokens, the model has {ours}; "
-                         "pass the full-precision checkpoint the store was converted from")
+        raise Edge0Error(
+            f"--teacher: vocabulary of {theirs} tokens, the model has {ours}; "
+            "pass the full-precision checkpoint the store was converted from"
+        )
 
 
 def _validate(engine, teacher, tokens, opts) -> dict:
@@ -112,7 +120,9 @@ def _phase1(trainer, teacher, prompts, windows, opts, progress) -> list[float]:
         if opts.sft_text == "data":
             seqs, P = windows(), 1
         else:
-            seqs = teacher.generate(prompts(), opts.gen_tokens, opts.teacher_temperature, seed=opts.seed * 100003 + step)
+            seqs = teacher.generate(
+                prompts(), opts.gen_tokens, opts.teacher_temperature, seed=opts.seed * 100003 + step
+            )
             P = opts.prompt_tokens
         if opts.sft_targets == "soft":
             losses.append(trainer.soft_sft_step(seqs, P, *teacher.top_k(seqs, P, opts.distill_top_k)))
@@ -128,9 +138,17 @@ def _phase2(trainer, engine, teacher, prompts, opts, progress) -> list[float]:
     losses = []
     bar = tqdm(range(opts.distill_steps), desc="distill", unit="step", disable=not progress)
     for step in bar:
-        seqs = bd.student_generate(engine.model, engine.prerouting, prompts(), opts.gen_tokens,
-                                   opts.student_temperature, seed=opts.seed * 100003 + 50021 + step)
-        losses.append(trainer.distill_step(seqs, opts.prompt_tokens, *teacher.top_k(seqs, opts.prompt_tokens, opts.distill_top_k)))
+        seqs = bd.student_generate(
+            engine.model,
+            engine.prerouting,
+            prompts(),
+            opts.gen_tokens,
+            opts.student_temperature,
+            seed=opts.seed * 100003 + 50021 + step,
+        )
+        losses.append(
+            trainer.distill_step(seqs, opts.prompt_tokens, *teacher.top_k(seqs, opts.prompt_tokens, opts.distill_top_k))
+        )
         bar.set_postfix(loss=f"{losses[-1]:.4f}")
     return losses
 
@@ -140,12 +158,14 @@ def train(engine, teacher, text: str, opts: TrainOptions, *, data_name: str, tea
     t0 = time.perf_counter()
     _check(opts, teacher.vocab_size)
     check_teacher(engine, teacher, text[:2000])
-    tokens = engine.encode(text[:opts.max_tokens * 16])[:opts.max_tokens]  # no need to tokenize more
+    tokens = engine.encode(text[: opts.max_tokens * 16])[: opts.max_tokens]  # no need to tokenize more
     n_val = max(opts.val_window * opts.val_windows, int(len(tokens) * opts.holdout))
     train_tok, val_tok = tokens[:-n_val], tokens[-n_val:]
     if len(train_tok) < opts.prompt_tokens + opts.gen_tokens + 1 or len(val_tok) < 2:
-        raise Edge0Error(f"--data: too little text ({len(tokens)} tokens) for windows of {opts.prompt_tokens} + "
-                         f"{opts.gen_tokens} tokens plus {n_val} held-out tokens; give more text or lower --val-windows")
+        raise Edge0Error(
+            f"--data: too little text ({len(tokens)} tokens) for windows of {opts.prompt_tokens} + "
+            f"{opts.gen_tokens} tokens plus {n_val} held-out tokens; give more text or lower --val-windows"
+        )
     B.seed(opts.seed)
     deq = opts.dequantize_resident if opts.dequantize_resident is not None else B.default_device() == "cpu"
     if deq:
@@ -165,11 +185,11 @@ def train(engine, teacher, text: str, opts: TrainOptions, *, data_name: str, tea
 
     def prompts():
         starts = rng.integers(0, len(train_tok) - opts.prompt_tokens, size=opts.batch)
-        return np.array([train_tok[s:s + opts.prompt_tokens] for s in starts], dtype=np.int32)
+        return np.array([train_tok[s : s + opts.prompt_tokens] for s in starts], dtype=np.int32)
 
     def windows(n=opts.prompt_tokens + opts.gen_tokens):
         starts = rng.integers(0, len(train_tok) - n, size=opts.batch)
-        return np.array([train_tok[s:s + n] for s in starts], dtype=np.int32)
+        return np.array([train_tok[s : s + n] for s in starts], dtype=np.int32)
 
     probe = _probe(engine, teacher, prompts(), opts)
     probe_before = trainer.distill_value(*probe)
@@ -178,23 +198,39 @@ def train(engine, teacher, text: str, opts: TrainOptions, *, data_name: str, tea
     after = _validate(engine, teacher, val_tok, opts)
     probe_after = trainer.distill_value(*probe)
     report = {
-        "teacher_perplexity": teacher_val, "before": before, "after": after,
-        "sft_loss_first": _mean(sft, "first"), "sft_loss_last": _mean(sft, "last"),
-        "distill_loss_first": _mean(kl, "first"), "distill_loss_last": _mean(kl, "last"),
-        "probe_distill_loss_before": probe_before, "probe_distill_loss_after": probe_after,
+        "teacher_perplexity": teacher_val,
+        "before": before,
+        "after": after,
+        "sft_loss_first": _mean(sft, "first"),
+        "sft_loss_last": _mean(sft, "last"),
+        "distill_loss_first": _mean(kl, "first"),
+        "distill_loss_last": _mean(kl, "last"),
+        "probe_distill_loss_before": probe_before,
+        "probe_distill_loss_after": probe_after,
         "held_out_tokens": len(val_tok),
     }
     meta = {
         "manifest_sha256": manifest_hash(engine.root),
         "prerouter_sha256": prerouter_hash(engine),
-        "top_k": engine.k, "r": opts.r, "alpha": opts.alpha, "targets": paths,
+        "top_k": engine.k,
+        "r": opts.r,
+        "alpha": opts.alpha,
+        "targets": paths,
         "provenance": {
-            "teacher": teacher_name, "data": data_name, "train_tokens": len(train_tok),
+            "teacher": teacher_name,
+            "data": data_name,
+            "train_tokens": len(train_tok),
             "init": {"path": opts.init, "sha256": sha256_file(Path(opts.init))} if opts.init else None,
             "prerouter": str(engine.heads_path) if engine.prerouting is not None else None,
-            "options": asdict(opts), "loss": {"phase1": PHASE1[opts.sft_targets].format(text=SFT_TEXT[opts.sft_text]), "phase2": PHASE2, "coarsening": COARSENING.format(k=opts.distill_top_k) if opts.distill_top_k else FULL_VOCAB},
+            "options": asdict(opts),
+            "loss": {
+                "phase1": PHASE1[opts.sft_targets].format(text=SFT_TEXT[opts.sft_text]),
+                "phase2": PHASE2,
+                "coarsening": COARSENING.format(k=opts.distill_top_k) if opts.distill_top_k else FULL_VOCAB,
+            },
             "trainable_parameters": bt.n_trainable(engine.model),
-            "validation": report, "date": datetime.date.today().isoformat(),
+            "validation": report,
+            "date": datetime.date.today().isoformat(),
             "seconds": round(time.perf_counter() - t0, 1),
         },
     }

@@ -54,8 +54,11 @@ def measure_decode(path, options: dict, expert_cache, tokens: int = 32) -> dict:
     engine = edge0.load(path, **{**options, "expert_cache": expert_cache})
     for _ in range(2):
         s = engine.generate(PROMPTS[0], max_tokens=tokens, ignore_eos=True).stats
-    return {"expert_cache": expert_cache, "step_s": 1.0 / s["decode_tps"],
-            "bytes_per_token": s["expert_bytes_read"] / s["generation_tokens"]}
+    return {
+        "expert_cache": expert_cache,
+        "step_s": 1.0 / s["decode_tps"],
+        "bytes_per_token": s["expert_bytes_read"] / s["generation_tokens"],
+    }
 
 
 def predict(trace, results, hi: dict, lo: dict, cold_extra_per_byte: float) -> list[dict]:
@@ -69,9 +72,16 @@ def predict(trace, results, hi: dict, lo: dict, cold_extra_per_byte: float) -> l
     for r in results:
         b = r.bytes_read / T
         t = hi["step_s"] + (b - hi["bytes_per_token"]) * per_byte + b * cold_extra_per_byte
-        rows.append({"budget": r.budget.label, "experts_per_layer": r.budget.capacity, "hit_rate": r.hit_rate,
-                     "cache_bytes": r.budget.capacity * sum(trace.expert_bytes), "bytes_per_token": b,
-                     "tok_s": 1.0 / t if t > 0 else float("inf")})
+        rows.append(
+            {
+                "budget": r.budget.label,
+                "experts_per_layer": r.budget.capacity,
+                "hit_rate": r.hit_rate,
+                "cache_bytes": r.budget.capacity * sum(trace.expert_bytes),
+                "bytes_per_token": b,
+                "tok_s": 1.0 / t if t > 0 else float("inf"),
+            }
+        )
     return rows
 
 

@@ -72,7 +72,9 @@ def read_checkpoint(src: str) -> tuple[dict, dict]:
     if p.is_dir():
         files = sorted(p.glob("*.safetensors"))
         if not (p / "config.json").is_file() or not files:
-            raise Edge0Error(f"--hf-path {p}: needs config.json and *.safetensors (a Hugging Face or mlx-lm model directory)")
+            raise Edge0Error(
+                f"--hf-path {p}: needs config.json and *.safetensors (a Hugging Face or mlx-lm model directory)"
+            )
         try:
             config = json.loads((p / "config.json").read_text())
             tensors = {k: v for f in files for k, v in read_header(f).tensors.items()}
@@ -88,8 +90,10 @@ def read_checkpoint(src: str) -> tuple[dict, dict]:
         config = json.loads(Path(hf_hub_download(src, "config.json")).read_text())
         meta = get_safetensors_metadata(src)
     except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as e:
-        raise Edge0Error(f"--hf-path {src}: could not read its metadata from the Hugging Face Hub "
-                         f"({type(e).__name__}); check the repo id and network, or pass a local directory") from None
+        raise Edge0Error(
+            f"--hf-path {src}: could not read its metadata from the Hugging Face Hub "
+            f"({type(e).__name__}); check the repo id and network, or pass a local directory"
+        ) from None
     tensors = {k: (t.dtype, list(t.shape)) for f in meta.files_metadata.values() for k, t in f.tensors.items()}
     return config, tensors
 
@@ -101,8 +105,10 @@ def summarize(config: dict, tensors: dict, source: str) -> Checkpoint:
     experts = int(c.get("num_experts") or c.get("n_routed_experts") or c.get("num_local_experts") or 0)
     top_k = int(c.get("num_experts_per_tok") or c.get("moe_top_k") or c.get("top_k") or 0)
     if not experts or not top_k:
-        raise Edge0Error(f"--hf-path {source}: config.json has no routed experts (num_experts / num_experts_per_tok); "
-                         "edge0 runs MoE models")
+        raise Edge0Error(
+            f"--hf-path {source}: config.json has no routed experts (num_experts / num_experts_per_tok); "
+            "edge0 runs MoE models"
+        )
     routed, resident, stored, embedding, ckpt = 0, 0, 0, 0, 0
     moe_layers = set()
     tied = bool(c.get("tie_word_embeddings"))
@@ -125,20 +131,31 @@ def summarize(config: dict, tensors: dict, source: str) -> Checkpoint:
         if "embed_tokens" in name and not tied:
             embedding += mem
     if not moe_layers:
-        raise Edge0Error(f"--hf-path {source}: no routed-expert tensors in the safetensors headers (expected names "
-                         "like model.layers.N.mlp.experts.E.gate_proj.weight)")
+        raise Edge0Error(
+            f"--hf-path {source}: no routed-expert tensors in the safetensors headers (expected names "
+            "like model.layers.N.mlp.experts.E.gate_proj.weight)"
+        )
     layers = int(c.get("num_hidden_layers"))
     kv_heads = int(c.get("num_key_value_heads") or c.get("num_attention_heads"))
     head_dim = int(c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"])
     # hybrid models (linear attention) keep a KV cache only on every n-th layer
     full = layers // int(c.get("full_attention_interval") or 1)
     return Checkpoint(
-        source=source, model_type=str(config.get("model_type")), num_layers=layers, moe_layers=len(moe_layers),
-        num_experts=experts, top_k=top_k, hidden=int(c["hidden_size"]),
+        source=source,
+        model_type=str(config.get("model_type")),
+        num_layers=layers,
+        moe_layers=len(moe_layers),
+        num_experts=experts,
+        top_k=top_k,
+        hidden=int(c["hidden_size"]),
         max_context=int(c.get("max_position_embeddings") or 4096),
-        kv_bytes_per_token=2 * full * kv_heads * head_dim * 4, resident_bytes=int(resident),
-        resident_store_bytes=int(stored), untouched_bytes=int(embedding),
-        expert_bytes=int(routed / (len(moe_layers) * experts)), checkpoint_bytes=ckpt)
+        kv_bytes_per_token=2 * full * kv_heads * head_dim * 4,
+        resident_bytes=int(resident),
+        resident_store_bytes=int(stored),
+        untouched_bytes=int(embedding),
+        expert_bytes=int(routed / (len(moe_layers) * experts)),
+        checkpoint_bytes=ckpt,
+    )
 
 
 # -- probes ---------------------------------------------------------------------------------------
@@ -205,7 +222,9 @@ def forecast(ck: Checkpoint, memory: int, disk: dict, compute: dict) -> dict:
     slots = max(ck.top_k, int(share * ck.num_experts)) if fits else ck.top_k
     hit_local = _lru_hit_rate(generate, ck.num_experts, ck.top_k, slots)
     hit_uniform = min(1.0, slots / ck.num_experts)
-    touched = ck.resident_bytes - ck.untouched_bytes + ck.top_k * ck.moe_layers * ck.expert_bytes  # weights one token reads
+    touched = (
+        ck.resident_bytes - ck.untouched_bytes + ck.top_k * ck.moe_layers * ck.expert_bytes
+    )  # weights one token reads
     compute_s = touched / compute["bytes_per_s"] + ck.num_layers * compute["layer_s"]
 
     def tok_s(hit):
@@ -215,11 +234,19 @@ def forecast(ck: Checkpoint, memory: int, disk: dict, compute: dict) -> dict:
     low, high = tok_s(hit_uniform), tok_s(hit_local)
     longest = max(0, (memory - ck.resident_bytes - overhead - min_cache) // max(1, ck.kv_bytes_per_token))
     verdict = "DOES-NOT-FIT" if not fits else next(v for t, v in VERDICTS if high >= t)
-    return {"store_bytes": ck.store_bytes, "resident_bytes": ck.resident_bytes,
-            "expert_cache_bytes": cache if fits else 0, "experts_cached_per_layer": slots,
-            "hit_rate_uniform": hit_uniform, "hit_rate_local": hit_local,
-            "tok_s_low": low, "tok_s_high": high, "longest_context": int(min(longest, ck.max_context)),
-            "verdict": verdict, "memory_bytes": memory}
+    return {
+        "store_bytes": ck.store_bytes,
+        "resident_bytes": ck.resident_bytes,
+        "expert_cache_bytes": cache if fits else 0,
+        "experts_cached_per_layer": slots,
+        "hit_rate_uniform": hit_uniform,
+        "hit_rate_local": hit_local,
+        "tok_s_low": low,
+        "tok_s_high": high,
+        "longest_context": int(min(longest, ck.max_context)),
+        "verdict": verdict,
+        "memory_bytes": memory,
+    }
 
 
 def _lru_hit_rate(generate, num_experts: int, top_k: int, slots: int, steps: int = 600, layers: int = 2) -> float:

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from edge0.backend import assemble as bas
 from edge0.backend import core as B
 from edge0.backend import heads as bheads
-from edge0.backend import assemble as bas
 from edge0.errors import Edge0Error
 from edge0.prerouter.heads import DEFAULT_NAME, load_heads
 from edge0.prerouter.routes import PreRouting
@@ -24,7 +24,9 @@ def heads_path(root: Path, prerouter, spec) -> Path | None:
         auto = root / DEFAULT_NAME
         return auto if auto.is_file() and spec is not None else None
     if spec is None:
-        raise Edge0Error(f"--prerouter {prerouter}: this model is served at the universal level (no MoESpec); the pre-router needs a spec'd family")
+        raise Edge0Error(
+            f"--prerouter {prerouter}: this model is served at the universal level (no MoESpec); the pre-router needs a spec'd family"
+        )
     return Path(prerouter).expanduser()
 
 
@@ -37,7 +39,9 @@ def attach_prerouter(engine, path: Path, diagnostics: bool = False) -> PreRoutin
     consumers = {int(o): int(c) for o, c in meta["consumers"].items()}
     missing = [l for l in owners + list(consumers.values()) if l not in moe]
     if missing or set(owners) != set(consumers):
-        raise Edge0Error(f"{path}: heads name layers {missing or owners} that are not MoE layers of this model; retrain the heads")
+        raise Edge0Error(
+            f"{path}: heads name layers {missing or owners} that are not MoE layers of this model; retrain the heads"
+        )
     num_experts, dim = tensors[f"{owners[0]}.linear.weight"].shape
     hidden = tensors[f"{owners[0]}.fc1.weight"].shape[0]
     # on a pipeline stage: the heads of its owner layers, the router biases of its consumers

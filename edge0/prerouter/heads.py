@@ -36,14 +36,20 @@ def load_heads(path, manifest_sha256: str, spec_dict: dict, store) -> tuple[dict
         raise Edge0Error(f"--prerouter {path}: no such file; {_retrain(store)}")
     tensors, meta = read_sidecar(path, FORMAT, VERSION, "pre-router heads file", _retrain(store))
     try:
-        decoded = {k: json.loads(v) if k not in ("format", "version", "manifest_sha256") else v for k, v in meta.items()}
+        decoded = {
+            k: json.loads(v) if k not in ("format", "version", "manifest_sha256") else v for k, v in meta.items()
+        }
     except json.JSONDecodeError:
         raise Edge0Error(f"{path}: damaged metadata; {_retrain(store)}") from None
     if meta.get("manifest_sha256") != manifest_sha256:
-        raise Edge0Error(f"{path}: heads were trained for another model (store manifest {str(meta.get('manifest_sha256'))[:12]}, "
-                         f"this store {manifest_sha256[:12]}); {_retrain(store)}")
+        raise Edge0Error(
+            f"{path}: heads were trained for another model (store manifest {str(meta.get('manifest_sha256'))[:12]}, "
+            f"this store {manifest_sha256[:12]}); {_retrain(store)}"
+        )
     if decoded.get("spec", {}).get("num_experts") != spec_dict["num_experts"]:
-        raise Edge0Error(f"{path}: heads predict {decoded.get('spec', {}).get('num_experts')} experts, the model has {spec_dict['num_experts']}; {_retrain(store)}")
+        raise Edge0Error(
+            f"{path}: heads predict {decoded.get('spec', {}).get('num_experts')} experts, the model has {spec_dict['num_experts']}; {_retrain(store)}"
+        )
     for k, v in tensors.items():
         if not np.isfinite(v).all():
             raise Edge0Error(f"{path}: tensor {k} holds non-finite values (damaged file); {_retrain(store)}")

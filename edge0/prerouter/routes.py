@@ -21,8 +21,16 @@ class PreRouting:
     head's logits in `outgoing` for the stage exchange, and the consumer's stage routes them in
     `receive`, so the route is the same as in one process."""
 
-    def __init__(self, heads: dict, consumer: dict, biases: dict, spec, k: int, diagnostics: bool = False,
-                 remote: frozenset = frozenset()):
+    def __init__(
+        self,
+        heads: dict,
+        consumer: dict,
+        biases: dict,
+        spec,
+        k: int,
+        diagnostics: bool = False,
+        remote: frozenset = frozenset(),
+    ):
         self.heads, self.consumer, self.biases, self.remote = heads, consumer, biases, remote
         self.spec, self.k, self.diagnostics = spec, k, diagnostics
         self.parallel = False  # full-sequence forward routed as decoding would (training, eval)
@@ -66,8 +74,10 @@ class PreRouting:
         if not self.parallel or inds.shape[-2] == 1 or layer not in self.next:
             return inds, scores
         p_inds, p_scores = self.next.pop(layer)
-        return (B.concatenate([inds[..., :1, :], p_inds[..., :-1, :]], axis=-2),
-                B.concatenate([scores[..., :1, :], p_scores[..., :-1, :]], axis=-2))
+        return (
+            B.concatenate([inds[..., :1, :], p_inds[..., :-1, :]], axis=-2),
+            B.concatenate([scores[..., :1, :], p_scores[..., :-1, :]], axis=-2),
+        )
 
     def predict(self, layer: int, x) -> None:
         """Owner layer hook: predict the consumer's route for the next token."""

@@ -69,10 +69,12 @@ class PreRouterStager(StepHooks):
 
     def stats(self) -> dict:
         pr = self.pr
-        return {"prerouter": {
-            "heads": str(self.heads_path),
-            "diagnostics": pr.diagnostics,
-            "routed_by_head": dict(pr.routed_by_head),
-            "routed_by_gate": dict(pr.routed_by_gate),
-            "recall": {l: h / n for l, (h, n) in sorted(self.recall.items()) if n} if pr.diagnostics else None,
-        }}
+        return {
+            "prerouter": {
+                "heads": str(self.heads_path),
+                "diagnostics": pr.diagnostics,
+                "routed_by_head": dict(pr.routed_by_head),
+                "routed_by_gate": dict(pr.routed_by_gate),
+                "recall": {l: h / n for l, (h, n) in sorted(self.recall.items()) if n} if pr.diagnostics else None,
+            }
+        }

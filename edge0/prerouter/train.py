@@ -9,13 +9,13 @@ import time
 import numpy as np
 from tqdm import tqdm
 
+from edge0.backend import assemble as bas
 from edge0.backend import core as B
 from edge0.backend import heads as bheads
-from edge0.backend import assemble as bas
 from edge0.backend import train as bt
 from edge0.backend.routing import route
-from edge0.errors import Edge0Error
 from edge0.engine.evaluate import windows
+from edge0.errors import Edge0Error
 from edge0.prerouter.heads import save_heads
 from edge0.store.format import manifest_hash
 
@@ -70,9 +70,21 @@ def head_loss(head, x, target, topk, score_function: str, listwise: float, diver
     return divergence * div - listwise * B.take_along_axis(logp, topk, axis=-1).mean()
 
 
-def train_head(init_linear: np.ndarray, x: np.ndarray, target: np.ndarray, topk: np.ndarray, *, hidden: int,
-               steps: int, lr: float, batch: int, listwise: float, score_function: str, seed: int = 0,
-               divergence: float = 1.0):
+def train_head(
+    init_linear: np.ndarray,
+    x: np.ndarray,
+    target: np.ndarray,
+    topk: np.ndarray,
+    *,
+    hidden: int,
+    steps: int,
+    lr: float,
+    batch: int,
+    listwise: float,
+    score_function: str,
+    seed: int = 0,
+    divergence: float = 1.0,
+):
     """Fit one head (see head_loss) with Adam on a cosine schedule. x [N, D], target [N, E] router
     probabilities (softmax) or per-expert sigmoid scores, topk [N, K] indices. Returns (head, losses)."""
     B.seed(seed)
@@ -102,18 +114,36 @@ def recall(pred: np.ndarray, true: np.ndarray) -> float:
     return float(np.mean([len(set(p) & set(t)) / len(t) for p, t in zip(pred.tolist(), true.tolist())]))
 
 
-def train(engine, text: str, *, data_name: str, window: int = 256, max_tokens: int = 60000, holdout: float = 0.1,
-          hidden: int = 64, steps: int = 600, lr: float = 2e-3, batch: int = 512, listwise: float = 0.5,
-          start: int | None = None, seed: int = 0, progress: bool = True):
+def train(
+    engine,
+    text: str,
+    *,
+    data_name: str,
+    window: int = 256,
+    max_tokens: int = 60000,
+    holdout: float = 0.1,
+    hidden: int = 64,
+    steps: int = 600,
+    lr: float = 2e-3,
+    batch: int = 512,
+    listwise: float = 0.5,
+    start: int | None = None,
+    seed: int = 0,
+    progress: bool = True,
+):
     """Train heads for every owner layer. Returns (tensors, metadata, report)."""
     if engine.spec is None:
-        raise Edge0Error(f"{engine.root}: the pre-router needs a spec'd family (this model is served at the universal level)")
+        raise Edge0Error(
+            f"{engine.root}: the pre-router needs a spec'd family (this model is served at the universal level)"
+        )
     t0 = time.perf_counter()
     # Tokenize only what is used (about 8 characters per token is a safe upper bound).
     tokens = engine.encode(text[: max_tokens * 8])[:max_tokens]
     traces = collect(engine, tokens, window, progress)
     if len(traces) < 2:
-        raise Edge0Error(f"--data: too little text ({len(tokens)} tokens) for {window}-token windows with a held-out part; give more text")
+        raise Edge0Error(
+            f"--data: too little text ({len(tokens)} tokens) for {window}-token windows with a held-out part; give more text"
+        )
     n_val = max(1, int(len(traces) * holdout))
     train_tr, val_tr = traces[:-n_val], traces[-n_val:]
     blocks = dict(bas.moe_blocks(engine.model))
@@ -125,9 +155,19 @@ def train(engine, text: str, *, data_name: str, window: int = 256, max_tokens: i
     for owner, consumer in tqdm(owners.items(), desc="train", unit="head", disable=not progress):
         x, inds, probs = pairs(train_tr, owner, consumer)
         init = B.to_numpy(blocks[consumer].router_weight())
-        head, losses = train_head(init, x, probs, inds, hidden=hidden, steps=steps, lr=lr, batch=batch,
-                                      listwise=listwise, score_function=spec.routing.score_function
-                                      if spec.routing.kind == "grouped" else "softmax", seed=seed + owner)
+        head, losses = train_head(
+            init,
+            x,
+            probs,
+            inds,
+            hidden=hidden,
+            steps=steps,
+            lr=lr,
+            batch=batch,
+            listwise=listwise,
+            score_function=spec.routing.score_function if spec.routing.kind == "grouped" else "softmax",
+            seed=seed + owner,
+        )
         vx, vinds, vprobs = pairs(val_tr, owner, consumer)
         bias = blocks[consumer].router_bias()
         untrained = bheads.new_head(init, hidden)
@@ -150,10 +190,19 @@ def train(engine, text: str, *, data_name: str, window: int = 256, max_tokens: i
         "owners": list(owners),
         "consumers": {str(o): c for o, c in owners.items()},
         "provenance": {
-            "data": data_name, "tokens": len(tokens), "window": window, "holdout_windows": n_val,
-            "hidden": hidden, "steps": steps, "lr": lr, "batch": batch, "listwise_weight": listwise,
-            "loss": "KL(router || head) + listwise x CE(true top-k)", "seed": seed,
-            "date": datetime.date.today().isoformat(), "seconds": round(time.perf_counter() - t0, 1),
+            "data": data_name,
+            "tokens": len(tokens),
+            "window": window,
+            "holdout_windows": n_val,
+            "hidden": hidden,
+            "steps": steps,
+            "lr": lr,
+            "batch": batch,
+            "listwise_weight": listwise,
+            "loss": "KL(router || head) + listwise x CE(true top-k)",
+            "seed": seed,
+            "date": datetime.date.today().isoformat(),
+            "seconds": round(time.perf_counter() - t0, 1),
             "validation": report,
         },
     }

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from edge0.store.bundled import resolve_model
 from edge0.distributed.setup import connect, join, ready, stage_planner
 from edge0.engine import Engine, open_engine
 from edge0.lora.attach import attach_lora, store_adapter
 from edge0.options import LoadOptions
 from edge0.prerouter.attach import attach_prerouter, heads_path
+from edge0.store.bundled import resolve_model
 
 
 def load_engine(path, options: LoadOptions) -> Engine:

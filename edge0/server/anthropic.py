@@ -83,16 +83,22 @@ class MessagesRequest(Strict):
         """The conversation as chat-template messages (OpenAI's shape, which templates take)."""
         out = []
         if self.system:
-            out.append({"role": "system", "content": self.system if isinstance(self.system, str)
-                        else join_text(self.system)})
+            out.append(
+                {"role": "system", "content": self.system if isinstance(self.system, str) else join_text(self.system)}
+            )
         for i, m in enumerate(self.messages):
             blocks = [TextBlock(type="text", text=m.content)] if isinstance(m.content, str) else m.content
             texts = [b for b in blocks if b.type == "text"]
             uses = [b for b in blocks if b.type == "tool_use"]
             results = [b for b in blocks if b.type == "tool_result"]
             if (uses and m.role == "user") or (results and m.role == "assistant"):
-                raise APIError(400, f"messages.{i}: tool_use blocks belong in assistant messages and "
-                               "tool_result blocks in user messages", f"messages.{i}.content", "invalid_value")
+                raise APIError(
+                    400,
+                    f"messages.{i}: tool_use blocks belong in assistant messages and "
+                    "tool_result blocks in user messages",
+                    f"messages.{i}.content",
+                    "invalid_value",
+                )
             if m.role == "user":
                 out += [{"role": "tool", "tool_call_id": r.tool_use_id, "content": r.text()} for r in results]
                 if texts or not results:
@@ -100,18 +106,30 @@ class MessagesRequest(Strict):
             else:
                 message = {"role": "assistant", "content": join_text(texts)}
                 if uses:
-                    message["tool_calls"] = [{"id": u.id, "type": "function",
-                                              "function": {"name": u.name, "arguments": u.input}} for u in uses]
+                    message["tool_calls"] = [
+                        {"id": u.id, "type": "function", "function": {"name": u.name, "arguments": u.input}}
+                        for u in uses
+                    ]
                 out.append(message)
         if self.messages[-1].role == "assistant":
-            raise APIError(400, "The last message must be a user message: continuing a partial assistant reply "
-                           "(prefill) is not supported", "messages", "unsupported_value")
+            raise APIError(
+                400,
+                "The last message must be a user message: continuing a partial assistant reply "
+                "(prefill) is not supported",
+                "messages",
+                "unsupported_value",
+            )
         return out
 
     def tool_dicts(self) -> list[dict] | None:
         """Anthropic tools as the chat template takes them (OpenAI function tools)."""
-        return [{"type": "function", "function": {"name": t.name, "description": t.description or "",
-                                                  "parameters": t.input_schema}} for t in self.tools or []] or None
+        return [
+            {
+                "type": "function",
+                "function": {"name": t.name, "description": t.description or "", "parameters": t.input_schema},
+            }
+            for t in self.tools or []
+        ] or None
 
     def tool_mode(self):
         kind = self.tool_choice.type if self.tool_choice else "auto"
@@ -123,18 +141,29 @@ async def create_message(body: MessagesRequest, request: Request):
     """Anthropic Messages: chat with the tokenizer's template; SSE when `stream` is true."""
     check_model(request, body.model)
     if body.top_k is not None:
-        raise APIError(400, "top_k is not supported: the engine samples with temperature and top_p; omit top_k",
-                       "top_k", "unsupported_value")
-    params = sampling_params(request, body.max_tokens, "max_tokens", body.temperature, body.top_p,
-                             stop=body.stop_sequences)
-    prompt = Prompt("messages", body.template_messages(), chosen_tools(body.tool_dicts(), body.tool_mode(), "tool_choice"))
+        raise APIError(
+            400,
+            "top_k is not supported: the engine samples with temperature and top_p; omit top_k",
+            "top_k",
+            "unsupported_value",
+        )
+    params = sampling_params(
+        request, body.max_tokens, "max_tokens", body.temperature, body.top_p, stop=body.stop_sequences
+    )
+    prompt = Prompt(
+        "messages", body.template_messages(), chosen_tools(body.tool_dicts(), body.tool_mode(), "tool_choice")
+    )
     return await respond(request, MessageFormat(request.app.state.engine.model_id), prompt, params, body.stream)
 
 
 def _usage(usage: Usage) -> dict:
     # Anthropic counts cache reads apart: input_tokens are the prompt tokens that were prefilled.
-    return {"input_tokens": usage.prompt_tokens - usage.cached_tokens, "output_tokens": usage.completion_tokens,
-            "cache_read_input_tokens": usage.cached_tokens, "cache_creation_input_tokens": 0}
+    return {
+        "input_tokens": usage.prompt_tokens - usage.cached_tokens,
+        "output_tokens": usage.completion_tokens,
+        "cache_read_input_tokens": usage.cached_tokens,
+        "cache_creation_input_tokens": 0,
+    }
 
 
 def _stop_reason(finish: Finish) -> str:
@@ -159,9 +188,16 @@ class MessageFormat:
         self._text_open = False
 
     def _message(self, finish: Finish | None, usage: dict) -> dict:
-        return {"id": self.id, "type": "message", "role": "assistant", "model": self.model,
-                "content": self.content if finish else [], "stop_reason": finish and _stop_reason(finish),
-                "stop_sequence": finish and finish.stop_sequence, "usage": usage}
+        return {
+            "id": self.id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.model,
+            "content": self.content if finish else [],
+            "stop_reason": finish and _stop_reason(finish),
+            "stop_sequence": finish and finish.stop_sequence,
+            "usage": usage,
+        }
 
     def stream_start(self, prompt_tokens: int):
         # The cache hit is known only once generation starts: message_delta's usage is final.
@@ -172,18 +208,28 @@ class MessageFormat:
             if not self._text_open:
                 self._text_open = True
                 self.content.append({"type": "text", "text": ""})
-                yield _event("content_block_start", index=len(self.content) - 1, content_block={"type": "text", "text": ""})
+                yield _event(
+                    "content_block_start", index=len(self.content) - 1, content_block={"type": "text", "text": ""}
+                )
             self.content[-1]["text"] += segment
-            yield _event("content_block_delta", index=len(self.content) - 1, delta={"type": "text_delta", "text": segment})
+            yield _event(
+                "content_block_delta", index=len(self.content) - 1, delta={"type": "text_delta", "text": segment}
+            )
             return
         yield from self._close_text()
         fn = segment["function"]
-        block = {"type": "tool_use", "id": "toolu_" + segment["id"].removeprefix("call_"), "name": fn["name"],
-                 "input": json.loads(fn["arguments"])}
+        block = {
+            "type": "tool_use",
+            "id": "toolu_" + segment["id"].removeprefix("call_"),
+            "name": fn["name"],
+            "input": json.loads(fn["arguments"]),
+        }
         self.content.append(block)
         index = len(self.content) - 1
         yield _event("content_block_start", index=index, content_block={**block, "input": {}})
-        yield _event("content_block_delta", index=index, delta={"type": "input_json_delta", "partial_json": fn["arguments"]})
+        yield _event(
+            "content_block_delta", index=index, delta={"type": "input_json_delta", "partial_json": fn["arguments"]}
+        )
         yield _event("content_block_stop", index=index)
 
     def _close_text(self):
@@ -193,8 +239,11 @@ class MessageFormat:
 
     def stream_end(self, finish: Finish):
         yield from self._close_text()
-        yield _event("message_delta", delta={"stop_reason": _stop_reason(finish), "stop_sequence": finish.stop_sequence},
-                     usage=_usage(finish.usage))
+        yield _event(
+            "message_delta",
+            delta={"stop_reason": _stop_reason(finish), "stop_sequence": finish.stop_sequence},
+            usage=_usage(finish.usage),
+        )
         yield _event("message_stop")
 
     def stream_error(self, error: APIError) -> str:

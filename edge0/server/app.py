@@ -12,6 +12,7 @@ from contextlib import asynccontextmanager
 import uvicorn
 from fastapi import FastAPI
 
+from edge0.backend.memory import available as memory_available
 from edge0.server import anthropic, responses_api
 from edge0.server.config import ServerConfig
 from edge0.server.errors import install_error_handlers
@@ -19,7 +20,6 @@ from edge0.server.memory import MemoryWatcher
 from edge0.server.middleware import Guard
 from edge0.server.routes import router
 from edge0.server.scheduler import Scheduler
-from edge0.backend.memory import available as memory_available
 
 log = logging.getLogger("edge0.server")
 
@@ -34,7 +34,9 @@ def create_app(engine, config: ServerConfig | None = None, read_memory=memory_av
     scheduler.between.append(engine.persist_prompt_cache)
     watcher = None
     if config.memory_low and not engine.expert_cache()["slots_per_layer"]:
-        log.warning("--memory-low: the expert cache has no slots to shrink (--decode-executor exact); not watching memory")
+        log.warning(
+            "--memory-low: the expert cache has no slots to shrink (--decode-executor exact); not watching memory"
+        )
     elif config.memory_low:
         watcher = MemoryWatcher(engine, config.memory_low, config.memory_poll_s, read_memory)
         scheduler.between.append(watcher.apply)
@@ -49,8 +51,9 @@ def create_app(engine, config: ServerConfig | None = None, read_memory=memory_av
             watcher.stop()
         scheduler.shutdown()
 
-    app = FastAPI(title="edge0", summary="OpenAI- and Anthropic-compatible server for an edge0 MoE engine",
-                  lifespan=lifespan)
+    app = FastAPI(
+        title="edge0", summary="OpenAI- and Anthropic-compatible server for an edge0 MoE engine", lifespan=lifespan
+    )
     app.state.engine, app.state.config, app.state.scheduler, app.state.memory = engine, config, scheduler, watcher
     app.state.started = int(time.time())
     # The longest vocabulary entry bounds the characters one token can hold (pipeline.respond).
@@ -75,8 +78,9 @@ class _Server(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def run(app: FastAPI, host: str = "127.0.0.1", port: int = 8080, log_level: str = "info",
-        sock: socket.socket | None = None) -> None:
+def run(
+    app: FastAPI, host: str = "127.0.0.1", port: int = 8080, log_level: str = "info", sock: socket.socket | None = None
+) -> None:
     """Serve `app` until SIGTERM / SIGINT (on `sock` if given, else host:port)."""
     server = _Server(uvicorn.Config(app, host=host, port=port, log_level=log_level), app.state.scheduler)
     server.run(sockets=[sock] if sock else None)

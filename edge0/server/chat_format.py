@@ -12,9 +12,12 @@ from edge0.server.tools import Segment
 
 
 def openai_usage(usage: Usage) -> dict:
-    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
-            "total_tokens": usage.prompt_tokens + usage.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+    }
 
 
 class _OpenAIStream:
@@ -71,9 +74,13 @@ class ChatFormat(_OpenAIStream):
         message = {"role": "assistant", "content": text or (None if calls else "")}
         if calls:
             message["tool_calls"] = calls
-        return {**self._object(choices=[{"index": 0, "message": message, "finish_reason": finish.reason,
-                                         "logprobs": None}], usage=openai_usage(finish.usage)),
-                "object": "chat.completion"}
+        return {
+            **self._object(
+                choices=[{"index": 0, "message": message, "finish_reason": finish.reason, "logprobs": None}],
+                usage=openai_usage(finish.usage),
+            ),
+            "object": "chat.completion",
+        }
 
 
 class CompletionFormat(_OpenAIStream):

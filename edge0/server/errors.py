@@ -18,8 +18,14 @@ log = logging.getLogger("edge0.server")
 
 ANTHROPIC_PREFIX = "/v1/messages"
 _OPENAI_TYPES = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error"}
-_ANTHROPIC_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
-                    413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
+_ANTHROPIC_TYPES = {
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
 
 
 class APIError(Exception):
@@ -64,8 +70,9 @@ def _validation_message(errors: list[dict]) -> tuple[str, str | None]:
         n = next((i for i, (a, b) in enumerate(zip(common, loc)) if a != b), min(len(common), len(loc)))
         common = common[:n]
     param = ".".join(common) or None
-    msgs = list(dict.fromkeys(f"'{'.'.join(l)}': {e['msg']}" if l and not param else e["msg"]
-                              for e, l in zip(errors, locs)))
+    msgs = list(
+        dict.fromkeys(f"'{'.'.join(l)}': {e['msg']}" if l and not param else e["msg"] for e, l in zip(errors, locs))
+    )
     where = f"'{param}'" if param else "the request body"
     return f"Invalid value for {where}: {'; '.join(msgs[:4])}", param
 
@@ -80,13 +87,15 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
         message, param = _validation_message(list(exc.errors()))
-        return error_response(request.url.path, APIError(400, message, param,
-                                                         "invalid_value" if param else "invalid_request"))
+        return error_response(
+            request.url.path, APIError(400, message, param, "invalid_value" if param else "invalid_request")
+        )
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
-        return error_response(request.url.path, APIError(exc.status_code, str(exc.detail)),
-                              headers=getattr(exc, "headers", None))
+        return error_response(
+            request.url.path, APIError(exc.status_code, str(exc.detail)), headers=getattr(exc, "headers", None)
+        )
 
     @app.exception_handler(Exception)
     async def _crash(request: Request, exc: Exception):

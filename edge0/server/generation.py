@@ -39,8 +39,9 @@ class Finish:
     stop_sequence: str | None = None  # the stop string that ended it (reason "stop", not an EOS token)
 
 
-def generation_events(engine, prompt: list[int], params: Params, tools: list[dict] | None,
-                      cancelled: threading.Event) -> Generator[Union[Segment, Finish], None, None]:
+def generation_events(
+    engine, prompt: list[int], params: Params, tools: list[dict] | None, cancelled: threading.Event
+) -> Generator[Union[Segment, Finish], None, None]:
     """Yield content strings and tool calls as they are decided, then one Finish.
 
     Returns without a Finish once `cancelled` is set; the engine checks it between prefill
@@ -48,9 +49,16 @@ def generation_events(engine, prompt: list[int], params: Params, tools: list[dic
     """
     splitter = ToolCallSplitter(engine.tokenizer, tools) if tools else None
     # reuse_cache: the engine keeps the KV of the longest prefix shared with the previous request.
-    steps = engine.stream_generate(prompt, max_tokens=params.max_tokens, temperature=params.temperature,
-                                   top_p=params.top_p, seed=params.seed, stop=params.stop or None,
-                                   reuse_cache=True, should_stop=cancelled.is_set)
+    steps = engine.stream_generate(
+        prompt,
+        max_tokens=params.max_tokens,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        seed=params.seed,
+        stop=params.stop or None,
+        reuse_cache=True,
+        should_stop=cancelled.is_set,
+    )
     n_tokens, step = 0, None
     try:
         for step in steps:

@@ -33,8 +33,9 @@ def default_memory_low(available: int) -> int:
 class MemoryWatcher:
     """Resizes `engine`'s expert cache from readings of `read()` -> (bytes available, source)."""
 
-    def __init__(self, engine, low: int, poll_s: float = DEFAULT_POLL_S,
-                 read: Callable[[], tuple[int, str]] = memory_available):
+    def __init__(
+        self, engine, low: int, poll_s: float = DEFAULT_POLL_S, read: Callable[[], tuple[int, str]] = memory_available
+    ):
         self.engine, self.low, self.poll_s, self.read = engine, low, poll_s, read
         self.slot_bytes = engine.expert_cache()["slot_bytes"]
         # A shrink aims for `high` available and a grow must leave `high`: the gap (a quarter of
@@ -69,8 +70,13 @@ class MemoryWatcher:
         if available < self.low and n == info["min_slots"]:
             self.low_at_floor += 1
             if self.low_at_floor == 1:
-                log.warning("memory low (%s available, --memory-low %s) and the expert cache is at its floor "
-                            "(%d slots per layer: one route)", format_size(available), format_size(self.low), n)
+                log.warning(
+                    "memory low (%s available, --memory-low %s) and the expert cache is at its floor "
+                    "(%d slots per layer: one route)",
+                    format_size(available),
+                    format_size(self.low),
+                    n,
+                )
         if not due:
             return
         want = self.target(available)
@@ -79,11 +85,18 @@ class MemoryWatcher:
             self.shrinks += 1
         else:
             self.grows += 1
-        log.info("memory %s available (%s): expert cache %d -> %d slots per layer (%s)", format_size(available),
-                 self.reading["source"], n, want, format_size(self.engine.expert_cache()["budget_bytes"]))
+        log.info(
+            "memory %s available (%s): expert cache %d -> %d slots per layer (%s)",
+            format_size(available),
+            self.reading["source"],
+            n,
+            want,
+            format_size(self.engine.expert_cache()["budget_bytes"]),
+        )
 
     def start(self, run_between: Callable[[Callable[[], None]], None]) -> None:
         """Poll in a daemon thread; hand `apply` to `run_between` (the engine thread) when due."""
+
         def loop():
             while not self._stop.wait(self.poll_s):
                 try:
@@ -101,8 +114,16 @@ class MemoryWatcher:
     def stats(self) -> dict:
         """Thresholds, the cache's size now, resizes so far, and the last reading."""
         info = self.engine.expert_cache()
-        return {"low_bytes": self.low, "high_bytes": self.high, "poll_s": self.poll_s,
-                "budget_bytes": info["budget_bytes"], "slots_per_layer": info["slots_per_layer"],
-                "min_slots": info["min_slots"], "configured_slots": info["configured_slots"],
-                "shrinks": self.shrinks, "grows": self.grows, "low_at_floor": self.low_at_floor,
-                "last_reading": self.reading}
+        return {
+            "low_bytes": self.low,
+            "high_bytes": self.high,
+            "poll_s": self.poll_s,
+            "budget_bytes": info["budget_bytes"],
+            "slots_per_layer": info["slots_per_layer"],
+            "min_slots": info["min_slots"],
+            "configured_slots": info["configured_slots"],
+            "shrinks": self.shrinks,
+            "grows": self.grows,
+            "low_at_floor": self.low_at_floor,
+            "last_reading": self.reading,
+        }

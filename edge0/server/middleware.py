@@ -27,8 +27,11 @@ class Guard:
         path = scope["path"]
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         if self.api_key and path.startswith("/v1") and not self._authorized(headers):
-            error = APIError(401, "Missing or invalid API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
-                             code="invalid_api_key")
+            error = APIError(
+                401,
+                "Missing or invalid API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
+                code="invalid_api_key",
+            )
             return await error_response(path, error, {"WWW-Authenticate": "Bearer"})(scope, receive, send)
         declared = headers.get("content-length", "")
         if declared.isdigit() and int(declared) > self.max_body_bytes:
@@ -57,6 +60,7 @@ class Guard:
         return hmac.compare_digest(headers.get("x-api-key", "").strip().encode(), self.api_key.encode())
 
     async def _too_large(self, scope, receive, send):
-        error = APIError(413, f"Request body is larger than {self.max_body_bytes} bytes (--max-body-bytes)",
-                         code="request_too_large")
+        error = APIError(
+            413, f"Request body is larger than {self.max_body_bytes} bytes (--max-body-bytes)", code="request_too_large"
+        )
         await error_response(scope["path"], error)(scope, receive, send)

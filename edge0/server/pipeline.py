@@ -58,20 +58,37 @@ class Prompt:
 def check_model(request: Request, model: str | None) -> None:
     served = request.app.state.engine.model_id
     if model is not None and model != served:
-        raise APIError(404, f"The model '{model}' does not exist; this server serves '{served}'",
-                       "model", "model_not_found")
+        raise APIError(
+            404, f"The model '{model}' does not exist; this server serves '{served}'", "model", "model_not_found"
+        )
 
 
-def sampling_params(request: Request, max_tokens: int | None, max_tokens_field: str, temperature: float | None,
-                    top_p: float | None, seed: int | None = None, stop: list[str] | None = None) -> Params:
+def sampling_params(
+    request: Request,
+    max_tokens: int | None,
+    max_tokens_field: str,
+    temperature: float | None,
+    top_p: float | None,
+    seed: int | None = None,
+    stop: list[str] | None = None,
+) -> Params:
     """Params with the APIs' common defaults (temperature 1, top_p 1) and the --max-tokens limit."""
     config = request.app.state.config
     max_tokens = max_tokens or config.default_max_tokens
     if max_tokens > config.max_tokens:
-        raise APIError(400, f"{max_tokens_field} is {max_tokens}, above this server's limit of {config.max_tokens} "
-                       "(--max-tokens)", max_tokens_field, "max_tokens_exceeded")
-    return Params(max_tokens, 1.0 if temperature is None else temperature, 1.0 if top_p is None else top_p,
-                  seed, [s for s in stop or [] if s])
+        raise APIError(
+            400,
+            f"{max_tokens_field} is {max_tokens}, above this server's limit of {config.max_tokens} (--max-tokens)",
+            max_tokens_field,
+            "max_tokens_exceeded",
+        )
+    return Params(
+        max_tokens,
+        1.0 if temperature is None else temperature,
+        1.0 if top_p is None else top_p,
+        seed,
+        [s for s in stop or [] if s],
+    )
 
 
 ToolChoice = Literal["auto", "none", "forced"]
@@ -81,8 +98,9 @@ def chosen_tools(tools: list[dict] | None, choice: ToolChoice, param: str) -> li
     """The tools to render: none for "none". Forcing a call is refused: the engine cannot make
     the model call a tool."""
     if choice == "forced":
-        raise APIError(400, "Forcing a tool call is not supported; use automatic tool choice", param,
-                       "unsupported_value")
+        raise APIError(
+            400, "Forcing a tool call is not supported; use automatic tool choice", param, "unsupported_value"
+        )
     return tools if choice == "auto" else None
 
 
@@ -103,26 +121,47 @@ async def respond(request: Request, fmt: Format, prompt: Prompt, params: Params,
     state = request.app.state
     engine, config = state.engine, state.config
     if prompt.messages is not None and len(prompt.messages) > config.max_messages:
-        raise APIError(400, f"{len(prompt.messages)} messages is above this server's limit of "
-                       f"{config.max_messages} (--max-messages)", prompt.param, "too_many_messages")
+        raise APIError(
+            400,
+            f"{len(prompt.messages)} messages is above this server's limit of {config.max_messages} (--max-messages)",
+            prompt.param,
+            "too_many_messages",
+        )
     if prompt.tools and not engine.tokenizer.has_tool_calling:
         raise APIError(400, "This model's tokenizer declares no tool-call format", "tools", "tools_unsupported")
     # No token is longer than the longest vocabulary entry, so more characters than this cannot
     # fit in the token limit: refuse them before paying for the template and the tokenizer.
-    chars, most = _text_chars([prompt.messages, prompt.tools, prompt.text]), config.max_prompt_tokens * state.token_chars
+    chars, most = (
+        _text_chars([prompt.messages, prompt.tools, prompt.text]),
+        config.max_prompt_tokens * state.token_chars,
+    )
     if chars > most:
-        raise APIError(400, f"The prompt is {chars} characters, more than this server's limit of "
-                       f"{config.max_prompt_tokens} tokens (--max-prompt-tokens) can hold (tokens of this model "
-                       f"are at most {state.token_chars} characters)", prompt.param, "context_length_exceeded")
+        raise APIError(
+            400,
+            f"The prompt is {chars} characters, more than this server's limit of "
+            f"{config.max_prompt_tokens} tokens (--max-prompt-tokens) can hold (tokens of this model "
+            f"are at most {state.token_chars} characters)",
+            prompt.param,
+            "context_length_exceeded",
+        )
     tokens = await run_in_threadpool(_tokenize, engine, prompt)
     if len(tokens) > config.max_prompt_tokens:
-        raise APIError(400, f"The prompt is {len(tokens)} tokens, above this server's limit of "
-                       f"{config.max_prompt_tokens} (--max-prompt-tokens)", prompt.param, "context_length_exceeded")
+        raise APIError(
+            400,
+            f"The prompt is {len(tokens)} tokens, above this server's limit of "
+            f"{config.max_prompt_tokens} (--max-prompt-tokens)",
+            prompt.param,
+            "context_length_exceeded",
+        )
     job = state.scheduler.submit(partial(generation_events, engine, tokens, params, prompt.tools))
     if stream:
         # The background task also covers a client that leaves before the stream starts.
-        return StreamingResponse(_stream(job, fmt, len(tokens)), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"}, background=BackgroundTask(job.cancel))
+        return StreamingResponse(
+            _stream(job, fmt, len(tokens)),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache"},
+            background=BackgroundTask(job.cancel),
+        )
     return JSONResponse(await _collect(request, job, fmt))
 
 

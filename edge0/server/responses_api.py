@@ -54,8 +54,14 @@ def _item_type(item) -> str:
     return item.get("type", "message") if isinstance(item, dict) else item.type
 
 
-InputItem = Annotated[Union[Annotated[MessageItem, Tag("message")], Annotated[FunctionCallItem, Tag("function_call")],
-                            Annotated[FunctionCallOutputItem, Tag("function_call_output")]], Discriminator(_item_type)]
+InputItem = Annotated[
+    Union[
+        Annotated[MessageItem, Tag("message")],
+        Annotated[FunctionCallItem, Tag("function_call")],
+        Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+    ],
+    Discriminator(_item_type),
+]
 
 
 class FunctionTool(Strict):
@@ -96,12 +102,14 @@ class ResponsesRequest(Strict):
                 try:
                     args = json.loads(item.arguments) if item.arguments.strip() else {}
                 except json.JSONDecodeError as e:
-                    raise APIError(400, f"function_call arguments are not valid JSON: {e}", f"input.{i}.arguments",
-                                   "invalid_value") from None
+                    raise APIError(
+                        400, f"function_call arguments are not valid JSON: {e}", f"input.{i}.arguments", "invalid_value"
+                    ) from None
                 if not (out and out[-1]["role"] == "assistant"):
                     out.append({"role": "assistant", "content": ""})
                 out[-1].setdefault("tool_calls", []).append(
-                    {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": args}})
+                    {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": args}}
+                )
             else:
                 output = item.output if isinstance(item.output, str) else join_text(item.output)
                 out.append({"role": "tool", "tool_call_id": item.call_id, "content": output})
@@ -109,8 +117,10 @@ class ResponsesRequest(Strict):
 
     def tool_dicts(self) -> list[dict] | None:
         """Function tools as the chat template takes them (Chat Completions' shape)."""
-        return [{"type": "function", "function": t.model_dump(exclude_none=True, exclude={"type", "strict"})}
-                for t in self.tools or []] or None
+        return [
+            {"type": "function", "function": t.model_dump(exclude_none=True, exclude={"type", "strict"})}
+            for t in self.tools or []
+        ] or None
 
     def tool_mode(self):
         return "auto" if self.tool_choice in (None, "auto") else "none" if self.tool_choice == "none" else "forced"
@@ -121,17 +131,26 @@ async def create_response(body: ResponsesRequest, request: Request):
     """OpenAI Responses: chat with the tokenizer's template; SSE when `stream` is true."""
     check_model(request, body.model)
     if body.previous_response_id is not None:
-        raise APIError(400, "previous_response_id is not supported: this server stores no responses; send the "
-                       "whole conversation in 'input'", "previous_response_id", "unsupported_value")
+        raise APIError(
+            400,
+            "previous_response_id is not supported: this server stores no responses; send the "
+            "whole conversation in 'input'",
+            "previous_response_id",
+            "unsupported_value",
+        )
     params = sampling_params(request, body.max_output_tokens, "max_output_tokens", body.temperature, body.top_p)
     prompt = Prompt("input", body.template_messages(), chosen_tools(body.tool_dicts(), body.tool_mode(), "tool_choice"))
     return await respond(request, ResponseFormat(request.app.state.engine.model_id, body), prompt, params, body.stream)
 
 
 def _usage(usage: Usage) -> dict:
-    return {"input_tokens": usage.prompt_tokens, "input_tokens_details": {"cached_tokens": usage.cached_tokens},
-            "output_tokens": usage.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": usage.prompt_tokens + usage.completion_tokens}
+    return {
+        "input_tokens": usage.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": usage.cached_tokens},
+        "output_tokens": usage.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+    }
 
 
 class ResponseFormat:
@@ -140,11 +159,16 @@ class ResponseFormat:
 
     def __init__(self, model: str, request: ResponsesRequest):
         self.id, self.created, self.model = f"resp_{uuid.uuid4().hex}", int(time.time()), model
-        self.echo = {"instructions": request.instructions, "max_output_tokens": request.max_output_tokens,
-                     "temperature": request.temperature, "top_p": request.top_p,
-                     "tools": [t.model_dump(exclude_none=True) for t in request.tools or []],
-                     "tool_choice": request.tool_choice.model_dump() if isinstance(request.tool_choice, NamedFunction)
-                     else request.tool_choice or "auto"}
+        self.echo = {
+            "instructions": request.instructions,
+            "max_output_tokens": request.max_output_tokens,
+            "temperature": request.temperature,
+            "top_p": request.top_p,
+            "tools": [t.model_dump(exclude_none=True) for t in request.tools or []],
+            "tool_choice": request.tool_choice.model_dump()
+            if isinstance(request.tool_choice, NamedFunction)
+            else request.tool_choice or "auto",
+        }
         self.output: list[dict] = []
         self._message: dict | None = None  # the message item receiving text, while open
         self._message_index = 0
@@ -155,11 +179,23 @@ class ResponseFormat:
         max_output_tokens cut it."""
         status = "in_progress" if finish is None else "incomplete" if finish.reason == "length" else "completed"
         incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
-        return {"id": self.id, "object": "response", "created_at": self.created, "status": status,
-                "model": self.model, "output": self.output if finish else [], "error": None,
-                "incomplete_details": incomplete, "parallel_tool_calls": True, "metadata": {}, "store": False,
-                "text": {"format": {"type": "text"}}, "truncation": "disabled",
-                "usage": _usage(finish.usage) if finish else None, **self.echo}
+        return {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created,
+            "status": status,
+            "model": self.model,
+            "output": self.output if finish else [],
+            "error": None,
+            "incomplete_details": incomplete,
+            "parallel_tool_calls": True,
+            "metadata": {},
+            "store": False,
+            "text": {"format": {"type": "text"}},
+            "truncation": "disabled",
+            "usage": _usage(finish.usage) if finish else None,
+            **self.echo,
+        }
 
     def _event(self, kind: str, **fields) -> str:
         # Serialized now, so the items mutated later (text appended, status) show as they are now.
@@ -173,8 +209,13 @@ class ResponseFormat:
     def stream_delta(self, segment: Segment):
         if isinstance(segment, str):
             if self._message is None:
-                self._message = {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "status": "in_progress",
-                                 "role": "assistant", "content": []}
+                self._message = {
+                    "id": f"msg_{uuid.uuid4().hex}",
+                    "type": "message",
+                    "status": "in_progress",
+                    "role": "assistant",
+                    "content": [],
+                }
                 self.output.append(self._message)
                 self._message_index = len(self.output) - 1
                 yield self._event("response.output_item.added", output_index=self._message_index, item=self._message)
@@ -185,16 +226,28 @@ class ResponseFormat:
             return
         yield from self._close_message()
         fn = segment["function"]
-        item = {"id": f"fc_{uuid.uuid4().hex}", "type": "function_call", "status": "in_progress",
-                "call_id": segment["id"], "name": fn["name"], "arguments": ""}
+        item = {
+            "id": f"fc_{uuid.uuid4().hex}",
+            "type": "function_call",
+            "status": "in_progress",
+            "call_id": segment["id"],
+            "name": fn["name"],
+            "arguments": "",
+        }
         self.output.append(item)
         index = len(self.output) - 1
         yield self._event("response.output_item.added", output_index=index, item=item)
         item.update(arguments=fn["arguments"], status="completed")
-        yield self._event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
-                          delta=fn["arguments"])
-        yield self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                          name=fn["name"], arguments=fn["arguments"])
+        yield self._event(
+            "response.function_call_arguments.delta", item_id=item["id"], output_index=index, delta=fn["arguments"]
+        )
+        yield self._event(
+            "response.function_call_arguments.done",
+            item_id=item["id"],
+            output_index=index,
+            name=fn["name"],
+            arguments=fn["arguments"],
+        )
         yield self._event("response.output_item.done", output_index=index, item=item)
 
     def _where(self) -> dict:

@@ -15,8 +15,11 @@ router = APIRouter()
 async def health(request: Request) -> dict:
     """Liveness, the loaded model, and how many requests are running or waiting."""
     state = request.app.state
-    return {"status": "stopping" if state.scheduler.stopping else "ok", "model": state.engine.model_id,
-            "requests_in_flight": state.scheduler.admitted}
+    return {
+        "status": "stopping" if state.scheduler.stopping else "ok",
+        "model": state.engine.model_id,
+        "requests_in_flight": state.scheduler.admitted,
+    }
 
 
 @router.get("/v1/models", response_model=ModelList)
@@ -35,21 +38,34 @@ async def stats(request: Request) -> dict:
     """Cumulative engine and expert-cache statistics, the server's request counters, and the
     memory watcher's (None when --memory-low is off)."""
     state = request.app.state
-    return {"model": state.engine.model_id, "engine": state.engine.stats(),
-            "server": {"requests_in_flight": state.scheduler.admitted, **state.scheduler.counters,
-                       "between_errors": state.scheduler.between_errors},
-            "memory": state.memory.stats() if state.memory else None}
+    return {
+        "model": state.engine.model_id,
+        "engine": state.engine.stats(),
+        "server": {
+            "requests_in_flight": state.scheduler.admitted,
+            **state.scheduler.counters,
+            "between_errors": state.scheduler.between_errors,
+        },
+        "memory": state.memory.stats() if state.memory else None,
+    }
 
 
 @router.post("/v1/chat/completions", response_model=ChatCompletion)
 async def chat_completions(body: ChatRequest, request: Request):
     """Chat with the tokenizer's template; SSE when `stream` is true."""
     check_model(request, body.model)
-    params = sampling_params(request, body.max_completion_tokens or body.max_tokens,
-                             "max_completion_tokens" if body.max_completion_tokens else "max_tokens",
-                             body.temperature, body.top_p, body.seed, body.stop_list())
-    prompt = Prompt("messages", body.template_messages(),
-                    chosen_tools(body.tool_dicts(), body.tool_mode(), "tool_choice"))
+    params = sampling_params(
+        request,
+        body.max_completion_tokens or body.max_tokens,
+        "max_completion_tokens" if body.max_completion_tokens else "max_tokens",
+        body.temperature,
+        body.top_p,
+        body.seed,
+        body.stop_list(),
+    )
+    prompt = Prompt(
+        "messages", body.template_messages(), chosen_tools(body.tool_dicts(), body.tool_mode(), "tool_choice")
+    )
     fmt = ChatFormat(request.app.state.engine.model_id, body.include_usage())
     return await respond(request, fmt, prompt, params, body.stream)
 
@@ -58,8 +74,9 @@ async def chat_completions(body: ChatRequest, request: Request):
 async def completions(body: CompletionRequest, request: Request):
     """Raw-text completion, no chat template; SSE when `stream` is true."""
     check_model(request, body.model)
-    params = sampling_params(request, body.max_tokens, "max_tokens", body.temperature, body.top_p, body.seed,
-                             body.stop_list())
+    params = sampling_params(
+        request, body.max_tokens, "max_tokens", body.temperature, body.top_p, body.seed, body.stop_list()
+    )
     fmt = CompletionFormat(request.app.state.engine.model_id, body.include_usage())
     return await respond(request, fmt, Prompt("prompt", text=body.prompt), params, body.stream)
 

@@ -84,8 +84,11 @@ class Scheduler:
         with self._lock:
             if len(self._jobs) > self.max_queue:
                 self.counters["rejected"] += 1
-                raise APIError(429, f"Server busy: {self.max_queue} requests are already waiting (--max-queue); "
-                               "retry later", code="queue_full")
+                raise APIError(
+                    429,
+                    f"Server busy: {self.max_queue} requests are already waiting (--max-queue); retry later",
+                    code="queue_full",
+                )
             self._jobs.add(job)
         self._executor.submit(self._run, job, produce)
         return job
@@ -146,8 +149,9 @@ class Scheduler:
         with self._lock:
             jobs = list(self._jobs)
         for job in jobs:
-            job.abort(APIError(503, "The server is shutting down; this generation was cancelled",
-                               code="server_shutting_down"))
+            job.abort(
+                APIError(503, "The server is shutting down; this generation was cancelled", code="server_shutting_down")
+            )
 
     def stop_soon(self) -> None:
         """`stop()` from a signal handler: it may interrupt the loop's thread anywhere, even

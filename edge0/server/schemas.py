@@ -142,8 +142,9 @@ def _template_tool_call(call: ToolCall, index: int) -> dict:
         try:
             args = json.loads(args) if args.strip() else {}
         except json.JSONDecodeError as e:
-            raise APIError(400, f"tool call arguments are not valid JSON: {e}",
-                           f"messages.{index}.tool_calls", "invalid_value") from None
+            raise APIError(
+                400, f"tool call arguments are not valid JSON: {e}", f"messages.{index}.tool_calls", "invalid_value"
+            ) from None
     out = {"type": "function", "function": {"name": call.function.name, "arguments": args}}
     if call.id is not None:
         out["id"] = call.id

@@ -46,12 +46,12 @@ class ToolCallSplitter:
                     return
                 if i:
                     yield self._buf[:i]
-                self._buf, self._in_call = self._buf[i + len(self.start):], True
+                self._buf, self._in_call = self._buf[i + len(self.start) :], True
             else:
                 j = self._buf.find(self.end) if self.end else -1
                 if j < 0:
                     return
-                raw, self._buf, self._in_call = self._buf[:j], self._buf[j + len(self.end):], False
+                raw, self._buf, self._in_call = self._buf[:j], self._buf[j + len(self.end) :], False
                 yield from self._parse(raw)
 
     def finish(self) -> Iterator[Segment]:
@@ -83,6 +83,8 @@ def _openai_call(call: dict) -> dict:
     return {
         "id": f"call_{uuid.uuid4().hex[:24]}",
         "type": "function",
-        "function": {"name": call["name"],
-                     "arguments": args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)},
+        "function": {
+            "name": call["name"],
+            "arguments": args if isinstance(args, str) else json.dumps(args, ensure_ascii=False),
+        },
     }

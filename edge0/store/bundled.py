@@ -8,8 +8,8 @@ import os
 import sys
 from pathlib import Path
 
-from edge0.store.convert import convert
 from edge0.errors import Edge0Error
+from edge0.store.convert import convert
 from edge0.store.format import CONFIG_FILE, FORMAT, MANIFEST, VERSION
 
 BUNDLED_NAME = "edge0-demo-moe"
@@ -26,8 +26,10 @@ def cache_dir() -> Path:
 def bundled_checkpoint() -> Path:
     path = CHECKPOINTS / BUNDLED_NAME
     if not (path / CONFIG_FILE).is_file():
-        raise Edge0Error(f"no --model given and the bundled model is missing ({path}); install edge0 from a "
-                         "source checkout with `pip install -e .`, or pass --model <store dir>")
+        raise Edge0Error(
+            f"no --model given and the bundled model is missing ({path}); install edge0 from a "
+            "source checkout with `pip install -e .`, or pass --model <store dir>"
+        )
     return path
 
 
@@ -52,8 +54,9 @@ def bundled_store() -> Path:
         try:
             store.parent.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            raise Edge0Error(f"{store.parent}: cannot create the model cache ({e.strerror}); set EDGE0_CACHE to a "
-                             "writable directory") from None
+            raise Edge0Error(
+                f"{store.parent}: cannot create the model cache ({e.strerror}); set EDGE0_CACHE to a writable directory"
+            ) from None
         # Processes starting at once share one conversion: the others wait for it and use its store.
         convert(str(checkpoint), store, reuse=True)
     return store

@@ -24,8 +24,18 @@ from tqdm import tqdm
 
 from edge0.errors import Edge0Error
 from edge0.families import spec_for, supported
-from edge0.store.format import (CONFIG_FILE, FORMAT, HEADS_FILE, LORA_FILE, MANIFEST, RESIDENT_FILE, VERSION, expert_file,
-                                seal, sha256_file)
+from edge0.store.format import (
+    CONFIG_FILE,
+    FORMAT,
+    HEADS_FILE,
+    LORA_FILE,
+    MANIFEST,
+    RESIDENT_FILE,
+    VERSION,
+    expert_file,
+    seal,
+    sha256_file,
+)
 from edge0.store.writer import SafetensorsWriter, write_expert_layer
 from edge0.version import __version__
 
@@ -44,10 +54,16 @@ def resolve_source(hf_path: str) -> Path:
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
     try:
-        return Path(snapshot_download(hf_path, allow_patterns=["*.json", "*.safetensors", "*.py", "*.model", "*.txt", "*.jinja"]))
+        return Path(
+            snapshot_download(
+                hf_path, allow_patterns=["*.json", "*.safetensors", "*.py", "*.model", "*.txt", "*.jinja"]
+            )
+        )
     except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as e:
-        raise Edge0Error(f"--hf-path {hf_path}: could not fetch from the Hugging Face Hub ({type(e).__name__}); "
-                         "check the repo id and network, or pass a local directory") from None
+        raise Edge0Error(
+            f"--hf-path {hf_path}: could not fetch from the Hugging Face Hub ({type(e).__name__}); "
+            "check the repo id and network, or pass a local directory"
+        ) from None
 
 
 def _split(weights: dict, experts: list[tuple[str, int]]):
@@ -56,14 +72,15 @@ def _split(weights: dict, experts: list[tuple[str, int]]):
     for path, layer in experts:
         names = [k for k in sorted(weights) if k.startswith(path + ".")]
         # Group each projection's weight/scales/biases together: they are siblings of one quantize op.
-        names.sort(key=lambda k: (k[len(path) + 1:].rsplit(".", 1)[0], PARTS.index(k.rsplit(".", 1)[1])))
+        names.sort(key=lambda k: (k[len(path) + 1 :].rsplit(".", 1)[0], PARTS.index(k.rsplit(".", 1)[1])))
         layers.append((path, layer, names))
         taken.update(names)
     return sorted(k for k in weights if k not in taken), layers
 
 
-def convert(hf_path: str, out: str | os.PathLike, *, dtype: str | None = None, quiet: bool = False,
-            reuse: bool = False) -> Path:
+def convert(
+    hf_path: str, out: str | os.PathLike, *, dtype: str | None = None, quiet: bool = False, reuse: bool = False
+) -> Path:
     """Convert `hf_path` (local dir or repo id) into an edge0 store at `out`; returns its path.
 
     `out` must not exist, and a conversion to `out` already running in another process is an
@@ -126,8 +143,12 @@ def _convert(src: Path, hf_path: str, out: Path, config: dict, dtype: str | None
         tokenizer.save_pretrained(str(tmp))
         # Heads and adapters bundled with a checkpoint are tied to the store's identity, which
         # every conversion of that checkpoint shares.
-        for extra in ("generation_config.json", HEADS_FILE, LORA_FILE, *sorted(
-                p.name for p in src.glob("lora-k*.safetensors"))):
+        for extra in (
+            "generation_config.json",
+            HEADS_FILE,
+            LORA_FILE,
+            *sorted(p.name for p in src.glob("lora-k*.safetensors")),
+        ):
             if (src / extra).is_file():
                 shutil.copy(src / extra, tmp / extra)
         for f in sorted(tmp.rglob("*")):  # config, tokenizer and sidecars: covered by `edge0 verify`
@@ -152,7 +173,10 @@ def _convert(src: Path, hf_path: str, out: Path, config: dict, dtype: str | None
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     if not quiet:
-        print(f"wrote {out} ({total / 1e6:.1f} MB, {len(layers)} MoE layers) in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+        print(
+            f"wrote {out} ({total / 1e6:.1f} MB, {len(layers)} MoE layers) in {time.perf_counter() - t0:.1f}s",
+            file=sys.stderr,
+        )
     return out
 
 
@@ -167,7 +191,7 @@ def _remove_stale_partials(out: Path, quiet: bool) -> None:
     gone); each run writes its own, named by its PID, so without this they would pile up."""
     prefix = _partial(out).name
     for p in out.parent.iterdir():
-        pid = p.name[len(prefix):]
+        pid = p.name[len(prefix) :]
         if p.name.startswith(prefix) and pid.isdigit() and not _alive(int(pid)):
             if not quiet:
                 print(f"edge0: removing {p}, left by an interrupted conversion", file=sys.stderr)
@@ -204,7 +228,9 @@ def _output_lock(out: Path, wait: bool, quiet: bool):
                     break
             os.close(fd)
     except OSError as e:
-        raise Edge0Error(f"-o {out}: cannot write in {out.parent} ({e.strerror}); choose a writable directory") from None
+        raise Edge0Error(
+            f"-o {out}: cannot write in {out.parent} ({e.strerror}); choose a writable directory"
+        ) from None
     os.ftruncate(fd, 0)
     os.write(fd, str(os.getpid()).encode())
     try:
@@ -222,8 +248,10 @@ def _flock(fd: int, out: Path, wait: bool, quiet: bool) -> None:
     except BlockingIOError:
         holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
     if not wait:
-        raise Edge0Error(f"-o {out}: another conversion (pid {holder}) is writing it; wait for it to finish, "
-                         "or choose another output directory")
+        raise Edge0Error(
+            f"-o {out}: another conversion (pid {holder}) is writing it; wait for it to finish, "
+            "or choose another output directory"
+        )
     if not quiet:
         print(f"edge0: waiting for another process (pid {holder}) converting into {out}", file=sys.stderr)
     fcntl.flock(fd, fcntl.LOCK_EX)
@@ -267,7 +295,9 @@ def _write(path: Path, names: list[str], weights: dict, bar) -> dict:
     {"size", "sha256"}."""
     from edge0.backend import io as bio
 
-    w = SafetensorsWriter(path, [(k, bio.st_dtype(weights[k]), tuple(weights[k].shape)) for k in names], {"format": "mlx"})
+    w = SafetensorsWriter(
+        path, [(k, bio.st_dtype(weights[k]), tuple(weights[k].shape)) for k in names], {"format": "mlx"}
+    )
     for k in names:
         w.write(k, _materialize(weights, k, bar))
     return w.close()

@@ -64,8 +64,10 @@ def open_manifest(root, verify: bool = False) -> dict:
             f"versions {' and '.join(map(str, READS_VERSIONS))}; {_regenerate(root)}"
         )
     if "manifest_sha256" in manifest and manifest["manifest_sha256"] != manifest_checksum(manifest):
-        raise Edge0Error(f"{path} was changed after conversion (its checksum differs); check the store with: "
-                         f"edge0 verify {root}; {_regenerate(root)}")
+        raise Edge0Error(
+            f"{path} was changed after conversion (its checksum differs); check the store with: "
+            f"edge0 verify {root}; {_regenerate(root)}"
+        )
     # the tensors every load depends on; config, tokenizer and sidecars are checked by
     # edge0 verify (a user may edit or replace them; each has its own checks at load)
     for rel in tensor_files(manifest):
@@ -87,8 +89,9 @@ def is_sidecar(rel: str) -> bool:
 
 def manifest_checksum(manifest: dict) -> str:
     """sha256 of the manifest's canonical JSON without this checksum: detects a changed offset or size."""
-    return hashlib.sha256(json.dumps({k: v for k, v in manifest.items() if k != "manifest_sha256"},
-                                     sort_keys=True).encode()).hexdigest()
+    return hashlib.sha256(
+        json.dumps({k: v for k, v in manifest.items() if k != "manifest_sha256"}, sort_keys=True).encode()
+    ).hexdigest()
 
 
 def seal(manifest: dict) -> dict:
@@ -105,8 +108,10 @@ def verify_store(root) -> tuple[dict, list[str]]:
         open_manifest(root)  # raises the one-line error for a missing or foreign manifest
     problems = []
     if "manifest_sha256" not in manifest:
-        problems.append(f"{root / MANIFEST}: has no checksum of its own (written before edge0 stores carried one); "
-                        f"its offsets are not covered: {_regenerate(root)}")
+        problems.append(
+            f"{root / MANIFEST}: has no checksum of its own (written before edge0 stores carried one); "
+            f"its offsets are not covered: {_regenerate(root)}"
+        )
     elif manifest["manifest_sha256"] != manifest_checksum(manifest):
         problems.append(f"{root / MANIFEST}: changed after conversion (its checksum differs); {_regenerate(root)}")
     for rel, info in manifest["files"].items():
@@ -129,7 +134,9 @@ def check_layout(path: Path, root: Path, entry: dict) -> None:
         offset, stride, num = int(entry["offset"]), int(entry["expert_stride"]), int(entry["num_experts"])
         ends = [int(t["expert_offset"]) + int(t["expert_nbytes"]) for t in entry["tensors"].values()]
     except (KeyError, TypeError, ValueError):
-        raise Edge0Error(f"{path}: layer {entry.get('layer')} lacks expert-major layout fields; {_regenerate(root)}") from None
+        raise Edge0Error(
+            f"{path}: layer {entry.get('layer')} lacks expert-major layout fields; {_regenerate(root)}"
+        ) from None
     size = (root / entry["file"]).stat().st_size
     if offset % ALIGN or stride % ALIGN or max(ends) > stride or offset + num * stride != size:
         raise Edge0Error(f"{root / entry['file']}: layout in the manifest does not match the file; {_regenerate(root)}")
@@ -141,7 +148,9 @@ def check_file(root: Path, rel: str, info: dict, verify: bool) -> None:
         raise Edge0Error(f"{f} is missing; {_regenerate(root)}")
     size = f.stat().st_size
     if size != info["size"]:
-        raise Edge0Error(f"{f} is truncated or damaged ({size} bytes, manifest says {info['size']}); {_regenerate(root)}")
+        raise Edge0Error(
+            f"{f} is truncated or damaged ({size} bytes, manifest says {info['size']}); {_regenerate(root)}"
+        )
     if verify and sha256_file(f) != info["sha256"]:
         raise Edge0Error(f"{f} has a wrong checksum (sha256 differs from the manifest); {_regenerate(root)}")
 

@@ -38,8 +38,18 @@ class DiskPromptCaches:
         self.root = Path(root).expanduser()
         self.identity, self.max_bytes = identity, max_bytes
         self.dir = self.root / identity[:32]
-        self.counts = {"saved": 0, "restored": 0, "restored_tokens": 0, "evicted": 0, "replaced": 0, "too_large": 0,
-                       "damaged": 0, "index_rebuilt": 0, "untrimmable": 0, "failed": 0}
+        self.counts = {
+            "saved": 0,
+            "restored": 0,
+            "restored_tokens": 0,
+            "evicted": 0,
+            "replaced": 0,
+            "too_large": 0,
+            "damaged": 0,
+            "index_rebuilt": 0,
+            "untrimmable": 0,
+            "failed": 0,
+        }
         self.note = ""  # the last refusal or failure
         self.last_save_s: float | None = None
         self.bytes = self.entries = 0
@@ -52,8 +62,9 @@ class DiskPromptCaches:
                     tmp.unlink(missing_ok=True)
                 self._write(index)
         except OSError as e:
-            raise Edge0Error(f"--prompt-cache-dir {root}: {e.strerror or e}; pass a directory this process can "
-                             "write") from None
+            raise Edge0Error(
+                f"--prompt-cache-dir {root}: {e.strerror or e}; pass a directory this process can write"
+            ) from None
 
     # -- the index -------------------------------------------------------------------------------
     @contextmanager
@@ -68,10 +79,18 @@ class DiskPromptCaches:
         try:
             data = json.loads(path.read_text())
             entries = data["entries"]
-            if data.get("version") != self.VERSION or not isinstance(entries, dict) or not all(
-                    isinstance(e, dict) and isinstance(e.get("identity"), str) and _tokens_ok(e.get("tokens"))
-                    and isinstance(e.get("bytes"), int) and isinstance(e.get("used"), (int, float))
-                    for e in entries.values()):
+            if (
+                data.get("version") != self.VERSION
+                or not isinstance(entries, dict)
+                or not all(
+                    isinstance(e, dict)
+                    and isinstance(e.get("identity"), str)
+                    and _tokens_ok(e.get("tokens"))
+                    and isinstance(e.get("bytes"), int)
+                    and isinstance(e.get("used"), (int, float))
+                    for e in entries.values()
+                )
+            ):
                 raise ValueError("unexpected contents")
             return entries
         except FileNotFoundError:
@@ -97,8 +116,12 @@ class DiskPromptCaches:
                 self._refuse(f, e)
                 continue
             st = f.stat()
-            entries[f"{f.parent.name}/{f.name}"] = {"identity": meta["identity"], "tokens": tokens,
-                                                    "bytes": st.st_size, "used": st.st_mtime}
+            entries[f"{f.parent.name}/{f.name}"] = {
+                "identity": meta["identity"],
+                "tokens": tokens,
+                "bytes": st.st_size,
+                "used": st.st_mtime,
+            }
         if why or entries:
             self.note = why or f"{self.root / self.INDEX} was missing; rebuilt from {len(entries)} files"
         return entries
@@ -152,7 +175,9 @@ class DiskPromptCaches:
                 self._write(index)
                 return None, 0
             held = len(entry["tokens"])
-            if n < held and not (bkv.can_trim_prompt_cache(cache) and bkv.trim_prompt_cache(cache, held - n) == held - n):
+            if n < held and not (
+                bkv.can_trim_prompt_cache(cache) and bkv.trim_prompt_cache(cache, held - n) == held - n
+            ):
                 self.counts["untrimmable"] += 1
                 self.note = f"{path}: its cache cannot be trimmed to the {n} tokens shared; prefilled instead"
                 return None, 0
@@ -177,12 +202,20 @@ class DiskPromptCaches:
             with self._locked() as index:
                 bkv.save_prompt_cache(str(tmp), cache, {"identity": self.identity, "tokens": json.dumps(tokens)})
                 os.replace(tmp, path)
-                index[name] = {"identity": self.identity, "tokens": tokens, "bytes": path.stat().st_size,
-                               "used": time.time()}
+                index[name] = {
+                    "identity": self.identity,
+                    "tokens": tokens,
+                    "bytes": path.stat().st_size,
+                    "used": time.time(),
+                }
                 if bkv.can_trim_prompt_cache(cache):
                     for other, e in list(index.items()):
-                        if (other != name and e["identity"] == self.identity and len(e["tokens"]) < len(tokens)
-                                and tokens[:len(e["tokens"])] == e["tokens"]):
+                        if (
+                            other != name
+                            and e["identity"] == self.identity
+                            and len(e["tokens"]) < len(tokens)
+                            and tokens[: len(e["tokens"])] == e["tokens"]
+                        ):
                             self._remove(index, other, "replaced")
                 total = sum(e["bytes"] for e in index.values())
                 for old in sorted(index, key=lambda k: index[k]["used"]):
@@ -212,5 +245,13 @@ class DiskPromptCaches:
 
     def stats(self) -> dict:
         """Where, how much, and what happened: counts, the last save's seconds and the last note."""
-        return {"dir": str(self.root), "identity": self.identity[:32], "max_bytes": self.max_bytes, "bytes": self.bytes,
-                "entries": self.entries, **self.counts, "last_save_s": self.last_save_s, "note": self.note}
+        return {
+            "dir": str(self.root),
+            "identity": self.identity[:32],
+            "max_bytes": self.max_bytes,
+            "bytes": self.bytes,
+            "entries": self.entries,
+            **self.counts,
+            "last_save_s": self.last_save_s,
+            "note": self.note,
+        }

@@ -41,13 +41,23 @@ class ExpertStore:
     is checked against its crc32 in the manifest (expert-major layers), so damage is caught
     where it is read, not as garbage output."""
 
-    def __init__(self, root, manifest: dict, cold_reads: bool = False, io: str = "auto",
-                 queue_depth: int = DEFAULT_QUEUE_DEPTH, check_experts: bool = True):
+    def __init__(
+        self,
+        root,
+        manifest: dict,
+        cold_reads: bool = False,
+        io: str = "auto",
+        queue_depth: int = DEFAULT_QUEUE_DEPTH,
+        check_experts: bool = True,
+    ):
         self.root = Path(root)
         self.layers = {int(l["layer"]): l for l in manifest["expert_layers"]}
         # per layer: the manifest's crc32 of each expert, and which were checked (once per process)
-        self._crc = {l: np.array(info["expert_crc32"], dtype=np.int64) for l, info in self.layers.items()
-                     if check_experts and "expert_crc32" in info}
+        self._crc = {
+            l: np.array(info["expert_crc32"], dtype=np.int64)
+            for l, info in self.layers.items()
+            if check_experts and "expert_crc32" in info
+        }
         self._checked = {l: np.zeros(len(c), dtype=bool) for l, c in self._crc.items()}
         self.experts_checked, self.check_s = 0, 0.0
         self.reason = "requested"
@@ -87,8 +97,10 @@ class ExpertStore:
             starts[name] = total
             total += -(-n * int(t["expert_nbytes"]) // ALIGN) * ALIGN
         block = aligned_empty(total)
-        out = {name: block[starts[name]: starts[name] + n * int(t["expert_nbytes"])].reshape(n, int(t["expert_nbytes"]))
-               for name, t in tensors.items()}
+        out = {
+            name: block[starts[name] : starts[name] + n * int(t["expert_nbytes"])].reshape(n, int(t["expert_nbytes"]))
+            for name, t in tensors.items()
+        }
         ranges, aligned = [], False
         if info.get("layout") == EXPERT_MAJOR:
             stride = int(info["expert_stride"])
@@ -98,7 +110,9 @@ class ExpertStore:
                 pos = int(t["expert_offset"]) + int(t["expert_nbytes"])
             tail = stride - pos
             # every segment an aligned array (no padding, page-multiple tensors): direct I/O in place
-            aligned = not tail and all(gap == 0 and int(tensors[name]["expert_nbytes"]) % ALIGN == 0 for gap, name in row)
+            aligned = not tail and all(
+                gap == 0 and int(tensors[name]["expert_nbytes"]) % ALIGN == 0 for gap, name in row
+            )
             # experts per read: at most CHUNK bytes and IOV_MAX segments
             per = max(1, min(CHUNK // stride, IOV_MAX // (2 * len(row) + 1)))
             for i, e, k in runs:
@@ -113,7 +127,7 @@ class ExpertStore:
             for name, t in tensors.items():
                 size = int(t["expert_nbytes"])
                 for i, e, k in runs:
-                    ranges += split(int(t["offset"]) + e * size, out[name][i:i + k].reshape(-1))
+                    ranges += split(int(t["offset"]) + e * size, out[name][i : i + k].reshape(-1))
         self._reader.read(info["file"], ranges, aligned)
         if int(info["layer"]) in self._checked:
             self._check(info, list(range(n)) if ids is None else ids, out)
@@ -135,8 +149,10 @@ class ExpertStore:
                 for name in info["tensors"]:  # the writer's order
                     crc = zlib.crc32(out[name][row], crc)
                 if crc != want[e]:
-                    raise Edge0Error(f"{self.root / info['file']}: layer {layer} expert {e} does not match its checksum "
-                                     f"(crc32): the store is damaged; find every damaged file with: edge0 verify {self.root}")
+                    raise Edge0Error(
+                        f"{self.root / info['file']}: layer {layer} expert {e} does not match its checksum "
+                        f"(crc32): the store is damaged; find every damaged file with: edge0 verify {self.root}"
+                    )
                 checked[e] = True
                 n += 1
         finally:
@@ -164,8 +180,13 @@ class ExpertStore:
         """Which reader ran and why, reads issued, bytes issued (with row padding) and read
         (tensor bytes), the most reads in flight at once, and direct-I/O fallbacks."""
         d = self._reader.stats()
-        d.update(reason=self.reason, bytes_read=self.bytes_read, expert_checks=bool(self._checked),
-                 experts_checked=self.experts_checked, check_ms=1000 * self.check_s)
+        d.update(
+            reason=self.reason,
+            bytes_read=self.bytes_read,
+            expert_checks=bool(self._checked),
+            experts_checked=self.experts_checked,
+            check_ms=1000 * self.check_s,
+        )
         d["tensor_major_layers"] = sum(l.get("layout") != EXPERT_MAJOR for l in self.layers.values())
         return d
 
@@ -175,8 +196,10 @@ class ExpertStore:
         line = f"expert reads: {s['reader']}, queue depth {s['queue_depth']} ({s['reason']})"
         if s["tensor_major_layers"]:
             per = max(len(l["tensors"]) for l in self.layers.values())
-            line += (f"; {s['tensor_major_layers']} tensor-major layers (format version 1): {per} reads per expert, "
-                     f"re-lay out with: {RELAYOUT} {self.root} <new dir>")
+            line += (
+                f"; {s['tensor_major_layers']} tensor-major layers (format version 1): {per} reads per expert, "
+                f"re-lay out with: {RELAYOUT} {self.root} <new dir>"
+            )
         else:
             line += "; expert-major layout: 1 read per expert"
         line += "; experts checked (crc32) when first read" if s["expert_checks"] else "; experts not checked when read"

@@ -46,7 +46,7 @@ def aligned_empty(nbytes: int) -> np.ndarray:
     """An uninitialised uint8 array of `nbytes` whose data starts 4 KiB-aligned (O_DIRECT needs it)."""
     raw = np.empty(nbytes + ALIGN, dtype=np.uint8)
     skip = -raw.ctypes.data % ALIGN
-    return raw[skip:skip + nbytes]
+    return raw[skip : skip + nbytes]
 
 
 IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 1024
@@ -55,7 +55,7 @@ _JUNK = aligned_empty(ALIGN)  # padding lands here; nobody reads it, so threads 
 
 def split(offset: int, dest: np.ndarray, chunk: int = CHUNK) -> list[tuple[int, int, list]]:
     """One range into a single flat destination, as pieces of at most `chunk` bytes."""
-    return [(offset + i, min(chunk, dest.nbytes - i), [dest[i:i + chunk]]) for i in range(0, dest.nbytes, chunk)]
+    return [(offset + i, min(chunk, dest.nbytes - i), [dest[i : i + chunk]]) for i in range(0, dest.nbytes, chunk)]
 
 
 def _iovecs(segments) -> list[np.ndarray]:
@@ -63,7 +63,7 @@ def _iovecs(segments) -> list[np.ndarray]:
     out = []
     for s in segments:
         if isinstance(s, int):
-            out += [_JUNK[:min(ALIGN, s - i)] for i in range(0, s, ALIGN)]
+            out += [_JUNK[: min(ALIGN, s - i)] for i in range(0, s, ALIGN)]
         else:
             out.append(s)
     return out
@@ -133,9 +133,15 @@ class RangeReader:
     def stats(self) -> dict:
         """Counters so far: reads, bytes issued, most reads in flight, fallbacks and their reasons."""
         with self._lock:
-            return {"reader": self.name, "queue_depth": self.queue_depth, "reads": self.reads,
-                    "bytes_issued": self.bytes_issued, "max_queue_depth": self.max_in_flight,
-                    "direct_fallbacks": self.fallbacks, "direct_fallback_reasons": list(self.fallback_reasons)}
+            return {
+                "reader": self.name,
+                "queue_depth": self.queue_depth,
+                "reads": self.reads,
+                "bytes_issued": self.bytes_issued,
+                "max_queue_depth": self.max_in_flight,
+                "direct_fallbacks": self.fallbacks,
+                "direct_fallback_reasons": list(self.fallback_reasons),
+            }
 
     def _fd(self, rel: str) -> int:
         with self._lock:
@@ -148,8 +154,10 @@ class RangeReader:
         while iov:  # preadv may return short counts: drop what was filled and go on
             got = os.preadv(fd, iov[:IOV_MAX], offset)
             if got == 0:
-                raise Edge0Error(f"{self.root / rel} ends before byte {offset + sum(len(v) for v in iov)}; "
-                                 f"the store is damaged: check it with edge0 verify {self.root}")
+                raise Edge0Error(
+                    f"{self.root / rel} ends before byte {offset + sum(len(v) for v in iov)}; "
+                    f"the store is damaged: check it with edge0 verify {self.root}"
+                )
             offset += got
             while iov and got >= len(iov[0]):
                 got -= len(iov.pop(0))
@@ -289,7 +297,7 @@ class DirectReader(RangeReader):
                 self._pread(fd, rel, offset, [buf])
                 for s in segments:
                     if not isinstance(s, int):
-                        s[:] = buf[pos:pos + s.nbytes]
+                        s[:] = buf[pos : pos + s.nbytes]
                     pos += s if isinstance(s, int) else s.nbytes
                 return
             except OSError as e:
@@ -317,9 +325,11 @@ def choose_io(store_bytes: int, available: tuple[int, str] | None = None) -> tup
     are read with pread; larger stores bypass the page cache (direct), where it would only churn."""
     avail, source = available or memory.available()
     fits = store_bytes <= avail // 2
-    return ("pread" if fits else "direct",
-            f"auto: {store_bytes / 1e9:.2f} GB of experts {'fit in' if fits else 'exceed'} half of "
-            f"{avail / 1e9:.2f} GB available ({source})")
+    return (
+        "pread" if fits else "direct",
+        f"auto: {store_bytes / 1e9:.2f} GB of experts {'fit in' if fits else 'exceed'} half of "
+        f"{avail / 1e9:.2f} GB available ({source})",
+    )
 
 
 def make_reader(strategy: str, root, queue_depth: int, cold_reads: bool) -> RangeReader:

@@ -39,8 +39,13 @@ def relayout_store(src, out) -> Path:
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        shutil.copytree(src, tmp, ignore=lambda d, names: [
-            n for n in names if n == MANIFEST and Path(d) == src or os.path.relpath(Path(d) / n, src) in layer_files])
+        shutil.copytree(
+            src,
+            tmp,
+            ignore=lambda d, names: [
+                n for n in names if n == MANIFEST and Path(d) == src or os.path.relpath(Path(d) / n, src) in layer_files
+            ],
+        )
         files, layers = dict(manifest["files"]), []
         for entry in manifest["expert_layers"]:
             rel, module, num = entry["file"], entry["module"], int(entry["num_experts"])
@@ -49,12 +54,21 @@ def relayout_store(src, out) -> Path:
                 layers.append(entry)
                 continue
             tensors = [(f"{module}.{name}", t["dtype"], tuple(t["shape"])) for name, t in entry["tensors"].items()]
-            spans = {f"{module}.{name}": (int(t["offset"]), num * int(t["expert_nbytes"])) for name, t in entry["tensors"].items()}
-            files[rel], fields = write_expert_layer(tmp / rel, module, tensors, lambda k: _read_range(src / rel, *spans[k]))
+            spans = {
+                f"{module}.{name}": (int(t["offset"]), num * int(t["expert_nbytes"]))
+                for name, t in entry["tensors"].items()
+            }
+            files[rel], fields = write_expert_layer(
+                tmp / rel, module, tensors, lambda k: _read_range(src / rel, *spans[k])
+            )
             if fields["tensor_major"] != manifest["files"][rel]:
-                raise Edge0Error(f"{src / rel}: its bytes do not match the manifest's sha256; the store is damaged, convert it again")
+                raise Edge0Error(
+                    f"{src / rel}: its bytes do not match the manifest's sha256; the store is damaged, convert it again"
+                )
             layers.append({"layer": entry["layer"], "module": module, "file": rel, **fields})
-        (tmp / MANIFEST).write_text(json.dumps(seal({**manifest, "version": VERSION, "files": files, "expert_layers": layers}), indent=1))
+        (tmp / MANIFEST).write_text(
+            json.dumps(seal({**manifest, "version": VERSION, "files": files, "expert_layers": layers}), indent=1)
+        )
         os.rename(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -33,7 +33,9 @@ def _header(entries: list[tuple[str, str, tuple]], metadata: dict | None, align:
         header["__metadata__"] = metadata
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-(8 + len(blob)) % align)
-    return struct.pack("<Q", len(blob)) + blob, {k: v["data_offsets"][0] for k, v in header.items() if k != "__metadata__"}
+    return struct.pack("<Q", len(blob)) + blob, {
+        k: v["data_offsets"][0] for k, v in header.items() if k != "__metadata__"
+    }
 
 
 class SafetensorsWriter:
@@ -83,8 +85,12 @@ def expert_major_layout(module: str, tensors: list[tuple[str, str, tuple]]) -> t
             raise ValueError(f"{name} {tuple(shape)}: not a stacked tensor of {module} with {num} experts")
         pos += -pos % ROW_ALIGN
         n = tensor_nbytes(st_dtype, shape[1:])
-        out[name[len(module) + 1:]] = {"dtype": st_dtype, "shape": [int(d) for d in shape],
-                                       "expert_offset": pos, "expert_nbytes": n}
+        out[name[len(module) + 1 :]] = {
+            "dtype": st_dtype,
+            "shape": [int(d) for d in shape],
+            "expert_offset": pos,
+            "expert_nbytes": n,
+        }
         pos += n
     return num, pos + (-pos % ALIGN), out
 
@@ -114,7 +120,7 @@ def write_expert_layer(path, module: str, tensors: list[tuple[str, str, tuple]],
             fh.write(head)
             fh.truncate(len(head) + num * stride)  # the padding reads back as zeros
             for name, _, _ in tensors:
-                t = layout[name[len(module) + 1:]]
+                t = layout[name[len(module) + 1 :]]
                 n = t["expert_nbytes"]
                 data = memoryview(get_bytes(name)).cast("B")
                 if len(data) != num * n:
@@ -123,13 +129,20 @@ def write_expert_layer(path, module: str, tensors: list[tuple[str, str, tuple]],
                 tm_size += len(data)
                 for e in range(num):
                     fh.seek(len(head) + e * stride + t["expert_offset"])
-                    fh.write(data[e * n:(e + 1) * n])
-                    crcs[e] = zlib.crc32(data[e * n:(e + 1) * n], crcs[e])
+                    fh.write(data[e * n : (e + 1) * n])
+                    crcs[e] = zlib.crc32(data[e * n : (e + 1) * n], crcs[e])
                 del data
         info = {"size": tmp.stat().st_size, "sha256": sha256_file(tmp)}
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    return info, {"num_experts": num, "layout": EXPERT_MAJOR, "offset": len(head), "expert_stride": stride,
-                  "tensors": layout, "tensor_major": {"size": tm_size, "sha256": tm_sha.hexdigest()}, "expert_crc32": crcs}
+    return info, {
+        "num_experts": num,
+        "layout": EXPERT_MAJOR,
+        "offset": len(head),
+        "expert_stride": stride,
+        "tensors": layout,
+        "tensor_major": {"size": tm_size, "sha256": tm_sha.hexdigest()},
+        "expert_crc32": crcs,
+    }

@@ -34,8 +34,10 @@ def load_cache_weights(path, store) -> FlashMoEModel:
         raise Edge0Error(f"--cache-weights {e}") from None
     trained_on = json.loads(model.metadata.get("manifest_hash", "null"))
     if trained_on != manifest_hash(store.root):
-        raise Edge0Error(f"--cache-weights {path}: trained on a trace of another model (store manifest hash {str(trained_on)[:12]}...); "
-                         f"train weights for this one: {TRAIN_WEIGHTS.replace('STORE', str(store.root))}")
+        raise Edge0Error(
+            f"--cache-weights {path}: trained on a trace of another model (store manifest hash {str(trained_on)[:12]}...); "
+            f"train weights for this one: {TRAIN_WEIGHTS.replace('STORE', str(store.root))}"
+        )
     return model
 
 
@@ -68,7 +70,11 @@ class Streaming:
         self.store, self.options = store, options
         self.stats = ExecutorStats()
         total = sum(store.expert_nbytes(l) * int(v["num_experts"]) for l, v in store.layers.items())
-        self.budget = parse_size(options.expert_cache) if options.expert_cache is not None else default_budget(total, resident_bytes)
+        self.budget = (
+            parse_size(options.expert_cache)
+            if options.expert_cache is not None
+            else default_budget(total, resident_bytes)
+        )
         self.total_expert_bytes = total
         layers = sorted(store.layers)
         self.cache_weights = load_cache_weights(options.cache_weights, store) if options.cache_weights else None
@@ -79,7 +85,9 @@ class Streaming:
         # a pipeline stage may hold no MoE layer at all (edge0.distributed): nothing to cache
         self.max_slots = min((int(v["num_experts"]) for v in store.layers.values()), default=0)
         self.reader = ThreadPoolExecutor(max_workers=READ_THREADS, thread_name_prefix="edge0-read")
-        self.prefetcher = LayerPrefetcher(store, layers, ThreadPoolExecutor(max_workers=1, thread_name_prefix="edge0-layer"))
+        self.prefetcher = LayerPrefetcher(
+            store, layers, ThreadPoolExecutor(max_workers=1, thread_name_prefix="edge0-layer")
+        )
         self.layers: dict[int, LayerDispatch] = {}
         for l in layers:
             exact = ExactExecutor(store, l, compute_dtype, self.stats)
@@ -92,7 +100,9 @@ class Streaming:
             else:
                 slots = SlotSet(store, l, self.n_slots, compute_dtype, options.cache_policy, self._policy_options(l))
                 if decode == "staged":
-                    decode = StagedExecutor(store, l, compute_dtype, self.stats, slots, self.reader, options.substitute_alpha)
+                    decode = StagedExecutor(
+                        store, l, compute_dtype, self.stats, slots, self.reader, options.substitute_alpha
+                    )
                 else:
                     decode = HotExecutor(store, l, compute_dtype, self.stats, slots)
             self.layers[l] = LayerDispatch(prefill, decode, WHOLE_LAYER_MIN_TOKENS)
@@ -108,8 +118,10 @@ class Streaming:
     def describe(self) -> str:
         o = self.options
         sub = f", substitution alpha {o.substitute_alpha} (changes outputs)" if o.substitute_alpha else ""
-        return (f"expert cache {format_size(self.budget)} ({o.cache_policy}, {self.n_slots} slots per layer; "
-                f"experts total {format_size(self.total_expert_bytes)}), prefill {o.prefill_executor}, decode {o.decode_executor}{sub}")
+        return (
+            f"expert cache {format_size(self.budget)} ({o.cache_policy}, {self.n_slots} slots per layer; "
+            f"experts total {format_size(self.total_expert_bytes)}), prefill {o.prefill_executor}, decode {o.decode_executor}{sub}"
+        )
 
     def staged(self) -> dict[int, StagedExecutor]:
         """The staged decode executors by layer (for a stager)."""
@@ -121,20 +133,29 @@ class Streaming:
 
     def cache_info(self) -> dict:
         """The expert cache now: slots per MoE layer, their bounds, and bytes."""
-        return {"slots_per_layer": self.n_slots, "configured_slots": self.configured_slots,
-                "min_slots": self.min_slots if self.n_slots else 0, "max_slots": self.max_slots if self.n_slots else 0,
-                "slot_bytes": self.slot_bytes, "budget_bytes": self.budget}
+        return {
+            "slots_per_layer": self.n_slots,
+            "configured_slots": self.configured_slots,
+            "min_slots": self.min_slots if self.n_slots else 0,
+            "max_slots": self.max_slots if self.n_slots else 0,
+            "slot_bytes": self.slot_bytes,
+            "budget_bytes": self.budget,
+        }
 
     def resize(self, n_slots: int) -> None:
         """Give every slotted MoE layer `n_slots` slots (from top-k, one route, to the number of
         experts), the cache policy choosing which experts stay; freed slot memory goes back to
         the OS. Only between generations: nothing may be staged or reading the slots."""
         if not self.n_slots:
-            raise Edge0Error("the expert cache has no slots to resize: every layer decodes with the exact executor "
-                             "(--decode-executor exact)")
+            raise Edge0Error(
+                "the expert cache has no slots to resize: every layer decodes with the exact executor "
+                "(--decode-executor exact)"
+            )
         if not self.min_slots <= n_slots <= self.max_slots:
-            raise Edge0Error(f"{n_slots} expert slots per layer: choose from {self.min_slots} (one route, top-k) "
-                             f"to {self.max_slots} (every expert)")
+            raise Edge0Error(
+                f"{n_slots} expert slots per layer: choose from {self.min_slots} (one route, top-k) "
+                f"to {self.max_slots} (every expert)"
+            )
         if n_slots == self.n_slots:
             return
         for ex in self.slotted():

@@ -35,7 +35,9 @@ class HotExecutor(ExactExecutor):
         """Swap the hot set to the current top-N by decayed counts (only changed slots, in place:
         called only where no launched computation reads this layer's slots)."""
         n = self.slots.n_slots
-        want = set(np.argsort(-self.counts, kind="stable")[:n].tolist()) - {e for e in range(len(self.counts)) if self.counts[e] == 0}
+        want = set(np.argsort(-self.counts, kind="stable")[:n].tolist()) - {
+            e for e in range(len(self.counts)) if self.counts[e] == 0
+        }
         out, new = sorted(self.hot - want), sorted(want - self.hot)
         slots = self.slots.assign(new, out)
         self.stats.slot_scatters += self.slots.apply(out, new, slots, self.read(new) if new else None, in_place=True)
@@ -73,8 +75,10 @@ class HotExecutor(ExactExecutor):
             missed = np.unique(ids[~hit])
             params, _ = self.load(missed)
             zero = len(missed)  # one extra all-zero row for the hot positions
-            params = {p: {k: B.concatenate([v, B.zeros((1, *v.shape[1:]), v.dtype)]) for k, v in parts_.items()}
-                      for p, parts_ in params.items()}
+            params = {
+                p: {k: B.concatenate([v, B.zeros((1, *v.shape[1:]), v.dtype)]) for k, v in parts_.items()}
+                for p, parts_ in params.items()
+            }
             local = np.where(hit, zero, np.searchsorted(missed, ids)).astype(np.uint32)
             parts.append((params, B.array(local)))
         self.due = s.calls % self.refresh == 0

@@ -55,15 +55,24 @@ def host_rows(buf: np.ndarray, st_dtype: str, target: np.dtype) -> np.ndarray | 
 class SlotSet:
     """Persistent slot tensors, the expert -> slot table, and cache membership for one layer."""
 
-    def __init__(self, store: ExpertStore, layer: int, n_slots: int, compute_dtype: str, policy: str = "lru",
-                 policy_options: dict | None = None):
+    def __init__(
+        self,
+        store: ExpertStore,
+        layer: int,
+        n_slots: int,
+        compute_dtype: str,
+        policy: str = "lru",
+        policy_options: dict | None = None,
+    ):
         info = store.layers[layer]
         self.store, self.layer, self.dtype = store, layer, compute_dtype
         self.num_experts = int(info["num_experts"])
         self.n_slots = n_slots
         self.zero = n_slots  # index of the all-zero row
-        zeros = {name: (np.zeros((n_slots + 1, t["expert_nbytes"]), np.uint8), t["dtype"], tuple(t["shape"][1:]))
-                 for name, t in info["tensors"].items()}
+        zeros = {
+            name: (np.zeros((n_slots + 1, t["expert_nbytes"]), np.uint8), t["dtype"], tuple(t["shape"][1:]))
+            for name, t in info["tensors"].items()
+        }
         self.params = to_device(zeros, n_slots + 1, compute_dtype)
         # host views of the slot tensors, made at the first in-place write: materializing the
         # slots at load would add their full size to the prefill's peak
@@ -89,8 +98,15 @@ class SlotSet:
         hits, loaded, evicted = self.cache.access(step, experts, scores)
         return hits, loaded, evicted, self.assign(loaded, evicted)
 
-    def apply(self, evicted: list[int], loaded: list[int], slots: list[int], raw: dict | None,
-              alias: dict[int, int] | None = None, in_place: bool = False) -> int:
+    def apply(
+        self,
+        evicted: list[int],
+        loaded: list[int],
+        slots: list[int],
+        raw: dict | None,
+        alias: dict[int, int] | None = None,
+        in_place: bool = False,
+    ) -> int:
         """Device update: rewrite only the changed slots (from `raw`, the store's bytes of
         `loaded`) and the expert -> slot table. `alias` {routed: substitute} points routed experts
         at their substitutes' slots for this step only (the next apply drops it). `in_place`: the
@@ -110,7 +126,9 @@ class SlotSet:
                     view[slots] = rows.reshape(len(loaded), *shape)
                     continue
                 idx = B.array(np.array(slots, dtype=np.uint32)) if idx is None else idx
-                self.params[proj][part][idx] = to_device({name: (buf, st_dtype, shape)}, len(loaded), self.dtype)[proj][part]
+                self.params[proj][part][idx] = to_device({name: (buf, st_dtype, shape)}, len(loaded), self.dtype)[proj][
+                    part
+                ]
                 if self.views is not None:
                     self.views[proj][part] = None  # a new array now: any old view is stale
                 scattered += 1

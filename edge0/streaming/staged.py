@@ -36,7 +36,9 @@ from edge0.streaming.pool import SlotSet
 class StagedExecutor(ExactExecutor):
     name = "staged"
 
-    def __init__(self, store, layer, compute_dtype, stats, slots: SlotSet, reader: ThreadPoolExecutor, alpha: float = 0.0):
+    def __init__(
+        self, store, layer, compute_dtype, stats, slots: SlotSet, reader: ThreadPoolExecutor, alpha: float = 0.0
+    ):
         super().__init__(store, layer, compute_dtype, stats)
         self.slots = slots
         self.reader = reader
@@ -151,8 +153,8 @@ def collect_dropped(executors) -> int:
     counts = B.to_numpy(B.stack(flat)).tolist()
     total = 0
     for ex, ds in pending:
-        n = int(sum(counts[:len(ds)]))
-        counts = counts[len(ds):]
+        n = int(sum(counts[: len(ds)]))
+        counts = counts[len(ds) :]
         ex.stats.dropped += n
         total += n
     return total

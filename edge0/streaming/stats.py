@@ -5,8 +5,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-COUNTERS = ("calls", "host_syncs", "loads", "hits", "misses", "bytes_read", "bytes_used",
-            "slot_rewrites", "slot_scatters", "fallbacks", "dropped", "substitutions")
+COUNTERS = (
+    "calls",
+    "host_syncs",
+    "loads",
+    "hits",
+    "misses",
+    "bytes_read",
+    "bytes_used",
+    "slot_rewrites",
+    "slot_scatters",
+    "fallbacks",
+    "dropped",
+    "substitutions",
+)
 
 
 @dataclass

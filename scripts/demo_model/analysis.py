@@ -1,14 +1,13 @@
 """Stage-5 measurements of an exported demo checkpoint for provenance.json: loss, routing, samples, 4-bit."""
+
 from __future__ import annotations
 
 import json
 import math
 import os
 
-import numpy as np
-
 import mlx.core as mx
-
+import numpy as np
 from demo_model.common import log
 from demo_model.model import RecordingGate
 from demo_model.training import evaluate
@@ -55,18 +54,20 @@ def routing_stats(model, data: np.ndarray, cfg: dict, seq: int, max_tokens: int)
     for li in range(L):
         p = loads[li] / loads[li].sum()
         ent = float(-(p[p > 0] * np.log2(p[p > 0])).sum())
-        out.append({
-            "layer": li,
-            "load_entropy_bits": round(ent, 3),
-            "uniform_entropy_bits": round(math.log2(E), 3),
-            "max_expert_load_share": round(float(p.max()), 4),
-            "min_expert_load_share": round(float(p.min()), 4),
-            "topk_reuse_prev_token": round(float(reuse_num[li] / reuse_den), 4),
-            "topk_reuse_random_baseline": round(K / E, 4),
-            # expected reuse if consecutive tokens were routed independently with these loads
-            "topk_reuse_independent_baseline": round(float(K * (p ** 2).sum()), 4),
-            "expert_load_share": [round(float(v), 4) for v in p],
-        })
+        out.append(
+            {
+                "layer": li,
+                "load_entropy_bits": round(ent, 3),
+                "uniform_entropy_bits": round(math.log2(E), 3),
+                "max_expert_load_share": round(float(p.max()), 4),
+                "min_expert_load_share": round(float(p.min()), 4),
+                "topk_reuse_prev_token": round(float(reuse_num[li] / reuse_den), 4),
+                "topk_reuse_random_baseline": round(K / E, 4),
+                # expected reuse if consecutive tokens were routed independently with these loads
+                "topk_reuse_independent_baseline": round(float(K * (p**2).sum()), 4),
+                "expert_load_share": [round(float(v), 4) for v in p],
+            }
+        )
     return out
 
 
@@ -78,8 +79,14 @@ def greedy_samples(ckpt_dir: str, prompts: list[str], max_tokens: int = 40) -> l
     model, tok = load(ckpt_dir)
     res = []
     for p in prompts:
-        text = generate(model, tok, prompt=tok.encode(p, add_special_tokens=False),
-                        max_tokens=max_tokens, sampler=make_sampler(temp=0.0), verbose=False)
+        text = generate(
+            model,
+            tok,
+            prompt=tok.encode(p, add_special_tokens=False),
+            max_tokens=max_tokens,
+            sampler=make_sampler(temp=0.0),
+            verbose=False,
+        )
         res.append({"prompt": p, "greedy_continuation": text})
     return res
 
@@ -102,13 +109,22 @@ def check_quantized(out_dir: str, prompts: list[str], float_samples: list[dict],
         res = []
         same = 0
         for p, ref in zip(prompts, float_samples):
-            text = generate(model, tok, prompt=tok.encode(p, add_special_tokens=False),
-                            max_tokens=max_tokens, sampler=make_sampler(temp=0.0), verbose=False)
+            text = generate(
+                model,
+                tok,
+                prompt=tok.encode(p, add_special_tokens=False),
+                max_tokens=max_tokens,
+                sampler=make_sampler(temp=0.0),
+                verbose=False,
+            )
             res.append({"prompt": p, "greedy_continuation": text})
             same += text == ref["greedy_continuation"]
-        return {"command": "mlx_lm.convert(ckpt, out, quantize=True, q_group_size=64, q_bits=4)",
-                "converted_bytes": size, "greedy_samples": res,
-                "samples_identical_to_float": f"{same}/{len(prompts)}"}
+        return {
+            "command": "mlx_lm.convert(ckpt, out, quantize=True, q_group_size=64, q_bits=4)",
+            "converted_bytes": size,
+            "greedy_samples": res,
+            "samples_identical_to_float": f"{same}/{len(prompts)}",
+        }
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -134,8 +150,10 @@ def analyze(out_dir: str, work: str, a) -> dict:
     log("analysis: routing")
     routing = routing_stats(model, valid, cfg, a.seq, a.routing_tokens)
     for r in routing:
-        log(f"layer {r['layer']}: entropy {r['load_entropy_bits']}/{r['uniform_entropy_bits']} bits, "
-            f"reuse {r['topk_reuse_prev_token']} (random {r['topk_reuse_random_baseline']})")
+        log(
+            f"layer {r['layer']}: entropy {r['load_entropy_bits']}/{r['uniform_entropy_bits']} bits, "
+            f"reuse {r['topk_reuse_prev_token']} (random {r['topk_reuse_random_baseline']})"
+        )
     del model
     samples = greedy_samples(out_dir, SAMPLE_PROMPTS)
     for s in samples:
@@ -168,4 +186,3 @@ def analyze(out_dir: str, work: str, a) -> dict:
         "greedy_samples": samples,
         "quantized_4bit_check": q4,
     }
-

@@ -1,4 +1,5 @@
 """Logging and atomic file writes shared by the demo-model training stages."""
+
 from __future__ import annotations
 
 import json
@@ -24,4 +25,3 @@ def atomic_save_safetensors(path: str, arrays: dict, metadata: dict | None = Non
     tmp = path[: -len(".safetensors")] + ".tmp.safetensors"
     mx.save_safetensors(tmp, arrays, metadata=metadata or {})
     os.replace(tmp, path)
-

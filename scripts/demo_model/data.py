@@ -1,11 +1,11 @@
 """Data preparation for the demo model: byte-level BPE tokenizer and tokenized train/valid splits."""
+
 from __future__ import annotations
 
 import json
 import os
 
 import numpy as np
-
 from demo_data import DOC_SEP
 from demo_model.common import atomic_write_json
 
@@ -89,4 +89,3 @@ def tokenize_file(tok, path: str, dst: str) -> np.ndarray:
     arr.tofile(dst + ".tmp")
     os.replace(dst + ".tmp", dst)
     return arr
-

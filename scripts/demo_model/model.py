@@ -1,16 +1,15 @@
 """The demo model: qwen3_moe config, construction with recording routers, balance loss, HF export."""
+
 from __future__ import annotations
 
 import os
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
-
-from mlx_lm.models import qwen3_moe
-
 from demo_data import DOC_SEP
 from demo_model.common import atomic_write_json
+from mlx.utils import tree_flatten
+from mlx_lm.models import qwen3_moe
 
 
 class RecordingGate(nn.Linear):
@@ -128,4 +127,3 @@ def hf_weights(model, cfg: dict) -> dict:
     if cfg["tie_word_embeddings"]:
         out.pop("lm_head.weight", None)
     return out
-

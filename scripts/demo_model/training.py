@@ -1,19 +1,18 @@
 """Training-loop pieces for the demo model: LR schedule, batches, compiled step, eval, resumable state."""
+
 from __future__ import annotations
 
 import json
 import math
 from functools import partial
 
-import numpy as np
-
 import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
-from mlx.utils import tree_flatten, tree_unflatten
-
+import numpy as np
 from demo_model.common import atomic_save_safetensors
 from demo_model.model import RecordingGate, aux_balance_loss
+from mlx.utils import tree_flatten, tree_unflatten
 
 
 def lr_at(step: int, total: int, warmup: int, peak: float, final_frac: float) -> float:
@@ -86,4 +85,3 @@ def load_state(path, model, opt, rng):
     r = meta["rng"]
     rng.set_state((r[0], np.asarray(r[1], dtype=np.uint32), r[2], r[3], r[4]))
     return meta
-

@@ -100,7 +100,10 @@ def main(argv=None) -> int:
     if args.json:
         print(json.dumps(result, indent=1))
     else:
-        line = f"perplexity {result['perplexity']:.3f} over {result['tokens']} tokens ({result['windows']} windows of {args.window})"
+        line = (
+            f"perplexity {result['perplexity']:.3f} over {result['tokens']} tokens "
+            f"({result['windows']} windows of {args.window})"
+        )
         if ref is not None:
             line += f", agreement {100 * result['agreement']:.2f}%, KL {result['kl_to_reference']:.4f} nats/token"
         hit = result["expert_hit_rate"]

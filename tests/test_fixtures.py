@@ -33,6 +33,11 @@ EXPECTED_KEYS = {
         "model.language_model.layers.0.linear_attn.conv1d.weight",
         [8, 128, 64],
     ),
+    "qwen3_next": (
+        "model.layers.3.mlp.experts.6.gate_proj.weight",
+        "model.layers.0.linear_attn.conv1d.weight",
+        [64, 64],
+    ),
     "deepseek_v3": (
         "model.layers.1.mlp.experts.0.gate_proj.weight",
         "model.layers.1.self_attn.kv_b_proj.weight",

@@ -9,7 +9,7 @@ from edge0.errors import Edge0Error
 
 @dataclass(frozen=True)
 class RoutingSpec:
-    """How router logits become (indices, weights); see edge0/routing.py for the exact ops.
+    """How router logits become (indices, weights); see edge0/backend/routing.py for the exact ops.
 
     kind:
       softmax_topk   softmax over all experts, top-k, optional renormalisation (Qwen3 MoE)

@@ -41,7 +41,8 @@ CHILD = r"""
 import json, os, sys
 from pathlib import Path
 import edge0
-store, budget, cold, warmup, n = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "cold", int(sys.argv[4]), int(sys.argv[5])
+store, budget, cold = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "cold"
+warmup, n = int(sys.argv[4]), int(sys.argv[5])
 e = edge0.load(store, expert_cache=budget, cold_reads=cold, prerouter=False, lora=False)
 if e.follower:
     e.follow()
@@ -66,15 +67,17 @@ ranks_before = before.get("ranks") or [single(before, 0)]
 ranks_after = after.get("ranks") or [single(after, r.stats["peak_memory_bytes"])]
 rows = []
 for b, a in zip(ranks_before, ranks_after):
-    d = {k: a[k] - b[k] for k in ("hits", "misses", "stall_ms", "expert_bytes_read", "decode_steps", "send_ms", "wait_ms",
-                                  "step_compute_ms")}
+    d = {k: a[k] - b[k] for k in ("hits", "misses", "stall_ms", "expert_bytes_read", "decode_steps", "send_ms",
+                                  "wait_ms", "step_compute_ms")}
     rows.append({"rank": a["rank"], "stage": a["stage"], "resident_bytes": a["resident_bytes"],
                  "expert_bytes": a["expert_bytes"], "expert_cache_bytes": a["expert_cache_bytes"],
                  "budget_fraction": a["expert_cache_bytes"] / a["expert_bytes"],
                  "peak_memory_bytes": a["peak_memory_bytes"], "peak_rss_bytes": a["peak_rss_bytes"],
-                 "hit_rate": d["hits"] / max(1, d["hits"] + d["misses"]), "stall_ms_per_step": d["stall_ms"] / max(1, d["decode_steps"]),
+                 "hit_rate": d["hits"] / max(1, d["hits"] + d["misses"]),
+                 "stall_ms_per_step": d["stall_ms"] / max(1, d["decode_steps"]),
                  "expert_mib_read": d["expert_bytes_read"] / 2**20, "send_ms_per_step": d["send_ms"] / n,
-                 "wait_ms_per_step": d["wait_ms"] / n, "compute_ms_per_step": d["step_compute_ms"] / max(1, d["decode_steps"]),
+                 "wait_ms_per_step": d["wait_ms"] / n,
+                 "compute_ms_per_step": d["step_compute_ms"] / max(1, d["decode_steps"]),
                  "cpu_s_total": a["cpu_s"]})
 print(json.dumps({"decode_tps": r.stats["decode_tps"], "ranks": rows, "load_average": os.getloadavg()}))
 """
@@ -148,7 +151,8 @@ def main() -> None:
             r = run_arm(args.model, ranks, budget, not args.warm, args.warmup, args.tokens)
             runs[name].append(r)
             print(
-                f"[{i + 1}/{args.repeat}] {name}: {r['decode_tps']:.2f} tok/s (load average {r['load_average'][0]:.1f})",
+                f"[{i + 1}/{args.repeat}] {name}: {r['decode_tps']:.2f} tok/s (load average "
+                f"{r['load_average'][0]:.1f})",
                 flush=True,
             )
     rows = {name: sorted(rs, key=lambda r: r["decode_tps"])[len(rs) // 2] for name, rs in runs.items()}

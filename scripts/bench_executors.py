@@ -48,7 +48,10 @@ if temp == "cold":  # evict the store's files from the page cache
         fd = os.open(f, os.O_RDONLY); os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED); os.close(fd)
 if kind == "prefill":
     # one token at a time: every forward has T=1, so the exact executor serves decode too
-    opts = {"prefill_executor": "exact", "decode_executor": "exact"} if executor == "exact-per-token" else {"prefill_executor": executor}
+    if executor == "exact-per-token":
+        opts = {"prefill_executor": "exact", "decode_executor": "exact"}
+    else:
+        opts = {"prefill_executor": executor}
 else:
     opts = {"decode_executor": executor, "prefill_executor": "exact"}
 e = edge0.load(store, **opts)

@@ -24,12 +24,14 @@ PROBE = r"""
 import json, os, sys
 from pathlib import Path
 import edge0
-store, arm, heads, fraction, n, prompt = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4]), int(sys.argv[5]), sys.argv[6]
+store, arm, heads, prompt = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[6]
+fraction, n = float(sys.argv[4]), int(sys.argv[5])
 for f in Path(store).rglob("*.safetensors"):
     fd = os.open(f, os.O_RDONLY); os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED); os.close(fd)
 probe = edge0.load(store, prerouter=False, decode_executor="exact")
 total = probe.streaming.total_expert_bytes
-budget = max(int(total * fraction), sum(probe.store.expert_nbytes(l) for l in probe.store.layers) * probe.spec.top_k * 2)
+one_slot = sum(probe.store.expert_nbytes(l) for l in probe.store.layers)
+budget = max(int(total * fraction), one_slot * probe.spec.top_k * 2)
 opts = {"exact": dict(decode_executor="exact", prerouter=False),
         "staged-gate": dict(decode_executor="staged", prerouter=False, expert_cache=budget),
         "prerouter": dict(decode_executor="staged", prerouter=heads, expert_cache=budget)}[arm]

@@ -318,7 +318,8 @@ def main() -> None:
                 " (matches previous)" if old["files"][name]["sha256"] == info["sha256"] else " (DIFFERS from previous)"
             )
         print(
-            f"{name}: {info['documents']} docs, {info['words']} words, {info['bytes']} bytes, sha256 {info['sha256']}{same}"
+            f"{name}: {info['documents']} docs, {info['words']} words, {info['bytes']} bytes, sha256 "
+            f"{info['sha256']}{same}"
         )
 
 

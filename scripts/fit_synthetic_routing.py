@@ -164,7 +164,8 @@ def report(params: RoutingParams, layers: int, steps: int, seeds) -> None:
     print(f"adjacent-token overlap {np.mean([r['overlap'] for r in runs]):.3f} (published ~{OVERLAP})")
     for cap in CAPACITIES:
         print(
-            f"top-{cap} drift per {WINDOW} tokens {np.mean([r['drift'][cap] for r in runs]):.1f}% (published {DRIFT[0]:g}-{DRIFT[1]:g}%)"
+            f"top-{cap} drift per {WINDOW} tokens {np.mean([r['drift'][cap] for r in runs]):.1f}% (published "
+            f"{DRIFT[0]:g}-{DRIFT[1]:g}%)"
         )
     ratios = {
         (n, c): (100 - hits[(n, c)]) / (100 - hits[("belady", c)])

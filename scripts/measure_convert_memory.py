@@ -69,7 +69,8 @@ def main() -> None:
             }
             rows.append(row)
             print(
-                f"layers {n}: source {row['source_bytes'] / 2**20:.0f} MiB, RSS growth {row['rss_growth'] / 2**20:.0f} MiB, "
+                f"layers {n}: source {row['source_bytes'] / 2**20:.0f} MiB, RSS growth "
+                f"{row['rss_growth'] / 2**20:.0f} MiB, "
                 f"MLX peak {m['mlx_peak'] / 2**20:.0f} MiB, largest stacked tensor {largest / 2**20:.0f} MiB",
                 flush=True,
             )

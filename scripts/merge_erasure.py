@@ -121,8 +121,10 @@ def main() -> None:
     s, a, ppl = result["logit_effect_survival"], result["logit_effect_aligned"], result["perplexity"]
     for n in merges:
         print(
-            f"{n}: logit effect kept {100 * s[n]:.1f}% by norm, {100 * a[n]:.1f}% along the adapter's; weight delta kept "
-            f"{100 * result['weight_delta_kept_median'][n]:.1f}% by norm, {100 * result['weight_delta_aligned_median'][n]:.1f}% along dW"
+            f"{n}: logit effect kept {100 * s[n]:.1f}% by norm, {100 * a[n]:.1f}% along the adapter's; weight delta "
+            "kept "
+            f"{100 * result['weight_delta_kept_median'][n]:.1f}% by norm, "
+            f"{100 * result['weight_delta_aligned_median'][n]:.1f}% along dW"
         )
     print(
         f"{100 * result['delta_below_half_step_mean']:.1f}% of delta entries are below half a 4-bit step "

@@ -11,6 +11,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.utils import load_tokenizer
 from transformers import AutoTokenizer
 
+from edge0.store.headers import read_header
 from tests.fixtures import (
     FAMILIES,
     fixture_dir,
@@ -21,7 +22,7 @@ from tests.fixtures import (
     write_tokenizer,
 )
 from tests.fixtures import tokenizer as tok
-from tests.fixtures.make import build_model, safetensors_header
+from tests.fixtures.make import build_model
 
 # One routed-expert key, one other family-specific key (HF names) and the expected shape of
 # the first, per family: documents the layouts the maker must produce.
@@ -31,6 +32,11 @@ EXPECTED_KEYS = {
         "model.language_model.layers.0.mlp.experts.gate_up_proj",
         "model.language_model.layers.0.linear_attn.conv1d.weight",
         [8, 128, 64],
+    ),
+    "qwen3_next": (
+        "model.layers.3.mlp.experts.6.gate_proj.weight",
+        "model.layers.0.linear_attn.conv1d.weight",
+        [64, 64],
     ),
     "deepseek_v3": (
         "model.layers.1.mlp.experts.0.gate_proj.weight",
@@ -61,7 +67,7 @@ TOOLS = [
 
 
 def _shard_keys(hf_dir):
-    return {p.name: safetensors_header(p) for p in sorted(hf_dir.glob("model-*.safetensors"))}
+    return {p.name: read_header(p) for p in sorted(hf_dir.glob("model-*.safetensors"))}
 
 
 def test_every_family_has_expected_keys():
@@ -81,15 +87,13 @@ def test_hf_layout(family):
     n = len(shards)
     assert sorted(shards) == [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
     index = json.loads((hf_dir / "model.safetensors.index.json").read_text())
-    keys = {k: name for name, header in shards.items() for k in header}
+    keys = {k: name for name, header in shards.items() for k in header.tensors}
     assert index["weight_map"] == keys
-    assert index["metadata"]["total_size"] == sum(
-        info["data_offsets"][1] - info["data_offsets"][0] for header in shards.values() for info in header.values()
-    )
+    assert index["metadata"]["total_size"] == sum(sum(h.nbytes().values()) for h in shards.values())
 
     expert_key, other_key, shape = EXPECTED_KEYS[family]
-    headers = {k: v for header in shards.values() for k, v in header.items()}
-    assert headers[expert_key]["shape"] == shape and headers[expert_key]["dtype"] == "F32"
+    headers = {k: v for header in shards.values() for k, v in header.tensors.items()}
+    assert headers[expert_key] == ("F32", shape)
     assert other_key in headers
     assert not any("switch_mlp" in k or k.startswith("language_model.") for k in headers)
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
@@ -127,7 +131,7 @@ def test_mlx_lm_loads_hf_fixture_and_runs(family):
 def test_bfloat16_fixture_is_written_as_bf16(tmp_path):
     hf_dir = make_hf_fixture("qwen3_5_moe", tmp_path / "bf16", dtype="bfloat16")
     assert json.loads((hf_dir / "config.json").read_text())["torch_dtype"] == "bfloat16"
-    dtypes = {info["dtype"] for header in _shard_keys(hf_dir).values() for info in header.values()}
+    dtypes = {dt for header in _shard_keys(hf_dir).values() for dt, _ in header.tensors.values()}
     assert dtypes == {"BF16"}
 
 

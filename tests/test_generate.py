@@ -51,6 +51,10 @@ def test_stop_string_cuts_text(engine):
     stop = res.text[2:4]
     cut = engine.generate("once upon a time", max_tokens=20, ignore_eos=True, stop=[stop])
     assert cut.finish_reason == "stop" and cut.text == res.text[: res.text.find(stop)]
+    # The last Step names the stop string that ended it (the server reports it as stop_sequence).
+    steps = list(engine.stream_generate("once upon a time", max_tokens=20, ignore_eos=True, stop=["\x00", stop]))
+    assert steps[-1].stop == stop and all(s.stop is None for s in steps[:-1])
+    assert list(engine.stream_generate("once upon a time", max_tokens=3, ignore_eos=True))[-1].stop is None
 
 
 def test_sampling_is_seeded(engine):

@@ -110,10 +110,10 @@ def test_two_converts_to_the_same_output(tmp_path):
 
 
 def test_convert_while_another_holds_the_output(tmp_path):
-    from edge0.store.convert import _output_lock
+    from edge0.store.outdir import output_lock
 
     out = tmp_path / "store"
-    with _output_lock(out, wait=False, quiet=True):
+    with output_lock(out, wait=False, quiet=True):
         with pytest.raises(Edge0Error, match=f"another conversion \\(pid {os.getpid()}\\) is writing it"):
             convert(str(fixture_dir("qwen3_moe")), out, quiet=True)
     assert not out.exists() and leftovers(tmp_path, "store") == []

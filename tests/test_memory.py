@@ -20,7 +20,8 @@ s = engine.stats()
 per_expert = engine.store.expert_nbytes(engine.store.layers and next(iter(engine.store.layers)))
 print(json.dumps({"before": before, "peak": B.peak_rss(), "resident": engine.resident_bytes,
                   "touched": s["totals"]["distinct_experts"] * per_expert,
-                  "all_experts": sum(engine.store.expert_nbytes(l) * v["num_experts"] for l, v in engine.store.layers.items()),
+                  "all_experts": sum(engine.store.expert_nbytes(l) * v["num_experts"]
+                                     for l, v in engine.store.layers.items()),
                   "mlx_peak": res.stats["peak_memory_bytes"]}))
 """
 

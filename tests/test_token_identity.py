@@ -73,3 +73,16 @@ def test_bfloat16_checkpoint_at_native_dtype_matches_mlx_lm(store_for):
     prompt = tok.encode(PROMPT)
     engine = edge0.load(store_for("qwen3_moe", "hf", dtype="bfloat16"), dtype="bfloat16")
     assert engine.generate(prompt, max_tokens=32, ignore_eos=True).tokens == mlx_lm_greedy(ref_model, prompt, 32)
+
+
+def test_every_specd_family_in_the_registry_has_a_fixture_and_a_token_identity_case():
+    from edge0.families import FAMILIES as REGISTRY
+    from tests.fixtures.families import FAMILIES as FIXTURES
+
+    # Each model type the registry gives a MoESpec has a fixture of that model_type, and the
+    # fixture is in SPECD, which parametrizes test_tokens_and_logits_match_mlx_lm above.
+    fixture_types = {name: f.config["model_type"] for name, f in FIXTURES.items()}
+    missing = sorted(set(REGISTRY) - set(fixture_types.values()))
+    assert missing == [], f"spec'd model types with no fixture in tests/fixtures/families.py: {missing}"
+    assert {fixture_types[name] for name in SPECD} == set(REGISTRY)
+    assert not set(UNIVERSAL) & set(REGISTRY)  # a universal-level fixture must not be spec'd

@@ -1,4 +1,5 @@
-"""The benchmark suite behind `edge0 bench` (edge0/cli/bench.py): Edge0 against resident mlx-lm, warm and cold storage, under a memory cap (docs/bench-suite.md)."""
+"""The benchmark suite behind `edge0 bench` (edge0/cli/bench.py): Edge0 against resident mlx-lm, warm and
+cold storage, under a memory cap (docs/bench-suite.md)."""
 
 import importlib
 

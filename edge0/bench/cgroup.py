@@ -1,4 +1,6 @@
-"""A cgroup v1 memory limit for the memory-capped arms."""
+"""Cgroup limits for the bench's arms: a memory limit (cgroup v1) for the memory-capped arms, and
+a read limit (block I/O: cgroup v1 blkio throttle, or io.max on v2) that makes storage slower
+than compute, as it is on the machines Edge0 is for."""
 
 from __future__ import annotations
 
@@ -78,3 +80,129 @@ class MemoryCgroup:
             except OSError:
                 time.sleep(0.1)
         print(f"edge0 bench: could not remove cgroup {self.path}", file=sys.stderr)
+
+
+def block_device(path) -> tuple[int, int] | None:
+    """(major, minor) of the whole disk that holds `path` (a partition maps to its disk, which is
+    what the throttle accepts), or None for a file system with no block device (tmpfs, overlay)."""
+    st = os.stat(path)
+    major, minor = os.major(st.st_dev), os.minor(st.st_dev)
+    sys_dev = Path(f"/sys/dev/block/{major}:{minor}")
+    if not sys_dev.exists():
+        return None
+    if (sys_dev / "partition").exists():  # the parent directory is the disk
+        major, minor = (int(x) for x in (sys_dev.resolve().parent / "dev").read_text().split(":"))
+    return major, minor
+
+
+class ReadLimit:
+    """A child block-I/O cgroup of this process's own that limits reads from one disk to `rate`
+    bytes/s: buffered and O_DIRECT reads alike (page-cache hits are not throttled)."""
+
+    def __init__(self, path: Path, device: tuple[int, int], rate: int, version: int):
+        self.path, self.device, self.rate, self.version = path, device, rate, version
+
+    @staticmethod
+    def parent() -> tuple[Path | None, int, str]:
+        """(parent cgroup dir, cgroup version, "") where a child read-limit cgroup can be made, else
+        (None, 0, reason)."""
+        try:
+            lines = Path("/proc/self/cgroup").read_text().splitlines()
+        except OSError:
+            return None, 0, "no /proc/self/cgroup (not Linux): a read limit needs cgroups"
+        for line in lines:
+            hid, controllers, path = line.split(":", 2)
+            if "blkio" in controllers.split(","):
+                d = Path("/sys/fs/cgroup/blkio") / path.lstrip("/")
+                if not (d / "blkio.throttle.read_bps_device").is_file():
+                    return None, 0, f"{d}: no blkio throttle (the kernel lacks CONFIG_BLK_DEV_THROTTLING)"
+                if not os.access(d, os.W_OK):
+                    return None, 0, f"{d}: not writable by this user (needs root or a delegated cgroup)"
+                return d, 1, ""
+        for line in lines:
+            hid, controllers, path = line.split(":", 2)
+            if hid == "0" and controllers == "":
+                d = Path("/sys/fs/cgroup") / path.lstrip("/")
+                try:
+                    enabled = (d / "cgroup.subtree_control").read_text().split()
+                except OSError:
+                    enabled = []
+                if "io" not in enabled:
+                    return None, 0, f"{d}: the io controller is not enabled for child cgroups (cgroup v2)"
+                if not os.access(d, os.W_OK):
+                    return None, 0, f"{d}: not writable by this user (needs root or a delegated cgroup)"
+                return d, 2, ""
+        return None, 0, "no blkio (v1) or io (v2) cgroup controller for this process"
+
+    @classmethod
+    def create(cls, store, rate: int) -> "ReadLimit":
+        """A read limit of `rate` bytes/s on the disk holding `store`; OSError/ValueError with the reason."""
+        parent, version, reason = cls.parent()
+        if parent is None:
+            raise ValueError(reason)
+        device = block_device(store)
+        if device is None:
+            raise ValueError(
+                f"{store} is on a file system with no block device (tmpfs, overlay); a read limit throttles a disk"
+            )
+        path = parent / f"edge0-read-{os.getpid()}"
+        path.mkdir(exist_ok=True)
+        cg = cls(path, device, rate, version)
+        try:
+            dev = f"{device[0]}:{device[1]}"
+            if version == 1:
+                (path / "blkio.throttle.read_bps_device").write_text(f"{dev} {rate}")
+            else:
+                (path / "io.max").write_text(f"{dev} rbps={rate}")
+        except OSError:
+            cg.remove()
+            raise
+        return cg
+
+    def enter(self) -> None:
+        """Move the calling process (a child between fork and exec) into the cgroup."""
+        with open(self.path / "cgroup.procs", "w") as fh:
+            fh.write(str(os.getpid()))
+
+    def bytes_read(self) -> int:
+        """Bytes read from the limited disk by processes in the cgroup so far."""
+        dev = f"{self.device[0]}:{self.device[1]}"
+        try:
+            if self.version == 1:
+                text = (self.path / "blkio.throttle.io_service_bytes").read_text()
+                return sum(
+                    int(f[2])
+                    for f in (l.split() for l in text.splitlines())
+                    if len(f) == 3 and f[0] == dev and f[1] == "Read"
+                )
+            text = (self.path / "io.stat").read_text()
+            for line in text.splitlines():
+                if line.startswith(dev + " "):
+                    return int(dict(kv.split("=") for kv in line.split()[1:]).get("rbytes", 0))
+        except OSError:
+            pass
+        return 0
+
+    def describe(self) -> dict:
+        return {
+            "rate_bytes_per_s": self.rate,
+            "device": f"{self.device[0]}:{self.device[1]}",
+            "cgroup": str(self.path),
+            "cgroup_version": self.version,
+        }
+
+    def remove(self) -> None:
+        MemoryCgroup(self.path, 0).remove()
+
+
+def enter_all(*cgroups):
+    """A preexec_fn that moves the child into every given cgroup (None entries skipped), or None."""
+    live = [c for c in cgroups if c is not None]
+    if not live:
+        return None
+
+    def enter():
+        for c in live:
+            c.enter()
+
+    return enter

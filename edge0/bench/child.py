@@ -217,7 +217,8 @@ def run_resident(spec: dict) -> dict:
     out.update(
         {
             "status": "ok",
-            "describe": f"mlx-lm {resident.version()} resident: {dtype}, {resident_bytes / 1e9:.2f} GB of weights in memory",
+            "describe": f"mlx-lm {resident.version()} resident: {dtype}, {resident_bytes / 1e9:.2f} GB of weights in "
+            "memory",
             "compute_dtype": dtype,
             "load_s": load_s,
             "mlx_load_peak_bytes": load_peak,

@@ -82,7 +82,8 @@ def markdown(result: dict) -> str:
             f"| {a['name']} | {a['storage']} | {_f(m['decode_tps'])} | {_f(vs, '{:.2f}x')} | {_f(m['prefill_tps'])} "
             f"| {_f(m['ttft_s'], '{:.1f}')} | {_gb(m['mlx_peak_bytes'])} | {_gb(m['mlx_decode_peak_bytes'])} "
             f"| {_gb(m['peak_rss_bytes'])} | {_gb(m['expert_bytes_read'])} | {_f(m['hit_rate'], '{:.0%}')} "
-            f"| {_f(m['stall_ms_per_step'], '{:.0f}')} | {_reads(a)} | {'-' if match is None else ('yes' if match else 'no')} |"
+            f"| {_f(m['stall_ms_per_step'], '{:.0f}')} | {_reads(a)} | "
+            f"{'-' if match is None else ('yes' if match else 'no')} |"
         )
     if s.get("routing", "uniform") != "uniform":
         lines.append("")
@@ -223,9 +224,10 @@ def append_docs(path: Path, result: dict, table: str, json_path: Path, png_path:
         "",
         f"`{result['command']}` at commit {(result['git']['commit'] or '?')[:10]}: {shape_txt}"
         f"{_gb(s['store_bytes'])} store ({_gb(s['expert_bytes'])} of int4 experts, random weights: near-flat routing). "
-        f"{s['prompt_tokens']} prompt tokens, {s['decode_tokens']} greedy tokens, expert cache {s['expert_cache']} of the experts "
-        f"({_gb(s['expert_cache_bytes'])}), each arm in its own process. Raw numbers: [{json_path.name}]({rel(json_path)})"
-        + (f", plot: [{png_path.name}]({rel(png_path)})." if png_path else "."),
+        f"{s['prompt_tokens']} prompt tokens, {s['decode_tokens']} greedy tokens, expert cache {s['expert_cache']} "
+        "of the experts "
+        f"({_gb(s['expert_cache_bytes'])}), each arm in its own process. Raw numbers: "
+        f"[{json_path.name}]({rel(json_path)})" + (f", plot: [{png_path.name}]({rel(png_path)})." if png_path else "."),
         "",
         table,
         "",

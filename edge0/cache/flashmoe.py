@@ -59,7 +59,8 @@ class FlashMoEModel:
     def rows(self, layer: int, experts: np.ndarray) -> np.ndarray:
         if layer not in self.layers:
             raise Edge0Error(
-                f"cache policy weights: no layer {layer} (trained on layers {self.layers}); train them on a trace of this model"
+                f"cache policy weights: no layer {layer} (trained on layers {self.layers}); train them on a trace of "
+                "this model"
             )
         return self.layers.index(layer) * self.num_experts + np.asarray(experts)
 
@@ -107,7 +108,8 @@ def load_model(path: str) -> FlashMoEModel:
         raise Edge0Error(f"{p}: not a safetensors file ({e}); {regen}") from None
     if meta.get("format") != FORMAT or meta.get("version") != str(VERSION):
         raise Edge0Error(
-            f"{p}: format {meta.get('format')!r} version {meta.get('version')}, this edge0 reads {FORMAT!r} version {VERSION}; {regen}"
+            f"{p}: format {meta.get('format')!r} version {meta.get('version')}, this edge0 reads {FORMAT!r} version "
+            f"{VERSION}; {regen}"
         )
     if json.loads(meta["features"]) != FEATURES or set(params) != set(PARAMS):
         raise Edge0Error(f"{p}: features or parameters differ from this edge0's model; {regen}")
@@ -126,7 +128,8 @@ class FlashMoE(Policy):
         self.model = weights if isinstance(weights, FlashMoEModel) else load_model(str(weights))
         if self.model.num_experts != num_experts:
             raise Edge0Error(
-                f"cache policy weights are for {self.model.num_experts} experts, this layer has {num_experts}; train them on a trace of this model"
+                f"cache policy weights are for {self.model.num_experts} experts, this layer has {num_experts}; train "
+                "them on a trace of this model"
             )
         self.layer = layer
         self.feats = Features(num_experts)

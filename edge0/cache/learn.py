@@ -173,11 +173,13 @@ def train(
         pool += new
         if not pool:
             raise ValueError(
-                "the trace has no eviction decision with two or more candidates; record a longer trace or use a smaller budget"
+                "the trace has no eviction decision with two or more candidates; record a longer trace or use a "
+                "smaller budget"
             )
         loss = fit(params, pool, epochs, rng)
         model = FlashMoEModel(params, trace.layers, E)
         log(
-            f"round {rnd + 1}/{rounds}: {len(new)} new decisions ({'Belady' if rnd == 0 else 'model'}-driven), {len(pool)} in all, loss {loss:.4f}"
+            f"round {rnd + 1}/{rounds}: {len(new)} new decisions ({'Belady' if rnd == 0 else 'model'}-driven), "
+            f"{len(pool)} in all, loss {loss:.4f}"
         )
     return model, loss

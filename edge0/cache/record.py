@@ -94,7 +94,8 @@ def synthetic_record(engine, steps: int, seed: int = 0) -> tracefile.Trace:
 
     if engine.spec is None:
         raise Edge0Error(
-            f"--routing qwen3-like: {engine.model_id} is served at the universal level; synthetic routes need a spec'd family"
+            f"--routing qwen3-like: {engine.model_id} is served at the universal level; synthetic routes need a "
+            "spec'd family"
         )
     layers = sorted(engine.store.layers)
     meta = {

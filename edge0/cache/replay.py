@@ -50,7 +50,8 @@ def parse_byte_budgets(text: str, expert_bytes: list[int], num_experts: int) -> 
         cap = parse_size(part, "--budget-bytes") // per_expert_all_layers
         if cap < 1:
             raise Edge0Error(
-                f"--budget-bytes: {part} holds no expert per layer (one expert in every layer is {per_expert_all_layers} bytes)"
+                f"--budget-bytes: {part} holds no expert per layer (one expert in every layer is "
+                f"{per_expert_all_layers} bytes)"
             )
         out.append(Budget(part, min(cap, num_experts)))
     return out

@@ -156,7 +156,8 @@ def format_stats(s: dict) -> str:
         f"prompt {s['prompt_tokens']} tok ({s['prefill_tps']:.1f} tok/s prefill), "
         f"generated {s['generation_tokens']} tok ({s['decode_tps']:.1f} tok/s), "
         f"MLX peak {s['peak_memory_bytes'] / 2**20:.1f} MiB, RSS peak {s['peak_rss_bytes'] / 2**20:.0f} MiB, "
-        f"experts read {s['expert_bytes_read'] / 2**20:.1f} MiB in {s['expert_reads']} reads ({s['io_reader']}), cache hits {hit}, "
+        f"experts read {s['expert_bytes_read'] / 2**20:.1f} MiB in {s['expert_reads']} reads ({s['io_reader']}), "
+        f"cache hits {hit}, "
         f"stall {s.get('stall_ms_per_step', 0):.1f} ms/step{sub}"
     )
 

@@ -1,6 +1,6 @@
 """`edge0 eval`: perplexity on held-out text and next-token agreement with a reference run.
 
-How windows, perplexity, agreement and KL are computed: edge0/evaluate.py. `--decode` runs one
+How windows, perplexity, agreement and KL are computed: edge0/engine/evaluate.py. `--decode` runs one
 decode step per token through the KV cache and the expert cache (slower; the mode in which cache
 policies and substitution act). The reference is another edge0 store (gate routing, no adapter)
 or an mlx-lm / Hugging Face directory run resident by mlx-lm.
@@ -100,7 +100,10 @@ def main(argv=None) -> int:
     if args.json:
         print(json.dumps(result, indent=1))
     else:
-        line = f"perplexity {result['perplexity']:.3f} over {result['tokens']} tokens ({result['windows']} windows of {args.window})"
+        line = (
+            f"perplexity {result['perplexity']:.3f} over {result['tokens']} tokens "
+            f"({result['windows']} windows of {args.window})"
+        )
         if ref is not None:
             line += f", agreement {100 * result['agreement']:.2f}%, KL {result['kl_to_reference']:.4f} nats/token"
         hit = result["expert_hit_rate"]

@@ -84,7 +84,8 @@ def main(argv=None) -> int:
         trace = tracefile.read(args.trace)
         if trace.meta.get("manifest_hash") != manifest_hash(engine.root):
             raise Edge0Error(
-                f"--trace: {args.trace} was recorded on another store; record one with: edge0 trace --model {engine.root} --data FILE --out TRACE"
+                f"--trace: {args.trace} was recorded on another store; record one with: edge0 trace --model "
+                f"{engine.root} --data FILE --out TRACE"
             )
     elif args.data:
         trace = record_file(engine, args.data, args.prompts, args.prompt_tokens, args.max_tokens)
@@ -117,16 +118,20 @@ def main(argv=None) -> int:
     )
     print(
         f"measured: one expert read {1e3 * np.mean(cold):.2f} ms "
-        f"{'cold' if reads['cold_forced'] else 'warm (could not drop the page cache)'}, {1e3 * np.mean(warm):.3f} ms warm; "
-        f"decode step {1e3 * hi['step_s']:.1f} ms reading {hi['bytes_per_token'] / 2**20:.2f} MiB/token (default cache), "
-        f"{1e3 * lo['step_s']:.1f} ms reading {lo['bytes_per_token'] / 2**20:.2f} MiB/token (top-k slots), page cache warm; "
+        f"{'cold' if reads['cold_forced'] else 'warm (could not drop the page cache)'}, "
+        f"{1e3 * np.mean(warm):.3f} ms warm; "
+        f"decode step {1e3 * hi['step_s']:.1f} ms reading {hi['bytes_per_token'] / 2**20:.2f} MiB/token "
+        "(default cache), "
+        f"{1e3 * lo['step_s']:.1f} ms reading {lo['bytes_per_token'] / 2**20:.2f} MiB/token (top-k slots), "
+        "page cache warm; "
         f"resident weights {engine.resident_bytes / 2**20:.1f} MiB\n"
     )
     print("| budget | experts/layer | cache MiB | hit rate | MiB read/token | predicted tok/s |")
     print("|---|---|---|---|---|---|")
     for r in rows:
         print(
-            f"| {r['budget']} | {r['experts_per_layer']} | {r['cache_bytes'] / 2**20:.1f} | {100 * r['hit_rate']:.1f}% | "
+            f"| {r['budget']} | {r['experts_per_layer']} | {r['cache_bytes'] / 2**20:.1f} | "
+            f"{100 * r['hit_rate']:.1f}% | "
             f"{r['bytes_per_token'] / 2**20:.3f} | {r['tok_s']:.1f} |"
         )
     print(

@@ -46,7 +46,8 @@ def main(argv=None) -> int:
     g.add_argument(
         "--routing",
         choices=["qwen3-like"],
-        help="instead of a trace: synthetic routes fitted to Qwen3-30B-A3B's cache statistics (docs/synthetic-routing.md), "
+        help="instead of a trace: synthetic routes fitted to Qwen3-30B-A3B's cache statistics "
+        "(docs/synthetic-routing.md), "
         "of --experts/--top-k/--layers/--steps; MiB columns assume Qwen3-30B-A3B's int4 expert (2.65 MB)",
     )
     p.add_argument("--experts", type=int, default=128, help="--routing: experts per layer (default 128)")
@@ -144,7 +145,8 @@ def main(argv=None) -> int:
         f"source {src.get('data', '?')}" if args.trace else f"seed {args.seed} (synthetic, not a real model's routes)"
     )
     print(
-        f"trace {args.trace or args.routing}: {trace.meta.get('model')}, {trace.num_steps} steps x {len(trace.layers)} MoE layers, "
+        f"trace {args.trace or args.routing}: {trace.meta.get('model')}, {trace.num_steps} steps x "
+        f"{len(trace.layers)} MoE layers, "
         f"{E} experts, top-{trace.top_k}, {source}"
     )
     print("hit rate (MiB read per token); columns: budget (experts cached per layer / experts)\n")

@@ -102,7 +102,8 @@ def main(argv=None) -> int:
         },
     )
     print(
-        f"\nheld-out hit rates (last {trace.num_steps - split} of {trace.num_steps} steps), MiB read per token in parentheses:\n"
+        f"\nheld-out hit rates (last {trace.num_steps - split} of {trace.num_steps} steps), MiB read per token in "
+        "parentheses:\n"
     )
     print(format_table(results, budgets, trace.num_experts, tail.num_steps))
     print(f"\nwrote {args.out} ({model.nbytes / 1024:.1f} KiB of weights, trained in {train_s:.0f} s)")

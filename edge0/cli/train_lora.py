@@ -93,7 +93,8 @@ def _parser() -> argparse.ArgumentParser:
         "--distill-top-k",
         type=int,
         default=d.distill_top_k,
-        help="KL over the teacher's top-k tokens per position plus one bucket for the rest; 0 (default): over the whole vocabulary",
+        help="KL over the teacher's top-k tokens per position plus one bucket for the rest; "
+        "0 (default): over the whole vocabulary",
     )
     p.add_argument("--max-tokens", type=int, default=d.max_tokens, help="tokens of --data to use")
     p.add_argument(
@@ -126,7 +127,8 @@ def main(argv=None) -> int:
     teacher_dir = Path(args.teacher).expanduser()
     if not (teacher_dir / "config.json").is_file():
         raise Edge0Error(
-            f"--teacher {teacher_dir}: no config.json there; pass the full-precision Hugging Face or mlx-lm checkpoint directory"
+            f"--teacher {teacher_dir}: no config.json there; pass the full-precision Hugging Face or mlx-lm "
+            "checkpoint directory"
         )
     text = read_text(Path(args.data))
     # Exact executors read only the routed experts of each training window (kept until its
@@ -171,8 +173,10 @@ def main(argv=None) -> int:
     save_adapter(args.out, tensors, meta)
     b, a = report["before"], report["after"]
     print(
-        f"held-out: teacher perplexity {report['teacher_perplexity']:.3f}; student {b['perplexity']:.3f} -> {a['perplexity']:.3f}, "
-        f"KL to teacher {b['kl_to_teacher']:.4f} -> {a['kl_to_teacher']:.4f} nats/token; distillation loss on a fixed probe "
+        f"held-out: teacher perplexity {report['teacher_perplexity']:.3f}; student {b['perplexity']:.3f} -> "
+        f"{a['perplexity']:.3f}, "
+        f"KL to teacher {b['kl_to_teacher']:.4f} -> {a['kl_to_teacher']:.4f} nats/token; distillation loss on a "
+        "fixed probe "
         f"{report['probe_distill_loss_before']:.4f} -> {report['probe_distill_loss_after']:.4f}",
         file=sys.stderr,
     )

@@ -49,7 +49,8 @@ def main(argv=None) -> int:
     write(args.out, tensors, meta)
     for consumer, r in sorted(report.items()):
         print(
-            f"layer {r['owner']:2d} -> {consumer:2d}: recall@K {r['recall_at_k']:.3f} (untrained {r['recall_at_k_untrained']:.3f}), "
+            f"layer {r['owner']:2d} -> {consumer:2d}: recall@K {r['recall_at_k']:.3f} (untrained "
+            f"{r['recall_at_k_untrained']:.3f}), "
             f"recall@K/2 {r['recall_at_half_k']:.3f}",
             file=sys.stderr,
         )

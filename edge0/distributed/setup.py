@@ -51,7 +51,8 @@ def plan_stage(group, root, resident_file: str, manifest: dict, config: dict, op
             group,
             "the store (manifest hash)",
             manifest_hash(root),
-            "every rank must load the same store: copy one store to every machine, or convert the same checkpoint on each",
+            "every rank must load the same store: copy one store to every machine, or convert the same checkpoint on "
+            "each",
         )
     num_layers = bdist.num_layers(bio.build_model(config, root))
     ranks = group.size() if group is not None else 1

@@ -74,7 +74,8 @@ def check_split(split: tuple[int, ...], num_layers: int, ranks: int) -> None:
         )
     if sum(split) != num_layers:
         raise Edge0Error(
-            f"--pipeline-split {given}: covers {sum(split)} layer{'s' if sum(split) > 1 else ''}, but the model has {num_layers} "
+            f"--pipeline-split {given}: covers {sum(split)} layer{'s' if sum(split) > 1 else ''}, but the model has "
+            f"{num_layers} "
             f"(layers 0-{num_layers - 1}); the counts (rank 0 first, rank 0 runs the last layers) "
             f"must sum to {num_layers}"
         )

@@ -100,7 +100,8 @@ def _universal_checks(manifest: dict, options) -> None:
     family = manifest["model_type"]
     if options.top_k is not None:
         raise Edge0Error(
-            f"--top-k: {family} has no MoESpec (universal level); the serving width can only be changed for spec'd families"
+            f"--top-k: {family} has no MoESpec (universal level); the serving width can only be changed for spec'd "
+            "families"
         )
     if options.cache_policy == "smoe" or options.substitute_alpha:
         flag = "--cache-policy smoe" if options.cache_policy == "smoe" else "--substitute-alpha"

@@ -25,7 +25,8 @@ def heads_path(root: Path, prerouter, spec) -> Path | None:
         return auto if auto.is_file() and spec is not None else None
     if spec is None:
         raise Edge0Error(
-            f"--prerouter {prerouter}: this model is served at the universal level (no MoESpec); the pre-router needs a spec'd family"
+            f"--prerouter {prerouter}: this model is served at the universal level (no MoESpec); the pre-router "
+            "needs a spec'd family"
         )
     return Path(prerouter).expanduser()
 

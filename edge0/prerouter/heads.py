@@ -48,7 +48,8 @@ def load_heads(path, manifest_sha256: str, spec_dict: dict, store) -> tuple[dict
         )
     if decoded.get("spec", {}).get("num_experts") != spec_dict["num_experts"]:
         raise Edge0Error(
-            f"{path}: heads predict {decoded.get('spec', {}).get('num_experts')} experts, the model has {spec_dict['num_experts']}; {_retrain(store)}"
+            f"{path}: heads predict {decoded.get('spec', {}).get('num_experts')} experts, the model has "
+            f"{spec_dict['num_experts']}; {_retrain(store)}"
         )
     for k, v in tensors.items():
         if not np.isfinite(v).all():

@@ -142,7 +142,8 @@ def train(
     traces = collect(engine, tokens, window, progress)
     if len(traces) < 2:
         raise Edge0Error(
-            f"--data: too little text ({len(tokens)} tokens) for {window}-token windows with a held-out part; give more text"
+            f"--data: too little text ({len(tokens)} tokens) for {window}-token windows with a held-out part; give "
+            "more text"
         )
     n_val = max(1, int(len(traces) * holdout))
     train_tr, val_tr = traces[:-n_val], traces[-n_val:]

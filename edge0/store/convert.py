@@ -4,19 +4,15 @@ Resident weights go to model.safetensors, quantized exactly as mlx-lm would; rou
 one layer-stacked int4 file per MoE layer. Tensors are evaluated and written one at a time into a
 temporary directory that is renamed at the end, so an interrupted run leaves nothing loadable.
 A conversion holds a lock beside its output, so two runs never write the same store; partial
-directories of killed runs are removed by the next run to the same output.
+directories of killed runs are removed by the next run to the same output (store/outdir.py).
 """
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import json
 import os
 import shutil
-import signal
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -36,6 +32,7 @@ from edge0.store.format import (
     seal,
     sha256_file,
 )
+from edge0.store.outdir import output_lock, partial_dir, remove_stale_partials, unwind_on_termination
 from edge0.store.writer import SafetensorsWriter, write_expert_layer
 from edge0.version import __version__
 
@@ -100,13 +97,13 @@ def convert(
     if not any(src.glob("*.safetensors")):
         raise Edge0Error(f"{src}: no *.safetensors weights; pass a Hugging Face or mlx-lm model directory")
     bio.expert_modules(bio.build_model(config, src), src, supported())  # fail early on a dense model
-    with _output_lock(out, wait=reuse, quiet=quiet):
+    with output_lock(out, wait=reuse, quiet=quiet):
         if reuse and (out / MANIFEST).is_file():  # the run we waited for wrote it
             return out
         if out.exists():
             raise Edge0Error(f"-o {out}: already exists; choose a new output directory or delete it")
-        _remove_stale_partials(out, quiet)
-        with _unwind_on_termination():
+        remove_stale_partials(out, quiet)
+        with unwind_on_termination():
             return _convert(src, str(hf_path), out, config, dtype, quiet)
 
 
@@ -124,7 +121,7 @@ def _convert(src: Path, hf_path: str, out: Path, config: dict, dtype: str | None
     spec = spec_for(config)
     resident, layers = _split(weights, experts)
 
-    tmp = _partial(out, os.getpid())
+    tmp = partial_dir(out, os.getpid())
     total = sum(weights[k].nbytes for k in weights)
     bar = tqdm(total=total, unit="B", unit_scale=True, desc="convert", disable=quiet)
     files = {}
@@ -178,106 +175,6 @@ def _convert(src: Path, hf_path: str, out: Path, config: dict, dtype: str | None
             file=sys.stderr,
         )
     return out
-
-
-def _partial(out: Path, pid: int | str = "") -> Path:
-    """The directory a conversion by process `pid` writes before renaming it to `out` (no
-    `pid`: the common prefix of such directories)."""
-    return out.parent / f".{out.name}.partial-{pid}"
-
-
-def _remove_stale_partials(out: Path, quiet: bool) -> None:
-    """Remove the partial directories that killed conversions to `out` left (their process is
-    gone); each run writes its own, named by its PID, so without this they would pile up."""
-    prefix = _partial(out).name
-    for p in out.parent.iterdir():
-        pid = p.name[len(prefix) :]
-        if p.name.startswith(prefix) and pid.isdigit() and not _alive(int(pid)):
-            if not quiet:
-                print(f"edge0: removing {p}, left by an interrupted conversion", file=sys.stderr)
-            shutil.rmtree(p, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
-
-
-@contextlib.contextmanager
-def _output_lock(out: Path, wait: bool, quiet: bool):
-    """Hold an exclusive flock on `.NAME.lock` beside `out` while converting into `out`. A run
-    that finds it held fails (`wait` False) or waits. The holder deletes the file before
-    unlocking, so a waiter that then holds a deleted file locks the new one instead."""
-    path = out.parent / f".{out.name}.lock"
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        while True:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                _flock(fd, out, wait, quiet)
-            except BaseException:
-                os.close(fd)
-                raise
-            with contextlib.suppress(FileNotFoundError):
-                if os.stat(path).st_ino == os.fstat(fd).st_ino:
-                    break
-            os.close(fd)
-    except OSError as e:
-        raise Edge0Error(
-            f"-o {out}: cannot write in {out.parent} ({e.strerror}); choose a writable directory"
-        ) from None
-    os.ftruncate(fd, 0)
-    os.write(fd, str(os.getpid()).encode())
-    try:
-        yield
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
-        os.close(fd)
-
-
-def _flock(fd: int, out: Path, wait: bool, quiet: bool) -> None:
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return
-    except BlockingIOError:
-        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-    if not wait:
-        raise Edge0Error(
-            f"-o {out}: another conversion (pid {holder}) is writing it; wait for it to finish, "
-            "or choose another output directory"
-        )
-    if not quiet:
-        print(f"edge0: waiting for another process (pid {holder}) converting into {out}", file=sys.stderr)
-    fcntl.flock(fd, fcntl.LOCK_EX)
-
-
-@contextlib.contextmanager
-def _unwind_on_termination():
-    """SIGTERM and SIGHUP kill a process without unwinding by default; while converting they
-    raise SystemExit instead, so the partial directory is removed. A handler the application
-    installed is left alone, and Python runs handlers only in the main thread."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)}
-    for s, handler in previous.items():
-        if handler == signal.SIG_DFL:
-            signal.signal(s, _exit_on_signal)
-    try:
-        yield
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-
-
-def _exit_on_signal(signum, frame):
-    raise SystemExit(128 + signum)
 
 
 def _materialize(weights: dict, name: str, bar):

@@ -167,8 +167,8 @@ class ExpertStore:
         Returns {tensor name: (uint8 bytes [len(ids), expert_nbytes], safetensors dtype,
         per-expert shape)}; tensor names are relative to the layer's expert module
         (e.g. "gate_proj.scales"). The arrays are C-contiguous, disjoint parts of one block
-        allocated for this call, never reused by the store. With an expert-major layer, one read fills all tensors of an expert
-        (a vectored read, or a run of adjacent experts at once).
+        allocated for this call, never reused by the store. With an expert-major layer, one read
+        fills all tensors of an expert (a vectored read, or a run of adjacent experts at once).
         """
         return self._fill(self.layers[layer], [int(e) for e in ids])
 
@@ -204,7 +204,8 @@ class ExpertStore:
             line += "; expert-major layout: 1 read per expert"
         line += "; experts checked (crc32) when first read" if s["expert_checks"] else "; experts not checked when read"
         if s["direct_fallbacks"]:
-            line += f"; page-cache bypass fell back to pread for {s['direct_fallbacks']} files: {'; '.join(s['direct_fallback_reasons'])}"
+            reasons = "; ".join(s["direct_fallback_reasons"])
+            line += f"; page-cache bypass fell back to pread for {s['direct_fallbacks']} files: {reasons}"
         return line
 
     def close(self) -> None:

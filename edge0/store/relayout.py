@@ -16,6 +16,7 @@ from pathlib import Path
 
 from edge0.errors import Edge0Error
 from edge0.store.format import EXPERT_MAJOR, MANIFEST, VERSION, open_manifest, seal
+from edge0.store.outdir import output_lock, partial_dir, remove_stale_partials, unwind_on_termination
 from edge0.store.writer import write_expert_layer
 
 
@@ -36,8 +37,14 @@ def relayout_store(src, out) -> Path:
     if out.exists():
         raise Edge0Error(f"{out}: already exists; choose a new output directory or delete it")
     layer_files = {l["file"] for l in manifest["expert_layers"]}
-    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    with output_lock(out, wait=False, quiet=False), unwind_on_termination():
+        if out.exists():  # written while we waited for the lock
+            raise Edge0Error(f"{out}: already exists; choose a new output directory or delete it")
+        remove_stale_partials(out, quiet=False)
+        return _relayout(src, out, manifest, layer_files, partial_dir(out, os.getpid()))
+
+
+def _relayout(src: Path, out: Path, manifest: dict, layer_files: set, tmp: Path) -> Path:
     try:
         shutil.copytree(
             src,

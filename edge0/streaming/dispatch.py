@@ -35,7 +35,8 @@ def load_cache_weights(path, store) -> FlashMoEModel:
     trained_on = json.loads(model.metadata.get("manifest_hash", "null"))
     if trained_on != manifest_hash(store.root):
         raise Edge0Error(
-            f"--cache-weights {path}: trained on a trace of another model (store manifest hash {str(trained_on)[:12]}...); "
+            f"--cache-weights {path}: trained on a trace of another model (store manifest hash "
+            f"{str(trained_on)[:12]}...); "
             f"train weights for this one: {TRAIN_WEIGHTS.replace('STORE', str(store.root))}"
         )
     return model
@@ -120,7 +121,8 @@ class Streaming:
         sub = f", substitution alpha {o.substitute_alpha} (changes outputs)" if o.substitute_alpha else ""
         return (
             f"expert cache {format_size(self.budget)} ({o.cache_policy}, {self.n_slots} slots per layer; "
-            f"experts total {format_size(self.total_expert_bytes)}), prefill {o.prefill_executor}, decode {o.decode_executor}{sub}"
+            f"experts total {format_size(self.total_expert_bytes)}), prefill {o.prefill_executor}, decode "
+            f"{o.decode_executor}{sub}"
         )
 
     def staged(self) -> dict[int, StagedExecutor]:

@@ -170,7 +170,8 @@ def analyze(out_dir: str, work: str, a) -> dict:
             "perplexity": round(math.exp(val_nll), 2),
             "unigram_nll_nats": round(uni, 4),
             "unigram_perplexity": round(math.exp(uni), 2),
-            "unigram": "token unigram fit on the training split, add-one smoothing, scored on the same validation tokens",
+            "unigram": "token unigram fit on the training split, add-one smoothing, scored on the same validation "
+            "tokens",
             "window": a.seq,
         },
         "routing": {
@@ -178,9 +179,11 @@ def analyze(out_dir: str, work: str, a) -> dict:
             "per_layer": routing,
             "definitions": {
                 "load_entropy_bits": "entropy of the distribution of top-k assignments over experts (log2 E = uniform)",
-                "topk_reuse_prev_token": "fraction of a token's top-k experts that were also in the previous token's top-k, same layer",
+                "topk_reuse_prev_token": "fraction of a token's top-k experts that were also in the previous token's "
+                "top-k, same layer",
                 "topk_reuse_random_baseline": "K/E: expected reuse for independent uniform routing",
-                "topk_reuse_independent_baseline": "K*sum(share^2): expected reuse for independent routing with the measured expert loads",
+                "topk_reuse_independent_baseline": "K*sum(share^2): expected reuse for independent routing with the "
+                "measured expert loads",
             },
         },
         "greedy_samples": samples,

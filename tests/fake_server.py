@@ -21,11 +21,11 @@ from tests.fake_engine import FakeEngine
 
 
 @contextlib.contextmanager
-def running_server(engine, config, **app_kwargs):
-    """A real uvicorn server on a free port, in a thread; yields its base URL. `app_kwargs` go to
-    create_app (e.g. read_memory)."""
+def running_server(engine, config, host="127.0.0.1", **app_kwargs):
+    """A real uvicorn server on a free port of `host`, in a thread; yields its base URL.
+    `app_kwargs` go to create_app (e.g. read_memory)."""
     sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
+    sock.bind((host, 0))
     server = uvicorn.Server(uvicorn.Config(create_app(engine, config, **app_kwargs), log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
@@ -34,7 +34,7 @@ def running_server(engine, config, **app_kwargs):
         assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
         time.sleep(0.01)
     try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+        yield f"http://{host}:{sock.getsockname()[1]}"
     finally:
         server.should_exit = True
         thread.join(10)

@@ -58,6 +58,20 @@ def _is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
+def _checked(normalize: str):
+    """An argparse type from a hosts.py normalizer (imported when a flag is given)."""
+
+    def parse(text: str) -> str:
+        from edge0.server import hosts
+
+        try:
+            return getattr(hosts, normalize)(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="edge0 serve", description=__doc__.splitlines()[0])
     add_model_options(p)
@@ -68,6 +82,24 @@ def build_parser() -> argparse.ArgumentParser:
         default=os.environ.get("EDGE0_API_KEY"),
         help="require the key on /v1/*, as 'Authorization: Bearer KEY' or 'x-api-key: KEY' "
         "(default: $EDGE0_API_KEY, else none)",
+    )
+    p.add_argument(
+        "--allowed-host",
+        action="append",
+        default=[],
+        type=_checked("normalize_host"),
+        metavar="NAME",
+        help="also answer requests whose Host header is NAME, e.g. a name this machine has on the network "
+        "(repeatable; default: only localhost, 127.0.0.1, [::1] and the bound address, against DNS rebinding)",
+    )
+    p.add_argument(
+        "--cors-origin",
+        action="append",
+        default=[],
+        type=_checked("normalize_origin"),
+        metavar="ORIGIN",
+        help="let web pages of ORIGIN (scheme://host[:port]) call the server from a browser (repeatable; "
+        "default: none, only the server's own page at /)",
     )
     p.add_argument(
         "--max-queue",
@@ -150,6 +182,8 @@ def main(argv=None) -> int:
         max_messages=args.max_messages,
         memory_low=memory_low,
         memory_poll_s=args.memory_poll_s,
+        allowed_hosts=tuple(args.allowed_host),
+        cors_origins=tuple(args.cors_origin),
     )
     log.info(
         "limits: prompt %d tokens (--max-prompt-tokens), max_tokens %d (--max-tokens), queue %d (--max-queue); "
@@ -159,6 +193,8 @@ def main(argv=None) -> int:
         config.max_queue,
         format_size(memory_low) if memory_low else "never",
     )
+    shown = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
+    log.info("chat page: http://%s:%d/", f"[{shown}]" if ":" in shown else shown, args.port)
     try:
         run(create_app(engine, config), host=args.host, port=args.port, log_level=args.log_level)
     finally:

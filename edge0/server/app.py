@@ -13,7 +13,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from edge0.backend.memory import available as memory_available
-from edge0.server import anthropic, responses_api
+from edge0.server import anthropic, hosts, responses_api, ui
 from edge0.server.config import ServerConfig
 from edge0.server.errors import install_error_handlers
 from edge0.server.memory import MemoryWatcher
@@ -60,6 +60,8 @@ def create_app(engine, config: ServerConfig | None = None, read_memory=memory_av
     app.state.token_chars = max(map(len, engine.tokenizer.get_vocab()))
     install_error_handlers(app)
     app.add_middleware(Guard, api_key=config.api_key, max_body_bytes=config.max_body_bytes)
+    hosts.install(app, config.allowed_hosts, config.cors_origins)  # outermost: before auth and limits
+    app.include_router(ui.router)
     for routes in (router, anthropic.router, responses_api.router):
         app.include_router(routes)
     return app

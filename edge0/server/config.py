@@ -24,6 +24,8 @@ class ServerConfig:
     max_messages: int = 512  # --max-messages
     memory_low: int = 0  # --memory-low: shrink the expert cache below this much available memory (0: off)
     memory_poll_s: float = 2.0  # --memory-poll-s: seconds between memory readings
+    allowed_hosts: tuple[str, ...] = ()  # --allowed-host: Host names accepted besides loopback and the bound address
+    cors_origins: tuple[str, ...] = ()  # --cors-origin: origins whose pages may call the API (CORS)
 
 
 def model_context_length(root: Path) -> int | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
+from edge0.backend.memory import available as memory_available
 from edge0.server.chat_format import ChatFormat, CompletionFormat
 from edge0.server.pipeline import Prompt, check_model, chosen_tools, respond, sampling_params
 from edge0.server.schemas import ChatCompletion, ChatRequest, Completion, CompletionRequest, ModelCard, ModelList
@@ -47,6 +48,7 @@ async def stats(request: Request) -> dict:
             "between_errors": state.scheduler.between_errors,
         },
         "memory": state.memory.stats() if state.memory else None,
+        "machine": _machine_memory(),
     }
 
 
@@ -79,6 +81,13 @@ async def completions(body: CompletionRequest, request: Request):
     )
     fmt = CompletionFormat(request.app.state.engine.model_id, body.include_usage())
     return await respond(request, fmt, Prompt("prompt", text=body.prompt), params, body.stream)
+
+
+def _machine_memory() -> dict:
+    """`machine` in /v1/stats: the memory this process could still use now (the chat page draws
+    the engine's memory against it)."""
+    available, source = memory_available()
+    return {"memory_available_bytes": available, "memory_source": source}
 
 
 def _card(request: Request) -> dict:

@@ -2,16 +2,20 @@
 mlx-lm's chunked forward for every family; each layer's experts read once per span; cancellation
 between layers; a layer that does not add its MoE output to the residual is detected."""
 
+import time
+
+import httpx
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
 
 import edge0
-from edge0.backend import kvcache as bkv
 from edge0.backend import layerwise as blw
 from edge0.backend.moe import StreamingExperts
 from edge0.errors import Edge0Error
+from edge0.server.config import ServerConfig
+from tests.fake_server import running_server
 from tests.fixtures.families import SPECD, UNIVERSAL
 
 PROMPT = [(7 * i) % 200 + 10 for i in range(300)]
@@ -120,19 +124,38 @@ def test_the_residual_probe_tells_the_two_layers_apart():
 
 
 def test_quantized_kv_cache_round_trip(store_for, tmp_path):
+    """--kv-bits through generate, chat, the server and a prompt cache on disk (keyed by it)."""
+    store = store_for("qwen3_moe")
     with pytest.raises(Edge0Error, match="--kv-group-size 64 does not divide"):  # head_dim 32
-        edge0.load(store_for("qwen3_moe"), dtype="float32", prerouter=False, kv_bits=8).generate(PROMPT, max_tokens=1)
-    engine = edge0.load(store_for("qwen3_moe"), dtype="float32", prerouter=False, kv_bits=8, kv_group_size=32)
-    cache = engine.kv.make()
-    assert all(getattr(c, "bits", None) == 8 for c in cache)
+        edge0.load(store, dtype="float32", prerouter=False, kv_bits=8).generate(PROMPT, max_tokens=1)
+    opts = dict(dtype="float32", prerouter=False, kv_bits=8, kv_group_size=32)
+    engine = edge0.load(store, **opts)
+    assert all(getattr(c, "bits", None) == 8 for c in engine.kv.make())
     first = engine.generate(PROMPT, max_tokens=6, reuse_cache=True)
     assert engine.kv.cache[0].bits == 8 and len(engine.kv.tokens) == len(PROMPT) + 5
-    # a follow-up reuses the quantized cache (trimmed to the shared prefix)
     follow = engine.generate(PROMPT + first.tokens[:3] + [11, 12], max_tokens=3, reuse_cache=True)
-    assert follow.stats["prefill_tokens"] == 2
-    float_engine = edge0.load(store_for("qwen3_moe"), dtype="float32", prerouter=False)
-    assert float_engine.identity() != engine.identity()  # disk prompt caches are keyed by it
-    path = tmp_path / "c.safetensors"
-    bkv.save_prompt_cache(str(path), engine.kv.cache, {"x": "1"})
-    restored, _ = bkv.read_prompt_cache(str(path))
-    assert restored[0].bits == 8 and restored[0].offset == engine.kv.cache[0].offset
+    assert follow.stats["prefill_tokens"] == 2  # the quantized cache is trimmed and reused
+    messages = [{"role": "user", "content": "hello world, " * 20}]
+    assert engine.chat(messages, max_tokens=4).tokens == edge0.load(store, **opts).chat(messages, max_tokens=4).tokens
+
+    served = edge0.load(store, prompt_cache_dir=tmp_path / "pc", **opts)
+    with running_server(served, ServerConfig()) as base:
+        reply = httpx.post(
+            base + "/v1/chat/completions",
+            timeout=60,
+            json={"model": served.model_id, "messages": messages, "max_tokens": 4},
+        ).json()
+        deadline = time.monotonic() + 10
+        while httpx.get(base + "/v1/stats").json()["engine"]["prompt_cache"]["saved"] < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+    assert reply["usage"]["completion_tokens"] == 4
+    follow = messages + [{"role": "assistant", "content": reply["choices"][0]["message"]["content"]}]
+    follow += [{"role": "user", "content": "more"}]
+    restarted = edge0.load(store, prompt_cache_dir=tmp_path / "pc", **opts)
+    n = len(restarted.chat_prompt(follow))
+    assert restarted.chat(follow, max_tokens=2, reuse_cache=True).stats["prefill_tokens"] < n - 40
+    assert restarted.stats()["prompt_cache"]["restored"] == 1 and restarted.kv.cache[0].bits == 8
+    float_engine = edge0.load(store, prompt_cache_dir=tmp_path / "pc", dtype="float32", prerouter=False)
+    assert float_engine.identity() != restarted.identity()
+    assert float_engine.chat(follow, max_tokens=2, reuse_cache=True).stats["prefill_tokens"] == n

@@ -159,3 +159,10 @@ def test_quantized_kv_cache_round_trip(store_for, tmp_path):
     float_engine = edge0.load(store, prompt_cache_dir=tmp_path / "pc", dtype="float32", prerouter=False)
     assert float_engine.identity() != restarted.identity()
     assert float_engine.chat(follow, max_tokens=2, reuse_cache=True).stats["prefill_tokens"] == n
+
+
+def test_moe_chunks_never_end_in_a_one_token_call():
+    # a one-token call is a decode step to the MoE block (the pre-router predicts from it)
+    assert blw.chunks(1025, 512) == [(0, 512), (512, 1025)]
+    assert blw.chunks(1024, 512) == [(0, 512), (512, 1024)]
+    assert blw.chunks(513, 512) == [(0, 513)] and blw.chunks(7, 512) == [(0, 7)]

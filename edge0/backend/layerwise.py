@@ -130,6 +130,16 @@ def residual_moe(layer: nn.Module, name: str, dim: int, dtype) -> bool:
     return _residual_verdicts[cls]
 
 
+def chunks(n: int, size: int) -> list[tuple[int, int]]:
+    """[start, end) bounds of `size`-token chunks of n tokens, a last chunk of one token joined to
+    the one before: the MoE block takes a one-token call for a decode step (the pre-router's)."""
+    bounds = [[c, min(n, c + size)] for c in range(0, n, size)]
+    if len(bounds) > 1 and bounds[-1][1] - bounds[-1][0] == 1:
+        last = bounds.pop()
+        bounds[-1][1] = last[1]
+    return [tuple(b) for b in bounds]
+
+
 def _chunk_mask(mask, c0: int, c1: int, span: int):
     """The span's mask cut to queries [c0, c1) and the keys they see."""
     if mask is None or isinstance(mask, str):
@@ -192,9 +202,9 @@ class SpanLayer:
         experts.executor.begin_span(span)
         try:
             ys = []
-            for c0 in range(0, span, plan.moe_chunk):
+            for c0, c1 in chunks(span, plan.moe_chunk):
                 plan.check()
-                y = block(moe_in[:, c0 : c0 + plan.moe_chunk])
+                y = block(moe_in[:, c0:c1])
                 mx.eval(y)
                 ys.append(y)
         finally:

@@ -7,9 +7,9 @@ from __future__ import annotations
 from edge0.backend import forward as bfw
 from edge0.backend import layerwise as blw
 
-# The span's activations (about 5 x tokens x hidden x 4 bytes: the layer's input, its
-# post-attention residual, the MoE input, the MoE output and the sum) stay under this bound;
-# a longer prompt goes in several spans, each reading each expert once.
+# The span's activations (about 6 x tokens x hidden x 4 bytes at a layer's peak: its input, the
+# post-attention residual, the MoE input, the MoE output in chunks and joined, and the sum) stay
+# under this bound; a longer prompt goes in several spans, each reading each expert once.
 SPAN_ACTIVATION_BYTES = 512 << 20
 MOE_CHUNK = 512  # tokens per MoE call inside a span (bounds the experts' intermediate activations)
 # mlx-lm's chunked forward (the fallback): 2048-token chunks, 512 when the caller can cancel,
@@ -66,4 +66,4 @@ class Prefiller:
 
 def default_span(hidden: int) -> int:
     """Tokens per span whose activations fit SPAN_ACTIVATION_BYTES (float32), at least MOE_CHUNK."""
-    return max(MOE_CHUNK, SPAN_ACTIVATION_BYTES // (5 * hidden * 4))
+    return max(MOE_CHUNK, SPAN_ACTIVATION_BYTES // (6 * hidden * 4))

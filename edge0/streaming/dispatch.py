@@ -22,9 +22,10 @@ from edge0.units import format_size, parse_size
 PREFILL_EXECUTORS = {"whole": WholeLayerExecutor, "exact": ExactExecutor}
 DECODE_EXECUTORS = {"staged": StagedExecutor, "hot": HotExecutor, "exact": ExactExecutor}
 WHOLE_LAYER_MIN_TOKENS = 32  # shorter prefill chunks use the exact path
-# A layer-major prefill span reads a layer whole when its routes are expected to cover most of
-# the layer's experts (span x K >= 2 E: 86% under uniform routing), else only their union.
-SPAN_WHOLE_FACTOR = 2
+# A layer-major prefill span reads a layer whole when span x K >= E (63% of the experts routed
+# under uniform routing), else only the union of its routes: measured in docs/long-prompts.md,
+# whole reads overlap compute and win from there when the experts come from storage.
+SPAN_WHOLE_FACTOR = 1
 READ_THREADS = 4  # staged reads in flight
 TRAIN_WEIGHTS = "edge0 trace --model STORE --data FILE --out TRACE && edge0 train-cache-policy --trace TRACE --out FILE"
 

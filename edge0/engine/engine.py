@@ -210,16 +210,17 @@ class Engine:
         self.streaming.end_step()
         return y
 
-    def _prefill(self, tokens: list[int], reuse: bool, sampler, should_stop) -> tuple[int | None, int]:
+    def _prefill(self, tokens: list[int], reuse: bool, sampler, should_stop) -> tuple[int | None, int, dict | None]:
         """Feed the prompt (all but the part the KV cache already holds); returns (the first
-        generated token, or None if `should_stop` said so during the prefill, and tokens prefilled)."""
+        generated token, or None if `should_stop` said so during the prefill, tokens prefilled,
+        executor totals after the prefill but before the prompt's last token)."""
         kv = self.kv
         new = tokens[kv.prepare(tokens, reuse) :]
         kv.begin()
         try:
             if not self.prefiller(new[:-1], kv.cache, should_stop) or (should_stop and should_stop()):
-                return None, len(new) - 1
-            self.prefill_totals = self.streaming.stats.totals()
+                return None, len(new) - 1, None
+            prefilled = self.streaming.stats.totals()
             y = self.step(new[-1:], 0, sampler)
         except ValueError as e:  # mlx-lm's quantized cache needs key widths the group size divides
             if kv.kv_bits and "group size" in str(e):
@@ -230,7 +231,7 @@ class Engine:
                 ) from None
             raise
         kv.advance(new)
-        return y, len(new)
+        return y, len(new), prefilled
 
     def _generate(self, tokens, max_tokens, sampler, eos, stop, reuse_cache, should_stop):
         before = self.streaming.stats.totals()
@@ -238,8 +239,7 @@ class Engine:
         B.reset_peak_memory()
         t0 = time.perf_counter()
         self.hooks.start(self)
-        self.prefill_totals = before
-        y, n_prefill = self._prefill(tokens, reuse_cache, sampler, should_stop)
+        y, n_prefill, prefilled = self._prefill(tokens, reuse_cache, sampler, should_stop)
         if y is None:  # cancelled: the cache holds part of the prompt, which nothing can reuse
             self.kv.reset()
             return
@@ -269,7 +269,7 @@ class Engine:
             if finish:
                 stats = call_stats(
                     before,
-                    self.prefill_totals,
+                    prefilled,
                     self.streaming.stats.totals(),
                     io_before,
                     self.store.io_stats(),

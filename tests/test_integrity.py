@@ -71,7 +71,17 @@ def test_checked_engine_gives_the_same_tokens_and_counts_its_checks(store_for):
     b = off.generate("hello world", max_tokens=8, ignore_eos=True)
     assert a.tokens == b.tokens
     assert on.stats()["io"]["experts_checked"] > 0 and off.stats()["io"]["experts_checked"] == 0
-    assert "experts checked (crc32)" in on.describe()
+    assert "experts checked (crc32)" in on.describe() and "resident weights (sha256) at load" in on.describe()
+
+
+def test_damaged_resident_weights_are_an_error_at_load(store):
+    resident = store / "model.safetensors"
+    damage(resident, resident.stat().st_size // 2, b"\xff" * 8)  # the size is right: only the hash sees it
+    code, err = run_cli("generate", "--model", str(store), "--prompt", "hello", "--max-tokens", "2")
+    assert code == 2 and "Traceback" not in err and len(err.splitlines()) == 1, err
+    assert str(resident) in err and f"edge0 verify {store}" in err and "does not match its checksum" in err
+    off = edge0.load(store, prerouter=False, lora=False, check_experts=False)  # the same switch turns it off
+    assert "resident weights" not in off.describe()
 
 
 def test_changed_manifest_offset_is_caught_at_load_and_by_verify(store):

@@ -15,6 +15,7 @@ from edge0.families import supported
 from edge0.spec import MoESpec, text_config
 from edge0.store import ExpertStore, open_manifest
 from edge0.store.format import RESIDENT_FILE
+from edge0.store.resident import check_resident
 from edge0.streaming.dispatch import Streaming
 
 
@@ -37,16 +38,26 @@ def open_engine(root: Path, options, stage_for=None) -> Engine:
     stage = stage_for(root, manifest, config) if stage_for else None
     local = stage.restrict(manifest) if stage else manifest
     store = ExpertStore(root, local, cold_reads=options.cold_reads, io=options.io, check_experts=options.check_experts)
-    model = bas.assemble(
-        root,
-        RESIDENT_FILE,
-        local,
-        config,
-        spec,
-        k,
-        compute,
-        stage=(stage.rank, stage.size, list(stage.split)) if stage else None,
-    )
+    # hashed on a thread while the backend loads it (--verify has hashed every file already)
+    check = check_resident(root, manifest) if options.check_experts and not options.verify else None
+    try:
+        model = bas.assemble(
+            root,
+            RESIDENT_FILE,
+            local,
+            config,
+            spec,
+            k,
+            compute,
+            stage=(stage.rank, stage.size, list(stage.split)) if stage else None,
+        )
+    except Exception:
+        if check is not None:
+            check.result()  # damage explains a failed load better than the loader's own error
+        raise
+    if check is not None:
+        check.result()
+        store.resident_checked = check.name
     streaming = Streaming(store, compute, k or _native_k(config), bmod.resident_bytes(model), options)
     bas.attach_executors(model, streaming.layers)
     return Engine(root, model, bio.load_tokenizer(root), store, streaming, spec, k, compute, stage)

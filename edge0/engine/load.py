@@ -8,7 +8,6 @@ from pathlib import Path
 from edge0.backend import assemble as bas
 from edge0.backend import core as B
 from edge0.backend import io as bio
-from edge0.backend import modules as bmod
 from edge0.engine.engine import Engine
 from edge0.errors import Edge0Error
 from edge0.families import supported
@@ -16,6 +15,7 @@ from edge0.spec import MoESpec, text_config
 from edge0.store import ExpertStore, open_manifest
 from edge0.store.format import RESIDENT_FILE
 from edge0.store.resident import check_resident
+from edge0.streaming.budget import context_tokens, kv_bytes_per_token
 from edge0.streaming.dispatch import Streaming
 
 
@@ -58,7 +58,9 @@ def open_engine(root: Path, options, stage_for=None) -> Engine:
     if check is not None:
         check.result()
         store.resident_checked = check.name
-    streaming = Streaming(store, compute, k or _native_k(config), bmod.resident_bytes(model), options)
+    # the default expert cache is sized now, with the resident weights already in memory
+    context = context_tokens(config, options.context_tokens)
+    streaming = Streaming(store, compute, k or _native_k(config), options, kv_bytes_per_token(config, compute), context)
     bas.attach_executors(model, streaming.layers)
     return Engine(root, model, bio.load_tokenizer(root), store, streaming, spec, k, compute, stage)
 

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import edge0
+from edge0.cli import main as cli_main
 from edge0.errors import Edge0Error
 from edge0.store import ExpertStore, open_manifest
 from tests.test_errors import run_cli
@@ -74,10 +75,12 @@ def test_checked_engine_gives_the_same_tokens_and_counts_its_checks(store_for):
     assert "experts checked (crc32)" in on.describe() and "resident weights (sha256) at load" in on.describe()
 
 
-def test_damaged_resident_weights_are_an_error_at_load(store):
+def test_damaged_resident_weights_are_an_error_at_load(store, capsys):
     resident = store / "model.safetensors"
     damage(resident, resident.stat().st_size // 2, b"\xff" * 8)  # the size is right: only the hash sees it
-    code, err = run_cli("generate", "--model", str(store), "--prompt", "hello", "--max-tokens", "2")
+    with pytest.raises(SystemExit) as e:  # `edge0 generate` in this process
+        cli_main(["generate", "--model", str(store), "--prompt", "hello", "--max-tokens", "2"])
+    code, err = e.value.code, capsys.readouterr().err.strip()
     assert code == 2 and "Traceback" not in err and len(err.splitlines()) == 1, err
     assert str(resident) in err and f"edge0 verify {store}" in err and "does not match its checksum" in err
     off = edge0.load(store, prerouter=False, lora=False, check_experts=False)  # the same switch turns it off

@@ -33,7 +33,7 @@ def test_kv_bytes_per_token_of_each_attention_kind():
     "available, total, want",
     [
         (20_000 * MB, 2_000 * MB, 2_000 * MB),  # every expert fits
-        (1_000 * MB, 2_000 * MB, 1_000 * MB - 100 * MB - 170 * MB - bud.HEADROOM_MIN),  # the 128 MiB floor
+        (500 * MB, 2_000 * MB, 500 * MB - 100 * MB - 170 * MB - bud.HEADROOM_MIN),  # the 64 MiB floor
         (5_000 * MB, 9_000 * MB, 5_000 * MB - 100 * MB - 170 * MB - 500 * MB),  # 10% of what is available
         (300 * MB, 2_000 * MB, 0),  # nothing left
     ],

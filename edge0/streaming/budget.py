@@ -12,7 +12,7 @@ from edge0.spec import text_config
 from edge0.units import format_size
 
 DEFAULT_CONTEXT = 4096  # tokens of KV cache the default budget leaves room for
-HEADROOM_MIN = 128 << 20  # MLX temporaries, Python objects, read buffers
+HEADROOM_MIN = 64 << 20  # MLX temporaries, Python objects, read buffers
 HEADROOM_SHARE = 0.10  # of the available memory, when that is more: other processes come and go
 PREFILL_LAYERS = 2  # whole-layer prefill holds the layer computing and the next one read ahead
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}

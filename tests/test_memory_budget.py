@@ -18,6 +18,8 @@ def test_kv_bytes_per_token_of_each_attention_kind():
     gqa = {"num_hidden_layers": 24, "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 64}
     assert bud.kv_bytes_per_token(gqa, "float32") == 24 * 2 * 4 * 64 * 4
     assert bud.kv_bytes_per_token(gqa, "bfloat16") == 24 * 2 * 4 * 64 * 2
+    # --kv-bits 8: one byte per value and a float32 scale and bias per group of 64
+    assert bud.kv_bytes_per_token(gqa, "float32", kv_bits=8, kv_group_size=64) == 24 * 2 * 4 * 64 * (1 + 8 / 64)
     no_head_dim = {"num_hidden_layers": 2, "num_attention_heads": 8, "hidden_size": 512}  # MHA, head_dim 64
     assert bud.kv_bytes_per_token(no_head_dim, "float32") == 2 * 2 * 8 * 64 * 4
     mla = {"num_hidden_layers": 3, "num_attention_heads": 8, "kv_lora_rank": 512, "qk_rope_head_dim": 64}

@@ -9,6 +9,7 @@ from edge0.backend import assemble as bas
 from edge0.backend import core as B
 from edge0.backend import io as bio
 from edge0.engine.engine import Engine
+from edge0.engine.prefill import default_span
 from edge0.errors import Edge0Error
 from edge0.families import supported
 from edge0.spec import MoESpec, text_config
@@ -59,10 +60,19 @@ def open_engine(root: Path, options, stage_for=None) -> Engine:
         check.result()
         store.resident_checked = check.name
     # the default expert cache is sized now, with the resident weights already in memory
-    context = context_tokens(config, options.context_tokens)
-    streaming = Streaming(store, compute, k or _native_k(config), options, kv_bytes_per_token(config, compute), context)
+    streaming = Streaming(store, compute, k or _native_k(config), options, _reserve(config, compute, options))
     bas.attach_executors(model, streaming.layers)
     return Engine(root, model, bio.load_tokenizer(root), store, streaming, spec, k, compute, stage)
+
+
+def _reserve(config: dict, compute: str, options) -> tuple[int, int, int]:
+    """(KV bytes per token, context tokens, prefill activations at that context) for the default
+    expert cache; the activations follow docs/long-prompts.md ("Memory"): 6 x T x D x 4 bytes."""
+    context = context_tokens(config, options.context_tokens)
+    hidden = int(text_config(config).get("hidden_size") or 0)
+    span = min(context, options.prefill_span or default_span(hidden))
+    kv = kv_bytes_per_token(config, compute, options.kv_bits, options.kv_group_size)
+    return kv, context, 6 * span * hidden * 4
 
 
 REBUILD = "convert the checkpoint again (edge0 convert --hf-path SRC -o DIR)"

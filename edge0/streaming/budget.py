@@ -1,7 +1,8 @@
 """The default expert-cache budget: the memory this process can still use (the one probe,
 backend.memory: MemAvailable, the cgroup limit or vm_stat), measured once the resident weights are
-loaded, less the KV cache at the configured context, the prefill's layers of experts and a
-headroom. See docs/architecture.md ("Expert pool")."""
+loaded, less the KV cache at the configured context, what a prefill of that context holds (two
+layers of experts and the span's activations) and a headroom. See docs/architecture.md
+("Expert pool")."""
 
 from __future__ import annotations
 
@@ -18,9 +19,10 @@ PREFILL_LAYERS = 2  # whole-layer prefill holds the layer computing and the next
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
-def kv_bytes_per_token(config: dict, compute_dtype: str) -> int:
+def kv_bytes_per_token(config: dict, compute_dtype: str, kv_bits: int | None = None, kv_group_size: int = 64) -> int:
     """KV-cache bytes one token adds, from config.json (K and V of every full-attention layer in
-    the compute dtype; MLA families cache one latent and one rope key per layer)."""
+    the compute dtype; MLA families cache one latent and one rope key per layer). With `kv_bits`,
+    mlx-lm's quantized cache: `kv_bits` per value plus a scale and a bias per group."""
     c = text_config(config)
     layers = int(c.get("num_hidden_layers") or 0)
     full = layers // int(c.get("full_attention_interval") or 1)  # hybrid: linear-attention layers keep a fixed state
@@ -31,7 +33,9 @@ def kv_bytes_per_token(config: dict, compute_dtype: str) -> int:
         kv_heads = int(c.get("num_key_value_heads") or heads)
         head_dim = int(c.get("head_dim") or int(c.get("hidden_size") or 0) // heads)
         per_layer = 2 * kv_heads * head_dim
-    return full * per_layer * ITEMSIZE.get(compute_dtype, 4)
+    itemsize = ITEMSIZE.get(compute_dtype, 4)
+    per_value = itemsize if kv_bits is None else kv_bits / 8 + 2 * itemsize / kv_group_size
+    return int(full * per_layer * per_value)
 
 
 def context_tokens(config: dict, given: int | None) -> int:
@@ -51,7 +55,7 @@ class DefaultBudget:
     source: str  # where `available` comes from: MemAvailable, cgroup limit ..., vm_stat
     kv: int
     context: int
-    prefill: int
+    prefill: int  # two layers of experts + the span's activations at `context` tokens
     headroom: int
 
     @property

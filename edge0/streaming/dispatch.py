@@ -105,9 +105,10 @@ class LayerDispatch:
 class Streaming:
     """All executors of one engine, the expert pool they share, and their statistics."""
 
-    def __init__(self, store, compute_dtype: str, k: int, options, kv_per_token: int = 0, context: int = 0):
+    def __init__(self, store, compute_dtype: str, k: int, options, reserve: tuple[int, int, int] = (0, 0, 0)):
         """`options`: the engine's validated LoadOptions (expert cache, policy, executors).
-        `kv_per_token` bytes at `context` tokens: the KV cache the default budget leaves room for."""
+        `reserve` = (KV bytes per token, context tokens, prefill activation bytes at that context):
+        what the default budget leaves room for besides two layers of experts and the headroom."""
         self.store, self.options = store, options
         self.stats = ExecutorStats()
         total = sum(store.expert_nbytes(l) * int(v["num_experts"]) for l, v in store.layers.items())
@@ -115,7 +116,7 @@ class Streaming:
         self.default = (
             None
             if options.expert_cache is not None
-            else default_budget(total, kv_per_token * context, context, PREFILL_LAYERS * largest)
+            else default_budget(total, reserve[0] * reserve[1], reserve[1], PREFILL_LAYERS * largest + reserve[2])
         )
         self.budget = parse_size(options.expert_cache) if self.default is None else self.default.bytes
         self.total_expert_bytes = total

@@ -67,6 +67,9 @@ def start(tmp_path, argvs: list[list[str]], ranks: int = 2) -> list[subprocess.P
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             start_new_session=True,
+            # a rank answers Ctrl-C even when this run was started in the background, where a
+            # shell starts commands with SIGINT ignored (and children inherit that)
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )
         for r, argv in enumerate(argvs)
     ]

@@ -176,42 +176,50 @@ class SpanLayer:
 
     def __call__(self, x, mask=None, cache=None):
         # x [1, T, D]: the span's hidden states entering this layer
+        self.plan.check()
+        if self.moe is None:
+            return self._attention(x, mask, cache, None)
+        block = self.layer[self.moe]
+        executor = streamed_experts(block).executor
+        executor.begin_span(x.shape[1])  # a whole-layer read starts now, behind the attention
+        try:
+            stub = _Stub(mx.zeros_like)
+            h = self._attention(x, mask, cache, stub)
+            moe_in = mx.concatenate(stub.inputs, axis=1) if len(stub.inputs) > 1 else stub.inputs[0]
+            del stub
+            y = self._moe(block, moe_in)
+        finally:
+            executor.end_span()
+        out = h + y
+        mx.eval(out)
+        return out
+
+    def _attention(self, x, mask, cache, stub):
+        """Pass A: the layer over query chunks (its MoE block stubbed when `stub` is given)."""
         plan, layer, span = self.plan, self.layer, x.shape[1]
-        plan.check()
         chunk = plan.attention_chunk(_keys_held(cache) + span)
-        stub = _Stub(mx.zeros_like) if self.moe else None
         parts = []
         for c0 in range(0, span, chunk):
             plan.check()
             c1 = min(span, c0 + chunk)
-            m = _chunk_mask(mask, c0, c1, span)
-            xc = x[:, c0:c1]
+            m, xc = _chunk_mask(mask, c0, c1, span), x[:, c0:c1]
             if stub is None:
                 out = layer(xc, mask=m, cache=cache)
             else:
                 out = _run_stubbed(layer, self.moe, stub, xc, m, cache)
             mx.eval(out, *(stub.inputs[-1:] if stub is not None else []), *_state_arrays(cache))
             parts.append(out)
-        h = mx.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
-        if stub is None:
-            return h
-        moe_in = mx.concatenate(stub.inputs, axis=1) if len(stub.inputs) > 1 else stub.inputs[0]
-        del parts, stub
-        block = layer[self.moe]
-        experts = streamed_experts(block)
-        experts.executor.begin_span(span)
-        try:
-            ys = []
-            for c0, c1 in chunks(span, plan.moe_chunk):
-                plan.check()
-                y = block(moe_in[:, c0:c1])
-                mx.eval(y)
-                ys.append(y)
-        finally:
-            experts.executor.end_span()
-        out = h + (mx.concatenate(ys, axis=1) if len(ys) > 1 else ys[0])
-        mx.eval(out)
-        return out
+        return mx.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
+
+    def _moe(self, block, moe_in):
+        """Pass B: the MoE block over the span's recorded inputs, in token chunks."""
+        ys = []
+        for c0, c1 in chunks(moe_in.shape[1], self.plan.moe_chunk):
+            self.plan.check()
+            y = block(moe_in[:, c0:c1])
+            mx.eval(y)
+            ys.append(y)
+        return mx.concatenate(ys, axis=1) if len(ys) > 1 else ys[0]
 
 
 def layerwise_ready(model, cache, dim: int, dtype) -> bool:

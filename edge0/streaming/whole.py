@@ -49,8 +49,9 @@ class WholeLayerExecutor(ExactExecutor):
         self._params = None
 
     def hold(self) -> None:
-        """Keep the layer's experts from the first call until `release` (a layer-major prefill
-        span computes its MoE in several token chunks over one read of the layer)."""
+        """Start reading the layer, and keep its experts from the first call until `release` (a
+        layer-major prefill span computes its MoE in several token chunks over one read)."""
+        self.prefetcher.start(self.layer)
         self.holding = True
 
     def release(self) -> None:

@@ -127,8 +127,8 @@ class LoadOptions:
     )
     check_experts: bool = _opt(
         True,
-        "check the resident weights (sha256) while they load and each expert against its crc32 "
-        "in the manifest the first time this process reads it (default on; --no-check-experts turns both off)",
+        "check the resident weights (crc32) while they load and each expert against its crc32 in "
+        "the manifest the first time this process reads it (default on; --no-check-experts turns both off)",
         "switch",
     )
     cold_reads: bool = _opt(

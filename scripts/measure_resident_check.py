@@ -1,6 +1,6 @@
 """Cost of checking the resident weights at load (model.safetensors hashed on a thread while the
-backend loads it): `edge0.load` time with no check, with the manifest's sha256 and with crc32
-(whose expected value this script computes, since manifests carry only sha256 for the file),
+backend loads it): `edge0.load` time with no check, with sha256 and with crc32 (expected values
+computed here, so any store can be measured, whichever hash its manifest carries),
 with the page cache warm and with model.safetensors evicted first; interleaved runs, each in a
 fresh process. Also the single-thread throughput of each hash over the file.
 
@@ -24,32 +24,23 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 CHILD = """
-import json, sys, time, zlib
+import json, sys, time
 from pathlib import Path
 import edge0
 import edge0.engine.load as L
 from edge0.store import resident
 from edge0.store.pagecache import evict
 
-store, mode, cold, crc = sys.argv[1], sys.argv[2], sys.argv[3] == "cold", sys.argv[4]
+store, mode, cold, crc, sha = sys.argv[1], sys.argv[2], sys.argv[3] == "cold", sys.argv[4], sys.argv[5]
 
 
-class Crc32:
-    def __init__(self):
-        self.v = 0
-
-    def update(self, b):
-        self.v = zlib.crc32(b, self.v)
-
-    def hexdigest(self):
-        return f"{self.v:08x}"
-
-
+path = Path(store) / "model.safetensors"
 if mode == "off":
     L.check_resident = lambda root, manifest: None
 elif mode == "crc32":
-    L.check_resident = lambda root, manifest: resident.ResidentCheck(
-        Path(root) / "model.safetensors", crc, Crc32, "crc32").start()
+    L.check_resident = lambda root, manifest: resident.ResidentCheck(path, crc, resident.Crc32, "crc32").start()
+else:
+    L.check_resident = lambda root, manifest: resident.ResidentCheck(path, sha).start()
 if cold:
     evict([Path(store) / "model.safetensors"])
 t0 = time.perf_counter()
@@ -76,7 +67,9 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     resident = args.store / "model.safetensors"
-    crc = f"{zlib.crc32(resident.read_bytes()):08x}"
+    data = resident.read_bytes()
+    crc, sha = f"{zlib.crc32(data):08x}", hashlib.sha256(data).hexdigest()
+    del data
     hash_s = {
         "sha256": throughput(resident, lambda b: hashlib.sha256(b).hexdigest()),
         "crc32": throughput(resident, zlib.crc32),
@@ -90,7 +83,7 @@ def main() -> int:
                 if cache == "warm":
                     resident.read_bytes()
                 out = subprocess.run(
-                    [sys.executable, "-c", CHILD, str(args.store), mode, cache, crc],
+                    [sys.executable, "-c", CHILD, str(args.store), mode, cache, crc, sha],
                     capture_output=True,
                     text=True,
                     check=True,

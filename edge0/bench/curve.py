@@ -75,5 +75,7 @@ def curve_markdown(result: dict) -> str:
     rate = result["settings"].get("read_limit_bytes_per_s")
     if rate:
         lines.append("")
-        lines.append(f"`+read-limit`: the capped arm with reads from the store's disk limited to {rate / 1e6:.0f} MB/s.")
+        lines.append(
+            f"`+read-limit`: the capped arm with reads from the store's disk limited to {rate / 1e6:.0f} MB/s."
+        )
     return "\n".join(lines)

@@ -1,18 +1,32 @@
 """The resident weights checked while they load: `model.safetensors` is read once more on a
-background thread and hashed (the manifest's sha256) while the backend loads it, so damage is an
-error at load, never text computed from damaged weights. See docs/store-format.md ("Integrity")
-for why sha256 and what the check costs."""
+background thread and hashed while the backend loads it, so damage is an error at load, never text
+computed from damaged weights. The hash is the manifest's `resident_crc32` (cheaper, measured in
+docs/store-format.md, "Integrity"), or the file's sha256 in stores converted before it existed."""
 
 from __future__ import annotations
 
 import hashlib
 import threading
+import zlib
 from pathlib import Path
 
 from edge0.errors import Edge0Error
 from edge0.store.format import RESIDENT_FILE
 
 PIECE = 8 << 20  # bytes hashed per read; the hash releases the GIL on pieces this large
+
+
+class Crc32:
+    """zlib's crc32 behind hashlib's interface (update, hexdigest)."""
+
+    def __init__(self):
+        self.value = 0
+
+    def update(self, data) -> None:
+        self.value = zlib.crc32(data, self.value)
+
+    def hexdigest(self) -> str:
+        return f"{self.value:08x}"
 
 
 class ResidentCheck:
@@ -56,8 +70,10 @@ class ResidentCheck:
 
 
 def check_resident(root, manifest: dict) -> ResidentCheck | None:
-    """Start checking `root`'s resident weights against the manifest (None if it has no hash)."""
+    """Start checking `root`'s resident weights against the manifest: its crc32, else the file's
+    sha256 (stores converted before the crc32 was written); None if it has neither."""
+    path = Path(root) / RESIDENT_FILE
+    if manifest.get("resident_crc32") is not None:
+        return ResidentCheck(path, f"{int(manifest['resident_crc32']):08x}", Crc32, "crc32").start()
     expected = (manifest.get("files") or {}).get(RESIDENT_FILE, {}).get("sha256")
-    if not expected:
-        return None
-    return ResidentCheck(Path(root) / RESIDENT_FILE, expected).start()
+    return ResidentCheck(path, expected).start() if expected else None

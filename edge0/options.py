@@ -44,6 +44,13 @@ class LoadOptions:
     expert_cache: int | str | None = _opt(
         None, "memory for cached experts, e.g. 2GB (default: from free memory and model size)", "size"
     )
+    context_tokens: int | None = _opt(
+        None,
+        "context length whose KV cache the default expert cache leaves memory for (default 4096, or the "
+        "model's own if shorter); sizes memory only, prompts are not limited by it",
+        "int",
+        metavar="N",
+    )
     cache_policy: str = _opt(
         "lru",
         "expert-cache eviction policy: lru (default), lfu, arc, smoe (router scores), flashmoe (learned)",
@@ -120,8 +127,8 @@ class LoadOptions:
     )
     check_experts: bool = _opt(
         True,
-        "check each expert against its crc32 in the manifest the first time this process "
-        "reads it (default on; --no-check-experts turns it off)",
+        "check the resident weights (crc32) while they load and each expert against its crc32 in "
+        "the manifest the first time this process reads it (default on; --no-check-experts turns both off)",
         "switch",
     )
     cold_reads: bool = _opt(
@@ -159,6 +166,8 @@ class LoadOptions:
         _choice("io", self.io)
         if self.top_k is not None and self.top_k < 1:
             raise Edge0Error(f"--top-k {self.top_k}: must be >= 1 (the number of experts per token)")
+        if self.context_tokens is not None and self.context_tokens < 1:
+            raise Edge0Error(f"--context-tokens {self.context_tokens}: must be >= 1 (tokens of KV cache)")
         _choice(
             "cache_policy", self.cache_policy, hint="; belady needs the future, so it runs only in `edge0 simulate`"
         )

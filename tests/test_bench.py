@@ -12,11 +12,15 @@ import importlib.util
 import io
 import json
 import math
+import re
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
 
 from edge0.bench import METRICS, SCHEMA, all_arms
+from edge0.bench.cgroup import read_limit_refusal
 from edge0.cli.bench import main
 from edge0.errors import Edge0Error
 
@@ -67,9 +71,16 @@ def _check_numbers(name: str, metrics: dict) -> None:
         assert v > 0 or (k in MAY_BE_ZERO and v == 0), (name, k, v)
 
 
+RATE = 400 * 10**6  # a read limit far above what 5 tokens of the tiny model read: it must not change them
+# every arm but hot-capped (the capped path is run by four other arms; one arm costs ~3 s of the suite)
+ARMS = [a.name for a in all_arms() if a.name != "hot-capped"]
+
+
 def test_quick_suite_json(tiny_model, tmp_path):
     out, trace, docs = tmp_path / "bench.json", tmp_path / "trace.json", tmp_path / "benchmarks.md"
     docs.write_text("# Benchmarks\n")
+    # the capped arms run inside a read limit where this machine allows one (else the flag is refused)
+    limited = not read_limit_refusal(tiny_model / "store", RATE)
     with contextlib.redirect_stdout(io.StringIO()) as table, contextlib.redirect_stderr(io.StringIO()):
         assert (
             main(
@@ -88,6 +99,9 @@ def test_quick_suite_json(tiny_model, tmp_path):
                     str(trace),
                     "--append-docs",
                     str(docs),
+                    *(["--read-limit", "400MB/s"] if limited else []),
+                    "--arms",
+                    ",".join(ARMS),
                 ]
             )
             == 0
@@ -99,7 +113,7 @@ def test_quick_suite_json(tiny_model, tmp_path):
     assert r["command"].startswith("edge0 bench --model")
     assert r["packages"]["mlx"] and r["packages"]["mlx-lm"] and r["machine"]["cpus"] >= 1
     assert r["settings"]["decode_tokens"] == 5 and r["settings"]["greedy"] is True
-    assert [a["name"] for a in r["arms"]] == [a.name for a in all_arms()]
+    assert [a["name"] for a in r["arms"]] == ARMS
 
     by = {a["name"]: a for a in r["arms"]}
     for name in ("mlx-lm-resident", "exact-warm", "staged-warm", "hot-warm", "exact-cold", "staged-cold", "hot-cold"):
@@ -123,6 +137,15 @@ def test_quick_suite_json(tiny_model, tmp_path):
             _check_numbers(name, a["metrics"])
     cap = r["settings"]["memory_cap"]
     assert (cap["cap_bytes"] or 0) > 0 or cap["skipped"]
+    rl = r["settings"]["read_limit"]
+    assert rl["rate_bytes_per_s"] == (RATE if limited else None)
+    if limited:
+        assert rl["arms"] == "capped" and rl["device"] and rl["cgroup_version"] in (1, 2)
+        for name in (n for n, a in by.items() if a["storage"] == "capped" and a["status"] == "ok"):
+            # capped arms start evicted: every store byte they use comes through the limited disk
+            assert by[name]["read_limit"]["device_bytes_read"] > 0, name
+            assert f"| {name} | capped, 400 MB/s |" in table.getvalue()
+        assert "Read limit: 400 MB/s on the store's disk" in table.getvalue()
 
     steps = json.loads(trace.read_text())["steps"]
     assert len(steps) == 5 and steps[0]["phase"] == "prefill+first"
@@ -145,6 +168,36 @@ def test_quick_suite_json(tiny_model, tmp_path):
 def test_usage_errors(tiny_model, tmp_path, argv, field):
     with pytest.raises(Edge0Error, match=field):
         main(["--model", str(tiny_model), "--out", str(tmp_path / "b.json"), *argv])
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--read-limit", "fast"], "--read-limit 'fast': not a rate"),
+        (["--read-limit", "100KB/s"], "at least 1MB/s"),
+        (["--read-limit", "200MB/s", "--no-cap"], "--no-cap"),
+        (["--read-limit", "200MB/s", "--arms", "staged-warm"], "selects none"),
+    ],
+)
+def test_read_limit_usage_errors(tiny_model, tmp_path, argv, needle):
+    with pytest.raises(Edge0Error, match=re.escape(needle)):
+        main(["--model", str(tiny_model), "--out", str(tmp_path / "b.json"), *argv])
+
+
+def test_read_limit_refused_in_one_line_where_reads_cannot_be_limited(tiny_model, tmp_path):
+    """A store on a file system with no disk (tmpfs) cannot be throttled: refused before any arm runs."""
+    if not Path("/dev/shm").is_dir():
+        pytest.skip("no /dev/shm (tmpfs) here")
+    shm = Path(tempfile.mkdtemp(dir="/dev/shm"))
+    try:
+        shutil.copytree(tiny_model / "store", shm / "store")
+        with pytest.raises(Edge0Error) as e:
+            main(["--model", str(shm / "store"), "--out", str(tmp_path / "b.json"), "--read-limit", "200MB/s"])
+        msg = str(e.value)
+        assert msg.startswith("--read-limit 200MB/s: cannot limit reads here: ") and "\n" not in msg
+        assert not (tmp_path / "b.json").exists()
+    finally:
+        shutil.rmtree(shm)
 
 
 def test_not_a_model(tmp_path):

@@ -11,8 +11,10 @@ import numpy as np
 import pytest
 
 import edge0
+from edge0.cli import main as cli_main
 from edge0.errors import Edge0Error
 from edge0.store import ExpertStore, open_manifest
+from edge0.store.format import seal
 from tests.test_errors import run_cli
 
 
@@ -71,7 +73,25 @@ def test_checked_engine_gives_the_same_tokens_and_counts_its_checks(store_for):
     b = off.generate("hello world", max_tokens=8, ignore_eos=True)
     assert a.tokens == b.tokens
     assert on.stats()["io"]["experts_checked"] > 0 and off.stats()["io"]["experts_checked"] == 0
-    assert "experts checked (crc32)" in on.describe()
+    assert "experts checked (crc32)" in on.describe() and "resident weights (crc32) at load" in on.describe()
+
+
+def test_damaged_resident_weights_are_an_error_at_load(store, capsys):
+    resident = store / "model.safetensors"
+    damage(resident, resident.stat().st_size // 2, b"\xff" * 8)  # the size is right: only the hash sees it
+    with pytest.raises(SystemExit) as e:  # `edge0 generate` in this process
+        cli_main(["generate", "--model", str(store), "--prompt", "hello", "--max-tokens", "2"])
+    code, err = e.value.code, capsys.readouterr().err.strip()
+    assert code == 2 and "Traceback" not in err and len(err.splitlines()) == 1, err
+    assert str(resident) in err and f"edge0 verify {store}" in err and "does not match its checksum (crc32" in err
+    off = edge0.load(store, prerouter=False, lora=False, check_experts=False)  # the same switch turns it off
+    assert "resident weights" not in off.describe()
+    # a store converted before manifests carried resident_crc32: the file's sha256 is checked
+    path = store / "edge0-manifest.json"
+    m = json.loads(path.read_text())
+    path.write_text(json.dumps(seal({k: v for k, v in m.items() if k not in ("resident_crc32", "manifest_sha256")})))
+    with pytest.raises(Edge0Error, match=r"model.safetensors does not match its checksum \(sha256.*edge0 verify"):
+        edge0.load(store, prerouter=False, lora=False)
 
 
 def test_changed_manifest_offset_is_caught_at_load_and_by_verify(store):

@@ -43,7 +43,7 @@ BASES = (
         storages=("warm",),
     ),
 )
-CAPPED = ("mlx-lm", "exact", "staged", "prerouter")  # run under the memory cap
+CAPPED = ("mlx-lm", "exact", "staged", "hot", "prerouter")  # run under the memory cap (and any --read-limit)
 
 
 @dataclass(frozen=True)

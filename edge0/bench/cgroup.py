@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -193,6 +195,36 @@ class ReadLimit:
 
     def remove(self) -> None:
         MemoryCgroup(self.path, 0).remove()
+
+
+def read_limit_refusal(store, rate: int) -> str:
+    """Why a read limit of `rate` bytes/s on `store`'s disk cannot be set here ("" if it can): a
+    limit is made and removed, so the kernel and the permissions are both asked."""
+    try:
+        ReadLimit.create(store, rate).remove()
+    except (OSError, ValueError) as e:
+        return str(e) if isinstance(e, ValueError) else f"{e.filename or store}: {e.strerror}"
+    return ""
+
+
+@contextmanager
+def read_limited(store, rate: int | None) -> Iterator[ReadLimit | None]:
+    """A read limit of `rate` bytes/s on the disk holding `store` while the block runs (None: no
+    limit). Start a process inside it with `preexec_fn=enter_all(limit, ...)`; `bytes_read()` is
+    what that process read from the disk. Any bench arm can run this way:
+
+        with read_limited(store, 200_000_000) as lim:
+            subprocess.run(cmd, preexec_fn=enter_all(lim))
+            device_bytes = lim.bytes_read()
+    """
+    if rate is None:
+        yield None
+        return
+    lim = ReadLimit.create(store, rate)
+    try:
+        yield lim
+    finally:
+        lim.remove()
 
 
 def enter_all(*cgroups):

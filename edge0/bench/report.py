@@ -18,6 +18,10 @@ def _gb(n) -> str:
     return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
 
 
+def _rate(bytes_per_s) -> str:
+    return f"{bytes_per_s / 1e6:g} MB/s"
+
+
 def _f(x, fmt="{:.2f}") -> str:
     return "-" if x is None else fmt.format(x)
 
@@ -49,12 +53,25 @@ def summary(result: dict) -> dict:
         "prerouter_capped_vs_exact_capped_decode": ratio(
             m("prerouter-capped", "decode_tps"), m("exact-capped", "decode_tps")
         ),
+        "staged_capped_vs_exact_capped_decode": ratio(
+            m("staged-capped", "decode_tps"), m("exact-capped", "decode_tps")
+        ),
+        "prerouter_capped_stall_vs_exact_capped": ratio(
+            m("prerouter-capped", "stall_ms_per_step"), m("exact-capped", "stall_ms_per_step")
+        ),
+        # the read share of exact's step: >= 0.5 is the regime the pre-router was designed for
+        "exact_capped_stall_share": ratio(
+            m("exact-capped", "stall_ms_per_step"),
+            1000 / m("exact-capped", "decode_tps") if m("exact-capped", "decode_tps") else None,
+        ),
         "targets": {
             "decode_vs_resident": 0.9,
             "mlx_peak_vs_resident": 0.3,
             "lora_vs_no_lora": 0.95,
             "staged_capped_vs_cold_and_warm": 0.8,
             "prerouter_capped_vs_exact_capped": 1.5,
+            "prerouter_capped_stall_vs_exact_capped": 0.10,
+            "exact_capped_stall_share": 0.5,
         },
     }
     out["capped"] = {n[: -len("-capped")]: arms[n]["status"] for n in arms if n.endswith("-capped")}
@@ -70,16 +87,18 @@ def markdown(result: dict) -> str:
         "| peak RSS | expert bytes read | hit rate | stall ms/step | reads/step (reader) | tokens = resident |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    rate = (s.get("read_limit") or {}).get("rate_bytes_per_s")
     for a in result["arms"]:
         m = a["metrics"]
+        storage = f"{a['storage']}, {_rate(rate)}" if rate and a["storage"] == "capped" else a["storage"]
         if a["status"] != "ok":
             reason = str(a["reason"]).replace("|", "/").replace("\n", " ")
-            lines.append(f"| {a['name']} | {a['storage']} | {a['status']}: {reason} |" + " |" * 11)
+            lines.append(f"| {a['name']} | {storage} | {a['status']}: {reason} |" + " |" * 11)
             continue
         vs = m["decode_tps"] / ref_tps if ref_tps and m["decode_tps"] else None
         match = a.get("tokens_match_resident")
         lines.append(
-            f"| {a['name']} | {a['storage']} | {_f(m['decode_tps'])} | {_f(vs, '{:.2f}x')} | {_f(m['prefill_tps'])} "
+            f"| {a['name']} | {storage} | {_f(m['decode_tps'])} | {_f(vs, '{:.2f}x')} | {_f(m['prefill_tps'])} "
             f"| {_f(m['ttft_s'], '{:.1f}')} | {_gb(m['mlx_peak_bytes'])} | {_gb(m['mlx_decode_peak_bytes'])} "
             f"| {_gb(m['peak_rss_bytes'])} | {_gb(m['expert_bytes_read'])} | {_f(m['hit_rate'], '{:.0%}')} "
             f"| {_f(m['stall_ms_per_step'], '{:.0f}')} | {_reads(a)} | "
@@ -107,6 +126,14 @@ def markdown(result: dict) -> str:
     else:
         lines.append("")
         lines.append(f"Memory-cap arms skipped: {cap.get('skipped')}.")
+    if rate:
+        rl, share = s["read_limit"], result.get("summary", {}).get("exact_capped_stall_share")
+        lines.append("")
+        lines.append(
+            f"Read limit: {_rate(rate)} on the store's disk ({rl['device']}, a cgroup v{rl['cgroup_version']} "
+            "block-I/O throttle) for every capped arm: storage slower than compute"
+            + (f"; exact-capped stalls {share:.0%} of its step." if share is not None else ".")
+        )
     return "\n".join(lines)
 
 
@@ -243,6 +270,20 @@ def append_docs(path: Path, result: dict, table: str, json_path: Path, png_path:
     if sm.get("lora_warm_vs_prerouter_warm_decode") is not None:
         lines.append(
             f"- Recovery LoRA: decode at {sm['lora_warm_vs_prerouter_warm_decode']:.3f}x the same arm without it."
+        )
+    if sm.get("prerouter_capped_vs_exact_capped_decode") is not None:
+        rate = (s.get("read_limit") or {}).get("rate_bytes_per_s")
+        stall = sm.get("prerouter_capped_stall_vs_exact_capped")
+        lines.append(
+            f"- Under the memory cap{f' and a {_rate(rate)} read limit' if rate else ''}: pre-router decodes at "
+            f"{sm['prerouter_capped_vs_exact_capped_decode']:.2f}x exact on-demand (target 1.5x)"
+            + (f", stalling {stall:.0%} of exact's stall per step (target <= 10%)" if stall is not None else "")
+            + (
+                f"; staged at {sm['staged_capped_vs_exact_capped_decode']:.2f}x"
+                if sm.get("staged_capped_vs_exact_capped_decode") is not None
+                else ""
+            )
+            + "."
         )
     if sm.get("prerouter_cold_vs_exact_cold_decode") is not None:
         lines.append(

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from edge0.bench.arms import COUNTERS, METRICS, Arm, arm_spec, resolved_load, skip_reason
-from edge0.bench.cgroup import MemoryCgroup
+from edge0.bench.cgroup import MemoryCgroup, enter_all, read_limited
 from edge0.bench.env import _child_env
 from edge0.bench.model import Model, expert_budget, store_sizes
 from edge0.bench.report import _gb
@@ -27,7 +27,8 @@ def prewarm(paths) -> None:
                 pass
 
 
-def run_child(spec: dict, timeout: float, cgroup: MemoryCgroup | None = None) -> dict:
+def run_child(spec: dict, timeout: float, *cgroups) -> dict:
+    """Run one arm's process, moved into `cgroups` (memory cap, read limit; None entries skipped)."""
     from edge0.bench.child import RESULT_PREFIX
 
     cmd = [sys.executable, "-m", "edge0.bench.child", json.dumps(spec)]
@@ -39,7 +40,7 @@ def run_child(spec: dict, timeout: float, cgroup: MemoryCgroup | None = None) ->
             text=True,
             timeout=timeout,
             env=_child_env(),
-            preexec_fn=cgroup.enter if cgroup else None,
+            preexec_fn=enter_all(*cgroups),
         )
     except subprocess.TimeoutExpired:
         return {"status": "failed", "reason": f"timed out after {timeout:.0f} s"}
@@ -108,10 +109,13 @@ def run_suite(args, model: Model, arms: list[Arm]) -> dict:
             label = f"[{rep + 1}/{args.repeats}] {arm.name}"
             print(f"edge0 bench: {label} ...", file=sys.stderr, flush=True)
             cg = None
-            if arm.storage == "capped":
+            capped = arm.storage == "capped"
+            if capped:
                 cg = MemoryCgroup.create(parent, cap)
             try:
-                out = run_child(spec, args.arm_timeout, cg)
+                with read_limited(model.store, args.read_limit if capped else None) as lim:
+                    out = run_child(spec, args.arm_timeout, cg, lim)
+                    device_read = lim.bytes_read() if lim is not None else None
             finally:
                 if cg is not None:
                     out_cg = cg.report()
@@ -120,6 +124,8 @@ def run_suite(args, model: Model, arms: list[Arm]) -> dict:
                 out["cgroup"] = out_cg
                 if out.get("status") == "killed" and out_cg["oom_kills"]:
                     out["reason"] += " (the memory cgroup's OOM killer)"
+            if device_read is not None:  # everything the arm read from the limited disk
+                out["read_limit"] = {"rate_bytes_per_s": args.read_limit, "device_bytes_read": device_read}
             results[arm.name]["runs"].append(out)
             if out.get("status") == "skipped":
                 results[arm.name].update(status="skipped", reason=out["reason"])
@@ -160,6 +166,7 @@ def run_suite(args, model: Model, arms: list[Arm]) -> dict:
             )
         if arm.storage == "capped" and runs:
             row["cgroup"] = runs[-1].get("cgroup")
+            row["read_limit"] = runs[-1].get("read_limit")
         rows.append(row)
     return {
         "settings": {
@@ -171,11 +178,27 @@ def run_suite(args, model: Model, arms: list[Arm]) -> dict:
             "repeats": args.repeats,
             "greedy": True,
             "memory_cap": cap_info,
+            "read_limit": read_limit_info(args, model),
             "routing": args.routing,
             **sizes,
         },
         "arms": rows,
         "reference_tokens": ref_tokens,
+    }
+
+
+def read_limit_info(args, model: Model) -> dict:
+    """What --read-limit set, for the JSON: the rate, the disk and which arms ran inside it."""
+    if args.read_limit is None:
+        return {"rate_bytes_per_s": None}
+    from edge0.bench.cgroup import ReadLimit, block_device
+
+    major, minor = block_device(model.store)
+    return {
+        "rate_bytes_per_s": args.read_limit,
+        "device": f"{major}:{minor}",
+        "cgroup_version": ReadLimit.parent()[1],
+        "arms": "capped",
     }
 
 

@@ -12,12 +12,14 @@ import sys
 from pathlib import Path
 
 from edge0.bench.arms import SIZES, select_arms
+from edge0.bench.cgroup import read_limit_refusal
 from edge0.bench.model import resolve_model
 from edge0.bench.report import SCHEMA, append_docs, git_commit, machine_info, markdown, package_versions, plot, summary
 from edge0.bench.runner import run_suite
 from edge0.cache.synthetic import ROUTINGS
 from edge0.cli.common import OneLineParser
 from edge0.errors import Edge0Error
+from edge0.units import parse_size
 
 USAGE = """`edge0 bench`: Edge0 against resident mlx-lm, warm and cold storage, under a memory cap.
 
@@ -85,6 +87,13 @@ def parse_args(argv):
     )
     g.add_argument("--cap", help="absolute cap instead, e.g. 1.5GB")
     g.add_argument("--no-cap", action="store_true", help="skip the memory-cap arms")
+    g.add_argument(
+        "--read-limit",
+        metavar="RATE",
+        help="run the capped arms in a block-I/O cgroup that limits reads from the store's disk to RATE "
+        "(e.g. 200MB/s): storage slower than compute, as on the machines Edge0 is for (cgroup v1 blkio "
+        "or v2 io; root or a delegated cgroup)",
+    )
     g = p.add_argument_group("output")
     g.add_argument(
         "--out",
@@ -119,7 +128,22 @@ def parse_args(argv):
         raise Edge0Error("--trace-arm/--trace-out: give both (an arm name and an output file)")
     if args.store and args.model:
         raise Edge0Error("--store: use either --model or --store (with --mlx-model), not both")
+    args.read_limit = parse_rate(args.read_limit) if args.read_limit is not None else None
+    if args.read_limit is not None and args.no_cap:
+        raise Edge0Error("--read-limit applies to the capped arms, which --no-cap skips; drop one of them")
     return args
+
+
+def parse_rate(text: str) -> int:
+    """'200MB/s' (or '200MB') -> bytes per second, at least 1 MB/s (an Edge0Error naming --read-limit)."""
+    t = str(text).strip()
+    try:
+        rate = parse_size(t[:-2] if t.lower().endswith("/s") else t, "--read-limit")
+    except Edge0Error:
+        raise Edge0Error(f"--read-limit {text!r}: not a rate; use e.g. 200MB/s") from None
+    if rate < 10**6:
+        raise Edge0Error(f"--read-limit {text}: at least 1MB/s (reads slower than that never finish a step)")
+    return rate
 
 
 def main(argv=None) -> int:
@@ -129,7 +153,13 @@ def main(argv=None) -> int:
         raise Edge0Error(
             f"--trace-arm {args.trace_arm}: not among the arms run; choose one of {', '.join(a.name for a in arms)}"
         )
+    if args.read_limit is not None and not any(a.storage == "capped" for a in arms):
+        raise Edge0Error(
+            f"--read-limit applies to the capped arms; --arms {args.arms} selects none (add e.g. exact-capped)"
+        )
     model = resolve_model(args)
+    if args.read_limit is not None and (why := read_limit_refusal(model.store, args.read_limit)):
+        raise Edge0Error(f"--read-limit {args.read_limit / 1e6:g}MB/s: cannot limit reads here: {why}")
     out = Path(args.out or f"docs/benchmarks/bench{'-quick' if args.quick else ''}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     started = datetime.datetime.now().astimezone()

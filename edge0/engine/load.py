@@ -8,13 +8,15 @@ from pathlib import Path
 from edge0.backend import assemble as bas
 from edge0.backend import core as B
 from edge0.backend import io as bio
-from edge0.backend import modules as bmod
 from edge0.engine.engine import Engine
+from edge0.engine.prefill import default_span
 from edge0.errors import Edge0Error
 from edge0.families import supported
 from edge0.spec import MoESpec, text_config
 from edge0.store import ExpertStore, open_manifest
 from edge0.store.format import RESIDENT_FILE
+from edge0.store.resident import check_resident
+from edge0.streaming.budget import context_tokens, kv_bytes_per_token
 from edge0.streaming.dispatch import Streaming
 
 
@@ -37,19 +39,40 @@ def open_engine(root: Path, options, stage_for=None) -> Engine:
     stage = stage_for(root, manifest, config) if stage_for else None
     local = stage.restrict(manifest) if stage else manifest
     store = ExpertStore(root, local, cold_reads=options.cold_reads, io=options.io, check_experts=options.check_experts)
-    model = bas.assemble(
-        root,
-        RESIDENT_FILE,
-        local,
-        config,
-        spec,
-        k,
-        compute,
-        stage=(stage.rank, stage.size, list(stage.split)) if stage else None,
-    )
-    streaming = Streaming(store, compute, k or _native_k(config), bmod.resident_bytes(model), options)
+    # hashed on a thread while the backend loads it (--verify has hashed every file already)
+    check = check_resident(root, manifest) if options.check_experts and not options.verify else None
+    try:
+        model = bas.assemble(
+            root,
+            RESIDENT_FILE,
+            local,
+            config,
+            spec,
+            k,
+            compute,
+            stage=(stage.rank, stage.size, list(stage.split)) if stage else None,
+        )
+    except Exception:
+        if check is not None:
+            check.result()  # damage explains a failed load better than the loader's own error
+        raise
+    if check is not None:
+        check.result()
+        store.resident_checked = check.name
+    # the default expert cache is sized now, with the resident weights already in memory
+    streaming = Streaming(store, compute, k or _native_k(config), options, _reserve(config, compute, options))
     bas.attach_executors(model, streaming.layers)
     return Engine(root, model, bio.load_tokenizer(root), store, streaming, spec, k, compute, stage)
+
+
+def _reserve(config: dict, compute: str, options) -> tuple[int, int, int]:
+    """(KV bytes per token, context tokens, prefill activations at that context) for the default
+    expert cache; the activations follow docs/long-prompts.md ("Memory"): 6 x T x D x 4 bytes."""
+    context = context_tokens(config, options.context_tokens)
+    hidden = int(text_config(config).get("hidden_size") or 0)
+    span = min(context, options.prefill_span or default_span(hidden))
+    kv = kv_bytes_per_token(config, compute, options.kv_bits, options.kv_group_size)
+    return kv, context, 6 * span * hidden * 4
 
 
 REBUILD = "convert the checkpoint again (edge0 convert --hf-path SRC -o DIR)"

@@ -14,8 +14,8 @@ from edge0.engine.hooks import StepHooks
 
 class PreRouterStager(StepHooks):
     def __init__(self, prerouting, staged: dict, heads_path: Path | None = None):
+        # no per-step history: a server runs this for millions of steps (tests wrap the methods instead)
         self.pr, self.staged, self.heads_path = prerouting, staged, heads_path
-        self.events: list[tuple] = []  # instrumentation: ("issue", step, layer) / ("done", step)
         self.recall: dict[int, list[int]] = {}  # diagnostic mode: layer -> [agreeing, predicted]
 
     def start(self, engine) -> None:
@@ -34,10 +34,8 @@ class PreRouterStager(StepHooks):
                     ex.stage(B.to_numpy(inds).ravel(), B.to_numpy(scores).ravel())
                 else:
                     ex.stage(B.to_numpy(inds).ravel())
-                self.events.append(("issue", step + 1, layer))
 
     def step_done(self, engine, step: int) -> None:
-        self.events.append(("done", step))
         self._collect_recall()
 
     def before_step(self, engine, step: int) -> None:

@@ -128,7 +128,7 @@ def _convert(src: Path, hf_path: str, out: Path, config: dict, dtype: str | None
     try:
         shutil.rmtree(tmp, ignore_errors=True)
         (tmp / "experts").mkdir(parents=True)
-        files[RESIDENT_FILE] = _write(tmp / RESIDENT_FILE, resident, weights, bar)
+        files[RESIDENT_FILE], resident_crc32 = _write(tmp / RESIDENT_FILE, resident, weights, bar)
         expert_layers = []
         for path, layer, names in layers:
             rel = expert_file(layer)
@@ -161,6 +161,7 @@ def _convert(src: Path, hf_path: str, out: Path, config: dict, dtype: str | None
             "spec": spec.to_dict() if spec else None,
             "quantization": config.get("quantization"),
             "files": files,
+            "resident_crc32": resident_crc32,
             "expert_layers": expert_layers,
         }
         (tmp / MANIFEST).write_text(json.dumps(seal(manifest), indent=1))
@@ -187,9 +188,9 @@ def _materialize(weights: dict, name: str, bar):
     return bio.raw_bytes(a)
 
 
-def _write(path: Path, names: list[str], weights: dict, bar) -> dict:
+def _write(path: Path, names: list[str], weights: dict, bar) -> tuple[dict, int]:
     """Evaluate and write `names` one by one, freeing each after it is written; returns
-    {"size", "sha256"}."""
+    ({"size", "sha256"}, crc32 of the file)."""
     from edge0.backend import io as bio
 
     w = SafetensorsWriter(
@@ -197,4 +198,4 @@ def _write(path: Path, names: list[str], weights: dict, bar) -> dict:
     )
     for k in names:
         w.write(k, _materialize(weights, k, bar))
-    return w.close()
+    return w.close(), w.crc32

@@ -60,6 +60,7 @@ class ExpertStore:
         }
         self._checked = {l: np.zeros(len(c), dtype=bool) for l, c in self._crc.items()}
         self.experts_checked, self.check_s = 0, 0.0
+        self.resident_checked: str | None = None  # the hash model.safetensors was checked with at load
         self.reason = "requested"
         if io == "auto":
             files = manifest.get("files", {})
@@ -203,6 +204,8 @@ class ExpertStore:
         else:
             line += "; expert-major layout: 1 read per expert"
         line += "; experts checked (crc32) when first read" if s["expert_checks"] else "; experts not checked when read"
+        if self.resident_checked:
+            line += f", resident weights ({self.resident_checked}) at load"
         if s["direct_fallbacks"]:
             reasons = "; ".join(s["direct_fallback_reasons"])
             line += f"; page-cache bypass fell back to pread for {s['direct_fallbacks']} files: {reasons}"

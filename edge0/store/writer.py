@@ -49,12 +49,14 @@ class SafetensorsWriter:
         self.offsets = {k: self.data_start + v for k, v in rel.items()}
         self._order = [e[0] for e in entries]
         self._sha = hashlib.sha256()
+        self.crc32 = 0  # of the whole file: the resident weights are checked with it at load
         self._fh = open(self.path, "wb")
         self._put(head)
 
     def _put(self, b) -> None:
         self._fh.write(b)
         self._sha.update(b)
+        self.crc32 = zlib.crc32(b, self.crc32)
 
     def write(self, name: str, data: memoryview | bytes) -> None:
         """Append the raw bytes of the next tensor."""

@@ -4,6 +4,7 @@ outputs (tested), so the choice changes only speed, memory and reads."""
 from __future__ import annotations
 
 import json
+import math
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -11,9 +12,10 @@ from edge0.backend import core as B
 from edge0.cache.flashmoe import FlashMoEModel, load_model
 from edge0.errors import Edge0Error
 from edge0.store.format import manifest_hash
+from edge0.streaming.budget import PREFILL_LAYERS, default_budget
 from edge0.streaming.exact import ExactExecutor
 from edge0.streaming.hot import HotExecutor
-from edge0.streaming.pool import SlotSet, default_budget, slots_per_layer
+from edge0.streaming.pool import SlotSet, slots_per_layer
 from edge0.streaming.staged import StagedExecutor, collect_dropped
 from edge0.streaming.stats import ExecutorStats
 from edge0.streaming.whole import LayerPrefetcher, WholeLayerExecutor
@@ -44,6 +46,17 @@ def load_cache_weights(path, store) -> FlashMoEModel:
             f"train weights for this one: {TRAIN_WEIGHTS.replace('STORE', str(store.root))}"
         )
     return model
+
+
+def _no_room(b, k: int, n_layers: int, need: int) -> str:
+    """The one-line error when the default budget cannot hold one route in every MoE layer."""
+    return (
+        f"the expert cache does not fit in memory: {format_size(b.available)} available ({b.source}) leaves "
+        f"{format_size(max(0, b.free))} after the KV cache ({format_size(b.kv)} at {b.context} tokens), prefill "
+        f"({format_size(b.prefill)}) and headroom ({format_size(b.headroom)}), and a decode step needs {k} experts "
+        f"in each of {n_layers} MoE layers ({format_size(need)}); --expert-cache {math.ceil(need / 1e6)}MB would hold "
+        f"them if memory allows (or free memory, raise the limit, or lower --context-tokens)"
+    )
 
 
 class LayerDispatch:
@@ -92,23 +105,29 @@ class LayerDispatch:
 class Streaming:
     """All executors of one engine, the expert pool they share, and their statistics."""
 
-    def __init__(self, store, compute_dtype: str, k: int, resident_bytes: int, options):
-        """`options`: the engine's validated LoadOptions (expert cache, policy, executors)."""
+    def __init__(self, store, compute_dtype: str, k: int, options, reserve: tuple[int, int, int] = (0, 0, 0)):
+        """`options`: the engine's validated LoadOptions (expert cache, policy, executors).
+        `reserve` = (KV bytes per token, context tokens, prefill activation bytes at that context):
+        what the default budget leaves room for besides two layers of experts and the headroom."""
         self.store, self.options = store, options
         self.stats = ExecutorStats()
         total = sum(store.expert_nbytes(l) * int(v["num_experts"]) for l, v in store.layers.items())
-        self.budget = (
-            parse_size(options.expert_cache)
+        largest = max((store.expert_nbytes(l) * int(v["num_experts"]) for l, v in store.layers.items()), default=0)
+        self.default = (
+            None
             if options.expert_cache is not None
-            else default_budget(total, resident_bytes)
+            else default_budget(total, reserve[0] * reserve[1], reserve[1], PREFILL_LAYERS * largest + reserve[2])
         )
+        self.budget = parse_size(options.expert_cache) if self.default is None else self.default.bytes
         self.total_expert_bytes = total
         layers = sorted(store.layers)
         self.cache_weights = load_cache_weights(options.cache_weights, store) if options.cache_weights else None
         need_slots = any(options.executor(l, "decode") != "exact" for l in layers)
+        self.slot_bytes = sum(store.expert_nbytes(l) for l in layers)  # one slot in every MoE layer
+        if need_slots and self.default is not None and self.budget < k * self.slot_bytes:
+            raise Edge0Error(_no_room(self.default, k, len(layers), k * self.slot_bytes))
         self.n_slots = slots_per_layer(store, self.budget, k) if need_slots else 0
         self.configured_slots, self.min_slots = self.n_slots, k
-        self.slot_bytes = sum(store.expert_nbytes(l) for l in layers)  # one slot in every MoE layer
         # a pipeline stage may hold no MoE layer at all (edge0.distributed): nothing to cache
         self.max_slots = min((int(v["num_experts"]) for v in store.layers.values()), default=0)
         self.reader = ThreadPoolExecutor(max_workers=READ_THREADS, thread_name_prefix="edge0-read")
@@ -146,9 +165,10 @@ class Streaming:
     def describe(self) -> str:
         o = self.options
         sub = f", substitution alpha {o.substitute_alpha} (changes outputs)" if o.substitute_alpha else ""
+        default = f"; {self.default.describe()}" if self.default is not None else ""
         return (
             f"expert cache {format_size(self.budget)} ({o.cache_policy}, {self.n_slots} slots per layer; "
-            f"experts total {format_size(self.total_expert_bytes)}), prefill {o.prefill_executor}, decode "
+            f"experts total {format_size(self.total_expert_bytes)}{default}), prefill {o.prefill_executor}, decode "
             f"{o.decode_executor}{sub}"
         )
 

@@ -1,5 +1,6 @@
 """Exact executor: per MoE layer and call, read only the selected experts (deduplicated) through
-mmap and run them. Correct for any route; one host sync of the routing indices per call."""
+the store's reader (pread, direct or mmap: one read per expert-major row) and run them. Correct
+for any route; one host sync of the routing indices per call."""
 
 from __future__ import annotations
 

@@ -11,19 +11,11 @@ from __future__ import annotations
 import numpy as np
 
 from edge0.backend import core as B
-from edge0.backend import memory
 from edge0.cache import ExpertCache, make_policy
 from edge0.errors import Edge0Error
 from edge0.store.reader import ExpertStore
 from edge0.streaming.exact import to_device
 from edge0.units import format_size
-
-
-def default_budget(total_expert_bytes: int, resident_bytes: int) -> int:
-    """All experts if they fit in half of the memory left after the resident weights,
-    otherwise that half."""
-    free = max(0, memory.available()[0] - resident_bytes)
-    return min(total_expert_bytes, free // 2)
 
 
 def slots_per_layer(store: ExpertStore, budget: int, k: int) -> int:

@@ -1,5 +1,5 @@
-"""Whole-layer executor (prefill): a layer's experts arrive in a few large reads (one per stacked
-tensor, 9 for gate/up/down x weight/scales/biases), layer N+1 is read on a background thread while
+"""Whole-layer executor (prefill): a layer's experts arrive in large sequential reads of its
+expert-major file (8 MiB pieces, several in flight), layer N+1 is read on a background thread while
 layer N computes, and each layer is released once computed, so peak memory stays at two layers."""
 
 from __future__ import annotations

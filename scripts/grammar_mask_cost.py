@@ -125,8 +125,14 @@ def apply_cost(repeats: int = 200) -> list[float]:
 
 def summary(seconds: list[float]) -> str:
     us = sorted(1e6 * s for s in seconds)
-    p = lambda q: us[min(len(us) - 1, int(q * len(us)))]  # noqa: E731
-    return f"{len(us)} tokens: mean {statistics.mean(us):.0f} us, median {p(0.5):.0f}, p90 {p(0.9):.0f}, p99 {p(0.99):.0f}, max {us[-1]:.0f}"
+
+    def q(f: float) -> float:
+        return us[min(len(us) - 1, int(f * len(us)))]
+
+    return (
+        f"{len(us)} tokens: mean {statistics.mean(us):.0f} us, median {q(0.5):.0f}, p90 {q(0.9):.0f}, "
+        f"p99 {q(0.99):.0f}, max {us[-1]:.0f}"
+    )
 
 
 def main() -> None:

@@ -34,6 +34,7 @@ from edge0.textstream import StopMatcher
 
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 THINK_START, THINK_END = "<think>", "</think>"
+EMPTY_THINK = f"{THINK_START}\n\n{THINK_END}\n\n"  # what enable_thinking=False puts in the prompt (Qwen3)
 SPECIALS = [
     IM_START,
     IM_END,
@@ -108,7 +109,8 @@ class FakeTokenizer:
             if m["role"] == "tool":
                 out += f"{IM_START}user\n<tool_response>\n{m['content']}\n</tool_response>{IM_END}\n"
                 continue
-            out += f"{IM_START}{m['role']}\n{m.get('content') or ''}"
+            thought = f"{THINK_START}\n{m['reasoning_content']}\n{THINK_END}\n\n" if m.get("reasoning_content") else ""
+            out += f"{IM_START}{m['role']}\n{thought}{m.get('content') or ''}"
             for call in m.get("tool_calls") or []:
                 fn = call["function"]
                 out += (
@@ -116,7 +118,7 @@ class FakeTokenizer:
                 )
             out += f"{IM_END}\n"
         if add_generation_prompt:
-            out += f"{IM_START}assistant\n" + ("" if enable_thinking else f"{THINK_START}\n\n{THINK_END}\n\n")
+            out += f"{IM_START}assistant\n" + ("" if enable_thinking else EMPTY_THINK)
         return self.encode(out) if tokenize else out
 
 
@@ -155,9 +157,10 @@ class FakeEngine:
 
     def reply(self, prompt: list[int]) -> str:
         text = self.tokenizer.decode(prompt)
+        thinking = not text.endswith(EMPTY_THINK)
+        text = text.removesuffix(EMPTY_THINK)
         if not text.endswith(f"{IM_START}assistant\n"):
             return "Echo: " + text
-        thinking = not text.endswith(f"{THINK_END}\n\n")
         last = text.split(IM_START)[-2]
         if m := re.search(r"<tool_response>\n(.*)\n</tool_response>", last, re.S):
             return f"The weather is {m.group(1)}."

@@ -83,7 +83,9 @@ def test_prompt_limit_defaults_to_the_models_context(monkeypatch, tmp_path, capl
     [
         ["--max-queue", "-1"],
         ["--port", "http"],
-        ["--default-max-tokens", "9999"],
+        ["--default-max-tokens", "9999", "--max-tokens", "100"],
+        ["--served-model-name", " "],
+        ["--max-tokens", "0"],
         ["--port", "70000"],
         ["--port", "-1"],
     ],

@@ -242,13 +242,32 @@ def test_logit_bias_changes_what_is_sampled(client, engine):
     assert bytes(again.choices[0].logprobs.content[0].bytes) != Grammars(engine.tokenizer).token_bytes(first)
 
 
-def test_a_claude_code_shaped_request_streams(store_for):
+@pytest.fixture(scope="module")
+def thinking_engine(store_for):
+    """The fixture model with a Qwen3-shaped template: tools and reasoning."""
+    import edge0
+
+    return edge0.load(store_for("qwen3_moe", thinking=True), prerouter=False)
+
+
+def test_thinking_budget_ends_the_block(thinking_engine):
+    from edge0.server.reasoning import budget
+
+    engine = thinking_engine
+    end = engine.tokenizer.encode("</think>", add_special_tokens=False)[0]
+    limit = budget(engine.tokenizer, 3, inside=True)  # as if the prompt opened the block
+    steps = list(
+        engine.stream_generate(engine.chat_prompt(ASK), max_tokens=6, temperature=1, seed=0, logits_processors=[limit])
+    )
+    tokens = [s.token for s in steps]
+    assert end in tokens[:4] and (limit.forced == 1) == (end not in tokens[:3])
+
+
+def test_a_claude_code_shaped_request_streams(thinking_engine):
     """Acceptance 1: the official client, an unknown model name, max_tokens 32000, system blocks
     with cache_control, metadata, thinking, beta headers and ?beta=true, three tools with
     JSON-schema inputs, on a fixture whose template has tools and thinking."""
-    import edge0
-
-    engine = edge0.load(store_for("qwen3_moe", thinking=True), prerouter=False)
+    engine = thinking_engine
     assert engine.tokenizer.has_thinking and engine.tokenizer.has_tool_calling
     schema = "http://json-schema.org/draft-07/schema#"
     tools = [

@@ -8,7 +8,7 @@ import numpy as np
 
 from edge0.backend.forward import make_sampler
 
-__all__ = ["sampler", "apply_token_mask", "LogitBias", "token_logprobs"]
+__all__ = ["sampler", "apply_token_mask", "LogitBias", "token_logprobs", "only_token"]
 
 
 def sampler(temperature: float, top_p: float, top_k: int, vocab: int):
@@ -56,3 +56,9 @@ def token_logprobs(logprobs: mx.array, token: mx.array, n_top: int) -> tuple[flo
     mx.eval(chosen, top, values)
     pairs = sorted(zip(top.tolist(), values.tolist()), key=lambda p: (-p[1], p[0]))
     return chosen.item(), pairs
+
+
+def only_token(logprobs: mx.array, token: int) -> mx.array:
+    """`logprobs` [1, V] with every token but `token` at -inf (the sampler must take it)."""
+    keep = mx.arange(logprobs.shape[-1]) == token
+    return mx.where(keep, logprobs, mx.array(-np.inf, logprobs.dtype))

@@ -198,6 +198,7 @@ class CountTokensRequest(Strict):
             template_kwargs={"enable_thinking": thinking},
             constraint=constraint,
             constraint_param="tool_choice",
+            thinking_budget=self.thinking.budget_tokens if isinstance(self.thinking, ThinkingEnabled) else None,
         )
 
 

@@ -98,7 +98,15 @@ class Grammars:
         self.tokenizer = tokenizer
         self._ll: llguidance.LLTokenizer | None = None
         self._lock = threading.Lock()
-        self.stats = {"requests": 0, "masks": 0, "mask_ms": 0.0}
+        # /v1/stats "sampling": structured requests, masks computed and their time; the thinking
+        # budgets applied, and those a tokenizer's multi-token markers left unenforced (pipeline.py).
+        self.stats = {
+            "structured_requests": 0,
+            "masks": 0,
+            "mask_ms": 0.0,
+            "thinking_budgets": 0,
+            "thinking_budgets_unenforced": 0,
+        }
 
     def ll_tokenizer(self) -> llguidance.LLTokenizer:
         with self._lock:
@@ -148,7 +156,7 @@ class Grammars:
 
     def processor(self, constraint: Constraint, think: tuple[str, str, bool] | None = None) -> GrammarProcessor:
         grammar = self.grammar(constraint, think)
-        self.stats["requests"] += 1
+        self.stats["structured_requests"] += 1
         return GrammarProcessor(self.ll_tokenizer(), grammar, self.stats)
 
 

@@ -60,6 +60,7 @@ class Prompt:
     template_kwargs: dict = field(default_factory=dict)
     constraint: Constraint | None = None
     constraint_param: str | None = None
+    thinking_budget: int | None = None  # most reasoning tokens (Anthropic's budget_tokens)
 
 
 def served_id(request: Request) -> str:
@@ -195,6 +196,11 @@ async def respond(request: Request, fmt: Format, prompt: Prompt, params: Params,
         run.reasoning = (*found, opened)
     if params.logit_bias:
         run.processors.append(LogitBias(params.logit_bias))
+    if found and prompt.thinking_budget:
+        limit = reasoning.budget(engine.tokenizer, prompt.thinking_budget, opened)
+        stats = state.grammars.stats
+        stats["thinking_budgets" if limit else "thinking_budgets_unenforced"] += 1
+        run.processors += [limit] if limit else []
     if prompt.constraint is not None:
         # Reasoning comes first when the prompt opened a block or the request asked for it.
         asked = found and (opened or prompt.template_kwargs.get("enable_thinking"))

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterator, Union
 
+from edge0.backend.logits import only_token
 from edge0.textstream import partial_suffix_len
 
 OPEN_TAIL_TOKENS = 32  # a template opens the block in its generation prompt, at the very end
@@ -94,3 +95,37 @@ class ReasoningSplitter:
         """End of generation: release held text (an unfinished block stays reasoning)."""
         rest, self._buf = self._buf, ""
         yield from self._emit(rest.rstrip() if self.inside else rest, Reasoning if self.inside else str)
+
+
+class ThinkingBudget:
+    """A logits processor ending the reasoning block once it holds `budget` tokens: the next
+    token is then think_end (Anthropic's thinking.budget_tokens). Needs single-token markers."""
+
+    def __init__(self, start_id: int, end_id: int, budget: int, inside: bool):
+        self.start_id, self.end_id, self.budget = start_id, end_id, budget
+        self.inside, self.spent, self.seen = inside, 0, 0
+        self.forced = 0  # blocks ended by the budget
+
+    def __call__(self, generated: list[int], logprobs):
+        for token in generated[self.seen :]:
+            if token == self.start_id:
+                self.inside = True
+            elif token == self.end_id:
+                self.inside = False
+            elif self.inside:
+                self.spent += 1
+        self.seen = len(generated)
+        if self.inside and self.spent >= self.budget:
+            self.forced += 1
+            return only_token(logprobs, self.end_id)
+        return logprobs
+
+
+def budget(tokenizer, budget_tokens: int, inside: bool) -> ThinkingBudget | None:
+    """The budget processor, or None when a marker is not one token (the budget is then not
+    enforced; max_tokens still bounds the whole reply)."""
+    found = markers(tokenizer)
+    ids = [tokenizer.encode(m, add_special_tokens=False) for m in found] if found else []
+    if len(ids) != 2 or any(len(i) != 1 for i in ids):
+        return None
+    return ThinkingBudget(ids[0][0], ids[1][0], budget_tokens, inside)

@@ -53,7 +53,7 @@ async def stats(request: Request) -> dict:
             "requests_in_flight": state.scheduler.admitted,
             **state.scheduler.counters,
             "between_errors": state.scheduler.between_errors,
-            "structured": dict(state.grammars.stats),
+            "sampling": dict(state.grammars.stats),
         },
         "memory": state.memory.stats() if state.memory else None,
         "machine": _machine_memory(),

@@ -18,6 +18,8 @@ COUNTERS = (
     "fallbacks",
     "dropped",
     "substitutions",
+    "span_whole",
+    "span_union",
 )
 
 
@@ -35,6 +37,8 @@ class LayerStats:
     fallbacks: int = 0  # calls that fell back to the exact path
     dropped: int = 0  # routed experts that were not staged (trusted staged mode only)
     substitutions: int = 0  # routed experts replaced by a cached one (--substitute-alpha; lossy)
+    span_whole: int = 0  # layer-major prefill spans that read this layer whole
+    span_union: int = 0  # ... that read only the union of their routes
     stall_s: float = 0.0  # time blocked waiting for expert data
     distinct_experts: set = field(default_factory=set)
 

@@ -307,3 +307,24 @@ def test_setup_lines_name_each_client():
     keyed = setup_lines("http://h:1", "m", keyed=True)
     assert "ANTHROPIC_AUTH_TOKEN=$EDGE0_API_KEY" in keyed[0] and 'env_key="EDGE0_API_KEY"' in keyed[1]
     assert json.dumps(keyed).count("EDGE0_API_KEY") == 3
+
+
+@pytest.mark.parametrize(
+    "chunks,inside,expected",
+    [
+        (list("<think>\nAbout x.\n</think>\n\nhello"), False, ("About x.", "hello")),
+        (["<think>\nAb", "out x.\n</th", "ink>\n\n", "hel", "lo"], False, ("About x.", "hello")),
+        ([" hello <think> no"], False, ("", " hello <think> no")),  # not at the start: answer text
+        (list("reasoning\n</think>\n\nanswer"), True, ("reasoning", "answer")),  # the prompt opened the block
+        (["<thi"], False, ("", "<thi")),
+        (["<think>unfinished  "], False, ("unfinished", "")),
+        (["  ", "x"], False, ("", "  x")),
+    ],
+)
+def test_reasoning_splitter(chunks, inside, expected):
+    from edge0.server.reasoning import Reasoning, ReasoningSplitter
+
+    splitter = ReasoningSplitter("<think>", "</think>", inside)
+    pieces = [p for chunk in chunks for p in splitter.feed(chunk)] + list(splitter.finish())
+    thought = "".join(p.text for p in pieces if isinstance(p, Reasoning))
+    assert (thought, "".join(p for p in pieces if isinstance(p, str))) == expected

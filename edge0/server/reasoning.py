@@ -46,7 +46,8 @@ class ReasoningSplitter:
     """Turns streamed text into Reasoning pieces and answer text.
 
     A reasoning block is recognized at the start of the output (or the prompt opened one); the
-    whitespace around its text and before the answer is dropped, as templates put newlines there.
+    whitespace around its text and before the answer after it is dropped, as templates put
+    newlines there (an answer without a block is left as it is).
     Text that may be the start of a marker is held back until it is decided.
     """
 
@@ -55,7 +56,7 @@ class ReasoningSplitter:
         self.inside = inside
         self._buf = ""
         self._began = inside  # a block was seen: later markers are answer text
-        self._lead = True  # at the start of reasoning or of the answer: drop whitespace
+        self._lead = inside  # at the start of reasoning or of the answer after it: drop whitespace
 
     def feed(self, text: str) -> Iterator[Union[Reasoning, str]]:
         self._buf += text
@@ -68,8 +69,7 @@ class ReasoningSplitter:
                     self.inside, self._lead = False, True
                     continue
                 # Hold back a possible marker start and trailing whitespace (it may end the block).
-                keep = max(partial_suffix_len(self._buf, [self.end]), len(self._buf) - len(self._buf.rstrip()))
-                cut = len(self._buf) - keep
+                cut = len(self._buf[: len(self._buf) - partial_suffix_len(self._buf, [self.end])].rstrip())
                 piece, self._buf = self._buf[:cut], self._buf[cut:]
                 yield from self._emit(piece, Reasoning)
                 return

@@ -186,29 +186,10 @@ async def respond(request: Request, fmt: Format, prompt: Prompt, params: Params,
     """Check the prompt against the limits, queue its generation, and answer: server-sent events
     when `stream`, else one JSON body. Raises APIError for a request the limits refuse."""
     state = request.app.state
-    engine = state.engine
     tokens = await prompt_tokens(request, prompt)
     params = params.with_max_tokens(generation_limit(state.config, params.max_tokens, len(tokens), prompt.param))
-    run = Run(tokens, params, prompt.tools)
-    found = reasoning.markers(engine.tokenizer) if prompt.messages is not None else None
-    opened = bool(found) and reasoning.opens_reasoning(engine.tokenizer, tokens)
-    if found:
-        run.reasoning = (*found, opened)
-    if params.logit_bias:
-        run.processors.append(LogitBias(params.logit_bias))
-    if found and prompt.thinking_budget:
-        limit = reasoning.budget(engine.tokenizer, prompt.thinking_budget, opened)
-        stats = state.grammars.stats
-        stats["thinking_budgets" if limit else "thinking_budgets_unenforced"] += 1
-        run.processors += [limit] if limit else []
-    if prompt.constraint is not None:
-        # Reasoning comes first when the prompt opened a block or the request asked for it.
-        asked = found and (opened or prompt.template_kwargs.get("enable_thinking"))
-        run.processors.append(await _grammar(request, prompt, (*found, opened) if asked else None))
-    if params.logprobs is not None:
-        await run_in_threadpool(state.grammars.ll_tokenizer)  # its token table gives each token's bytes
-        run.token_bytes = state.grammars.token_bytes
-    job = state.scheduler.submit(partial(generation_events, engine, run))
+    run = await _run(request, prompt, params, tokens)
+    job = state.scheduler.submit(partial(generation_events, state.engine, run))
     if stream:
         # The background task also covers a client that leaves before the stream starts.
         return StreamingResponse(
@@ -218,6 +199,35 @@ async def respond(request: Request, fmt: Format, prompt: Prompt, params: Params,
             background=BackgroundTask(job.cancel),
         )
     return JSONResponse(await _collect(request, job, fmt))
+
+
+async def _run(request: Request, prompt: Prompt, params: Params, tokens: list[int]) -> Run:
+    """What the engine thread needs: the reasoning markers, the logits processors (logit bias,
+    thinking budget, grammar) and, for log-probs, each token's bytes."""
+    state = request.app.state
+    tokenizer = state.engine.tokenizer
+    run = Run(tokens, params, prompt.tools)
+    found = reasoning.markers(tokenizer) if prompt.messages is not None else None
+    opened = bool(found) and reasoning.opens_reasoning(tokenizer, tokens)
+    if found:
+        run.reasoning = (*found, opened)
+    if params.logit_bias:
+        run.processors.append(LogitBias(params.logit_bias))
+    if found and prompt.thinking_budget:
+        limit = reasoning.budget(tokenizer, prompt.thinking_budget, opened)
+        state.grammars.stats["thinking_budgets" if limit else "thinking_budgets_unenforced"] += 1
+        run.processors += [limit] if limit else []
+    if prompt.constraint is not None:
+        # Reasoning comes first when the prompt opened a block or the request asked for it.
+        asked = found and (opened or prompt.template_kwargs.get("enable_thinking"))
+        run.processors.append(await _grammar(request, prompt, (*found, opened) if asked else None))
+    if params.logprobs is not None:
+        try:  # the grammar library's token table gives each token's bytes (built on first use)
+            await run_in_threadpool(state.grammars.ll_tokenizer)
+        except GrammarError as e:
+            raise APIError(400, f"Log-probs are not available: {e}", "logprobs", "unsupported_value") from None
+        run.token_bytes = state.grammars.token_bytes
+    return run
 
 
 async def _grammar(request: Request, prompt: Prompt, think: tuple[str, str, bool] | None):

@@ -233,6 +233,16 @@ def test_logprobs_are_the_engines_own(client, engine):
     assert all(list(d.values()) == sorted(d.values(), reverse=True) for d in lp.top_logprobs)
 
 
+def test_top_k_samples_among_the_k_most_likely(engine):
+    steps = list(
+        engine.stream_generate(
+            engine.chat_prompt(ASK), max_tokens=30, temperature=1, seed=3, top_k=2, logprobs=2, ignore_eos=True
+        )
+    )
+    assert all(s.token in [t for t, _ in s.top_logprobs] for s in steps)
+    assert any(s.token != s.top_logprobs[0][0] for s in steps)  # sampled, not greedy
+
+
 def test_logit_bias_changes_what_is_sampled(client, engine):
     target = engine.tokenizer.encode("e", add_special_tokens=False)[0]
     r = client.chat.completions.create(

@@ -4,20 +4,30 @@ MLX (edge0.backend.logits.apply_token_mask), for the schemas of tests/fixtures/s
 
 Each schema's example document is tokenized with the vocabulary's own BPE (the tokens a model
 would emit); at every token the mask is computed, timed, and the token consumed, until the end
-of the document and its EOS. Two 151,936-token vocabularies: the bench model's
-(/work/bench-model/mlx: the fixture's 314 BPE tokens and filler tokens up to the model's
-vocab) and a byte-level BPE trained here on data/train.txt up to the same size (ordinary
-word and code pieces). Run under the CPU lock:
+of the document and its EOS. Two vocabularies: the bench model's (/work/bench-model/mlx, 151,936
+tokens: the fixture's 314 BPE tokens and filler tokens up to the model's vocab) and a byte-level
+BPE trained here on data/train.txt, asked for 151,936 tokens (the corpus yields fewer merges:
+59,118 tokens of ordinary word and code pieces). Run under the CPU lock:
 
     flock /tmp/edge0-cpu.lock env PYTHONPATH=$PWD python scripts/grammar_mask_cost.py
+
+xgrammar needs torch, which this project does not install; to compare, install it beside the
+project without its dependencies and point --xgrammar-dir at it (a stand-in `torch` module is
+then put in place for xgrammar's module-level imports; its masks are computed in C++ into numpy):
+
+    pip install --no-deps --target /tmp/xg xgrammar==0.2.9 apache-tvm-ffi
+    ... scripts/grammar_mask_cost.py --xgrammar-dir /tmp/xg
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.machinery
 import json
 import statistics
+import sys
 import time
+import types
 from pathlib import Path
 
 import numpy as np
@@ -106,6 +116,35 @@ def xgrammar_costs(tokenizer_json: str, path: Path, eos: int) -> tuple[list[floa
     return per_token, build_s
 
 
+def torch_stand_in() -> None:
+    """A module named `torch` with what xgrammar (and tvm_ffi) touch at import: dtype names and
+    a few functions that are never called when masks go into numpy buffers. Measurement only."""
+    try:
+        import torch  # noqa: F401
+
+        return
+    except ImportError:
+        pass
+
+    class DType:
+        def __init__(self, name):
+            self.name = name
+
+    stub = types.ModuleType("torch")
+    stub.__spec__ = importlib.machinery.ModuleSpec("torch", None)
+    stub.__version__ = "0.0"
+    stub.Tensor, stub.device, stub.dtype = type("Tensor", (), {}), type("device", (), {}), DType
+    stub.cuda = types.SimpleNamespace(is_available=lambda: False)
+    stub.nn = types.SimpleNamespace(functional=types.SimpleNamespace())
+    stub.library = types.SimpleNamespace()
+    stub.compile = lambda *a, **k: lambda f: f
+    stub.tensor = lambda *a, **k: None
+    stub.__getattr__ = lambda name: (
+        DType(name) if not name.startswith("__") else (_ for _ in ()).throw(AttributeError(name))
+    )
+    sys.modules["torch"] = stub
+
+
 def apply_cost(repeats: int = 200) -> list[float]:
     """Seconds to mask a [1, VOCAB] float32 row in MLX (evaluated), with a mask allowing ~1% of tokens."""
     from edge0.backend import core as B
@@ -141,7 +180,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--bench-tokenizer", default="/work/bench-model/mlx/tokenizer.json")
     p.add_argument("--trained", default="/tmp/edge0-bpe-151936.json", help="where the trained BPE is cached")
+    p.add_argument("--xgrammar-dir", help="a directory holding xgrammar installed without its dependencies")
     args = p.parse_args()
+    if args.xgrammar_dir:
+        sys.path.insert(0, args.xgrammar_dir)
+        torch_stand_in()
     vocabularies = []
     if Path(args.bench_tokenizer).exists():
         vocabularies.append(("bench model (314 BPE + fillers)", Path(args.bench_tokenizer), "<|im_end|>"))

@@ -6,7 +6,13 @@ few ChatML special tokens. The "model" answers from the last message of the prom
 - `call NAME ARG...` with tools in the prompt -> a `<tool_call>` JSON call NAME(city=ARG...);
 - a tool response -> "The weather is RESULT.";
 - `count N` -> "0 1 2 ... N-1" (long replies for queue and disconnect tests);
+- `think TEXT` with thinking on (the default; `enable_thinking=False` puts an empty
+  `<think></think>` in the prompt, as Qwen3's template does) -> "<think>\nAbout TEXT.\n</think>\n\nTEXT";
 - anything else -> "Echo: TEXT"; raw prompts (no template) -> "Echo: PROMPT".
+
+Log-probs, when asked, are made up but fixed: token i of a reply has -0.5 * (i + 1), and the
+top ones are the token itself and the next ids, each 1.0 lower. Logits processors are recorded
+(in the call's kwargs), not applied: the fake has no logits.
 
 With `prefill_delay` it spends that many seconds per prompt token before the first one, in
 chunks of PREFILL_CHUNK tokens, checking `should_stop` between chunks as the real engine does.
@@ -27,7 +33,18 @@ from edge0.sampling import check_sampling
 from edge0.textstream import StopMatcher
 
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
-SPECIALS = [IM_START, IM_END, "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+THINK_START, THINK_END = "<think>", "</think>"
+EMPTY_THINK = f"{THINK_START}\n\n{THINK_END}\n\n"  # what enable_thinking=False puts in the prompt (Qwen3)
+SPECIALS = [
+    IM_START,
+    IM_END,
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_response>",
+    "</tool_response>",
+    THINK_START,
+    THINK_END,
+]
 _SPLIT = re.compile("(" + "|".join(re.escape(s) for s in SPECIALS) + ")")
 PREFILL_CHUNK = 64
 
@@ -39,6 +56,8 @@ class FakeTokenizer:
     has_tool_calling = True
     tool_call_start = "<tool_call>"
     tool_call_end = "</tool_call>"
+    has_thinking = True
+    think_start, think_end = THINK_START, THINK_END
 
     @staticmethod
     def tool_parser(text, tools=None):
@@ -46,6 +65,20 @@ class FakeTokenizer:
 
     def __init__(self):
         self.encoded_chars = 0  # characters tokenized so far
+
+    @property
+    def backend_tokenizer(self):
+        """The same vocabulary as a `tokenizers` byte-level tokenizer (what llguidance reads)."""
+        from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+        from tests.fixtures.tokenizer import _bytes_to_unicode
+
+        chars = _bytes_to_unicode()
+        tok = Tokenizer(models.BPE(vocab={chars[b]: b for b in range(256)}, merges=[], fuse_unk=False))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tok.decoder = decoders.ByteLevel()
+        tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIALS])
+        return tok
 
     def get_vocab(self) -> dict[str, int]:
         return {**{bytes([i]).decode("latin-1"): i for i in range(256)}, **{s: 256 + i for i, s in enumerate(SPECIALS)}}
@@ -66,7 +99,9 @@ class FakeTokenizer:
     def decode(self, ids) -> str:
         return b"".join(self.token_bytes(t) for t in ids).decode("utf-8", errors="replace")
 
-    def apply_chat_template(self, messages, tools=None, add_generation_prompt=False, tokenize=True, **_):
+    def apply_chat_template(
+        self, messages, tools=None, add_generation_prompt=False, tokenize=True, enable_thinking=True, **_
+    ):
         out = ""
         if tools:
             out += f"{IM_START}system\n<tools>\n" + "\n".join(json.dumps(t) for t in tools) + f"\n</tools>{IM_END}\n"
@@ -74,7 +109,8 @@ class FakeTokenizer:
             if m["role"] == "tool":
                 out += f"{IM_START}user\n<tool_response>\n{m['content']}\n</tool_response>{IM_END}\n"
                 continue
-            out += f"{IM_START}{m['role']}\n{m.get('content') or ''}"
+            thought = f"{THINK_START}\n{m['reasoning_content']}\n{THINK_END}\n\n" if m.get("reasoning_content") else ""
+            out += f"{IM_START}{m['role']}\n{thought}{m.get('content') or ''}"
             for call in m.get("tool_calls") or []:
                 fn = call["function"]
                 out += (
@@ -82,7 +118,7 @@ class FakeTokenizer:
                 )
             out += f"{IM_END}\n"
         if add_generation_prompt:
-            out += f"{IM_START}assistant\n"
+            out += f"{IM_START}assistant\n" + ("" if enable_thinking else EMPTY_THINK)
         return self.encode(out) if tokenize else out
 
 
@@ -121,6 +157,8 @@ class FakeEngine:
 
     def reply(self, prompt: list[int]) -> str:
         text = self.tokenizer.decode(prompt)
+        thinking = not text.endswith(EMPTY_THINK)
+        text = text.removesuffix(EMPTY_THINK)
         if not text.endswith(f"{IM_START}assistant\n"):
             return "Echo: " + text
         last = text.split(IM_START)[-2]
@@ -133,10 +171,13 @@ class FakeEngine:
             return "<tool_call>\n" + json.dumps(call) + "\n</tool_call>"
         if words[:1] == ["count"]:
             return " ".join(str(i) for i in range(int(words[1])))
+        if words[:1] == ["think"] and thinking:
+            rest = content.split(None, 1)[1] if len(words) > 1 else ""
+            return f"{THINK_START}\nAbout {rest}.\n{THINK_END}\n\n{rest}"
         return "Echo: " + content
 
-    def chat_prompt(self, messages, tools=None) -> list[int]:
-        return self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True)
+    def chat_prompt(self, messages, tools=None, **template_kwargs) -> list[int]:
+        return self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, **template_kwargs)
 
     def stream_generate(
         self,
@@ -148,8 +189,11 @@ class FakeEngine:
         stop=None,
         reuse_cache=False,
         should_stop=None,
+        top_k=0,
+        logits_processors=None,
+        logprobs=None,
     ):
-        check_sampling(temperature, top_p, seed)  # as the real engine does (an Edge0Error)
+        check_sampling(temperature, top_p, seed, top_k=top_k)  # as the real engine does (an Edge0Error)
         tokens = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         call = Call(
             tokens,
@@ -160,6 +204,9 @@ class FakeEngine:
                 seed=seed,
                 stop=stop,
                 reuse_cache=reuse_cache,
+                top_k=top_k,
+                logits_processors=logits_processors,
+                logprobs=logprobs,
             ),
         )
         self.calls.append(call)
@@ -205,9 +252,13 @@ class FakeEngine:
                 if finish:
                     text += stopper.flush()
                 call.steps, call.finish_reason = i + 1, finish
-                yield Step(
+                step = Step(
                     tok, text, finish, self._stats(call) if finish else None, stopper.matched if finish else None
                 )
+                if logprobs is not None:
+                    step.logprob = -0.5 * (i + 1)
+                    step.top_logprobs = [((tok + j) % 256, step.logprob - j) for j in range(logprobs)]
+                yield step
                 if finish:
                     return
                 if should_stop and should_stop():

@@ -211,10 +211,8 @@ VALID = {"model": MODEL, "messages": user("x")}
         ({**VALID, "max_tokens": -5}, None, 400, "max_tokens", "greater than or equal to 1"),
         ({"model": MODEL, "messages": []}, None, 400, "messages", "at least 1"),
         ({"model": MODEL, "messages": [{"role": "robot", "content": "x"}]}, None, 400, "messages.0.role", "'user'"),
-        ({**VALID, "max_tokens": 100_000}, None, 400, "max_tokens", "limit of 256 (--max-tokens)"),
         ({"model": MODEL, "messages": user("x") * 9}, None, 400, "messages", "limit of 8 (--max-messages)"),
         ({"model": MODEL, "messages": user("x" * 1500)}, None, 400, "messages", "limit of 1000 (--max-prompt-tokens)"),
-        ({**VALID, "model": "gpt-4"}, None, 404, "model", "'gpt-4' does not exist"),
         ({"model": MODEL, "messages": user("x" * 20_000)}, None, 413, None, "16384 bytes (--max-body-bytes)"),
         (VALID, {"Authorization": ""}, 401, None, "API key"),
         (VALID, {"Authorization": "Bearer wrong"}, 401, None, "API key"),
@@ -241,7 +239,6 @@ def test_bad_input_gets_openai_error_and_server_keeps_serving(url, client, body,
         ("top_p", 0),
         ("top_p", 1.5),
         ("max_tokens", 0),
-        ("max_tokens", 2**70),
         ("max_completion_tokens", 0),
         ("n", 2),
         ("seed", 1.5),
@@ -383,10 +380,8 @@ def test_oversized_chunked_body_is_refused(url, client):
 
 
 def test_errors_through_the_openai_client(url, client):
-    with pytest.raises(openai.NotFoundError):
-        client.chat.completions.create(model="nope", messages=user("x"))
-    with pytest.raises(openai.BadRequestError, match="--max-tokens"):
-        client.chat.completions.create(model=MODEL, messages=user("x"), max_tokens=10_000)
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.chat.completions.create(model=MODEL, messages=user("x"), max_tokens=0)
     anonymous = openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         anonymous.models.list()

@@ -50,8 +50,8 @@ def test_message_with_system_prompt_and_usage(client, engine):
     assert [b.type for b in r.content] == ["text"] and r.content[0].text == "Echo: héllo 🙂"
     assert r.stop_reason == "end_turn" and r.stop_sequence is None
     prompt = engine.calls[-1].prompt
-    assert prompt == engine.chat_prompt(
-        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "héllo 🙂"}]
+    assert prompt == engine.chat_prompt(  # no thinking asked: Anthropic's default is off
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "héllo 🙂"}], enable_thinking=False
     )
     assert r.usage.input_tokens + r.usage.cache_read_input_tokens == len(prompt)
     assert r.usage.output_tokens == engine.calls[-1].steps
@@ -146,15 +146,25 @@ def test_errors_have_anthropics_shape(client, url):
         client.messages.create(model=MODEL, max_tokens=0, messages=user("x"))
     assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "invalid_request_error"
     assert "'max_tokens'" in e.value.body["error"]["message"]
-    with pytest.raises(anthropic.BadRequestError, match="--max-tokens"):
-        client.messages.create(model=MODEL, max_tokens=10_000, messages=user("x"))
+    with pytest.raises(anthropic.BadRequestError, match="budget_tokens"):
+        client.messages.create(
+            model=MODEL, max_tokens=5, messages=user("x"), thinking={"type": "enabled", "budget_tokens": 10}
+        )
+    with pytest.raises(anthropic.BadRequestError, match="needs the tool's 'name'"):
+        client.messages.create(
+            model=MODEL, max_tokens=5, messages=user("x"), tools=WEATHER, tool_choice={"type": "tool"}
+        )
     with pytest.raises(anthropic.BadRequestError, match="temperature"):
         client.messages.create(model=MODEL, max_tokens=5, messages=user("x"), extra_body={"temperature": 1.5})
-    with pytest.raises(anthropic.NotFoundError) as e:
-        client.messages.create(model="claude-opus", max_tokens=5, messages=user("x"))
-    assert (
-        e.value.body["error"]["type"] == "not_found_error" and "serves 'fake-moe'" in e.value.body["error"]["message"]
-    )
+    with pytest.raises(anthropic.BadRequestError, match="Thinking may not be enabled"):
+        client.messages.create(
+            model=MODEL,
+            max_tokens=5,
+            messages=user("x"),
+            tools=WEATHER,
+            tool_choice={"type": "any"},
+            thinking={"type": "enabled", "budget_tokens": 1024},
+        )
     with pytest.raises(anthropic.AuthenticationError) as e:
         anthropic.Anthropic(base_url=url, api_key="wrong", max_retries=0).messages.create(
             model=MODEL, max_tokens=5, messages=user("x")

@@ -83,7 +83,9 @@ def test_prompt_limit_defaults_to_the_models_context(monkeypatch, tmp_path, capl
     [
         ["--max-queue", "-1"],
         ["--port", "http"],
-        ["--default-max-tokens", "9999"],
+        ["--default-max-tokens", "9999", "--max-tokens", "100"],
+        ["--served-model-name", " "],
+        ["--max-tokens", "0"],
         ["--port", "70000"],
         ["--port", "-1"],
     ],
@@ -174,3 +176,22 @@ def test_real_engine_stops_during_prefill_and_between_steps_and_stays_consistent
             stop.append(1)
     assert [s.token for s in steps] == expected[:3] and all(s.finish_reason is None for s in steps)
     assert engine.generate(prompt, max_tokens=6, reuse_cache=True).tokens == expected
+
+
+def test_serve_prints_each_clients_setup_and_wires_the_model_names(monkeypatch, tmp_path, caplog):
+    with caplog.at_level("INFO", logger="edge0.server"):
+        ran = _serve_main(
+            monkeypatch,
+            tmp_path,
+            ["--port", "9001", "--api-key", "sk-secret", "--served-model-name", "coder", "--strict-model-name"],
+        )
+    config = ran["app"].state.config
+    assert config.served_model_names == ("coder",) and config.strict_model_name
+    assert config.context_length == 4096 and config.max_tokens is None and config.default_max_tokens is None
+    lines = [r.getMessage() for r in caplog.records]
+    claude = next(line for line in lines if line.startswith("Claude Code:"))
+    assert "ANTHROPIC_BASE_URL=http://127.0.0.1:9001 " in claude and "ANTHROPIC_MODEL=coder" in claude
+    codex = next(line for line in lines if line.startswith("Codex CLI:"))
+    assert 'base_url="http://127.0.0.1:9001/v1", wire_api="responses", env_key="EDGE0_API_KEY"' in codex
+    assert any(line.startswith("OpenAI SDK:") for line in lines)
+    assert "sk-secret" not in caplog.text  # the key is never logged

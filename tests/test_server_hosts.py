@@ -26,6 +26,12 @@ BODIES = {  # a valid body for each POST route, so only the guard can refuse it
     "/v1/responses": {"model": FakeEngine.model_id, "input": "hi", "max_output_tokens": 8},
     "/v1/messages": {"model": FakeEngine.model_id, "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]},
 }
+BODIES.update(
+    {path.removeprefix("/v1"): BODIES[path] for path in ("/v1/chat/completions", "/v1/completions", "/v1/responses")}
+)
+COUNTS = {
+    "/v1/messages/count_tokens": {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+}  # generates nothing
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +72,7 @@ def every_route(engine) -> list[tuple[str, str]]:
 
 
 def request(url: str, method: str, path: str, headers: dict) -> httpx.Response:
-    body = BODIES.get(path) if method == "POST" else None
+    body = {**BODIES, **COUNTS}.get(path) if method == "POST" else None
     return httpx.request(method, url + path, headers={**AUTH, **headers}, json=body, timeout=10, follow_redirects=False)
 
 

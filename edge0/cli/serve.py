@@ -109,10 +109,30 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--max-body-bytes", type=_count(1), default=4 << 20, help="request body limit (default 4 MiB)")
     p.add_argument(
-        "--max-tokens", type=_count(1), default=4096, help="largest max_tokens a request may ask (default 4096)"
+        "--max-tokens",
+        type=_count(1),
+        default=None,
+        help="most tokens one request generates; a larger max_tokens is clamped to it (default: what the model's "
+        "context leaves after the prompt)",
     )
     p.add_argument(
-        "--default-max-tokens", type=_count(1), default=512, help="max_tokens when a request gives none (default 512)"
+        "--default-max-tokens",
+        type=_count(1),
+        default=None,
+        help="max_tokens for a request that gives none (default: the largest allowed)",
+    )
+    p.add_argument(
+        "--served-model-name",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="the model id to report (the first) and names it answers to (repeatable; default: the store's "
+        "directory name). Any requested name is accepted unless --strict-model-name",
+    )
+    p.add_argument(
+        "--strict-model-name",
+        action="store_true",
+        help="answer only requests naming a served model name (others get 404)",
     )
     p.add_argument(
         "--max-prompt-tokens",
@@ -143,8 +163,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
-    if args.default_max_tokens > args.max_tokens:
+    if args.default_max_tokens and args.max_tokens and args.default_max_tokens > args.max_tokens:
         p.error("--default-max-tokens must not exceed --max-tokens")
+    if any(not name.strip() for name in args.served_model_name):
+        p.error("--served-model-name must not be empty")
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(message)s")
     if not _is_loopback(args.host):
         log.warning(
@@ -154,6 +176,7 @@ def main(argv=None) -> int:
         )
 
     from edge0.server.app import create_app, run
+    from edge0.server.clients import setup_lines
     from edge0.server.config import DEFAULT_MAX_PROMPT_TOKENS, ServerConfig, model_context_length
 
     memory_low = args.memory_low
@@ -162,39 +185,46 @@ def main(argv=None) -> int:
     engine = load_or_follow(args)
     if engine is None:  # under mlx.launch: this rank ran its layers of rank 0's work
         return 0
-    max_prompt_tokens = args.max_prompt_tokens
-    if max_prompt_tokens is None:
-        context = model_context_length(engine.root)
-        if context is None:
-            log.warning(
-                "the model's config.json declares no context length (max_position_embeddings); "
-                "--max-prompt-tokens defaults to %d",
-                DEFAULT_MAX_PROMPT_TOKENS,
-            )
-        max_prompt_tokens = context or DEFAULT_MAX_PROMPT_TOKENS
+    context = model_context_length(engine.root)
+    if context is None:
+        log.warning(
+            "the model's config.json declares no context length (max_position_embeddings); taking %d tokens "
+            "(prompt and generation; --max-prompt-tokens defaults to it)",
+            DEFAULT_MAX_PROMPT_TOKENS,
+        )
+    context = context or DEFAULT_MAX_PROMPT_TOKENS
+    max_prompt_tokens = args.max_prompt_tokens or context
     config = ServerConfig(
         api_key=args.api_key,
         max_queue=args.max_queue,
         max_body_bytes=args.max_body_bytes,
         max_tokens=args.max_tokens,
         default_max_tokens=args.default_max_tokens,
+        context_length=context,
         max_prompt_tokens=max_prompt_tokens,
         max_messages=args.max_messages,
         memory_low=memory_low,
         memory_poll_s=args.memory_poll_s,
         allowed_hosts=tuple(args.allowed_host),
         cors_origins=tuple(args.cors_origin),
+        served_model_names=tuple(args.served_model_name),
+        strict_model_name=args.strict_model_name,
     )
     log.info(
-        "limits: prompt %d tokens (--max-prompt-tokens), max_tokens %d (--max-tokens), queue %d (--max-queue); "
-        "expert cache shrinks below %s available (--memory-low)",
+        "limits: context %d tokens, prompt %d (--max-prompt-tokens), generation %s (--max-tokens), queue %d "
+        "(--max-queue); expert cache shrinks below %s available (--memory-low)",
+        config.context_length,
         config.max_prompt_tokens,
-        config.max_tokens,
+        config.max_tokens or "what the context leaves",
         config.max_queue,
         format_size(memory_low) if memory_low else "never",
     )
     shown = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
-    log.info("chat page: http://%s:%d/", f"[{shown}]" if ":" in shown else shown, args.port)
+    base = f"http://{f'[{shown}]' if ':' in shown else shown}:{args.port}"
+    log.info("chat page: %s/", base)
+    model = (config.served_model_names or (engine.model_id,))[0]
+    for line in setup_lines(base, model, keyed=bool(args.api_key)):
+        log.info("%s", line)
     try:
         run(create_app(engine, config), host=args.host, port=args.port, log_level=args.log_level)
     finally:

@@ -17,6 +17,7 @@ from edge0.engine.diagnostics import decode_logits, logits, observe_routes, prer
 from edge0.engine.hooks import StepHooks
 from edge0.engine.kv import PromptCache
 from edge0.engine.prefill import Prefiller
+from edge0.engine.sampler import RequestSampler
 from edge0.engine.stats import call_stats, engine_stats
 from edge0.errors import Edge0Error
 from edge0.sampling import check_sampling
@@ -34,6 +35,8 @@ class Step:
     finish_reason: str | None = None
     stats: dict | None = None
     stop: str | None = None  # the stop string that ended the generation (finish_reason "stop", not an EOS token)
+    logprob: float | None = None  # the model's log-prob of `token` (with stream_generate(logprobs=...))
+    top_logprobs: list[tuple[int, float]] | None = None  # the most likely (token, log-prob), highest first
 
 
 @dataclass
@@ -119,10 +122,13 @@ class Engine:
             raise Edge0Error("prompt is empty; pass some text or token ids")
         return tokens
 
-    def chat_prompt(self, messages, tools=None) -> list[int]:
-        """Token ids of `messages` rendered with the tokenizer's chat template."""
+    def chat_prompt(self, messages, tools=None, **template_kwargs) -> list[int]:
+        """Token ids of `messages` rendered with the tokenizer's chat template; `template_kwargs`
+        go to the template (e.g. enable_thinking)."""
         kwargs = {"tools": tools} if tools else {}
-        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs))
+        return list(
+            self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs, **template_kwargs)
+        )
 
     def chat(self, messages, tools=None, **kwargs) -> GenerationResult:
         return self.generate(self.chat_prompt(messages, tools), **kwargs)
@@ -171,25 +177,33 @@ class Engine:
         reuse_cache: bool = False,
         ignore_eos: bool = False,
         should_stop=None,
+        top_k: int = 0,
+        logits_processors=None,
+        logprobs: int | None = None,
     ):
         """Yield one Step per generated token; the last Step carries finish_reason and stats.
 
         `should_stop()`, if given, is checked between the prefill's layers and chunks and between
         decode steps; once it returns True the generator ends without a final Step. A stop during
-        prefill drops the KV cache, which then holds part of the prompt."""
+        prefill drops the KV cache, which then holds part of the prompt. `logits_processors` and
+        `logprobs`: see edge0/engine/sampler.py."""
         self._leads()
         tokens = self.encode(prompt)
         if max_tokens < 1:
             raise Edge0Error(f"max_tokens must be >= 1 (got {max_tokens})")
-        check_sampling(temperature, top_p, seed)
+        check_sampling(temperature, top_p, seed, top_k=top_k)
+        if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0):
+            raise Edge0Error(f"logprobs {logprobs!r}: must be None or an integer >= 0 (the top log-probs per token)")
         if seed is not None:
             B.seed(seed)
-        sampler = bfw.make_sampler(temp=temperature, top_p=top_p)
+        sampler = RequestSampler(temperature, top_p, top_k, logits_processors, logprobs)
         eos = set(self.tokenizer.eos_token_ids) if not ignore_eos else set()
         hooks = self.hooks
         self.generating = True
         try:
-            yield from self._generate(tokens, max_tokens, sampler, eos, stop, reuse_cache, should_stop)
+            yield from sampler.annotate(
+                self._generate(tokens, max_tokens, sampler, eos, stop, reuse_cache, should_stop)
+            )
         finally:
             hooks.finish(self)
             self.generating = False

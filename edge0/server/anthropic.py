@@ -1,27 +1,30 @@
-"""Anthropic's Messages API, `POST /v1/messages`, on the shared pipeline.
+"""Anthropic's Messages API, `POST /v1/messages` and `POST /v1/messages/count_tokens`, on the
+shared pipeline.
 
 Content blocks become chat-template messages: text joins into the message content, `tool_use`
-blocks become the assistant's tool calls and `tool_result` blocks tool messages; the model's
-tool calls come back as `tool_use` blocks. Errors have Anthropic's shape (errors.py).
+blocks become the assistant's tool calls and `tool_result` blocks tool messages, `thinking`
+blocks the assistant's `reasoning_content`; the model's tool calls come back as `tool_use`
+blocks and its reasoning as `thinking` blocks. Errors have Anthropic's shape (errors.py).
 """
 
 from __future__ import annotations
 
-import json
-import uuid
 from typing import Annotated, Any, Literal, Optional, Union
 
 from fastapi import APIRouter, Request
 from pydantic import Field
 
-from edge0.server.errors import APIError, anthropic_error
-from edge0.server.generation import Finish, Usage
-from edge0.server.pipeline import Prompt, check_model, chosen_tools, respond, sampling_params, sse
+from edge0.server import reasoning
+from edge0.server.anthropic_format import MessageFormat
+from edge0.server.errors import APIError
+from edge0.server.grammar import ToolSpec
+from edge0.server.pipeline import Prompt, check_model, chosen_tools, prompt_tokens, respond, sampling_params
 from edge0.server.schemas import Stops, Strict, TopP, join_text, temperature_field
-from edge0.server.tools import Segment
+from edge0.server.structured import tool_constraint
 
 router = APIRouter()
 AnthropicTemperature = temperature_field(1)  # Anthropic's range is 0 to 1
+THINKING_BUDGET_LEAST = 1024  # Anthropic's smallest budget_tokens
 
 
 class TextBlock(Strict):
@@ -48,7 +51,22 @@ class ToolResultBlock(Strict):
         return f"Error: {text}" if self.is_error else text
 
 
-Block = Annotated[Union[TextBlock, ToolUseBlock, ToolResultBlock], Field(discriminator="type")]
+class ThinkingBlock(Strict):
+    """An earlier reply's reasoning, as clients send it back (its signature is not checked)."""
+
+    type: Literal["thinking"]
+    thinking: str
+    signature: Optional[str] = None
+
+
+class RedactedThinkingBlock(Strict):
+    type: Literal["redacted_thinking"]
+    data: str
+
+
+Block = Annotated[
+    Union[TextBlock, ToolUseBlock, ToolResultBlock, ThinkingBlock, RedactedThinkingBlock], Field(discriminator="type")
+]
 
 
 class InputMessage(Strict):
@@ -64,20 +82,31 @@ class ToolDef(Strict):
 
 class ToolChoiceParam(Strict):
     type: Literal["auto", "any", "tool", "none"]
+    name: Optional[str] = None  # the tool that type "tool" forces
+    disable_parallel_tool_use: Optional[bool] = None
 
 
-class MessagesRequest(Strict):
+class ThinkingEnabled(Strict):
+    type: Literal["enabled"]
+    budget_tokens: int = Field(ge=THINKING_BUDGET_LEAST)
+
+
+class ThinkingOther(Strict):
+    type: Literal["disabled", "adaptive"]
+
+
+Thinking = Annotated[Union[ThinkingEnabled, ThinkingOther], Field(discriminator="type")]
+
+
+class CountTokensRequest(Strict):
+    """What decides the prompt: the body of count_tokens, and the base of a Messages request."""
+
     model: str
-    max_tokens: int = Field(ge=1)  # required, as in Anthropic's API; --max-tokens caps it
     messages: list[InputMessage] = Field(min_length=1)
     system: Union[str, list[TextBlock], None] = None
-    stop_sequences: Optional[Stops] = None
-    temperature: AnthropicTemperature = None
-    top_p: TopP = None
-    top_k: Optional[int] = Field(None, ge=1)
-    stream: bool = False
     tools: Optional[list[ToolDef]] = None
     tool_choice: Optional[ToolChoiceParam] = None
+    thinking: Optional[Thinking] = None
 
     def template_messages(self) -> list[dict]:
         """The conversation as chat-template messages (OpenAI's shape, which templates take)."""
@@ -91,6 +120,7 @@ class MessagesRequest(Strict):
             texts = [b for b in blocks if b.type == "text"]
             uses = [b for b in blocks if b.type == "tool_use"]
             results = [b for b in blocks if b.type == "tool_result"]
+            thoughts = [b.thinking for b in blocks if b.type == "thinking"]
             if (uses and m.role == "user") or (results and m.role == "assistant"):
                 raise APIError(
                     400,
@@ -105,6 +135,8 @@ class MessagesRequest(Strict):
                     out.append({"role": "user", "content": join_text(texts)})
             else:
                 message = {"role": "assistant", "content": join_text(texts)}
+                if thoughts:
+                    message["reasoning_content"] = "".join(thoughts)
                 if uses:
                     message["tool_calls"] = [
                         {"id": u.id, "type": "function", "function": {"name": u.name, "arguments": u.input}}
@@ -135,122 +167,64 @@ class MessagesRequest(Strict):
         kind = self.tool_choice.type if self.tool_choice else "auto"
         return kind if kind in ("auto", "none") else "forced"
 
+    def prompt(self, tokenizer) -> Prompt:
+        """The prompt: thinking on only when asked (Anthropic's default is off), and a forced
+        tool call (tool_choice any / tool) generated under its tool's input schema."""
+        thinking = self.thinking is not None and self.thinking.type != "disabled"
+        if self.thinking is not None and self.thinking.type == "enabled" and not reasoning.markers(tokenizer):
+            raise APIError(
+                400,
+                "thinking: this model has no reasoning format (its tokenizer has no <think>-style markers); "
+                'send thinking {"type": "disabled"} or leave it out',
+                "thinking",
+                "unsupported_value",
+            )
+        tools, constraint = self.tool_dicts(), None
+        if self.tool_mode() == "forced":
+            if thinking:  # as Anthropic's API
+                raise APIError(
+                    400, "Thinking may not be enabled when tool_choice forces tool use", "tool_choice", "invalid_value"
+                )
+            if self.tool_choice.type == "tool" and not self.tool_choice.name:
+                raise APIError(
+                    400, "tool_choice of type 'tool' needs the tool's 'name'", "tool_choice", "invalid_value"
+                )
+            specs = [ToolSpec(t.name, t.input_schema) for t in self.tools or []]
+            constraint = tool_constraint(specs, self.tool_choice.name, "tool_choice")
+        return Prompt(
+            "messages",
+            self.template_messages(),
+            chosen_tools(tools, self.tool_mode()),
+            template_kwargs={"enable_thinking": thinking},
+            constraint=constraint,
+            constraint_param="tool_choice",
+            thinking_budget=self.thinking.budget_tokens if isinstance(self.thinking, ThinkingEnabled) else None,
+        )
+
+
+class MessagesRequest(CountTokensRequest):
+    max_tokens: int = Field(ge=1)  # required, as in Anthropic's API; clamped to the server's limits
+    stop_sequences: Optional[Stops] = None
+    temperature: AnthropicTemperature = None
+    top_p: TopP = None
+    top_k: Optional[int] = Field(None, ge=1)
+    stream: bool = False
+
 
 @router.post("/v1/messages")
 async def create_message(body: MessagesRequest, request: Request):
     """Anthropic Messages: chat with the tokenizer's template; SSE when `stream` is true."""
-    check_model(request, body.model)
-    if body.top_k is not None:
-        raise APIError(
-            400,
-            "top_k is not supported: the engine samples with temperature and top_p; omit top_k",
-            "top_k",
-            "unsupported_value",
-        )
+    model = check_model(request, body.model)
     params = sampling_params(
-        request, body.max_tokens, "max_tokens", body.temperature, body.top_p, stop=body.stop_sequences
+        body.max_tokens, body.temperature, body.top_p, stop=body.stop_sequences, top_k=body.top_k or 0
     )
-    prompt = Prompt(
-        "messages", body.template_messages(), chosen_tools(body.tool_dicts(), body.tool_mode(), "tool_choice")
-    )
-    return await respond(request, MessageFormat(request.app.state.engine.model_id), prompt, params, body.stream)
+    prompt = body.prompt(request.app.state.engine.tokenizer)
+    return await respond(request, MessageFormat(model), prompt, params, body.stream)
 
 
-def _usage(usage: Usage) -> dict:
-    # Anthropic counts cache reads apart: input_tokens are the prompt tokens that were prefilled.
-    return {
-        "input_tokens": usage.prompt_tokens - usage.cached_tokens,
-        "output_tokens": usage.completion_tokens,
-        "cache_read_input_tokens": usage.cached_tokens,
-        "cache_creation_input_tokens": 0,
-    }
-
-
-def _stop_reason(finish: Finish) -> str:
-    if finish.reason == "tool_calls":
-        return "tool_use"
-    if finish.reason == "length":
-        return "max_tokens"
-    return "stop_sequence" if finish.stop_sequence else "end_turn"
-
-
-def _event(kind: str, **fields) -> str:
-    return sse({"type": kind, **fields}, kind)
-
-
-class MessageFormat:
-    """A `message` object, or its stream of events. The blocks are built as segments arrive, so
-    a whole answer is the stream's blocks."""
-
-    def __init__(self, model: str):
-        self.id, self.model = f"msg_{uuid.uuid4().hex}", model
-        self.content: list[dict] = []
-        self._text_open = False
-
-    def _message(self, finish: Finish | None, usage: dict) -> dict:
-        return {
-            "id": self.id,
-            "type": "message",
-            "role": "assistant",
-            "model": self.model,
-            "content": self.content if finish else [],
-            "stop_reason": finish and _stop_reason(finish),
-            "stop_sequence": finish and finish.stop_sequence,
-            "usage": usage,
-        }
-
-    def stream_start(self, prompt_tokens: int):
-        # The cache hit is known only once generation starts: message_delta's usage is final.
-        yield _event("message_start", message=self._message(None, {"input_tokens": prompt_tokens, "output_tokens": 0}))
-
-    def stream_delta(self, segment: Segment):
-        if isinstance(segment, str):
-            if not self._text_open:
-                self._text_open = True
-                self.content.append({"type": "text", "text": ""})
-                yield _event(
-                    "content_block_start", index=len(self.content) - 1, content_block={"type": "text", "text": ""}
-                )
-            self.content[-1]["text"] += segment
-            yield _event(
-                "content_block_delta", index=len(self.content) - 1, delta={"type": "text_delta", "text": segment}
-            )
-            return
-        yield from self._close_text()
-        fn = segment["function"]
-        block = {
-            "type": "tool_use",
-            "id": "toolu_" + segment["id"].removeprefix("call_"),
-            "name": fn["name"],
-            "input": json.loads(fn["arguments"]),
-        }
-        self.content.append(block)
-        index = len(self.content) - 1
-        yield _event("content_block_start", index=index, content_block={**block, "input": {}})
-        yield _event(
-            "content_block_delta", index=index, delta={"type": "input_json_delta", "partial_json": fn["arguments"]}
-        )
-        yield _event("content_block_stop", index=index)
-
-    def _close_text(self):
-        if self._text_open:
-            self._text_open = False
-            yield _event("content_block_stop", index=len(self.content) - 1)
-
-    def stream_end(self, finish: Finish):
-        yield from self._close_text()
-        yield _event(
-            "message_delta",
-            delta={"stop_reason": _stop_reason(finish), "stop_sequence": finish.stop_sequence},
-            usage=_usage(finish.usage),
-        )
-        yield _event("message_stop")
-
-    def stream_error(self, error: APIError) -> str:
-        return sse(anthropic_error(error), "error")
-
-    def body(self, segments: list[Segment], finish: Finish) -> dict:
-        for segment in segments:
-            for _ in self.stream_delta(segment):
-                pass
-        return self._message(finish, _usage(finish.usage))
+@router.post("/v1/messages/count_tokens")
+async def count_tokens(body: CountTokensRequest, request: Request) -> dict:
+    """The prompt tokens /v1/messages would prefill for the same request (system and tools
+    included, after the chat template), without generating."""
+    check_model(request, body.model)
+    return {"input_tokens": len(await prompt_tokens(request, body.prompt(request.app.state.engine.tokenizer)))}

@@ -16,6 +16,7 @@ from edge0.backend.memory import available as memory_available
 from edge0.server import anthropic, hosts, responses_api, ui
 from edge0.server.config import ServerConfig
 from edge0.server.errors import install_error_handlers
+from edge0.server.grammar import Grammars
 from edge0.server.memory import MemoryWatcher
 from edge0.server.middleware import Guard
 from edge0.server.routes import router
@@ -57,7 +58,9 @@ def create_app(engine, config: ServerConfig | None = None, read_memory=memory_av
     app.state.engine, app.state.config, app.state.scheduler, app.state.memory = engine, config, scheduler, watcher
     app.state.started = int(time.time())
     # The longest vocabulary entry bounds the characters one token can hold (pipeline.respond).
-    app.state.token_chars = max(map(len, engine.tokenizer.get_vocab()))
+    vocab = engine.tokenizer.get_vocab()
+    app.state.token_chars, app.state.vocab_size = max(map(len, vocab)), max(vocab.values()) + 1
+    app.state.grammars = Grammars(engine.tokenizer)
     install_error_handlers(app)
     app.add_middleware(Guard, api_key=config.api_key, max_body_bytes=config.max_body_bytes)
     hosts.install(app, config.allowed_hosts, config.cors_origins)  # outermost: before auth and limits

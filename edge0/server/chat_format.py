@@ -6,9 +6,11 @@ import time
 import uuid
 
 from edge0.server.errors import APIError, openai_error
-from edge0.server.generation import Finish, Usage
+from edge0.server.generation import Finish, Logprobs, Segment, TokenLogprob, Usage
 from edge0.server.pipeline import sse
-from edge0.server.tools import Segment
+from edge0.server.reasoning import Reasoning
+
+LOGPROB_FLOOR = -9999.0  # OpenAI's value for a negligible probability (JSON has no -Infinity)
 
 
 def openai_usage(usage: Usage) -> dict:
@@ -17,18 +19,50 @@ def openai_usage(usage: Usage) -> dict:
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+        "completion_tokens_details": {"reasoning_tokens": usage.reasoning_tokens},
+    }
+
+
+def _text(token: bytes) -> str:
+    return token.decode("utf-8", errors="replace")
+
+
+def _value(logprob: float) -> float:
+    return max(logprob, LOGPROB_FLOOR)
+
+
+def chat_logprob(entry: TokenLogprob) -> dict:
+    """One token in Chat Completions' `logprobs.content`."""
+    return {
+        "token": _text(entry.token),
+        "logprob": _value(entry.logprob),
+        "bytes": list(entry.token),
+        "top_logprobs": [{"token": _text(t), "logprob": _value(v), "bytes": list(t)} for t, v in entry.top],
     }
 
 
 class _OpenAIStream:
     """What both formats share: usage in a last chunk when asked, `data: [DONE]`, errors as
-    `data: {"error": ...}` (the openai client raises on it)."""
+    `data: {"error": ...}` (the openai client raises on it), and log-probs held until the text
+    of their tokens goes out."""
 
     object_name = ""
 
     def __init__(self, model: str, prefix: str, include_usage: bool):
         self.id, self.created, self.model = f"{prefix}-{uuid.uuid4().hex}", int(time.time()), model
         self.include_usage = include_usage
+        self._pending: list[TokenLogprob] = []
+        self._all: list[TokenLogprob] = []
+        self.logprobs = False  # the request asked for them (one arrived)
+
+    def _hold(self, segment: Logprobs) -> None:
+        self.logprobs = True
+        self._pending += segment.tokens
+        self._all += segment.tokens
+
+    def _take(self) -> list[TokenLogprob]:
+        out, self._pending = self._pending, []
+        return out
 
     def _object(self, **fields) -> dict:
         return {"id": self.id, "object": self.object_name, "created": self.created, "model": self.model, **fields}
@@ -53,13 +87,19 @@ class ChatFormat(_OpenAIStream):
         self._tool_index = 0
 
     def _chunk(self, delta: dict, finish: str | None = None) -> dict:
-        return self._object(choices=[{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}])
+        tokens = self._take()
+        logprobs = {"content": [chat_logprob(t) for t in tokens]} if tokens else None
+        return self._object(choices=[{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}])
 
     def stream_start(self, prompt_tokens: int):
         yield sse(self._chunk({"role": "assistant", "content": ""}))
 
     def stream_delta(self, segment: Segment):
-        if isinstance(segment, str):
+        if isinstance(segment, Logprobs):
+            self._hold(segment)
+        elif isinstance(segment, Reasoning):
+            yield sse(self._chunk({"reasoning_content": segment.text}))
+        elif isinstance(segment, str):
             yield sse(self._chunk({"content": segment}))
         else:
             self._tool_index += 1
@@ -69,14 +109,21 @@ class ChatFormat(_OpenAIStream):
         return self._chunk({}, finish.reason)
 
     def body(self, segments: list[Segment], finish: Finish) -> dict:
+        for segment in segments:
+            if isinstance(segment, Logprobs):
+                self._hold(segment)
         text = "".join(s for s in segments if isinstance(s, str))
         calls = [s for s in segments if isinstance(s, dict)]
+        thought = "".join(s.text for s in segments if isinstance(s, Reasoning))
         message = {"role": "assistant", "content": text or (None if calls else "")}
+        if thought:
+            message["reasoning_content"] = thought
         if calls:
             message["tool_calls"] = calls
+        logprobs = {"content": [chat_logprob(t) for t in self._all]} if self.logprobs else None
         return {
             **self._object(
-                choices=[{"index": 0, "message": message, "finish_reason": finish.reason, "logprobs": None}],
+                choices=[{"index": 0, "message": message, "finish_reason": finish.reason, "logprobs": logprobs}],
                 usage=openai_usage(finish.usage),
             ),
             "object": "chat.completion",
@@ -90,18 +137,42 @@ class CompletionFormat(_OpenAIStream):
 
     def __init__(self, model: str, include_usage: bool = False):
         super().__init__(model, "cmpl", include_usage)
+        self._offset = 0  # characters of text before the next token, for text_offset
+
+    def _logprobs(self, tokens: list[TokenLogprob]) -> dict:
+        """The legacy shape: parallel lists of tokens, their log-probs, top ones and offsets."""
+        offsets = []
+        for t in tokens:
+            offsets.append(self._offset)
+            self._offset += len(_text(t.token))
+        return {
+            "tokens": [_text(t.token) for t in tokens],
+            "token_logprobs": [_value(t.logprob) for t in tokens],
+            "top_logprobs": [{_text(b): _value(v) for b, v in t.top} for t in tokens],
+            "text_offset": offsets,
+        }
 
     def _chunk(self, text: str, finish: str | None = None) -> dict:
-        return self._object(choices=[{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}])
+        tokens = self._take()
+        logprobs = self._logprobs(tokens) if tokens or (finish and self.logprobs) else None
+        return self._object(choices=[{"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}])
 
     def stream_start(self, prompt_tokens: int):
         return ()
 
     def stream_delta(self, segment: Segment):
+        if isinstance(segment, Logprobs):
+            self._hold(segment)
+            return
         yield sse(self._chunk(segment))
 
     def _last_chunk(self, finish: Finish) -> dict:
         return self._chunk("", finish.reason)
 
     def body(self, segments: list[Segment], finish: Finish) -> dict:
-        return {**self._chunk("".join(segments), finish.reason), "usage": openai_usage(finish.usage)}
+        for segment in segments:
+            if isinstance(segment, Logprobs):
+                self._hold(segment)
+        self._pending = list(self._all)
+        text = "".join(s for s in segments if isinstance(s, str))
+        return {**self._chunk(text, finish.reason), "usage": openai_usage(finish.usage)}

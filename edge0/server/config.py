@@ -8,7 +8,7 @@ from pathlib import Path
 
 from edge0.store.format import CONFIG_FILE
 
-DEFAULT_MAX_PROMPT_TOKENS = 32768  # for a model whose config declares no context length
+DEFAULT_MAX_PROMPT_TOKENS = 32768  # the context of a model whose config declares none
 
 
 @dataclass(frozen=True)
@@ -18,14 +18,19 @@ class ServerConfig:
     api_key: str | None = None  # --api-key: require the key (Bearer or x-api-key) on /v1/*
     max_queue: int = 16  # --max-queue: requests that may wait behind the running one
     max_body_bytes: int = 4 << 20  # --max-body-bytes
-    max_tokens: int = 4096  # --max-tokens: the most a request may ask for
-    default_max_tokens: int = 512  # --default-max-tokens: used when a request gives none
+    # Generation limits: a request's max_tokens is clamped to --max-tokens and to what the context
+    # (--context-length, the model's own by default) leaves after the prompt.
+    max_tokens: int | None = None  # --max-tokens (None: what the context leaves)
+    default_max_tokens: int | None = None  # --default-max-tokens: for a request that gives none (None: the limit)
+    context_length: int = DEFAULT_MAX_PROMPT_TOKENS  # the model's context: prompt + generated tokens
     max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS  # --max-prompt-tokens (the CLI: the model's context)
     max_messages: int = 512  # --max-messages
     memory_low: int = 0  # --memory-low: shrink the expert cache below this much available memory (0: off)
     memory_poll_s: float = 2.0  # --memory-poll-s: seconds between memory readings
     allowed_hosts: tuple[str, ...] = ()  # --allowed-host: Host names accepted besides loopback and the bound address
     cors_origins: tuple[str, ...] = ()  # --cors-origin: origins whose pages may call the API (CORS)
+    served_model_names: tuple[str, ...] = ()  # --served-model-name: the id reported (the first) and aliases
+    strict_model_name: bool = False  # --strict-model-name: 404 for a model name not served
 
 
 def model_context_length(root: Path) -> int | None:

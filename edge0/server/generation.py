@@ -2,25 +2,49 @@
 
 Runs on the engine thread (see scheduler.py). Stop strings are passed to the engine, which cuts
 the text before them and holds back possible stop-string prefixes (edge0.textstream), so the
-deltas seen here are final. Tool-call markup is split out here.
+deltas seen here are final. Reasoning and then tool-call markup are split out here.
 """
 
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
-from typing import Generator, Union
+from dataclasses import dataclass, field, replace
+from typing import Callable, Generator, Union
 
-from edge0.server.tools import Segment, ToolCallSplitter
+from edge0.server.reasoning import Reasoning, ReasoningSplitter
+from edge0.server.tools import ToolCallSplitter
 
 
 @dataclass(frozen=True)
 class Params:
-    max_tokens: int
+    max_tokens: int | None  # None: as many as the server allows (pipeline.respond decides)
     temperature: float
     top_p: float
     seed: int | None
     stop: list[str]
+    top_k: int = 0
+    logprobs: int | None = None  # report each token's log-prob and this many top ones; None: none
+    logit_bias: dict[int, float] | None = None
+
+    def with_max_tokens(self, n: int) -> Params:
+        return replace(self, max_tokens=n)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token: bytes
+    logprob: float
+    top: list[tuple[bytes, float]]  # most likely first
+
+
+@dataclass(frozen=True)
+class Logprobs:
+    """The log-probs of the tokens whose text follows (an event before that text)."""
+
+    tokens: list[TokenLogprob]
+
+
+Segment = Union[str, dict, Reasoning, Logprobs]  # answer text, a tool call (OpenAI's shape), reasoning, log-probs
 
 
 @dataclass(frozen=True)
@@ -28,6 +52,7 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int  # prompt tokens whose KV was reused, not prefilled
+    reasoning_tokens: int = 0  # completion tokens spent in a reasoning block
 
 
 @dataclass(frozen=True)
@@ -39,18 +64,30 @@ class Finish:
     stop_sequence: str | None = None  # the stop string that ended it (reason "stop", not an EOS token)
 
 
-def generation_events(
-    engine, prompt: list[int], params: Params, tools: list[dict] | None, cancelled: threading.Event
-) -> Generator[Union[Segment, Finish], None, None]:
-    """Yield content strings and tool calls as they are decided, then one Finish.
+@dataclass
+class Run:
+    """Everything the engine thread needs for one request."""
+
+    prompt: list[int]
+    params: Params  # max_tokens decided
+    tools: list[dict] | None = None
+    processors: list = field(default_factory=list)  # logits processors (grammar, logit bias)
+    reasoning: tuple[str, str, bool] | None = None  # think_start, think_end, and whether the prompt opened a block
+    token_bytes: Callable[[int], bytes] | None = None  # for log-probs
+
+
+def generation_events(engine, run: Run, cancelled: threading.Event) -> Generator[Union[Segment, Finish], None, None]:
+    """Yield log-probs, reasoning, content strings and tool calls as they are decided, then one Finish.
 
     Returns without a Finish once `cancelled` is set; the engine checks it between prefill
     chunks, and closing this generator closes the engine's, so the engine stops at once.
     """
+    params, tools = run.params, run.tools
     splitter = ToolCallSplitter(engine.tokenizer, tools) if tools else None
+    thinking = ReasoningSplitter(*run.reasoning) if run.reasoning else None
     # reuse_cache: the engine keeps the KV of the longest prefix shared with the previous request.
     steps = engine.stream_generate(
-        prompt,
+        run.prompt,
         max_tokens=params.max_tokens,
         temperature=params.temperature,
         top_p=params.top_p,
@@ -58,24 +95,58 @@ def generation_events(
         stop=params.stop or None,
         reuse_cache=True,
         should_stop=cancelled.is_set,
+        **_options(params, run),
     )
-    n_tokens, step = 0, None
+
+    def pieces(parts):
+        for part in parts:
+            if isinstance(part, Reasoning):
+                yield part
+            else:
+                yield from splitter.feed(part) if splitter else (part,)
+
+    eos = set(engine.tokenizer.eos_token_ids)
+    n_tokens, n_reasoning, step = 0, 0, None
     try:
         for step in steps:
             n_tokens += 1
+            n_reasoning += bool(thinking and thinking.inside)
+            # The end-of-sequence token is not part of the answer, nor of its log-probs.
+            if params.logprobs is not None and not (
+                step.finish_reason == "stop" and step.stop is None and step.token in eos
+            ):
+                yield Logprobs([_entry(step, run.token_bytes)])
             if step.text:
-                yield from splitter.feed(step.text) if splitter else (step.text,)
+                yield from pieces(thinking.feed(step.text) if thinking else (step.text,))
             if step.finish_reason or cancelled.is_set():
                 break
     finally:
         steps.close()
     if cancelled.is_set():
         return
+    if thinking:
+        yield from pieces(thinking.finish())
     if splitter:
         yield from splitter.finish()
     reason = step.finish_reason
     if reason == "stop" and splitter and splitter.calls:
         reason = "tool_calls"
     stats = step.stats or {}
-    cached = len(prompt) - stats.get("prefill_tokens", len(prompt))
-    yield Finish(reason, Usage(len(prompt), n_tokens, max(cached, 0)), step.stop)
+    cached = len(run.prompt) - stats.get("prefill_tokens", len(run.prompt))
+    yield Finish(reason, Usage(len(run.prompt), n_tokens, max(cached, 0), n_reasoning), step.stop)
+
+
+def _options(params: Params, run: Run) -> dict:
+    """The engine options of the newer request fields, given only when used."""
+    out = {}
+    if params.top_k:
+        out["top_k"] = params.top_k
+    if run.processors:
+        out["logits_processors"] = run.processors
+    if params.logprobs is not None:
+        out["logprobs"] = params.logprobs
+    return out
+
+
+def _entry(step, token_bytes: Callable[[int], bytes]) -> TokenLogprob:
+    return TokenLogprob(token_bytes(step.token), step.logprob, [(token_bytes(t), v) for t, v in step.top_logprobs])

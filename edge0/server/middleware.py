@@ -10,9 +10,17 @@ import hmac
 
 from edge0.server.errors import APIError, error_response
 
+# The OpenAI routes also served without their /v1 prefix (routes.py, responses_api.py).
+UNPREFIXED = ("/chat/completions", "/completions", "/responses", "/models")
+
+
+def needs_key(path: str) -> bool:
+    """With --api-key: every /v1 route and its unprefixed alias."""
+    return path.startswith("/v1") or any(path == p or path.startswith(p + "/") for p in UNPREFIXED)
+
 
 class Guard:
-    """API-key auth on /v1/* (when a key is set) and a request-body size limit.
+    """API-key auth on /v1/* and the unprefixed aliases (when a key is set) and a request-body size limit.
 
     The key is accepted as `Authorization: Bearer KEY` (OpenAI clients) or `x-api-key: KEY`
     (Anthropic clients), on every route.
@@ -26,7 +34,7 @@ class Guard:
             return await self.app(scope, receive, send)
         path = scope["path"]
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        if self.api_key and path.startswith("/v1") and not self._authorized(headers):
+        if self.api_key and needs_key(path) and not self._authorized(headers):
             error = APIError(
                 401,
                 "Missing or invalid API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'",

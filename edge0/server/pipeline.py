@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Iterable, Literal, Protocol
 
@@ -20,10 +20,12 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 
+from edge0.backend.logits import LogitBias
+from edge0.server import reasoning
 from edge0.server.errors import APIError
-from edge0.server.generation import Finish, Params, generation_events
+from edge0.server.generation import Finish, Params, Run, Segment, generation_events
+from edge0.server.grammar import Constraint, GrammarError
 from edge0.server.scheduler import Job
-from edge0.server.tools import Segment
 
 log = logging.getLogger("edge0.server")
 
@@ -46,62 +48,70 @@ class Format(Protocol):
 
 @dataclass(frozen=True)
 class Prompt:
-    """What the engine continues: chat `messages` (and `tools`) rendered with the chat template,
-    or raw `text`. `param` is the request field that errors about the prompt name."""
+    """What the engine continues: chat `messages` (and `tools`) rendered with the chat template
+    (given `template_kwargs`, e.g. enable_thinking), or raw `text`; and what the output must be
+    (`constraint`, named by the request field `constraint_param` in errors). `param` is the
+    request field that errors about the prompt name."""
 
     param: str
     messages: list[dict] | None = None
     tools: list[dict] | None = None
     text: str | None = None
+    template_kwargs: dict = field(default_factory=dict)
+    constraint: Constraint | None = None
+    constraint_param: str | None = None
+    thinking_budget: int | None = None  # most reasoning tokens (Anthropic's budget_tokens)
 
 
-def check_model(request: Request, model: str | None) -> None:
-    served = request.app.state.engine.model_id
-    if model is not None and model != served:
+def served_id(request: Request) -> str:
+    """The model id this server reports: the first --served-model-name, else the store's name."""
+    names = request.app.state.config.served_model_names
+    return names[0] if names else request.app.state.engine.model_id
+
+
+def check_model(request: Request, model: str | None) -> str:
+    """The id to report for a request naming `model`: any name is this server's one model,
+    unless --strict-model-name, which accepts only the served names (404 for another)."""
+    config = request.app.state.config
+    names = config.served_model_names or (request.app.state.engine.model_id,)
+    if config.strict_model_name and model is not None and model not in names:
         raise APIError(
-            404, f"The model '{model}' does not exist; this server serves '{served}'", "model", "model_not_found"
+            404,
+            f"The model '{model}' does not exist; this server serves {', '.join(repr(n) for n in names)} "
+            "(--strict-model-name)",
+            "model",
+            "model_not_found",
         )
+    return served_id(request)
 
 
 def sampling_params(
-    request: Request,
     max_tokens: int | None,
-    max_tokens_field: str,
     temperature: float | None,
     top_p: float | None,
     seed: int | None = None,
     stop: list[str] | None = None,
+    **extra,
 ) -> Params:
-    """Params with the APIs' common defaults (temperature 1, top_p 1) and the --max-tokens limit."""
-    config = request.app.state.config
-    max_tokens = max_tokens or config.default_max_tokens
-    if max_tokens > config.max_tokens:
-        raise APIError(
-            400,
-            f"{max_tokens_field} is {max_tokens}, above this server's limit of {config.max_tokens} (--max-tokens)",
-            max_tokens_field,
-            "max_tokens_exceeded",
-        )
+    """Params with the APIs' common defaults (temperature 1, top_p 1); `max_tokens` is what the
+    request asked (None: as many as allowed), clamped by respond(). `extra`: top_k, logprobs,
+    logit_bias."""
     return Params(
         max_tokens,
         1.0 if temperature is None else temperature,
         1.0 if top_p is None else top_p,
         seed,
         [s for s in stop or [] if s],
+        **extra,
     )
 
 
 ToolChoice = Literal["auto", "none", "forced"]
 
 
-def chosen_tools(tools: list[dict] | None, choice: ToolChoice, param: str) -> list[dict] | None:
-    """The tools to render: none for "none". Forcing a call is refused: the engine cannot make
-    the model call a tool."""
-    if choice == "forced":
-        raise APIError(
-            400, "Forcing a tool call is not supported; use automatic tool choice", param, "unsupported_value"
-        )
-    return tools if choice == "auto" else None
+def chosen_tools(tools: list[dict] | None, choice: ToolChoice) -> list[dict] | None:
+    """The tools to render: none for "none"."""
+    return tools if choice != "none" else None
 
 
 def _text_chars(value) -> int:
@@ -115,9 +125,9 @@ def _text_chars(value) -> int:
     return 0
 
 
-async def respond(request: Request, fmt: Format, prompt: Prompt, params: Params, stream: bool):
-    """Check the prompt against the limits, queue its generation, and answer: server-sent events
-    when `stream`, else one JSON body. Raises APIError for a request the limits refuse."""
+async def prompt_tokens(request: Request, prompt: Prompt) -> list[int]:
+    """The token ids the engine would prefill for `prompt`, after the limits on messages, tools and
+    prompt length (APIError when they refuse it)."""
     state = request.app.state
     engine, config = state.engine, state.config
     if prompt.messages is not None and len(prompt.messages) > config.max_messages:
@@ -153,7 +163,33 @@ async def respond(request: Request, fmt: Format, prompt: Prompt, params: Params,
             prompt.param,
             "context_length_exceeded",
         )
-    job = state.scheduler.submit(partial(generation_events, engine, tokens, params, prompt.tools))
+    return tokens
+
+
+def generation_limit(config, asked: int | None, prompt_tokens: int, param: str) -> int:
+    """The most tokens to generate: what the request asked (else --default-max-tokens), at most
+    --max-tokens and what the model's context leaves after the prompt."""
+    left = config.context_length - prompt_tokens
+    if left < 1:
+        raise APIError(
+            400,
+            f"The prompt is {prompt_tokens} tokens: it fills the model's context of {config.context_length} "
+            "tokens and leaves none to generate",
+            param,
+            "context_length_exceeded",
+        )
+    limits = [left, asked, config.max_tokens, None if asked else config.default_max_tokens]
+    return min(n for n in limits if n is not None)
+
+
+async def respond(request: Request, fmt: Format, prompt: Prompt, params: Params, stream: bool):
+    """Check the prompt against the limits, queue its generation, and answer: server-sent events
+    when `stream`, else one JSON body. Raises APIError for a request the limits refuse."""
+    state = request.app.state
+    tokens = await prompt_tokens(request, prompt)
+    params = params.with_max_tokens(generation_limit(state.config, params.max_tokens, len(tokens), prompt.param))
+    run = await _run(request, prompt, params, tokens)
+    job = state.scheduler.submit(partial(generation_events, state.engine, run))
     if stream:
         # The background task also covers a client that leaves before the stream starts.
         return StreamingResponse(
@@ -165,11 +201,68 @@ async def respond(request: Request, fmt: Format, prompt: Prompt, params: Params,
     return JSONResponse(await _collect(request, job, fmt))
 
 
+async def _run(request: Request, prompt: Prompt, params: Params, tokens: list[int]) -> Run:
+    """What the engine thread needs: the reasoning markers, the logits processors (logit bias,
+    thinking budget, grammar) and, for log-probs, each token's bytes."""
+    state = request.app.state
+    tokenizer = state.engine.tokenizer
+    run = Run(tokens, params, prompt.tools)
+    found = reasoning.markers(tokenizer) if prompt.messages is not None else None
+    opened = bool(found) and reasoning.opens_reasoning(tokenizer, tokens)
+    if found:
+        run.reasoning = (*found, opened)
+    if params.logit_bias:
+        run.processors.append(LogitBias(params.logit_bias))
+    if found and prompt.thinking_budget:
+        limit = reasoning.budget(tokenizer, prompt.thinking_budget, opened)
+        state.grammars.stats["thinking_budgets" if limit else "thinking_budgets_unenforced"] += 1
+        run.processors += [limit] if limit else []
+    if prompt.constraint is not None:
+        # Reasoning comes first when the prompt opened a block or the request asked for it.
+        asked = found and (opened or prompt.template_kwargs.get("enable_thinking"))
+        run.processors.append(await _grammar(request, prompt, (*found, opened) if asked else None))
+    if params.logprobs is not None:
+        try:  # the grammar library's token table gives each token's bytes (built on first use)
+            await run_in_threadpool(state.grammars.ll_tokenizer)
+        except GrammarError as e:
+            raise APIError(400, f"Log-probs are not available: {e}", "logprobs", "unsupported_value") from None
+        run.token_bytes = state.grammars.token_bytes
+    return run
+
+
+async def _grammar(request: Request, prompt: Prompt, think: tuple[str, str, bool] | None):
+    """The grammar processor of a constrained request (the tokenizer's token table is built on
+    first use, in a worker thread)."""
+    grammars = request.app.state.grammars
+    if prompt.constraint.tools and not _json_tool_calls(request.app.state.engine.tokenizer):
+        raise APIError(
+            400,
+            'Forcing a tool call needs a JSON tool-call format (<tool_call>{"name": ..., "arguments": ...}); '
+            "this model's is another; use tool_choice auto",
+            prompt.constraint_param,
+            "unsupported_value",
+        )
+    try:
+        return await run_in_threadpool(grammars.processor, prompt.constraint, think)
+    except GrammarError as e:
+        raise APIError(400, f"Cannot enforce this format: {e}", prompt.constraint_param, "invalid_value") from None
+
+
+def _json_tool_calls(tokenizer) -> bool:
+    """The tokenizer's tool-call parser reads a JSON {"name", "arguments"} object (the format a
+    forced call is generated in)."""
+    try:
+        parsed = tokenizer.tool_parser('{"name": "f", "arguments": {"a": 1}}', None)
+    except Exception:  # another format's parser: it raises on JSON
+        return False
+    return isinstance(parsed, dict) and parsed.get("name") == "f" and parsed.get("arguments") in ({"a": 1}, '{"a": 1}')
+
+
 def _tokenize(engine, prompt: Prompt) -> list[int]:
     if prompt.text is not None:
         return engine.tokenizer.encode(prompt.text)
     try:
-        return engine.chat_prompt(prompt.messages, prompt.tools)
+        return engine.chat_prompt(prompt.messages, prompt.tools, **prompt.template_kwargs)
     except Exception as e:  # the template (Jinja) rejects some conversations, e.g. bad role order
         raise APIError(400, f"Could not apply the chat template: {e}", prompt.param, "invalid_messages") from None
 

@@ -1,26 +1,34 @@
-"""OpenAI's Responses API, `POST /v1/responses`, on the shared pipeline.
+"""OpenAI's Responses API, `POST /v1/responses` (and `/responses`), on the shared pipeline.
 
-`input` (a string, or message / function_call / function_call_output items) and `instructions`
-become chat-template messages; the answer is a list of output items: assistant messages with
-`output_text` parts and `function_call` items. Responses are not stored: there is no
-`previous_response_id`; a client sends the whole conversation each turn.
+`input` (a string, or message / function_call / function_call_output / reasoning items) and
+`instructions` become chat-template messages; the answer is a list of output items: reasoning
+items, assistant messages with `output_text` parts and `function_call` items
+(responses_format.py). Responses are not stored: there is no `previous_response_id`; a client
+sends the whole conversation each turn.
 """
 
 from __future__ import annotations
 
 import json
-import time
-import uuid
 from typing import Annotated, Any, Literal, Optional, Union
 
 from fastapi import APIRouter, Request
 from pydantic import Discriminator, Field, Tag
 
 from edge0.server.errors import APIError
-from edge0.server.generation import Finish, Usage
-from edge0.server.pipeline import Prompt, check_model, chosen_tools, respond, sampling_params, sse
-from edge0.server.schemas import OpenAITemperature, Strict, TokenCount, TopP, join_text
-from edge0.server.tools import Segment
+from edge0.server.grammar import ToolSpec
+from edge0.server.pipeline import Prompt, check_model, chosen_tools, respond, sampling_params
+from edge0.server.responses_format import ResponseFormat
+from edge0.server.schemas import (
+    OpenAITemperature,
+    ReasoningEffort,
+    ResponsesTextFormat,
+    Strict,
+    TokenCount,
+    TopP,
+    join_text,
+)
+from edge0.server.structured import format_constraint, thinking_switch, tool_constraint
 
 router = APIRouter()
 
@@ -49,6 +57,23 @@ class FunctionCallOutputItem(Strict):
     output: Union[str, list[ContentPart]]
 
 
+class ReasoningPart(Strict):
+    type: Literal["reasoning_text", "summary_text"]
+    text: str
+
+
+class ReasoningItem(Strict):
+    """An earlier reply's reasoning, sent back; its text goes to the next assistant message."""
+
+    type: Literal["reasoning"]
+    summary: list[ReasoningPart] = []
+    content: Optional[list[ReasoningPart]] = None
+    encrypted_content: Optional[str] = None
+
+    def text(self) -> str:
+        return join_text(self.content) if self.content else join_text(self.summary)
+
+
 def _item_type(item) -> str:
     # A message item may leave out its type, as OpenAI's API allows.
     return item.get("type", "message") if isinstance(item, dict) else item.type
@@ -59,6 +84,7 @@ InputItem = Annotated[
         Annotated[MessageItem, Tag("message")],
         Annotated[FunctionCallItem, Tag("function_call")],
         Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+        Annotated[ReasoningItem, Tag("reasoning")],
     ],
     Discriminator(_item_type),
 ]
@@ -77,6 +103,14 @@ class NamedFunction(Strict):
     name: str
 
 
+class TextOptions(Strict):
+    format: Optional[ResponsesTextFormat] = None
+
+
+class ReasoningOptions(Strict):
+    effort: Optional[ReasoningEffort] = None
+
+
 class ResponsesRequest(Strict):
     model: Optional[str] = None
     input: Union[Annotated[str, Field(min_length=1)], Annotated[list[InputItem], Field(min_length=1)]]
@@ -88,13 +122,19 @@ class ResponsesRequest(Strict):
     tools: Optional[list[FunctionTool]] = None
     tool_choice: Union[Literal["auto", "none", "required"], NamedFunction, None] = None
     previous_response_id: Optional[str] = None
+    text: Optional[TextOptions] = None
+    reasoning: Optional[ReasoningOptions] = None
 
     def template_messages(self) -> list[dict]:
         """`instructions` and `input` as chat-template messages; consecutive function calls join
         the assistant message before them."""
         out = [{"role": "system", "content": self.instructions}] if self.instructions else []
         items = [MessageItem(role="user", content=self.input)] if isinstance(self.input, str) else self.input
+        thought = ""  # reasoning items go to the assistant message that follows them
         for i, item in enumerate(items):
+            if item.type == "reasoning":
+                thought += item.text()
+                continue
             if item.type == "message":
                 content = item.content if isinstance(item.content, str) else join_text(item.content)
                 out.append({"role": "system" if item.role == "developer" else item.role, "content": content})
@@ -113,6 +153,8 @@ class ResponsesRequest(Strict):
             else:
                 output = item.output if isinstance(item.output, str) else join_text(item.output)
                 out.append({"role": "tool", "tool_call_id": item.call_id, "content": output})
+            if thought and out[-1]["role"] == "assistant":
+                out[-1]["reasoning_content"], thought = thought, ""
         return out
 
     def tool_dicts(self) -> list[dict] | None:
@@ -125,11 +167,52 @@ class ResponsesRequest(Strict):
     def tool_mode(self):
         return "auto" if self.tool_choice in (None, "auto") else "none" if self.tool_choice == "none" else "forced"
 
+    def echo(self) -> dict:
+        """The request fields a response object repeats."""
+        return {
+            "instructions": self.instructions,
+            "max_output_tokens": self.max_output_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "tools": [t.model_dump(exclude_none=True) for t in self.tools or []],
+            "tool_choice": self.tool_choice.model_dump()
+            if isinstance(self.tool_choice, NamedFunction)
+            else self.tool_choice or "auto",
+            "text": {"format": self.text.format.model_dump(by_alias=True, exclude_none=True)}
+            if self.text and self.text.format
+            else {"format": {"type": "text"}},
+        }
+
+    def tool_specs(self) -> list[ToolSpec]:
+        return [ToolSpec(t.name, t.parameters or {"type": "object"}, bool(t.strict)) for t in self.tools or []]
+
+    def prompt(self) -> Prompt:
+        """The prompt, with a forced tool call or `text.format` as its constraint; reasoning is on
+        as `reasoning.effort` says (the template's default without one), and off before a
+        constrained output unless asked."""
+        if self.tool_mode() == "forced":
+            name = self.tool_choice.name if isinstance(self.tool_choice, NamedFunction) else None
+            constraint, where = tool_constraint(self.tool_specs(), name, "tool_choice"), "tool_choice"
+        else:
+            constraint, where = format_constraint(self.text and self.text.format, "text.format"), "text.format"
+        switch = thinking_switch(self.reasoning and self.reasoning.effort)
+        if constraint is not None and not switch:
+            switch = {"enable_thinking": False}
+        return Prompt(
+            "input",
+            self.template_messages(),
+            chosen_tools(self.tool_dicts(), self.tool_mode()),
+            template_kwargs=switch,
+            constraint=constraint,
+            constraint_param=where,
+        )
+
 
 @router.post("/v1/responses")
+@router.post("/responses", include_in_schema=False)
 async def create_response(body: ResponsesRequest, request: Request):
     """OpenAI Responses: chat with the tokenizer's template; SSE when `stream` is true."""
-    check_model(request, body.model)
+    model = check_model(request, body.model)
     if body.previous_response_id is not None:
         raise APIError(
             400,
@@ -138,143 +221,5 @@ async def create_response(body: ResponsesRequest, request: Request):
             "previous_response_id",
             "unsupported_value",
         )
-    params = sampling_params(request, body.max_output_tokens, "max_output_tokens", body.temperature, body.top_p)
-    prompt = Prompt("input", body.template_messages(), chosen_tools(body.tool_dicts(), body.tool_mode(), "tool_choice"))
-    return await respond(request, ResponseFormat(request.app.state.engine.model_id, body), prompt, params, body.stream)
-
-
-def _usage(usage: Usage) -> dict:
-    return {
-        "input_tokens": usage.prompt_tokens,
-        "input_tokens_details": {"cached_tokens": usage.cached_tokens},
-        "output_tokens": usage.completion_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
-        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
-    }
-
-
-class ResponseFormat:
-    """A `response` object, or its stream of events (numbered from 0). Output items are built as
-    segments arrive, so a whole answer is the stream's items."""
-
-    def __init__(self, model: str, request: ResponsesRequest):
-        self.id, self.created, self.model = f"resp_{uuid.uuid4().hex}", int(time.time()), model
-        self.echo = {
-            "instructions": request.instructions,
-            "max_output_tokens": request.max_output_tokens,
-            "temperature": request.temperature,
-            "top_p": request.top_p,
-            "tools": [t.model_dump(exclude_none=True) for t in request.tools or []],
-            "tool_choice": request.tool_choice.model_dump()
-            if isinstance(request.tool_choice, NamedFunction)
-            else request.tool_choice or "auto",
-        }
-        self.output: list[dict] = []
-        self._message: dict | None = None  # the message item receiving text, while open
-        self._message_index = 0
-        self._sequence = 0
-
-    def _response(self, finish: Finish | None = None) -> dict:
-        """The response object: in progress without `finish`; else completed, or incomplete when
-        max_output_tokens cut it."""
-        status = "in_progress" if finish is None else "incomplete" if finish.reason == "length" else "completed"
-        incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
-        return {
-            "id": self.id,
-            "object": "response",
-            "created_at": self.created,
-            "status": status,
-            "model": self.model,
-            "output": self.output if finish else [],
-            "error": None,
-            "incomplete_details": incomplete,
-            "parallel_tool_calls": True,
-            "metadata": {},
-            "store": False,
-            "text": {"format": {"type": "text"}},
-            "truncation": "disabled",
-            "usage": _usage(finish.usage) if finish else None,
-            **self.echo,
-        }
-
-    def _event(self, kind: str, **fields) -> str:
-        # Serialized now, so the items mutated later (text appended, status) show as they are now.
-        self._sequence += 1
-        return sse({"type": kind, "sequence_number": self._sequence - 1, **fields}, kind)
-
-    def stream_start(self, prompt_tokens: int):
-        yield self._event("response.created", response=self._response())
-        yield self._event("response.in_progress", response=self._response())
-
-    def stream_delta(self, segment: Segment):
-        if isinstance(segment, str):
-            if self._message is None:
-                self._message = {
-                    "id": f"msg_{uuid.uuid4().hex}",
-                    "type": "message",
-                    "status": "in_progress",
-                    "role": "assistant",
-                    "content": [],
-                }
-                self.output.append(self._message)
-                self._message_index = len(self.output) - 1
-                yield self._event("response.output_item.added", output_index=self._message_index, item=self._message)
-                self._message["content"].append({"type": "output_text", "text": "", "annotations": [], "logprobs": []})
-                yield self._event("response.content_part.added", **self._where(), part=self._message["content"][0])
-            self._message["content"][0]["text"] += segment
-            yield self._event("response.output_text.delta", **self._where(), delta=segment, logprobs=[])
-            return
-        yield from self._close_message()
-        fn = segment["function"]
-        item = {
-            "id": f"fc_{uuid.uuid4().hex}",
-            "type": "function_call",
-            "status": "in_progress",
-            "call_id": segment["id"],
-            "name": fn["name"],
-            "arguments": "",
-        }
-        self.output.append(item)
-        index = len(self.output) - 1
-        yield self._event("response.output_item.added", output_index=index, item=item)
-        item.update(arguments=fn["arguments"], status="completed")
-        yield self._event(
-            "response.function_call_arguments.delta", item_id=item["id"], output_index=index, delta=fn["arguments"]
-        )
-        yield self._event(
-            "response.function_call_arguments.done",
-            item_id=item["id"],
-            output_index=index,
-            name=fn["name"],
-            arguments=fn["arguments"],
-        )
-        yield self._event("response.output_item.done", output_index=index, item=item)
-
-    def _where(self) -> dict:
-        return {"item_id": self._message["id"], "output_index": self._message_index, "content_index": 0}
-
-    def _close_message(self):
-        if self._message is None:
-            return
-        part = self._message["content"][0]
-        yield self._event("response.output_text.done", **self._where(), text=part["text"], logprobs=[])
-        yield self._event("response.content_part.done", **self._where(), part=part)
-        self._message["status"] = "completed"
-        yield self._event("response.output_item.done", output_index=self._message_index, item=self._message)
-        self._message = None
-
-    def stream_end(self, finish: Finish):
-        yield from self._close_message()
-        response = self._response(finish)
-        yield self._event(f"response.{response['status']}", response=response)
-
-    def stream_error(self, error: APIError) -> str:
-        return self._event("error", code=error.code, message=error.message, param=error.param)
-
-    def body(self, segments: list[Segment], finish: Finish) -> dict:
-        for segment in segments:
-            for _ in self.stream_delta(segment):
-                pass
-        for _ in self._close_message():
-            pass
-        return self._response(finish)
+    params = sampling_params(body.max_output_tokens, body.temperature, body.top_p)
+    return await respond(request, ResponseFormat(model, body.echo()), body.prompt(), params, body.stream)

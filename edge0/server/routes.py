@@ -1,4 +1,5 @@
-"""The OpenAI Chat Completions and Completions endpoints, and models, health, stats."""
+"""The OpenAI Chat Completions and Completions endpoints, and models, health, stats. Each OpenAI
+route also answers without its /v1 prefix (clients configured with a bare base URL)."""
 
 from __future__ import annotations
 
@@ -6,8 +7,9 @@ from fastapi import APIRouter, Request
 
 from edge0.backend.memory import available as memory_available
 from edge0.server.chat_format import ChatFormat, CompletionFormat
-from edge0.server.pipeline import Prompt, check_model, chosen_tools, respond, sampling_params
+from edge0.server.pipeline import Prompt, check_model, chosen_tools, respond, sampling_params, served_id
 from edge0.server.schemas import ChatCompletion, ChatRequest, Completion, CompletionRequest, ModelCard, ModelList
+from edge0.server.structured import format_constraint, logit_bias, thinking_switch, tool_constraint
 
 router = APIRouter()
 
@@ -18,20 +20,25 @@ async def health(request: Request) -> dict:
     state = request.app.state
     return {
         "status": "stopping" if state.scheduler.stopping else "ok",
-        "model": state.engine.model_id,
+        "model": served_id(request),
         "requests_in_flight": state.scheduler.admitted,
     }
 
 
 @router.get("/v1/models", response_model=ModelList)
+@router.get("/models", response_model=ModelList, include_in_schema=False)
 async def list_models(request: Request) -> dict:
-    return {"data": [_card(request)]}
+    """The served model (its id first), and each --served-model-name alias."""
+    names = request.app.state.config.served_model_names or (served_id(request),)
+    return {"data": [_card(request, name) for name in names]}
 
 
 @router.get("/v1/models/{model_id:path}", response_model=ModelCard)
+@router.get("/models/{model_id:path}", response_model=ModelCard, include_in_schema=False)
 async def get_model(model_id: str, request: Request) -> dict:
     check_model(request, model_id)
-    return _card(request)
+    config = request.app.state.config
+    return _card(request, model_id if model_id in config.served_model_names else served_id(request))
 
 
 @router.get("/v1/stats")
@@ -40,12 +47,13 @@ async def stats(request: Request) -> dict:
     memory watcher's (None when --memory-low is off)."""
     state = request.app.state
     return {
-        "model": state.engine.model_id,
+        "model": served_id(request),
         "engine": state.engine.stats(),
         "server": {
             "requests_in_flight": state.scheduler.admitted,
             **state.scheduler.counters,
             "between_errors": state.scheduler.between_errors,
+            "sampling": dict(state.grammars.stats),
         },
         "memory": state.memory.stats() if state.memory else None,
         "machine": _machine_memory(),
@@ -53,33 +61,54 @@ async def stats(request: Request) -> dict:
 
 
 @router.post("/v1/chat/completions", response_model=ChatCompletion)
+@router.post("/chat/completions", response_model=ChatCompletion, include_in_schema=False)
 async def chat_completions(body: ChatRequest, request: Request):
     """Chat with the tokenizer's template; SSE when `stream` is true."""
-    check_model(request, body.model)
+    model = check_model(request, body.model)
     params = sampling_params(
-        request,
         body.max_completion_tokens or body.max_tokens,
-        "max_completion_tokens" if body.max_completion_tokens else "max_tokens",
         body.temperature,
         body.top_p,
         body.seed,
         body.stop_list(),
+        logprobs=body.logprobs_count(),
+        logit_bias=logit_bias(body.logit_bias, request.app.state.vocab_size),
     )
+    tools = body.tool_dicts()
+    if body.tool_mode() == "forced":
+        constraint, where = tool_constraint(body.tool_specs(), body.forced_tool(), "tool_choice"), "tool_choice"
+    else:
+        constraint, where = format_constraint(body.response_format, "response_format"), "response_format"
+    switch = thinking_switch(body.reasoning_effort)
+    if constraint is not None and not switch:  # reasoning before the constrained output: only when asked
+        switch = {"enable_thinking": False}
     prompt = Prompt(
-        "messages", body.template_messages(), chosen_tools(body.tool_dicts(), body.tool_mode(), "tool_choice")
+        "messages",
+        body.template_messages(),
+        chosen_tools(tools, body.tool_mode()),
+        template_kwargs=switch,
+        constraint=constraint,
+        constraint_param=where,
     )
-    fmt = ChatFormat(request.app.state.engine.model_id, body.include_usage())
+    fmt = ChatFormat(model, body.include_usage())
     return await respond(request, fmt, prompt, params, body.stream)
 
 
 @router.post("/v1/completions", response_model=Completion)
+@router.post("/completions", response_model=Completion, include_in_schema=False)
 async def completions(body: CompletionRequest, request: Request):
     """Raw-text completion, no chat template; SSE when `stream` is true."""
-    check_model(request, body.model)
+    model = check_model(request, body.model)
     params = sampling_params(
-        request, body.max_tokens, "max_tokens", body.temperature, body.top_p, body.seed, body.stop_list()
+        body.max_tokens,
+        body.temperature,
+        body.top_p,
+        body.seed,
+        body.stop_list(),
+        logprobs=body.logprobs,
+        logit_bias=logit_bias(body.logit_bias, request.app.state.vocab_size),
     )
-    fmt = CompletionFormat(request.app.state.engine.model_id, body.include_usage())
+    fmt = CompletionFormat(model, body.include_usage())
     return await respond(request, fmt, Prompt("prompt", text=body.prompt), params, body.stream)
 
 
@@ -90,5 +119,5 @@ def _machine_memory() -> dict:
     return {"memory_available_bytes": available, "memory_source": source}
 
 
-def _card(request: Request) -> dict:
-    return {"id": request.app.state.engine.model_id, "created": request.app.state.started}
+def _card(request: Request, name: str) -> dict:
+    return {"id": name, "created": request.app.state.started}

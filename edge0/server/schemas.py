@@ -10,10 +10,11 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from edge0.sampling import SEED_MAX
 from edge0.server.errors import APIError
+from edge0.server.grammar import ToolSpec
 from edge0.server.pipeline import ToolChoice
 
 
@@ -33,6 +34,45 @@ TopP = Annotated[Optional[float], Field(gt=0, le=1, allow_inf_nan=False)]
 Seed = Annotated[Optional[int], Field(ge=0, le=SEED_MAX)]
 TokenCount = Annotated[Optional[int], Field(ge=1)]  # the server's --max-tokens caps it
 Stops = Annotated[list[str], Field(max_length=16)]
+TopLogprobs = Annotated[Optional[int], Field(ge=0, le=20)]  # OpenAI's range
+
+
+FORMAT_NAME = Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]  # OpenAI's rule for a format's name
+
+
+class TextFormat(Strict):
+    type: Literal["text"]
+
+
+class JSONObjectFormat(Strict):
+    type: Literal["json_object"]
+
+
+class JSONSchemaSpec(Strict):
+    name: FORMAT_NAME
+    description: Optional[str] = None
+    schema_: Optional[dict[str, Any]] = Field(None, alias="schema")
+    strict: Optional[StrictBool] = None
+
+
+class ChatJSONSchemaFormat(Strict):
+    """Chat Completions: `{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}`."""
+
+    type: Literal["json_schema"]
+    json_schema: JSONSchemaSpec
+
+
+class ResponsesJSONSchemaFormat(JSONSchemaSpec):
+    """Responses: `{"type": "json_schema", "name", "schema", "strict"}` (the spec inline)."""
+
+    type: Literal["json_schema"]
+
+
+ChatResponseFormat = Annotated[Union[TextFormat, JSONObjectFormat, ChatJSONSchemaFormat], Field(discriminator="type")]
+ResponsesTextFormat = Annotated[
+    Union[TextFormat, JSONObjectFormat, ResponsesJSONSchemaFormat], Field(discriminator="type")
+]
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
 
 
 def join_text(parts) -> str:
@@ -62,12 +102,14 @@ class Message(Strict):
     name: Optional[str] = None
     tool_calls: Optional[list[ToolCall]] = None
     tool_call_id: Optional[str] = None
+    reasoning_content: Optional[str] = None  # an earlier reply's reasoning, as this server returns it
 
 
 class FunctionDef(Strict):
     name: str
     description: Optional[str] = None
     parameters: Optional[dict[str, Any]] = None
+    strict: Optional[StrictBool] = None
 
 
 class Tool(Strict):
@@ -89,6 +131,7 @@ class SamplingRequest(Strict):
     stop: Union[str, Stops, None] = None
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
+    logit_bias: Optional[dict[str, Any]] = None  # token id -> bias, checked by structured.logit_bias
 
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else self.stop or []
@@ -112,6 +155,17 @@ class ChatRequest(SamplingRequest):
     max_completion_tokens: TokenCount = None
     tools: Optional[list[Tool]] = None
     tool_choice: Union[Literal["auto", "none", "required"], NamedToolChoice, None] = None
+    response_format: Optional[ChatResponseFormat] = None
+    logprobs: Optional[StrictBool] = None
+    top_logprobs: TopLogprobs = None
+    reasoning_effort: Optional[ReasoningEffort] = None
+
+    def logprobs_count(self) -> int | None:
+        """Top log-probs per token when log-probs are asked, else None; top_logprobs without
+        logprobs is a 400, as in OpenAI's API."""
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs", "invalid_value")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def template_messages(self) -> list[dict]:
         """Messages as the chat template expects them: text content, tool-call arguments as dicts."""
@@ -124,13 +178,26 @@ class ChatRequest(SamplingRequest):
                 msg["name"] = m.name
             if m.tool_call_id is not None:
                 msg["tool_call_id"] = m.tool_call_id
+            if m.reasoning_content:
+                msg["reasoning_content"] = m.reasoning_content
             if m.tool_calls:
                 msg["tool_calls"] = [_template_tool_call(c, i) for c in m.tool_calls]
             out.append(msg)
         return out
 
     def tool_dicts(self) -> list[dict] | None:
-        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+        """The tools as the chat template takes them (without `strict`, which is ours)."""
+        return [t.model_dump(exclude_none=True, exclude={"function": {"strict"}}) for t in self.tools or []] or None
+
+    def tool_specs(self) -> list[ToolSpec]:
+        return [
+            ToolSpec(t.function.name, t.function.parameters or {"type": "object"}, bool(t.function.strict))
+            for t in self.tools or []
+        ]
+
+    def forced_tool(self) -> str | None:
+        """The tool a named tool_choice forces (None: any tool, or none forced)."""
+        return self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
 
     def tool_mode(self) -> ToolChoice:
         return "auto" if self.tool_choice in (None, "auto") else "none" if self.tool_choice == "none" else "forced"
@@ -153,6 +220,7 @@ def _template_tool_call(call: ToolCall, index: int) -> dict:
 
 class CompletionRequest(SamplingRequest):
     prompt: str = Field(min_length=1)
+    logprobs: TopLogprobs = None  # the legacy API's: how many top log-probs per token
 
 
 class Usage(BaseModel):
@@ -171,6 +239,7 @@ class ResponseToolCall(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: Optional[str]
+    reasoning_content: Optional[str] = None
     tool_calls: Optional[list[ResponseToolCall]] = None
 
 
@@ -178,7 +247,7 @@ class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     finish_reason: Literal["stop", "length", "tool_calls"]
-    logprobs: None = None
+    logprobs: Optional[dict[str, Any]] = None
 
 
 class ChatCompletion(BaseModel):
@@ -194,7 +263,7 @@ class CompletionChoice(BaseModel):
     index: int
     text: str
     finish_reason: Literal["stop", "length"]
-    logprobs: None = None
+    logprobs: Optional[dict[str, Any]] = None
 
 
 class Completion(BaseModel):

@@ -1,0 +1,64 @@
+"""Per-request work on one step's log-probs row before sampling: a token mask (structured
+outputs), a logit bias, and the log-probs a response reports. Rows are [1, V] (what samplers take)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+from edge0.backend.forward import make_sampler
+
+__all__ = ["sampler", "apply_token_mask", "LogitBias", "token_logprobs", "only_token"]
+
+
+def sampler(temperature: float, top_p: float, top_k: int, vocab: int):
+    """mlx-lm's sampler; a `top_k` of 0 or at least the vocabulary keeps every token."""
+    return make_sampler(temp=temperature, top_p=top_p, top_k=top_k if 0 < top_k < vocab else 0)
+
+
+def apply_token_mask(logprobs: mx.array, bitmask: np.ndarray) -> mx.array:
+    """`logprobs` [1, V] with -inf where `bitmask` (int32 words, bit i of word w = token 32w+i,
+    llguidance's layout) has a 0; tokens past the mask's bits are masked too."""
+    vocab = logprobs.shape[-1]
+    bits = np.unpackbits(np.ascontiguousarray(bitmask).view(np.uint8), bitorder="little")[:vocab]
+    if len(bits) < vocab:
+        bits = np.pad(bits, (0, vocab - len(bits)))
+    return mx.where(mx.array(bits.view(np.bool_)), logprobs, mx.array(-np.inf, logprobs.dtype))
+
+
+class LogitBias:
+    """A logits processor adding `bias[token]` to those tokens' log-probs (OpenAI's logit_bias:
+    -100 bans a token, +100 all but forces it); the same for logits, up to normalization."""
+
+    def __init__(self, bias: dict[int, float]):
+        self.bias = bias
+        self._row: mx.array | None = None
+
+    def __call__(self, generated: list[int], logprobs: mx.array) -> mx.array:
+        if self._row is None:  # built once the row's width (the model's vocabulary) is known
+            row = np.zeros(logprobs.shape[-1], np.float32)
+            ids = [t for t in self.bias if t < len(row)]
+            row[ids] = [self.bias[t] for t in ids]
+            self._row = mx.array(row).astype(logprobs.dtype)
+        return logprobs + self._row
+
+
+def token_logprobs(logprobs: mx.array, token: mx.array, n_top: int) -> tuple[float, list[tuple[int, float]]]:
+    """The log-prob of `token` in `logprobs` [1, V] and the `n_top` most likely tokens with
+    theirs, highest first (float32; evaluates)."""
+    row = logprobs.reshape(-1).astype(mx.float32)
+    chosen = row[token.reshape(-1)[0]]
+    n_top = min(n_top, row.shape[0])
+    if n_top <= 0:
+        return chosen.item(), []
+    top = mx.argpartition(-row, kth=n_top - 1)[:n_top]
+    values = row[top]
+    mx.eval(chosen, top, values)
+    pairs = sorted(zip(top.tolist(), values.tolist()), key=lambda p: (-p[1], p[0]))
+    return chosen.item(), pairs
+
+
+def only_token(logprobs: mx.array, token: int) -> mx.array:
+    """`logprobs` [1, V] with every token but `token` at -inf (the sampler must take it)."""
+    keep = mx.arange(logprobs.shape[-1]) == token
+    return mx.where(keep, logprobs, mx.array(-np.inf, logprobs.dtype))

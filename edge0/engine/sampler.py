@@ -1,0 +1,52 @@
+"""The sampler of one generation: the request's logits processors, then mlx-lm's sampler
+(temperature, top_p, top_k), and the log-probs each Step reports when asked.
+
+A logits processor is a callable `(generated, logprobs) -> logprobs`: `generated` holds the token
+ids sampled so far in this generation, `logprobs` is the step's row [1, V] (a backend array), and
+it returns the row to sample from (a grammar's mask, a logit bias). Reported log-probs are the
+model's own, before any processor, temperature or truncation.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from contextlib import closing
+
+from edge0.backend import logits as blog
+
+
+class RequestSampler:
+    """Called by the engine as any sampler: logprobs [1, V] -> the token [1]. Without processors
+    and log-probs it is mlx-lm's sampler, lazily evaluated as before."""
+
+    def __init__(self, temperature: float, top_p: float, top_k: int = 0, processors=None, logprobs: int | None = None):
+        self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
+        self.processors = list(processors or [])
+        self.n_top = logprobs
+        self.generated: list[int] = []
+        self._records: deque = deque()  # (logprob, top) per sampled token, until its Step is out
+        self._sample = None
+
+    def __call__(self, logprobs):
+        if self._sample is None:  # the vocabulary is known once a row arrives
+            self._sample = blog.sampler(self.temperature, self.top_p, self.top_k, logprobs.shape[-1])
+        if not self.processors and self.n_top is None:
+            return self._sample(logprobs)
+        row = logprobs
+        for process in self.processors:
+            row = process(self.generated, row)
+        token = self._sample(row)
+        if self.n_top is not None:
+            self._records.append(blog.token_logprobs(logprobs, token, self.n_top))
+        self.generated.append(int(token.item()))
+        return token
+
+    def annotate(self, steps):
+        """Pass `steps` through, each with the log-prob of its token (and the top ones) when asked."""
+        if self.n_top is None:
+            yield from steps
+            return
+        with closing(steps):
+            for step in steps:
+                step.logprob, step.top_logprobs = self._records.popleft()
+                yield step

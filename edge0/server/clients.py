@@ -1,0 +1,21 @@
+"""How coding agents and SDKs reach this server: the lines `edge0 serve` prints at start (the
+same setup as docs/server.md's client sections)."""
+
+from __future__ import annotations
+
+KEY_VARIABLE = "EDGE0_API_KEY"
+
+
+def setup_lines(base_url: str, model: str, keyed: bool) -> list[str]:
+    """Client setup for a server at `base_url` (no /v1) reporting `model`. With `keyed` (an
+    --api-key is set), clients read the key from $EDGE0_API_KEY; the key itself is never printed."""
+    key = f"${KEY_VARIABLE}" if keyed else "edge0"  # without a key, any value does
+    codex_key = f', env_key="{KEY_VARIABLE}"' if keyed else ""
+    sdk_key = f'os.environ["{KEY_VARIABLE}"]' if keyed else '"edge0"'
+    return [
+        f"Claude Code: ANTHROPIC_BASE_URL={base_url} ANTHROPIC_AUTH_TOKEN={key} ANTHROPIC_MODEL={model} "
+        f"ANTHROPIC_SMALL_FAST_MODEL={model} claude",
+        f'Codex CLI: codex -c model_provider=edge0 -c \'model_providers.edge0={{name="edge0", '
+        f'base_url="{base_url}/v1", wire_api="responses"{codex_key}}}\' -m {model}',
+        f'OpenAI SDK: OpenAI(base_url="{base_url}/v1", api_key={sdk_key}), model="{model}" (any name is accepted)',
+    ]

@@ -109,7 +109,7 @@ class Speculator:
         while True:
             k = min(self.k, max_tokens - len(generated) - 1)
             context = prompt + generated
-            if k > 0 and self.on and self.estimates.plain is not None:
+            if k > 0 and self.on and (self.estimates.plain is not None or not self.adaptive):
                 t0 = time.perf_counter()
                 draft = self.drafter.draft(context, k, temp, top_p)
                 self.seconds["draft"] += time.perf_counter() - t0

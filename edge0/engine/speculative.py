@@ -22,6 +22,11 @@ DEFAULT_NUM_DRAFT = 4
 DECAY = 0.9  # weight of the past in the running acceptance and cost estimates, per observation
 SWITCH_ON = 1.05  # speculation resumes when it is estimated this much faster than plain steps
 PROBE_EVERY = 16  # while off, an expensive drafter drafts (to measure acceptance) every this many tokens
+# Before any verify was timed, a verify of T tokens is assumed to cost 1 + PRIOR_SLOPE * (T - 1)
+# plain steps (between a GPU's ~0.1 and this CPU's ~0.75); while off, one verify is tried every
+# EXPLORE_EVERY plain steps until one was timed, so a wrong prior costs at most one verify.
+PRIOR_SLOPE = 0.5
+EXPLORE_EVERY = 64
 COUNTERS = (
     "verifies",
     "verify_tokens",
@@ -65,11 +70,13 @@ class Estimates:
 
     def cycle_cost(self, tokens: int) -> float | None:
         """The time of a verify of `tokens` tokens: measured, or on the line through a plain step
-        and the nearest measured verify."""
+        and the nearest measured verify (through the prior slope before any was)."""
         if tokens in self.cycle:
             return self.cycle[tokens]
-        if not self.cycle or self.plain is None:
+        if self.plain is None:
             return None
+        if not self.cycle:
+            return self.plain * (1 + PRIOR_SLOPE * (tokens - 1))
         near = min(self.cycle, key=lambda t: abs(t - tokens))
         return self.plain + (tokens - 1) * (self.cycle[near] - self.plain) / max(1, near - 1)
 
@@ -91,7 +98,10 @@ class Speculator:
     def __init__(self, drafter: Drafter, num_draft: int = DEFAULT_NUM_DRAFT, adaptive: bool = True):
         self.drafter, self.k, self.adaptive = drafter, num_draft, adaptive
         self.estimates = Estimates()
-        self.on = True
+        # adaptive: start off, measuring acceptance with shadow drafts, and switch on once the
+        # estimates say a verify pays; the estimates carry over to the next generations
+        self.on = not adaptive
+        self.off_steps = 0  # plain steps while off since the last verify
         self.counts = dict.fromkeys(COUNTERS, 0)
         self.seconds = {"draft": 0.0, "verify": 0.0, "plain": 0.0}
 
@@ -109,7 +119,8 @@ class Speculator:
         while True:
             k = min(self.k, max_tokens - len(generated) - 1)
             context = prompt + generated
-            if k > 0 and self.on and (self.estimates.plain is not None or not self.adaptive):
+            explore = not self.estimates.cycle and self.off_steps >= EXPLORE_EVERY  # no verify measured yet
+            if k > 0 and (self.on or not self.adaptive or explore):
                 t0 = time.perf_counter()
                 draft = self.drafter.draft(context, k, temp, top_p)
                 self.seconds["draft"] += time.perf_counter() - t0
@@ -117,6 +128,7 @@ class Speculator:
                     out = self._verify(engine, generated, draft, sampler, temp, top_p)
                     self.estimates.observe_cycle(len(draft.tokens) + 1, time.perf_counter() - t0)
                     self.seconds["verify"] += time.perf_counter() - t0
+                    self.off_steps = 0
                     self._decide(k)
                     yield from out
                     continue
@@ -133,6 +145,7 @@ class Speculator:
             self.seconds["plain"] += dt
             self.counts["plain_steps"] += 1
             since_probe += 1
+            self.off_steps += not self.on
             if shadow:
                 shadow = self._check_shadow(shadow, y)
             if k > 0:
@@ -229,7 +242,7 @@ class Speculator:
             "verify_tokens": d["verify_tokens"],
             "union_per_routed": union / routes if routes else None,
             "expert_bytes_per_token": bytes_read / n_gen if n_gen else None,
-            "verify_cost_ratio": est.cost_ratio(self.k + 1),
+            "verify_cost_ratio": est.cost_ratio(self.k + 1) if est.cycle else None,
             "estimated_acceptance": est.acceptance,
             "estimated_gain": est.gain(self.k),
             "switched_off": d["switched_off"],

@@ -80,6 +80,17 @@ class LoadOptions:
         "choice",
         choices=tuple(DECODE_EXECUTORS),
     )
+    prefill_span: int | None = _opt(
+        None,
+        "tokens per layer-major prefill span: each span reads each layer's experts once (default: "
+        "as many as keep the span's activations under 512 MB)",
+        "int",
+        metavar="N",
+    )
+    kv_bits: int | None = _opt(
+        None, "quantize the KV cache to 4 or 8 bits (mlx-lm's quantized cache; default: not quantized)", "int"
+    )
+    kv_group_size: int = _opt(64, "group size of the quantized KV cache: 32, 64 (default) or 128", "int")
     layer_executors: dict = _opt(
         {},
         "per-layer override, e.g. 3:decode=hot (repeatable)",
@@ -202,6 +213,12 @@ class LoadOptions:
             )
         if self.prompt_cache_dir and self.prompt_cache_bytes() < 1:
             raise Edge0Error(f"--prompt-cache-size {self.prompt_cache_size}: must be more than 0 bytes, e.g. 2GB")
+        if self.prefill_span is not None and self.prefill_span < 2:
+            raise Edge0Error(f"--prefill-span {self.prefill_span}: must be >= 2 tokens (e.g. 8192)")
+        if self.kv_bits is not None and self.kv_bits not in (4, 8):
+            raise Edge0Error(f"--kv-bits {self.kv_bits}: choose 4 or 8 (or leave it out for a float KV cache)")
+        if self.kv_group_size not in (32, 64, 128):
+            raise Edge0Error(f"--kv-group-size {self.kv_group_size}: choose 32, 64 or 128")
         if self.pipeline_split is not None:
             self.pipeline_split = parse_split(self.pipeline_split)
         if not 0 < self.peer_timeout < math.inf:

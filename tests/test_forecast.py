@@ -44,6 +44,9 @@ def test_plan_hf_path_prints_the_forecast(tmp_path, capsys):
     f = json.loads(out.read_text())
     assert f["verdict"] in ("FAST", "GOOD", "USABLE", "SLOW") and 0 < f["tok_s_low"] <= f["tok_s_high"]
     assert f["hit_rate_uniform"] <= f["hit_rate_local"] <= 1 and f["longest_context"] > 0
+    kv = f["kv_bytes_at_max_context"]  # --kv-bits: 8 bits + a float32 scale and bias per 64 = 1.125 bytes
+    assert kv["8-bit"] == pytest.approx(kv["float32"] * 1.125 / 4, rel=1e-6) and kv["4-bit"] < kv["8-bit"]
+    assert "--kv-bits 4" in text
 
     assert main(["--hf-path", str(fixture_dir("qwen3_moe")), "--memory", "1MB", "--json", str(out)]) == 0
     assert json.loads(out.read_text())["verdict"] == "DOES-NOT-FIT"

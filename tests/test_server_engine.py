@@ -127,11 +127,11 @@ def test_real_engine_on_a_fixture_store(store_for):
         )
 
 
-def test_real_engine_stops_between_prefill_chunks_and_stays_consistent(store_for):
-    """should_stop: checked between 512-token prefill chunks and between decode steps; a stop in
-    prefill drops the partial KV cache, StepHooks.finish runs, and the next generation is right."""
+def test_real_engine_stops_during_prefill_and_between_steps_and_stays_consistent(store_for):
+    """should_stop: checked between the prefill's layers and chunks and between decode steps; a
+    stop in prefill drops the partial KV cache, StepHooks.finish runs, and the next generation is
+    right."""
     import edge0
-    from edge0.engine.engine import CANCELLABLE_PREFILL_CHUNK
     from edge0.engine.hooks import StepHooks
 
     class Recorder(StepHooks):
@@ -146,8 +146,8 @@ def test_real_engine_stops_between_prefill_chunks_and_stays_consistent(store_for
 
     engine = edge0.load(store_for("qwen3_moe"), prerouter=False)
     engine.hooks = hooks = Recorder()
-    prompt = [(7 * i) % 200 + 10 for i in range(2 * CANCELLABLE_PREFILL_CHUNK + 100)]  # three chunks
-    expected = engine.generate(prompt, max_tokens=6).tokens  # no should_stop: one 2048-token chunk
+    prompt = [(7 * i) % 200 + 10 for i in range(1124)]
+    expected = engine.generate(prompt, max_tokens=6).tokens
 
     checks = []
     engine.reset_cache()
@@ -156,18 +156,21 @@ def test_real_engine_stops_between_prefill_chunks_and_stays_consistent(store_for
             prompt, max_tokens=6, reuse_cache=True, should_stop=lambda: checks.append(1) or len(checks) >= 2
         )
     )
-    assert steps == [] and len(checks) == 2  # stopped before the second chunk
+    assert steps == [] and len(checks) == 2  # stopped inside the first layer
     assert hooks.events[-2:] == ["start", "finish"]
     again = engine.generate(prompt, max_tokens=6, reuse_cache=True)
     assert again.stats["prefill_tokens"] == len(prompt)  # nothing of the abandoned prompt was kept
     assert again.tokens == expected
 
-    chunked = engine.generate(prompt + [3], max_tokens=6, should_stop=lambda: False)
+    cancellable = engine.generate(prompt + [3], max_tokens=6, should_stop=lambda: False)
     engine.reset_cache()
-    assert chunked.tokens == engine.generate(prompt + [3], max_tokens=6).tokens  # chunking changes nothing
+    assert cancellable.tokens == engine.generate(prompt + [3], max_tokens=6).tokens  # checks change nothing
 
-    checks.clear()  # a stop between decode steps: the tokens so far, no final step. Prefill checks
-    # 4 times (before each of 3 chunks and before the first step), then once after each step.
-    steps = list(engine.stream_generate(prompt, max_tokens=6, should_stop=lambda: checks.append(1) or len(checks) > 6))
+    stop = []  # a stop between decode steps: the tokens so far, no final step
+    steps = []
+    for s in engine.stream_generate(prompt, max_tokens=6, should_stop=lambda: len(stop) > 0):
+        steps.append(s)
+        if len(steps) == 3:
+            stop.append(1)
     assert [s.token for s in steps] == expected[:3] and all(s.finish_reason is None for s in steps)
     assert engine.generate(prompt, max_tokens=6, reuse_cache=True).tokens == expected

@@ -16,6 +16,7 @@ from mlx_lm.utils import common_prefix_len
 
 __all__ = [
     "make_prompt_cache",
+    "make_cache",
     "can_trim_prompt_cache",
     "trim_prompt_cache",
     "common_prefix_len",
@@ -28,6 +29,17 @@ __all__ = [
     "rewind_point",
     "rewind",
 ]
+
+
+def make_cache(model, kv_bits: int | None = None, group_size: int = 64) -> list:
+    """The model's prompt cache; with `kv_bits`, its attention layers' caches quantized from the
+    first token (mlx-lm's QuantizedKVCache; recurrent layers' state stays as it is)."""
+    cache = make_prompt_cache(model)
+    if kv_bits is not None:
+        cache = [
+            c.to_quantized(group_size=group_size, bits=kv_bits) if hasattr(c, "to_quantized") else c for c in cache
+        ]
+    return cache
 
 
 def cache_offset(cache) -> int:

@@ -57,11 +57,14 @@ def forward_cost(engine, prompt: list[int], tokens: int, repeats: int, seed: int
     return statistics.median(times)
 
 
-def run_setting(engine, prompt, n, reference, p=None, k=None, adaptive=False, seed=0) -> dict:
-    """One generation of `n` tokens: plain (p None) or with the controlled drafter; its numbers."""
-    engine.use_speculation(
-        None if p is None else Speculator(ControlledDrafter(reference, p, seed, _vocab(engine)), k, adaptive)
-    )
+def controlled(engine, reference, p: float, k: int, adaptive: bool, seed: int = 0) -> Speculator:
+    """A speculator with the controlled drafter for `engine`."""
+    return Speculator(ControlledDrafter(reference, p, seed, len(engine.tokenizer.get_vocab())), k, adaptive)
+
+
+def run_setting(engine, prompt, n, reference, speculator=None) -> dict:
+    """One generation of `n` tokens: plain, or with `speculator`; its numbers."""
+    engine.use_speculation(speculator)
     res = engine.generate(prompt, max_tokens=n, ignore_eos=True)
     engine.use_speculation(None)
     s = res.stats
@@ -89,7 +92,3 @@ def run_setting(engine, prompt, n, reference, p=None, k=None, adaptive=False, se
             }
         )
     return out
-
-
-def _vocab(engine) -> int:
-    return len(engine.tokenizer.get_vocab())

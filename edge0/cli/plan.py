@@ -192,7 +192,15 @@ def forecast_main(args) -> int:
         f"decode           {f['tok_s_low']:.1f}-{f['tok_s_high']:.1f} tok/s (uniform routing, hit rate "
         f"{100 * f['hit_rate_uniform']:.0f}%, to qwen3-like locality, {100 * f['hit_rate_local']:.0f}%)"
     )
-    print(f"longest context  {f['longest_context']} tokens")
+    kv, longest = f["kv_bytes_at_max_context"], f["longest_context_kv"]
+    print(
+        f"KV cache         {format_size(kv['float32'])} at the model's {ck.max_context} tokens; --kv-bits 8: "
+        f"{format_size(kv['8-bit'])}, --kv-bits 4: {format_size(kv['4-bit'])}"
+    )
+    print(
+        f"longest context  {longest['float32']} tokens (--kv-bits 8: {longest['8-bit']}, "
+        f"--kv-bits 4: {longest['4-bit']})"
+    )
     print(f"verdict          {f['verdict']}")
     if args.json:
         args.json.write_text(

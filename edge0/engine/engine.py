@@ -16,6 +16,7 @@ from edge0.backend import modules as bmod
 from edge0.engine.diagnostics import decode_logits, logits, observe_routes, prerouted_logits
 from edge0.engine.hooks import StepHooks
 from edge0.engine.kv import PromptCache
+from edge0.engine.prefill import Prefiller
 from edge0.engine.speculative import check_speculation
 from edge0.engine.stats import call_stats, engine_stats
 from edge0.errors import Edge0Error
@@ -25,11 +26,6 @@ from edge0.store.promptcache import DiskPromptCaches
 from edge0.textstream import StopMatcher
 from edge0.units import format_size
 from edge0.version import __version__
-
-# Prefill chunk when the caller can cancel: mlx-lm's 2048-token chunks take tens of seconds on a
-# CPU, and a cancellation is only seen between chunks. The whole-layer executor reads each layer's
-# experts once per chunk, so smaller chunks cost reads; 512 keeps both bounded.
-CANCELLABLE_PREFILL_CHUNK = 512
 
 
 @dataclass
@@ -61,7 +57,10 @@ class Engine:
         self.streaming = streaming
         self.spec, self.k, self.compute_dtype = spec, k, compute_dtype
         self.resident_bytes = bmod.resident_bytes(model)
-        self.kv = PromptCache(model)
+        o = streaming.options
+        self.kv = PromptCache(model, o.kv_bits, o.kv_group_size)
+        # one process: layer-major prefill spans; across ranks each stage runs chunks (distributed/)
+        self.prefiller = Prefiller(model, compute_dtype, o.prefill_span, layerwise=stage is None)
         self.hooks = StepHooks()  # the pre-router's stager once attached, or a test's oracle
         # the pre-router, when attached (use_prerouter)
         self.prerouting = None
@@ -145,8 +144,8 @@ class Engine:
     # -- prompt caches on disk -------------------------------------------------------------------
     def identity(self) -> str:
         """sha256 of everything this engine's KV cache depends on: edge0's version, the store
-        (manifest hash), compute dtype, serving K, pre-router heads and adapter files, and the
-        substitution alpha (which changes outputs)."""
+        (manifest hash), compute dtype, serving K, pre-router heads and adapter files, the
+        substitution alpha (which changes outputs) and the KV cache's quantization."""
         ident = {
             "edge0": __version__,
             "store": manifest_hash(self.root),
@@ -156,6 +155,8 @@ class Engine:
             "lora": sha256_file(self.lora_path) if self.lora_path else None,
             "substitute_alpha": self.streaming.options.substitute_alpha,
         }
+        if self.kv.kv_bits:  # only then, so float caches saved before keep their identity
+            ident["kv_cache"] = {"bits": self.kv.kv_bits, "group_size": self.kv.kv_group_size}
         return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
 
     def use_prompt_cache_dir(self, path, max_bytes: int) -> None:
@@ -182,9 +183,9 @@ class Engine:
     ):
         """Yield one Step per generated token; the last Step carries finish_reason and stats.
 
-        `should_stop()`, if given, is checked between prefill chunks (of CANCELLABLE_PREFILL_CHUNK
-        tokens) and between decode steps; once it returns True the generator ends without a final
-        Step. A stop during prefill drops the KV cache, which then holds part of the prompt."""
+        `should_stop()`, if given, is checked between the prefill's layers and chunks and between
+        decode steps; once it returns True the generator ends without a final Step. A stop during
+        prefill drops the KV cache, which then holds part of the prompt."""
         self._leads()
         tokens = self.encode(prompt)
         if max_tokens < 1:
@@ -222,18 +223,23 @@ class Engine:
 
     def _prefill(self, tokens: list[int], reuse: bool, sampler, should_stop) -> tuple[int | None, int]:
         """Feed the prompt (all but the part the KV cache already holds); returns (the first
-        generated token, or None if `should_stop` said so between chunks, and tokens prefilled)."""
+        generated token, or None if `should_stop` said so during the prefill, and tokens prefilled)."""
         kv = self.kv
         new = tokens[kv.prepare(tokens, reuse) :]
         kv.begin()
-        chunk = CANCELLABLE_PREFILL_CHUNK if should_stop else len(new)
-        for i in range(0, len(new) - 1, chunk):
-            if should_stop and should_stop():
-                return None, i
-            bfw.prefill(self.model, new[i : min(i + chunk, len(new) - 1)], kv.cache)
-        if should_stop and should_stop():
-            return None, len(new) - 1
-        y = self.step(new[-1:], 0, sampler)
+        try:
+            if not self.prefiller(new[:-1], kv.cache, should_stop) or (should_stop and should_stop()):
+                return None, len(new) - 1
+            self.prefill_totals = self.streaming.stats.totals()
+            y = self.step(new[-1:], 0, sampler)
+        except ValueError as e:  # mlx-lm's quantized cache needs key widths the group size divides
+            if kv.kv_bits and "group size" in str(e):
+                kv.reset()
+                raise Edge0Error(
+                    f"--kv-group-size {kv.kv_group_size} does not divide this model's attention key width; "
+                    "use --kv-group-size 32 (or drop --kv-bits)"
+                ) from None
+            raise
         kv.advance(new)
         return y, len(new)
 
@@ -256,6 +262,7 @@ class Engine:
         B.reset_peak_memory()
         t0 = time.perf_counter()
         self.hooks.start(self)
+        self.prefill_totals = before
         y, n_prefill = self._prefill(tokens, reuse_cache, sampler, should_stop)
         if y is None:  # cancelled: the cache holds part of the prompt, which nothing can reuse
             self.kv.reset()
@@ -287,6 +294,7 @@ class Engine:
             if finish:
                 stats = call_stats(
                     before,
+                    self.prefill_totals,
                     self.streaming.stats.totals(),
                     io_before,
                     self.store.io_stats(),

@@ -12,8 +12,9 @@ from edge0.store.promptcache import DiskPromptCaches
 class PromptCache:
     """The model's KV cache and the tokens it holds."""
 
-    def __init__(self, model):
-        self.model = model
+    def __init__(self, model, kv_bits: int | None = None, kv_group_size: int = 64):
+        """`kv_bits`: quantize the attention caches to 4 or 8 bits (None: float)."""
+        self.model, self.kv_bits, self.kv_group_size = model, kv_bits, kv_group_size
         self.cache = None
         self.tokens: list[int] = []
         self.dirty = False  # set while the KV cache may be ahead of `tokens` (a step in flight)
@@ -27,7 +28,11 @@ class PromptCache:
     def fresh(self) -> None:
         """An empty cache that nothing reuses (a teacher-forced pass)."""
         self.reset()
-        self.cache = bkv.make_prompt_cache(self.model)
+        self.cache = self.make()
+
+    def make(self) -> list:
+        """A new, empty cache for the model."""
+        return bkv.make_cache(self.model, self.kv_bits, self.kv_group_size)
 
     def use_disk(self, disk: DiskPromptCaches) -> None:
         """Save finished caches to `disk` and restore matching prefixes from it."""
@@ -64,7 +69,7 @@ class PromptCache:
             self.persistable = True
             return held
         self.reset()
-        self.cache, self.persistable = bkv.make_prompt_cache(self.model), reuse
+        self.cache, self.persistable = self.make(), reuse
         return 0
 
     def sync(self, offset: int) -> None:
@@ -72,7 +77,7 @@ class PromptCache:
         (a new cache at 0; trimmed where rank 0 trimmed, as its KV reuse does)."""
         held = bkv.cache_offset(self.cache) if self.cache is not None else 0
         if offset == 0:
-            self.cache = bkv.make_prompt_cache(self.model)
+            self.cache = self.make()
         elif held > offset and bkv.can_trim_prompt_cache(self.cache):
             bkv.trim_prompt_cache(self.cache, held - offset)
         elif held != offset:

@@ -274,7 +274,7 @@ def check_speculation(engine) -> None:
     """Speculative decoding needs a KV cache that can be taken back and one process."""
     if engine.pipeline is not None:
         raise Edge0Error("--draft: speculative decoding runs in one process, not across ranks under mlx.launch")
-    problem = bkv.rewind_problem(bkv.make_prompt_cache(engine.model))
+    problem = bkv.rewind_problem(engine.kv.make())
     if problem:
         raise Edge0Error(
             f"--draft: {engine.model_id}: {problem}, so rejected drafts cannot be dropped; use --draft none"

@@ -7,6 +7,7 @@ from edge0.backend import core as B
 
 def call_stats(
     totals_before: dict,
+    totals_prefilled: dict,
     totals_after: dict,
     io_before: dict,
     io_after: dict,
@@ -17,8 +18,9 @@ def call_stats(
     t_decode: float,
 ) -> dict:
     """The stats of one generate call (docs/engine-api.md, "Stats keys"), from executor totals
-    and the store's read counters before and after it."""
-    a, b = totals_after, totals_before
+    before it, after its prefill (the prompt but its last token) and after it, and the store's
+    read counters before and after it."""
+    a, b, p = totals_after, totals_before, totals_prefilled
     return {
         "prompt_tokens": n_prompt,
         "prefill_tokens": n_prefill,
@@ -28,6 +30,10 @@ def call_stats(
         "peak_memory_bytes": B.peak_memory(),
         "peak_rss_bytes": B.peak_rss(),
         "expert_bytes_read": a["bytes_read"] - b["bytes_read"],
+        "prefill_expert_bytes_read": p["bytes_read"] - b["bytes_read"],
+        "prefill_stall_ms": p["stall_ms"] - b["stall_ms"],
+        "prefill_layers_whole": p["span_whole"] - b["span_whole"],
+        "prefill_layers_union": p["span_union"] - b["span_union"],
         "expert_hit_rate": _rate(a["hits"] - b["hits"], a["misses"] - b["misses"]),
         "host_syncs": a["host_syncs"] - b["host_syncs"],
         "stall_ms_per_step": (a["stall_ms"] - b["stall_ms"]) / max(1, n_gen),
@@ -64,6 +70,7 @@ def engine_stats(engine) -> dict:
         "prerouter": None,
         "speculation": None,
         "prompt_cache": engine.kv.stats(),
+        **engine.prefiller.stats(),
     }
     out.update(engine.hooks.stats())
     if engine.speculation is not None:

@@ -207,6 +207,15 @@ def probe_compute(config: dict, hidden: int) -> dict:
     return {"bytes_per_s": rate, "layer_s": layer_s}
 
 
+KV_VARIANTS = {"float32": None, "8-bit": 8, "4-bit": 4}  # --kv-bits
+
+
+def kv_bytes_per_token(ck: Checkpoint, bits: int | None = None, group_size: int = 64) -> float:
+    """KV-cache bytes per token: float32, or quantized to `bits` with a float32 scale and bias per group."""
+    elems = ck.kv_bytes_per_token / 4
+    return elems * 4 if bits is None else elems * (bits / 8 + 2 * 4 / group_size)
+
+
 def forecast(ck: Checkpoint, memory: int, disk: dict, compute: dict) -> dict:
     """The fit and the decode-speed band of `ck` in `memory` bytes, from the probes."""
     from edge0.cache.synthetic import generate
@@ -232,7 +241,10 @@ def forecast(ck: Checkpoint, memory: int, disk: dict, compute: dict) -> dict:
         return 1.0 / (compute_s + misses * disk["expert_read_s"])
 
     low, high = tok_s(hit_uniform), tok_s(hit_local)
-    longest = max(0, (memory - ck.resident_bytes - overhead - min_cache) // max(1, ck.kv_bytes_per_token))
+    room = memory - ck.resident_bytes - overhead - min_cache
+    longest = {
+        n: int(min(ck.max_context, max(0, room) // max(1, kv_bytes_per_token(ck, b)))) for n, b in KV_VARIANTS.items()
+    }
     verdict = "DOES-NOT-FIT" if not fits else next(v for t, v in VERDICTS if high >= t)
     return {
         "store_bytes": ck.store_bytes,
@@ -243,7 +255,9 @@ def forecast(ck: Checkpoint, memory: int, disk: dict, compute: dict) -> dict:
         "hit_rate_local": hit_local,
         "tok_s_low": low,
         "tok_s_high": high,
-        "longest_context": int(min(longest, ck.max_context)),
+        "longest_context": longest["float32"],
+        "longest_context_kv": longest,  # with --kv-bits 8 / 4
+        "kv_bytes_at_max_context": {n: int(kv_bytes_per_token(ck, b) * ck.max_context) for n, b in KV_VARIANTS.items()},
         "verdict": verdict,
         "memory_bytes": memory,
     }

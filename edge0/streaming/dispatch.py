@@ -25,6 +25,10 @@ from edge0.units import format_size, parse_size
 PREFILL_EXECUTORS = {"whole": WholeLayerExecutor, "exact": ExactExecutor}
 DECODE_EXECUTORS = {"staged": StagedExecutor, "hot": HotExecutor, "exact": ExactExecutor}
 WHOLE_LAYER_MIN_TOKENS = 32  # shorter prefill chunks use the exact path
+# A layer-major prefill span reads a layer whole when span x K >= E (63% of the experts routed
+# under uniform routing), else only the union of its routes: measured in docs/long-prompts.md,
+# whole reads overlap compute and win from there when the experts come from storage.
+SPAN_WHOLE_FACTOR = 1
 READ_THREADS = 4  # staged reads in flight
 TRAIN_WEIGHTS = "edge0 trace --model STORE --data FILE --out TRACE && edge0 train-cache-policy --trace TRACE --out FILE"
 
@@ -50,15 +54,37 @@ class LayerDispatch:
     token, and every call while `decoding` (a multi-token decode step: T tokens of one sequence,
     a speculative verify), go to the decode executor; other calls are prefill chunks."""
 
-    def __init__(self, prefill: dict, decode, min_tokens: int, stats=None):
-        self.prefill, self.decode, self.min_tokens, self.stats = prefill, decode, min_tokens, stats
+    def __init__(self, prefill: dict, decode, min_tokens: int, k: int, num_experts: int, stats):
+        self.prefill, self.decode, self.min_tokens = prefill, decode, min_tokens
+        self.k, self.num_experts, self.stats = k, num_experts, stats
         self.decoding = False
         self.last = None
+        self.span = None  # the executor of a layer-major prefill span in progress
+
+    def begin_span(self, tokens: int) -> None:
+        """A prefill span of `tokens` tokens goes through this layer in one or more calls: with
+        the whole-layer executor, read the layer once and hold it across the calls when the
+        span's routes should cover most experts; otherwise read the union of the routes."""
+        whole = self.prefill.get("whole")
+        if whole is not None and tokens * self.k >= SPAN_WHOLE_FACTOR * self.num_experts:
+            whole.hold()
+            self.span = whole
+            self.stats.span_whole += 1
+        else:
+            self.span = self.prefill["exact"]
+            self.stats.span_union += 1
+
+    def end_span(self) -> None:
+        if self.span is self.prefill.get("whole"):
+            self.span.release()
+        self.span = None
 
     def __call__(self, indices, scores=None):
         """`scores`: the router's scores over all experts (lazy), for the expert cache."""
         t = indices.shape[-2] if indices.ndim >= 2 else 1
-        if t == 1 or self.decoding:
+        if self.span is not None:
+            ex = self.span
+        elif t == 1 or self.decoding:
             ex = self.decode
         else:
             ex = self.prefill["whole"] if t >= self.min_tokens and "whole" in self.prefill else self.prefill["exact"]
@@ -126,7 +152,8 @@ class Streaming:
                     )
                 else:
                     decode = HotExecutor(store, l, compute_dtype, self.stats, slots)
-            self.layers[l] = LayerDispatch(prefill, decode, WHOLE_LAYER_MIN_TOKENS, self.stats.layer(l))
+            num_experts = int(store.layers[l]["num_experts"])
+            self.layers[l] = LayerDispatch(prefill, decode, WHOLE_LAYER_MIN_TOKENS, k, num_experts, self.stats.layer(l))
 
     def _policy_options(self, layer: int) -> dict:
         o = self.options

@@ -22,6 +22,8 @@ COUNTERS = (
     "multi_tokens",
     "multi_routes",
     "multi_union",
+    "span_whole",
+    "span_union",
 )
 
 
@@ -45,6 +47,8 @@ class LayerStats:
     multi_tokens: int = 0
     multi_routes: int = 0
     multi_union: int = 0
+    span_whole: int = 0  # layer-major prefill spans that read this layer whole
+    span_union: int = 0  # ... that read only the union of their routes
     stall_s: float = 0.0  # time blocked waiting for expert data
     distinct_experts: set = field(default_factory=set)
 

@@ -43,25 +43,48 @@ class WholeLayerExecutor(ExactExecutor):
     def __init__(self, store, layer, compute_dtype, stats, prefetcher: LayerPrefetcher):
         super().__init__(store, layer, compute_dtype, stats)
         self.prefetcher = prefetcher
-        self._used = None
+        self.num_experts = int(store.layers[layer]["num_experts"])
+        self._used = None  # device mask of the experts the call (or the held span) used
+        self.holding = False
+        self._params = None
 
-    def __call__(self, indices, scores=None):
-        """Reads the whole layer; router `scores` are not needed."""
+    def hold(self) -> None:
+        """Start reading the layer, and keep its experts from the first call until `release` (a
+        layer-major prefill span computes its MoE in several token chunks over one read)."""
+        self.prefetcher.start(self.layer)
+        self.holding = True
+
+    def release(self) -> None:
+        """Count the experts the held span used and let its tensors go."""
+        if self._used is not None:
+            self._count_used()
+        self.holding, self._params = False, None
+
+    def _load(self) -> dict:
         t0 = time.perf_counter()
         raw = self.prefetcher.take(self.layer)
         s = self.stats
         s.stall_s += time.perf_counter() - t0
-        num = self.store.layers[self.layer]["num_experts"]
-        params = to_device(raw, num, self.dtype)
         s.calls += 1
-        s.loads += num
+        s.loads += self.num_experts
         s.bytes_read += raw_nbytes(raw)
-        # Distinct experts used, counted on the device and read with the layer's output.
-        self._used = (B.zeros((num,)).at[indices.flatten()].add(1.0) > 0).sum()
+        return to_device(raw, self.num_experts, self.dtype)
+
+    def __call__(self, indices, scores=None):
+        """Reads the whole layer (once per held span); router `scores` are not needed."""
+        params = self._params if self.holding and self._params is not None else self._load()
+        if self.holding:
+            self._params = params
+        used = B.zeros((self.num_experts,)).at[indices.flatten()].add(1.0) > 0
+        self._used = used if self._used is None else (self._used | used)
         return [(params, indices)]
 
     def done(self, y) -> None:
         """Compute the layer now, so its experts can be released before the next layer."""
         B.eval(y, self._used)
-        self.stats.bytes_used += int(self._used.item()) * self.expert_nbytes
+        if not self.holding:
+            self._count_used()
+
+    def _count_used(self) -> None:
+        self.stats.bytes_used += int(self._used.sum().item()) * self.expert_nbytes
         self._used = None

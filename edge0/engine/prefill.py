@@ -1,0 +1,69 @@
+"""Feeding a prompt into the KV cache: layer-major spans where the model allows it, so a long
+prompt reads each layer's experts once per span (edge0.backend.layerwise), otherwise mlx-lm's
+chunked forward, which reads them once per chunk (counted as `prefill_chunked_spans`)."""
+
+from __future__ import annotations
+
+from edge0.backend import forward as bfw
+from edge0.backend import layerwise as blw
+
+# The span's activations (about 6 x tokens x hidden x 4 bytes at a layer's peak: its input, the
+# post-attention residual, the MoE input, the MoE output in chunks and joined, and the sum) stay
+# under this bound; a longer prompt goes in several spans, each reading each expert once.
+SPAN_ACTIVATION_BYTES = 512 << 20
+MOE_CHUNK = 512  # tokens per MoE call inside a span (bounds the experts' intermediate activations)
+# mlx-lm's chunked forward (the fallback): 2048-token chunks, 512 when the caller can cancel,
+# since a cancellation is seen only between chunks.
+CHUNK, CANCELLABLE_CHUNK = 2048, 512
+
+
+class Prefiller:
+    """Feeds prompt tokens into a model's cache; counts spans fed layer by layer and chunk by chunk."""
+
+    def __init__(self, model, compute_dtype: str, span_tokens: int | None = None, layerwise: bool = True):
+        """`span_tokens`: tokens per span (default from SPAN_ACTIVATION_BYTES); `layerwise`
+        False: always the chunked forward (a model split across ranks)."""
+        self.model, self.compute_dtype = model, compute_dtype
+        self.hidden, self.heads = blw.model_dims(model)
+        self.span_tokens = span_tokens or default_span(self.hidden)
+        self.layerwise = layerwise
+        self.moe_chunk, self.score_bytes = MOE_CHUNK, blw.SCORE_BYTES
+        self.spans = 0  # spans fed layer by layer
+        self.chunked_spans = 0  # spans fed by the chunked forward (the model or cache does not allow layers)
+
+    def __call__(self, tokens: list[int], cache, should_stop=None) -> bool:
+        """Feed `tokens`; False if `should_stop()` said so between layers or chunks (the cache
+        then holds part of them)."""
+        if not tokens:
+            return True
+        if not (self.layerwise and blw.layerwise_ready(self.model, cache, self.hidden, self.compute_dtype)):
+            return self._chunked(tokens, cache, should_stop)
+        plan = blw.SpanPlan(self.moe_chunk, self.heads, should_stop, self.score_bytes)
+        try:
+            for i in range(0, len(tokens), self.span_tokens):
+                blw.prefill_layerwise(self.model, tokens[i : i + self.span_tokens], cache, plan)
+                self.spans += 1
+        except blw.PrefillCancelled:
+            return False
+        return True
+
+    def _chunked(self, tokens, cache, should_stop) -> bool:
+        chunk = CANCELLABLE_CHUNK if should_stop else CHUNK
+        for i in range(0, len(tokens), chunk):
+            if should_stop and should_stop():
+                return False
+            bfw.prefill(self.model, tokens[i : i + chunk], cache, chunk)
+        self.chunked_spans += 1
+        return True
+
+    def stats(self) -> dict:
+        return {
+            "prefill_spans": self.spans,
+            "prefill_chunked_spans": self.chunked_spans,
+            "prefill_span_tokens": self.span_tokens,
+        }
+
+
+def default_span(hidden: int) -> int:
+    """Tokens per span whose activations fit SPAN_ACTIVATION_BYTES (float32), at least MOE_CHUNK."""
+    return max(MOE_CHUNK, SPAN_ACTIVATION_BYTES // (6 * hidden * 4))

@@ -1,0 +1,168 @@
+"""Layer-major prefill (edge0.backend.layerwise): the same KV cache, logits and greedy tokens as
+mlx-lm's chunked forward for every family; each layer's experts read once per span; cancellation
+between layers; a layer that does not add its MoE output to the residual is detected."""
+
+import time
+
+import httpx
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+import edge0
+from edge0.backend import layerwise as blw
+from edge0.backend.moe import StreamingExperts
+from edge0.errors import Edge0Error
+from edge0.server.config import ServerConfig
+from tests.fake_server import running_server
+from tests.fixtures.families import SPECD, UNIVERSAL
+
+PROMPT = [(7 * i) % 200 + 10 for i in range(300)]
+
+
+def feed(engine, tokens, layerwise: bool):
+    """A fresh cache fed with `tokens` by one of the two prefills; (cache, log-probs of the next token)."""
+    from edge0.backend import forward as bfw
+
+    engine.prefiller.layerwise = layerwise
+    cache = engine.kv.make()
+    assert engine.prefiller(tokens[:-1], cache)
+    return cache, np.array(bfw.forward(engine.model, tokens[-1:], cache))
+
+
+def state(cache) -> list[np.ndarray]:
+    return [np.array(a.astype(mx.float32)) for c in cache for a in blw._state_arrays(c)]
+
+
+@pytest.mark.parametrize("family", SPECD + UNIVERSAL)
+def test_same_cache_logits_and_tokens_as_the_chunked_forward(family, store_for):
+    engine = edge0.load(store_for(family), dtype="float32", prerouter=False)
+    p = engine.prefiller
+    p.span_tokens, p.moe_chunk, p.score_bytes = 128, 48, 1  # 3 spans, several MoE and attention chunks
+    chunked_cache, chunked = feed(engine, PROMPT, layerwise=False)
+    spans_before = p.spans
+    cache, ours = feed(engine, PROMPT, layerwise=True)
+    assert p.spans - spans_before == 3  # fed layer by layer, not through the fallback
+    assert np.abs(ours - chunked).max() <= 1e-4
+    for a, b in zip(state(cache), state(chunked_cache), strict=True):
+        assert a.shape == b.shape and np.abs(a - b).max() <= 1e-4
+
+    p.layerwise = False
+    expected = engine.generate(PROMPT, max_tokens=8, ignore_eos=True).tokens
+    p.layerwise = True
+    got = engine.generate(PROMPT, max_tokens=8, ignore_eos=True)
+    assert got.tokens == expected
+    assert got.stats["prefill_tokens"] == len(PROMPT)
+
+
+def test_each_layer_is_read_once_per_span(store_for):
+    engine = edge0.load(store_for("qwen3_moe"), dtype="float32", prerouter=False)
+    store_bytes = engine.streaming.total_expert_bytes
+    p = engine.prefiller
+    p.moe_chunk = 64  # 5 MoE chunks per layer: the layer stays held across them
+    for should_stop in (None, lambda: False):  # the CLI path and the server's cancellable path
+        engine.reset_cache()
+        stats = engine.generate(PROMPT, max_tokens=2, should_stop=should_stop).stats
+        assert stats["prefill_layers_whole"] == len(engine.store.layers)
+        assert stats["prefill_expert_bytes_read"] == store_bytes  # every layer exactly once
+    p.layerwise = False  # the chunked forward reads every layer once per chunk of 512 (cancellable)
+    engine.reset_cache()
+    chunked = engine.generate(PROMPT * 4, max_tokens=2, should_stop=lambda: False).stats
+    assert chunked["prefill_expert_bytes_read"] == 3 * store_bytes
+
+
+def test_a_short_span_reads_only_the_union_of_its_routes(store_for):
+    engine = edge0.load(store_for("qwen3_moe"), dtype="float32", prerouter=False)
+    stats = engine.generate(PROMPT[:4], max_tokens=1).stats  # 3 tokens x K 2 < 2 x 8 experts
+    layers = len(engine.store.layers)
+    assert stats["prefill_layers_union"] == layers and stats["prefill_layers_whole"] == 0
+    per_expert = engine.store.expert_nbytes(sorted(engine.store.layers)[0])
+    assert 0 < stats["prefill_expert_bytes_read"] <= layers * 3 * 2 * per_expert
+
+
+def test_cancellation_is_seen_between_layers(store_for):
+    engine = edge0.load(store_for("qwen3_moe"), dtype="float32", prerouter=False)
+    engine.prefiller.score_bytes = 1 << 40  # one attention chunk and one MoE chunk per layer
+    checks = []
+    steps = list(engine.stream_generate(PROMPT, max_tokens=4, should_stop=lambda: checks.append(1) or len(checks) > 2))
+    # checks: layer 0 starts, its attention chunk, its MoE chunk -> stop: the second layer never ran
+    assert steps == [] and len(checks) == 3
+    assert engine.kv.tokens == [] and engine.kv.cache is None  # the partial cache was dropped
+    calls = engine.streaming.stats.totals()["calls"]
+    assert calls == 0  # layer 0's MoE chunk was not computed either
+    again = engine.generate(PROMPT, max_tokens=4)
+    engine.prefiller.layerwise = False
+    engine.reset_cache()
+    assert again.tokens == engine.generate(PROMPT, max_tokens=4).tokens
+
+
+class _Layer(nn.Module):
+    """A decoder layer whose MoE output is added after a norm (not a plain residual) when `post`."""
+
+    def __init__(self, post: bool):
+        super().__init__()
+        self.mlp = nn.Sequential(StreamingExperts(nn.Linear(4, 4), 0))
+        self.norm = nn.RMSNorm(4)
+        self.post = post
+
+    def __call__(self, x, mask=None, cache=None):
+        r = self.mlp(x)
+        return x + (self.norm(r) if self.post else r)
+
+
+def test_the_residual_probe_tells_the_two_layers_apart():
+    class Plain(_Layer):
+        pass
+
+    class Post(_Layer):
+        pass
+
+    assert blw.moe_child(Plain(False)) == "mlp"
+    assert blw.residual_moe(Plain(False), "mlp", 4, "float32")
+    assert not blw.residual_moe(Post(True), "mlp", 4, "float32")
+
+
+def test_quantized_kv_cache_round_trip(store_for, tmp_path):
+    """--kv-bits through generate, chat, the server and a prompt cache on disk (keyed by it)."""
+    store = store_for("qwen3_moe")
+    with pytest.raises(Edge0Error, match="--kv-group-size 64 does not divide"):  # head_dim 32
+        edge0.load(store, dtype="float32", prerouter=False, kv_bits=8).generate(PROMPT, max_tokens=1)
+    opts = dict(dtype="float32", prerouter=False, kv_bits=8, kv_group_size=32)
+    engine = edge0.load(store, **opts)
+    assert all(getattr(c, "bits", None) == 8 for c in engine.kv.make())
+    first = engine.generate(PROMPT, max_tokens=6, reuse_cache=True)
+    assert engine.kv.cache[0].bits == 8 and len(engine.kv.tokens) == len(PROMPT) + 5
+    follow = engine.generate(PROMPT + first.tokens[:3] + [11, 12], max_tokens=3, reuse_cache=True)
+    assert follow.stats["prefill_tokens"] == 2  # the quantized cache is trimmed and reused
+    messages = [{"role": "user", "content": "hello world, " * 20}]
+    assert engine.chat(messages, max_tokens=4).tokens == edge0.load(store, **opts).chat(messages, max_tokens=4).tokens
+
+    served = edge0.load(store, prompt_cache_dir=tmp_path / "pc", **opts)
+    with running_server(served, ServerConfig()) as base:
+        reply = httpx.post(
+            base + "/v1/chat/completions",
+            timeout=60,
+            json={"model": served.model_id, "messages": messages, "max_tokens": 4},
+        ).json()
+        deadline = time.monotonic() + 10
+        while httpx.get(base + "/v1/stats").json()["engine"]["prompt_cache"]["saved"] < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+    assert reply["usage"]["completion_tokens"] == 4
+    follow = messages + [{"role": "assistant", "content": reply["choices"][0]["message"]["content"]}]
+    follow += [{"role": "user", "content": "more"}]
+    restarted = edge0.load(store, prompt_cache_dir=tmp_path / "pc", **opts)
+    n = len(restarted.chat_prompt(follow))
+    assert restarted.chat(follow, max_tokens=2, reuse_cache=True).stats["prefill_tokens"] < n - 40
+    assert restarted.stats()["prompt_cache"]["restored"] == 1 and restarted.kv.cache[0].bits == 8
+    float_engine = edge0.load(store, prompt_cache_dir=tmp_path / "pc", dtype="float32", prerouter=False)
+    assert float_engine.identity() != restarted.identity()
+    assert float_engine.chat(follow, max_tokens=2, reuse_cache=True).stats["prefill_tokens"] == n
+
+
+def test_moe_chunks_never_end_in_a_one_token_call():
+    # a one-token call is a decode step to the MoE block (the pre-router predicts from it)
+    assert blw.chunks(1025, 512) == [(0, 512), (512, 1025)]
+    assert blw.chunks(1024, 512) == [(0, 512), (512, 1024)]
+    assert blw.chunks(513, 512) == [(0, 513)] and blw.chunks(7, 512) == [(0, 7)]

@@ -256,3 +256,12 @@ def test_draft_model_with_another_tokenizer_is_a_clear_error(store_for, draft_mo
 def test_bad_draft_options_name_the_flag(options, match):
     with pytest.raises(Edge0Error, match=match):
         edge0.load(None, **options)
+
+
+def test_quantized_kv_cache_is_rewound_too(store_for):
+    e = edge0.load(store_for("qwen3_moe"), kv_bits=8, kv_group_size=32)
+    prompt = e.encode(PROMPT)
+    want = e.generate(prompt, max_tokens=12, ignore_eos=True).tokens
+    e.use_speculation(Speculator(Controlled(want, 0.6), num_draft=4, adaptive=False))
+    res = e.generate(prompt, max_tokens=12, ignore_eos=True)
+    assert res.tokens == want and 0 < res.stats["speculation"]["accepted"] < res.stats["speculation"]["drafted"]

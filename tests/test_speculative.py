@@ -265,3 +265,16 @@ def test_quantized_kv_cache_is_rewound_too(store_for):
     e.use_speculation(Speculator(Controlled(want, 0.6), num_draft=4, adaptive=False))
     res = e.generate(prompt, max_tokens=12, ignore_eos=True)
     assert res.tokens == want and 0 < res.stats["speculation"]["accepted"] < res.stats["speculation"]["drafted"]
+
+
+def test_generate_cli_speculates_and_reports_it(store_for, capsys):
+    from edge0.cli.generate import main
+
+    args = ["--model", str(store_for("qwen3_moe")), "--prompt", PROMPT + PROMPT, "--no-chat-template"]
+    assert main([*args, "--max-tokens", "12", "--draft", "ngram", "--num-draft", "3", "--no-draft-adaptive"]) == 0
+    err = capsys.readouterr().err
+    assert "speculative decoding: prompt lookup (n-gram <= 3), 3 draft tokens, always on" in err  # describe()
+    assert "speculation (ngram, on):" in err and " verifies" in err
+    with pytest.raises(SystemExit) as e:  # a usage error: one line, exit 2
+        main([*args, "--draft", "ngram", "--num-draft", "x"])
+    assert e.value.code == 2 and "--num-draft" in capsys.readouterr().err

@@ -128,7 +128,7 @@ class Speculator:
                     out = self._verify(engine, generated, draft, sampler, temp, top_p)
                     self.estimates.observe_cycle(len(draft.tokens) + 1, time.perf_counter() - t0)
                     self.seconds["verify"] += time.perf_counter() - t0
-                    self.off_steps = 0
+                    self.off_steps, shadow = 0, None  # a pending shadow draft no longer lines up
                     self._decide(k)
                     yield from out
                     continue

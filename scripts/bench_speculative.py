@@ -4,7 +4,8 @@ run so every setting shares one warm engine; plus the measured cost of a (k+1)-t
 forward against a 1-token step, and the ceiling (tokens per verify) / (that cost ratio).
 
 Usage: python scripts/bench_speculative.py --model /work/bench-quick [--p 0.9,0.6,0.3] [--k 2,4,8]
-       [--tokens 64] [--repeats 2] [--read-limit 200MB --expert-cache 20%] [--out FILE.json]
+       [--tokens 64] [--repeats 2] [--read-limit 200MB --expert-cache 20%] [--routing qwen3-like]
+       [--out FILE.json]
 
 `--read-limit RATE` runs the measuring process in a block-I/O cgroup (edge0.bench.cgroup.ReadLimit)
 that limits reads from the store's disk to RATE bytes/s, with direct I/O (no page cache) and an
@@ -39,6 +40,10 @@ def child(args) -> dict:
     if args.read_limit:
         opts.update(io="direct", expert_cache=int(total * float(args.expert_cache.rstrip("%")) / 100))
     engine = edge0.load(store, **opts)
+    if args.routing == "qwen3-like":  # routes with a real model's locality across tokens
+        from edge0.bench.routing import use_synthetic_routing
+
+        use_synthetic_routing(engine, seed=0)
     prompt = prompt_ids(engine.tokenizer, args.prompt_tokens)
     ks, ps = [int(k) for k in args.k.split(",")], [float(p) for p in args.p.split(",")]
     n = args.tokens
@@ -118,6 +123,13 @@ def main() -> None:
     p.add_argument("--cost-repeats", type=int, default=7, help="forwards timed per token count")
     p.add_argument("--read-limit", default=None, metavar="RATE", help="e.g. 200MB (bytes/s); default: none (warm)")
     p.add_argument("--expert-cache", default="20%", help="with --read-limit: the expert cache, a share of all experts")
+    p.add_argument(
+        "--routing",
+        default="uniform",
+        choices=("uniform", "qwen3-like"),
+        help="the model's own routes (uniform on a random bench model) or synthetic routes fitted to "
+        "Qwen3-30B-A3B (docs/synthetic-routing.md): their overlap across tokens sets a verify's union",
+    )
     p.add_argument("--out", default=None)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -153,6 +165,7 @@ def main() -> None:
             "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}",
             "model": args.model,
             "read_limit": args.read_limit,
+            "routing": args.routing,
             "read_limit_bytes_read": read if limit else None,
             "expert_cache": args.expert_cache if args.read_limit else "default (all experts if they fit)",
             "tokens": args.tokens,

@@ -55,50 +55,54 @@ def child(args) -> dict:
     # an adaptive speculator is kept across repeats, as an engine keeps it across requests: its
     # first generation starts from no estimates, the later ones from what it measured
     kept = {(p, k): controlled(engine, reference, p, k, True) for p in ps for k in ks}
+    adaptive_ks = ks if args.adaptive_k is None else [int(k) for k in args.adaptive_k.split(",")]
+    keys = [(p, k, a) for p in ps for k in ks for a in (False, True) if not a or k in adaptive_ks]
     for rep in range(args.repeats):
-        row = {"plain": run_setting(engine, prompt, n, reference)}
-        for p in ps:
-            for k in ks:
-                for adaptive in (False, True):
-                    key = f"p={p} k={k}{' adaptive' if adaptive else ''}"
-                    sp = kept[p, k] if adaptive else controlled(engine, reference, p, k, False, seed=rep)
-                    row[key] = run_setting(engine, prompt, n, reference, sp)
-                    print(f"rep {rep} {key}: {row[key]['decode_tps']:.2f} tok/s", file=sys.stderr, flush=True)
+        row = {}
+        # each setting right after a plain run: its speedup is against that run (machine drift cancels)
+        for p, k, adaptive in keys:
+            key = f"p={p} k={k}{' adaptive' if adaptive else ''}"
+            row[f"plain before {key}"] = run_setting(engine, prompt, n, reference)
+            sp = kept[p, k] if adaptive else controlled(engine, reference, p, k, False, seed=rep)
+            row[key] = run_setting(engine, prompt, n, reference, sp)
+            print(
+                f"rep {rep} {key}: {row[key]['decode_tps']:.2f} tok/s, plain "
+                f"{row[f'plain before {key}']['decode_tps']:.2f}",
+                file=sys.stderr,
+                flush=True,
+            )
         runs.append(row)
-        print(f"rep {rep} plain: {row['plain']['decode_tps']:.2f} tok/s", file=sys.stderr, flush=True)
     settings = []
-    for p in ps:
-        for k in ks:
-            for adaptive in (False, True):
-                key = f"p={p} k={k}{' adaptive' if adaptive else ''}"
-                rs = [r[key] for r in runs]
-                speedups = [r[key]["decode_tps"] / r["plain"]["decode_tps"] for r in runs]
-                first = speedups[0]
-                if adaptive and len(runs) > 1:  # the later generations: the switch's steady state
-                    rs, speedups = rs[1:], speedups[1:]
-                tpv = statistics.median(r["tokens_per_verify"] or 1.0 for r in rs)
-                ratio = costs[k + 1] / costs[1]
-                settings.append(
-                    {
-                        "p": p,
-                        "k": k,
-                        "adaptive": adaptive,
-                        "decode_tps": statistics.median(r["decode_tps"] for r in rs),
-                        "speedup": statistics.median(speedups),
-                        "first_generation_speedup": first,
-                        "tokens_per_verify": tpv,
-                        "verify_cost_ratio": ratio,
-                        "ceiling": tpv / ratio,
-                        "of_ceiling": statistics.median(speedups) / (tpv / ratio),
-                        "expert_bytes_per_token": statistics.median(r["expert_bytes_per_token"] for r in rs),
-                        "union_per_routed": statistics.median(r["union_per_routed"] or 0 for r in rs),
-                        "verifies": statistics.median(r["verifies"] for r in rs),
-                        "plain_steps": statistics.median(r["plain_steps"] for r in rs),
-                        "switched_off": max(r["switched_off"] for r in rs),
-                        "identical": all(r["identical"] for r in rs),
-                    }
-                )
-    plain = [r["plain"] for r in runs]
+    for p, k, adaptive in keys:
+        key = f"p={p} k={k}{' adaptive' if adaptive else ''}"
+        rs = [r[key] for r in runs]
+        speedups = [r[key]["decode_tps"] / r[f"plain before {key}"]["decode_tps"] for r in runs]
+        first = speedups[0]
+        if adaptive and len(runs) > 1:  # the later generations: the switch's steady state
+            rs, speedups = rs[1:], speedups[1:]
+        tpv = statistics.median(r["tokens_per_verify"] or 1.0 for r in rs)
+        ratio = costs[k + 1] / costs[1]
+        settings.append(
+            {
+                "p": p,
+                "k": k,
+                "adaptive": adaptive,
+                "decode_tps": statistics.median(r["decode_tps"] for r in rs),
+                "speedup": statistics.median(speedups),
+                "first_generation_speedup": first,
+                "tokens_per_verify": tpv,
+                "verify_cost_ratio": ratio,
+                "ceiling": tpv / ratio,
+                "of_ceiling": statistics.median(speedups) / (tpv / ratio),
+                "expert_bytes_per_token": statistics.median(r["expert_bytes_per_token"] for r in rs),
+                "union_per_routed": statistics.median(r["union_per_routed"] or 0 for r in rs),
+                "verifies": statistics.median(r["verifies"] for r in rs),
+                "plain_steps": statistics.median(r["plain_steps"] for r in rs),
+                "switched_off": max(r["switched_off"] for r in rs),
+                "identical": all(r["identical"] for r in rs),
+            }
+        )
+    plain = [v for r in runs for key, v in r.items() if key.startswith("plain before")]
     return {
         "describe": engine.describe(),
         "plain": {
@@ -120,6 +124,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=64, help="tokens per generation")
     p.add_argument("--prompt-tokens", type=int, default=40)
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--adaptive-k", default=None, help="the k values that also get an adaptive run (default: all)")
     p.add_argument("--cost-repeats", type=int, default=7, help="forwards timed per token count")
     p.add_argument("--read-limit", default=None, metavar="RATE", help="e.g. 200MB (bytes/s); default: none (warm)")
     p.add_argument("--expert-cache", default="20%", help="with --read-limit: the expert cache, a share of all experts")

@@ -3,7 +3,11 @@ generate's default model): acceptance, tokens per verify and decode speed agains
 with the pre-router heads (the default) and without, in one process.
 
 Usage: flock /tmp/edge0-cpu.lock python scripts/bench_prompt_lookup.py [--tokens 96] [--repeats 3]
-       [--out docs/benchmarks/prompt-lookup-demo.json]
+       [--read-limit 20MB --expert-cache 25%] [--out docs/benchmarks/prompt-lookup-demo.json]
+
+`--read-limit RATE` runs the measuring process in a block-I/O cgroup limiting reads from the
+store's disk to RATE bytes/s (edge0.bench.cgroup.ReadLimit), with direct I/O and an expert cache
+of `--expert-cache` of all experts: the regime where the pre-router's read-ahead matters.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import datetime
 import json
 import platform
 import statistics
+import subprocess
 import sys
 from pathlib import Path
 
@@ -33,19 +38,47 @@ PROMPTS = {
 
 
 def main() -> None:
-    import edge0
-    from edge0.engine.drafters import PromptLookup
-    from edge0.engine.speculative import Speculator
-
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, default=96)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--num-draft", default="4,8")
+    p.add_argument("--read-limit", default=None, metavar="RATE")
+    p.add_argument("--expert-cache", default="25%")
     p.add_argument("--out", default=None)
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
-    out = {"date": datetime.date.today().isoformat(), "machine": platform.machine(), "prompts": {}}
+    if args.read_limit and not args.child:
+        from edge0.bench.cgroup import ReadLimit
+        from edge0.store.bundled import resolve_model
+        from edge0.units import parse_size
+
+        limit = ReadLimit.create(resolve_model(None), parse_size(args.read_limit))
+        try:
+            r = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--child"], preexec_fn=limit.enter)
+        finally:
+            limit.remove()
+        sys.exit(r.returncode)
+    measure(args)
+
+
+def measure(args) -> None:
+    import edge0
+    from edge0.engine.drafters import PromptLookup
+    from edge0.engine.speculative import Speculator
+
+    out = {
+        "date": datetime.date.today().isoformat(),
+        "machine": platform.machine(),
+        "read_limit": args.read_limit,
+        "expert_cache": args.expert_cache if args.read_limit else "default",
+        "prompts": {},
+    }
+    opts = {}
+    if args.read_limit:
+        total = edge0.load(None, decode_executor="exact").streaming.total_expert_bytes
+        opts = {"io": "direct", "expert_cache": int(total * float(args.expert_cache.rstrip("%")) / 100)}
     for heads in (True, False):
-        engine = edge0.load(None, prerouter=None if heads else False)
+        engine = edge0.load(None, prerouter=None if heads else False, **opts)
         out.setdefault("describe", {})["heads" if heads else "gate"] = engine.describe()
         for name, (kind, text) in PROMPTS.items():
             ids = engine.chat_prompt([{"role": "user", "content": text}]) if kind == "chat" else engine.encode(text)

@@ -130,7 +130,7 @@ class StagedExecutor(ExactExecutor):
             scores = np.reshape(scores, (-1, scores.shape[-1])).mean(axis=0)
         self.step += 1
         if len(np.unique(ids)) > self.slots.n_slots:  # e.g. a verify's union of experts wider than the cache
-            return self._overflow(ids)
+            return self._overflow(ids, scores)
         experts, alias = self.route_experts(ids, scores)
         hits, loaded, evicted, slots = self.slots.plan(self.step, experts, scores)
         s = self.stats
@@ -145,28 +145,35 @@ class StagedExecutor(ExactExecutor):
         s.slot_rewrites += len(loaded)
         return [(self.slots.params, self.slots.local(indices))]
 
-    def _overflow(self, ids: np.ndarray):
-        """More distinct experts than slots: the cached ones computed from the slots, the others
-        read for this call only (each once) and computed as a second part; the cache is left as it
-        is. Each (token, k) pair is computed by one part and hits the zero row in the other."""
-        uniq = np.unique(ids)
+    def _overflow(self, ids: np.ndarray, scores):
+        """More distinct experts than slots: the cached ones stay, the misses of the earliest
+        tokens fill the rest of the slots (a verify always keeps its first tokens, so the next
+        step will want those), and the remaining misses are read for this call only (each once)
+        and computed as a second part. Each (token, k) pair is computed by one part and hits the
+        zero row in the other."""
+        order = list(dict.fromkeys(ids.reshape(-1).tolist()))  # distinct experts, earliest token first
         cached = self.slots.slot_of
-        missed = np.array([e for e in uniq.tolist() if e not in cached], dtype=ids.dtype)
+        hits = [e for e in order if e in cached]
+        misses = [e for e in order if e not in cached]
+        admit, rest = (
+            misses[: self.slots.n_slots - len(hits)],
+            np.array(sorted(misses[self.slots.n_slots - len(hits) :])),
+        )
+        _, loaded, evicted, slots = self.slots.plan(self.step, hits + admit, scores)
         s = self.stats
         s.fallbacks += 1
-        s.hits += len(uniq) - len(missed)
-        s.misses += len(missed)
-        s.bytes_used += len(uniq) * self.expert_nbytes
-        s.distinct_experts.update(uniq.tolist())
-        hit = ~np.isin(ids, missed)
-        parts = []
-        if hit.any():
-            local = np.where(hit, self.slots.table_host[ids], self.slots.zero).astype(np.uint32)
-            parts.append((self.slots.params, B.array(local)))
-        params, _ = self.load(missed)
-        local = np.where(hit, len(missed), np.searchsorted(missed, ids)).astype(np.uint32)
-        parts.append((with_zero_row(params), B.array(local)))
-        return parts
+        s.hits += len(hits)
+        s.misses += len(misses)
+        s.bytes_used += len(order) * self.expert_nbytes
+        s.distinct_experts.update(order)
+        raw = self.read(loaded) if loaded else None
+        s.slot_scatters += self.slots.apply(evicted, loaded, slots, raw, in_place=True)
+        s.slot_rewrites += len(loaded)
+        later = np.isin(ids, rest)
+        local = np.where(later, self.slots.zero, self.slots.table_host[ids]).astype(np.uint32)
+        params, _ = self.load(rest)
+        local_rest = np.where(later, np.searchsorted(rest, ids), len(rest)).astype(np.uint32)
+        return [(self.slots.params, B.array(local)), (with_zero_row(params), B.array(local_rest))]
 
 
 def collect_dropped(executors) -> int:

@@ -278,3 +278,32 @@ def test_generate_cli_speculates_and_reports_it(store_for, capsys):
     with pytest.raises(SystemExit) as e:  # a usage error: one line, exit 2
         main([*args, "--draft", "ngram", "--num-draft", "x"])
     assert e.value.code == 2 and "--num-draft" in capsys.readouterr().err
+
+
+def test_serve_wires_the_draft_flags(monkeypatch, tmp_path):
+    from tests.test_server_engine import _serve_main
+
+    ran = _serve_main(monkeypatch, tmp_path, ["--draft", "ngram", "--num-draft", "6", "--draft-ngram", "2"])
+    assert (ran["options"]["draft"], ran["options"]["num_draft"], ran["options"]["draft_ngram"]) == ("ngram", 6, 2)
+    assert ran["options"]["draft_adaptive"] is True
+
+
+def test_server_streams_the_same_text_with_speculation(store_for):
+    import openai
+
+    from edge0.server.config import ServerConfig
+    from tests.fake_server import running_server
+    from tests.test_server import user
+
+    plain = edge0.load(store_for("qwen3_moe"))
+    spec = edge0.load(store_for("qwen3_moe"), draft="ngram", draft_adaptive=False)
+    texts = []
+    for engine in (plain, spec):
+        with running_server(engine, ServerConfig()) as base:
+            client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=60)
+            kwargs = dict(model=engine.model_id, messages=user(PROMPT + PROMPT), max_tokens=16, temperature=0)
+            chunks = list(client.chat.completions.create(**kwargs, stream=True))
+            texts.append("".join(c.choices[0].delta.content or "" for c in chunks if c.choices))
+            assert client.chat.completions.create(**kwargs).choices[0].message.content == texts[-1]
+    assert texts[0] == texts[1] and texts[0]
+    assert spec.stats()["speculation"]["verifies"] > 0

@@ -53,11 +53,12 @@ class PromptLookup(Drafter):
         self.buf = np.zeros(0, dtype=np.int64)
         self.n = 0  # tokens of `buf` in use (the context so far)
 
+    def start(self, prompt: list[int]) -> None:
+        self.n = 0
+
     def _context(self, context: list[int]) -> np.ndarray:
-        """The context as an array; grown in place while each call extends the previous one."""
-        n = self.n
-        if n > len(context) or (n and self.buf[n - 1] != context[n - 1]) or (n and self.buf[0] != context[0]):
-            n = 0
+        """The context as an array, grown in place: within a generation each call extends the last."""
+        n = self.n if self.n <= len(context) else 0
         if len(context) > len(self.buf):
             grown = np.zeros(max(2 * len(self.buf), len(context), 256), dtype=np.int64)
             grown[:n] = self.buf[:n]

@@ -56,7 +56,10 @@ def child(args) -> dict:
     # first generation starts from no estimates, the later ones from what it measured
     kept = {(p, k): controlled(engine, reference, p, k, True) for p in ps for k in ks}
     adaptive_ks = ks if args.adaptive_k is None else [int(k) for k in args.adaptive_k.split(",")]
-    keys = [(p, k, a) for p in ps for k in ks for a in (False, True) if not a or k in adaptive_ks]
+    adaptive_ps = ps if args.adaptive_p is None else [float(p) for p in args.adaptive_p.split(",")]
+    keys = [
+        (p, k, a) for p in ps for k in ks for a in (False, True) if not a or (k in adaptive_ks and p in adaptive_ps)
+    ]
     for rep in range(args.repeats):
         row = {}
         # each setting right after a plain run: its speedup is against that run (machine drift cancels)
@@ -125,6 +128,7 @@ def main() -> None:
     p.add_argument("--prompt-tokens", type=int, default=40)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--adaptive-k", default=None, help="the k values that also get an adaptive run (default: all)")
+    p.add_argument("--adaptive-p", default=None, help="the p values that also get an adaptive run (default: all)")
     p.add_argument("--cost-repeats", type=int, default=7, help="forwards timed per token count")
     p.add_argument("--read-limit", default=None, metavar="RATE", help="e.g. 200MB (bytes/s); default: none (warm)")
     p.add_argument("--expert-cache", default="20%", help="with --read-limit: the expert cache, a share of all experts")

@@ -71,7 +71,7 @@ def run_setting(engine, prompt, n, reference, speculator=None) -> dict:
     s = res.stats
     out = {
         "decode_tps": s["decode_tps"],
-        "expert_bytes_per_token": s["expert_bytes_read"] / len(res.tokens),
+        "expert_bytes_per_token": (s["expert_bytes_read"] - s["prefill_expert_bytes_read"]) / len(res.tokens),
         "hit_rate": s["expert_hit_rate"],
         "identical": res.tokens == reference[:n],
     }

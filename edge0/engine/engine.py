@@ -305,8 +305,9 @@ class Engine:
                     time.perf_counter() - t1,
                 )
                 if self.speculation is not None:
+                    decode_bytes = stats["expert_bytes_read"] - stats["prefill_expert_bytes_read"]
                     stats["speculation"] = self.speculation.call_stats(
-                        spec_before, before, self.streaming.stats.totals(), len(generated), stats["expert_bytes_read"]
+                        spec_before, before, self.streaming.stats.totals(), len(generated), decode_bytes
                     )
                 yield Step(y, text, finish, stats, stopper.matched)
                 return

@@ -223,7 +223,8 @@ class Speculator:
         return {**self.counts, **{f"{k}_s": v for k, v in self.seconds.items()}}
 
     def call_stats(self, before: dict, totals_before: dict, totals_after: dict, n_gen: int, bytes_read: int) -> dict:
-        """One generation's speculation statistics (docs/engine-api.md, "Stats keys")."""
+        """One generation's speculation statistics (docs/engine-api.md, "Stats keys"); `bytes_read`:
+        expert bytes its decode steps read (the prefill's excluded)."""
         now = self.snapshot()
         d = {k: now[k] - before[k] for k in now}
         routes = totals_after["multi_routes"] - totals_before["multi_routes"]

@@ -129,7 +129,7 @@ class Speculator:
                     self.estimates.observe_cycle(len(draft.tokens) + 1, time.perf_counter() - t0)
                     self.seconds["verify"] += time.perf_counter() - t0
                     self.off_steps, shadow = 0, None  # a pending shadow draft no longer lines up
-                    self._decide(k)
+                    self._decide(self.k)
                     yield from out
                     continue
             if k > 0 and not self.on and shadow is None and (self.drafter.cheap or since_probe >= PROBE_EVERY):
@@ -149,7 +149,7 @@ class Speculator:
             if shadow:
                 shadow = self._check_shadow(shadow, y)
             if k > 0:
-                self._decide(k)
+                self._decide(self.k)
             yield y
 
     def _check_shadow(self, shadow: tuple, y: int) -> tuple | None:
@@ -206,8 +206,9 @@ class Speculator:
         return draft.tokens[:n] + [nxt]
 
     def _decide(self, k: int) -> None:
-        """The adaptive switch: off when a verify of k drafts is estimated slower than k plain
-        steps' worth of tokens, on again when it is estimated SWITCH_ON times faster."""
+        """The adaptive switch: off when verifying k drafts (the configured k: the few last tokens
+        of a generation draft fewer, but must not set the state the next one starts with) is
+        estimated slower than plain steps, on again when it is estimated SWITCH_ON times faster."""
         if not self.adaptive:
             return
         gain = self.estimates.gain(k)

@@ -125,7 +125,7 @@ class Speculator:
                 draft = self.drafter.draft(context, k, temp, top_p)
                 self.seconds["draft"] += time.perf_counter() - t0
                 if draft.tokens:
-                    out = self._verify(engine, generated, draft, sampler, temp, top_p)
+                    out = self._verify(engine, generated, draft, temp, top_p)
                     self.estimates.observe_cycle(len(draft.tokens) + 1, time.perf_counter() - t0)
                     self.seconds["verify"] += time.perf_counter() - t0
                     self.off_steps, shadow = 0, None  # a pending shadow draft no longer lines up
@@ -166,7 +166,7 @@ class Speculator:
             self.estimates.observe_acceptance(run, run + 1)
         return None
 
-    def _verify(self, engine, generated, draft, sampler, temp, top_p) -> list[int]:
+    def _verify(self, engine, generated, draft, temp, top_p) -> list[int]:
         """One verify step of `generated[-1]` + the draft: the tokens it yields (the accepted draft
         tokens and one more)."""
         kv, hooks, step = engine.kv, engine.hooks, len(generated)

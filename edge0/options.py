@@ -11,6 +11,8 @@ import math
 from dataclasses import dataclass, field, fields
 
 from edge0.cache import LIVE_POLICIES
+from edge0.engine.drafters import DEFAULT_NGRAM
+from edge0.engine.speculative import DEFAULT_NUM_DRAFT
 from edge0.errors import Edge0Error
 from edge0.store.readers import STRATEGIES
 from edge0.streaming.dispatch import DECODE_EXECUTORS, PREFILL_EXECUTORS, TRAIN_WEIGHTS
@@ -18,6 +20,7 @@ from edge0.units import parse_size
 
 COMPUTE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEFAULT_PROMPT_CACHE_SIZE = "2GB"
+MAX_DRAFT = 64
 
 
 def _opt(default, help: str, kind: str, **extra):
@@ -117,6 +120,25 @@ class LoadOptions:
         "tristate",
         off_help="serve without the recovery LoRA",
     )
+    draft: str | None = _opt(
+        None,
+        "speculative decoding: ngram (prompt lookup over the prompt and the generated text), the "
+        "directory of an mlx-lm draft model with the same tokenizer, or none (default)",
+        "path",
+        metavar="ngram|PATH|none",
+    )
+    num_draft: int | None = _opt(
+        None, f"speculative decoding: tokens drafted per verify step (default {DEFAULT_NUM_DRAFT})", "int", metavar="N"
+    )
+    draft_ngram: int | None = _opt(
+        None, f"--draft ngram: the longest n-gram matched (default {DEFAULT_NGRAM})", "int", metavar="N"
+    )
+    draft_adaptive: bool = _opt(
+        True,
+        "speculative decoding switches itself off while the measured acceptance and verify cost make it "
+        "slower than plain decoding, and back on (default on; --no-draft-adaptive keeps it on)",
+        "switch",
+    )
     io: str = _opt(
         "auto",
         "how expert bytes are read: auto (default: pread when the experts fit in half the memory "
@@ -210,6 +232,7 @@ class LoadOptions:
             self.pipeline_split = parse_split(self.pipeline_split)
         if not 0 < self.peer_timeout < math.inf:
             raise Edge0Error(f"--peer-timeout {self.peer_timeout}: must be a finite number of seconds > 0")
+        self._validate_draft()
         _choice("prefill_executor", self.prefill_executor)
         _choice("decode_executor", self.decode_executor)
         for layer, choice in self.layer_executors.items():
@@ -218,6 +241,24 @@ class LoadOptions:
                     raise Edge0Error(f"--layer-executor {layer}:{phase}={name}: the phase is prefill or decode")
                 _choice(f"{phase}_executor", name, f" (layer {layer})")
         return self
+
+    def _validate_draft(self) -> None:
+        speculating = self.draft not in (None, "none")
+        if self.num_draft is not None and not speculating:
+            raise Edge0Error(
+                "--num-draft is read only with --draft; add --draft ngram (or a model) or drop --num-draft"
+            )
+        if self.num_draft is not None and not 1 <= self.num_draft <= MAX_DRAFT:
+            raise Edge0Error(f"--num-draft {self.num_draft}: must be from 1 to {MAX_DRAFT} tokens")
+        if self.draft_ngram is not None and self.draft != "ngram":
+            raise Edge0Error("--draft-ngram is read only with --draft ngram; add it or drop --draft-ngram")
+        if self.draft_ngram is not None and self.draft_ngram < 1:
+            raise Edge0Error(f"--draft-ngram {self.draft_ngram}: must be >= 1 token")
+        if speculating and self.substitute_alpha:
+            raise Edge0Error(
+                "--substitute-alpha changes outputs step by step, which a verify step cannot reproduce; "
+                "drop --draft or --substitute-alpha"
+            )
 
     def prompt_cache_bytes(self) -> int:
         """The size bound of --prompt-cache-dir in bytes."""

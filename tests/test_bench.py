@@ -26,7 +26,7 @@ from edge0.errors import Edge0Error
 
 ROOT = Path(__file__).resolve().parents[1]
 # Rates and stalls can be exactly 0 on a tiny model (e.g. no hit in a few steps); all else > 0.
-MAY_BE_ZERO = {"hit_rate", "stall_ms_per_step", "host_syncs_per_step"}
+MAY_BE_ZERO = {"hit_rate", "stall_ms_per_step", "host_syncs_per_step", "prefill_stall_ms"}
 
 
 def _maker():
@@ -156,12 +156,36 @@ def test_quick_suite_json(tiny_model, tmp_path):
     assert "## Bench suite" in docs.read_text() and "| mlx-lm-resident |" in docs.read_text()
 
 
+def test_prompt_curve(tiny_model, tmp_path):
+    """--prompt-lengths: one row per length and arm, the prefill's reads as a multiple of the store
+    (a layer-major prefill reads each layer's experts at most once per span), the same tokens."""
+    out = tmp_path / "curve.json"
+    with contextlib.redirect_stdout(io.StringIO()) as table, contextlib.redirect_stderr(io.StringIO()):
+        assert main(["--model", str(tiny_model), "--prompt-lengths", "40", "--no-cap", "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    (point,) = r["prompt_curve"]
+    assert point["prompt_tokens"] == 40 and point["settings"]["decode_tokens"] == 2
+    by = {a["name"]: a for a in point["arms"]}
+    assert set(by) == {"mlx-lm-resident", "staged-warm", "staged-warm-server", "staged-capped"}
+    assert by["staged-capped"]["status"] == "skipped" and "--no-cap" in by["staged-capped"]["reason"]
+    experts = point["settings"]["expert_bytes"]
+    for name in ("staged-warm", "staged-warm-server"):
+        a = by[name]
+        assert a["status"] == "ok" and a["tokens_match_resident"] is True, (name, a["reason"])
+        _check_numbers(name, a["metrics"])
+        assert 0 < a["metrics"]["prefill_expert_bytes_read"] <= experts  # one span: the store once at most
+    assert "| 40 | staged-warm-server |" in table.getvalue()
+    assert not list(tmp_path.glob(".*tmp*"))  # the JSON was written whole
+
+
 @pytest.mark.parametrize(
     "argv, field",
     [
         (["--arms", "nosuch"], "--arms"),
         (["--trace-arm", "staged-warm"], "--trace-arm"),
         (["--decode-tokens", "1"], "--decode-tokens"),
+        (["--prompt-lengths", "512,x"], "--prompt-lengths"),
+        (["--prompt-lengths", "512", "--arms", "staged-warm"], "--prompt-lengths"),
         (["--expert-cache", "150%", "--arms", "staged-warm", "--no-plot"], "--expert-cache"),
     ],
 )

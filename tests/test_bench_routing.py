@@ -44,3 +44,18 @@ def test_lookahead_staging_reads_ahead_with_no_drops_or_syncs(store_for):
     assert got.stats["host_syncs"] == 2 * n_layers  # the exact prefill and the first step only
     t = e.stats()["totals"]
     assert t["slot_rewrites"] > 0 and t["hits"] > 0
+
+
+def test_speculation_keeps_each_token_position_on_its_route(store_for):
+    """A rejected draft gives its routes back: speculative tokens equal plain ones under synthetic routes."""
+    from edge0.bench.speculative import controlled
+
+    e = load(store_for("qwen3_moe"), decode_executor="staged")
+    use_synthetic_routing(e, seed=2)
+    prompt = e.encode("hello world, once upon a time")
+    want = e.generate(prompt, max_tokens=14, ignore_eos=True).tokens
+    assert e.generate(prompt, max_tokens=14, ignore_eos=True).tokens == want  # every generation restarts the routes
+    e.use_speculation(controlled(e, want, 0.6, 4, adaptive=False))
+    res = e.generate(prompt, max_tokens=14, ignore_eos=True)
+    assert res.tokens == want
+    assert 0 < res.stats["speculation"]["accepted"] < res.stats["speculation"]["drafted"]

@@ -185,3 +185,31 @@ def test_parallel_prerouted_logits_equal_stepwise_decoding(store_for, heads_file
     np.testing.assert_allclose(e.decode_logits(ids), lp, atol=1e-4)
     gate = edge0.load(store_for("deepseek_v3"), prerouter=False).logits(ids)
     assert np.abs(par - gate).max() > 1e-3  # the predicted routes really differ from the gate's
+
+
+def test_speculation_with_heads_gives_the_plain_prerouted_tokens(store_for, heads_file):
+    """A verify routes each position as plain decoding with the heads would: position 0 with the
+    previous step's prediction, position t with the prediction this verify made at t - 1."""
+    from edge0.engine.drafters import Draft, Drafter
+    from edge0.engine.speculative import Speculator
+
+    e = edge0.load(store_for("deepseek_v3"), prerouter=heads_file, expert_cache="64KB")
+    want = e.generate(PROMPT, max_tokens=16, ignore_eos=True).tokens
+    gate = edge0.load(store_for("deepseek_v3"), prerouter=False).generate(PROMPT, max_tokens=16, ignore_eos=True)
+    assert gate.tokens != want  # the heads' routes change the output, so gate routing in a verify would show
+
+    class Controlled(Drafter):  # the true continuation, every third token wrong
+        def start(self, prompt):
+            self.n0, self.calls = len(prompt), 0
+
+        def draft(self, context, k, temp=0.0, top_p=1.0):
+            self.calls += 1
+            i = len(context) - self.n0
+            return Draft([t if (i + j) % 3 else (t + 1) % 200 for j, t in enumerate(want[i : i + k])])
+
+    e.use_speculation(Speculator(Controlled(), num_draft=4, adaptive=False))
+    res = e.generate(PROMPT, max_tokens=16, ignore_eos=True)
+    assert res.tokens == want
+    sp = res.stats["speculation"]
+    assert sp["verifies"] >= 3 and 0 < sp["accepted"] < sp["drafted"]
+    assert res.stats["dropped_experts"] == 0  # the kept position's prediction was staged for the next step

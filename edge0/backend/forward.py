@@ -9,12 +9,19 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.sample_utils import make_sampler
 
-__all__ = ["forward", "prefill", "sample", "make_sampler", "full_logits", "resident_logits_fn"]
+__all__ = ["forward", "forward_all", "prefill", "sample", "make_sampler", "full_logits", "resident_logits_fn"]
 
 
 def forward(model, tokens: list[int], cache) -> mx.array:
     """Run tokens through the model (updating `cache`); returns last-position log-probs [V]."""
     logits = model(mx.array(tokens)[None], cache=cache)[:, -1, :]
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
+def forward_all(model, tokens: list[int], cache) -> mx.array:
+    """Run tokens through the model (updating `cache`); returns every position's log-probs [T, V]
+    (a multi-token decode step: the speculative verify)."""
+    logits = model(mx.array(tokens)[None], cache=cache)[0]
     return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models.cache import (
+    ArraysCache,
     can_trim_prompt_cache,
     load_prompt_cache,
     make_prompt_cache,
@@ -24,6 +25,9 @@ __all__ = [
     "prompt_cache_nbytes",
     "read_prompt_cache",
     "prompt_cache_metadata",
+    "rewind_problem",
+    "rewind_point",
+    "rewind",
 ]
 
 
@@ -63,3 +67,34 @@ def prompt_cache_metadata(flat: dict[str, str]) -> dict:
     if not isinstance(metadata, list) or not metadata or not isinstance(metadata[0], dict):
         raise ValueError("no prompt-cache metadata")
     return metadata[0]
+
+
+def rewind_problem(cache) -> str | None:
+    """Why `cache` cannot be taken back to an earlier token (None if it can): every layer must
+    be trimmable (attention KV) or a recurrent state that `rewind_point` copies (ArraysCache)."""
+    bad = sorted({type(c).__name__ for c in cache if not c.is_trimmable() and not isinstance(c, ArraysCache)})
+    return f"its {', '.join(bad)} layers cannot be rewound" if bad else None
+
+
+def rewind_point(cache):
+    """What `rewind` needs to take `cache` back to now: None when every layer is trimmable, else
+    the recurrent layers' states (ArraysCache replaces its entries, so a copy of the list keeps them)."""
+    if can_trim_prompt_cache(cache):
+        return None
+    return [list(c.cache) if isinstance(c, ArraysCache) else None for c in cache]
+
+
+def rewind(cache, drop: int, fed: int, point) -> bool:
+    """Drop the last `drop` of the `fed` tokens the last forward added. Without a `point`, every
+    layer is trimmed. With one (recurrent layers), every layer goes back to before the forward
+    (trimmed by `fed`, states put back), and the caller feeds the kept tokens again. Returns
+    whether it did (a replay is due)."""
+    if point is None:
+        trim_prompt_cache(cache, drop)
+        return False
+    for c, saved in zip(cache, point):
+        if saved is not None:
+            c.cache = list(saved)
+        else:
+            c.trim(fed)
+    return True

@@ -51,6 +51,7 @@ class Arm:
     name: str
     base: Base
     storage: str  # "warm", "cold" or "capped"
+    cancellable: bool = False  # generate with should_stop, as the server does (the prefill checks it per layer)
 
     @property
     def runtime(self) -> str:
@@ -89,6 +90,8 @@ METRICS = (
     "io_max_queue_depth",
     "prompt_tokens",
     "generation_tokens",
+    "prefill_expert_bytes_read",
+    "prefill_stall_ms",
 )
 COUNTERS = ("fallbacks", "dropped_experts")
 
@@ -112,6 +115,7 @@ def arm_spec(arm: Arm, model: Model, args, budget: int, sizes: dict) -> dict:
         "prompt_tokens": args.prompt_tokens,
         "decode_tokens": args.decode_tokens,
         "dtype": args.dtype,
+        "cancellable": arm.cancellable,
     }
     if arm.runtime == "mlx-lm":
         spec["mlx_model"] = str(model.mlx)

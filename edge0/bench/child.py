@@ -161,8 +161,19 @@ def run_edge0(spec: dict) -> dict:
 
     timing = Timing(snapshot, B.reset_peak_memory, B.peak_memory, spec.get("trace_out") is not None)
     ids = prompt_ids(engine.tokenizer, spec["prompt_tokens"])
-    stream = engine.stream_generate(ids, max_tokens=spec["decode_tokens"], temperature=0.0, ignore_eos=True)
-    out = timing.run(s.token for s in stream)
+    should_stop = (lambda: False) if spec.get("cancellable") else None
+    stream = engine.stream_generate(
+        ids, max_tokens=spec["decode_tokens"], temperature=0.0, ignore_eos=True, should_stop=should_stop
+    )
+    final = {}  # the last Step's stats: they split the prefill's reads and stall from the decode's
+
+    def tokens():
+        for step in stream:
+            final["stats"] = step.stats
+            yield step.token
+
+    out = timing.run(tokens())
+    gen = final["stats"]
     total, dec = out.pop("counters_total"), out.pop("counters_decode")
     lookups = dec["hits"] + dec["misses"]
     n_dec = max(1, out["generation_tokens"] - 1)
@@ -182,6 +193,8 @@ def run_edge0(spec: dict) -> dict:
             "expert_cache_bytes": engine.streaming.budget,
             "expert_bytes_read": total["bytes_read"],
             "decode_expert_bytes_read": dec["bytes_read"],
+            "prefill_expert_bytes_read": gen["prefill_expert_bytes_read"],
+            "prefill_stall_ms": gen["prefill_stall_ms"],
             "hit_rate": dec["hits"] / lookups if lookups and engine.streaming.n_slots else None,  # exact: no cache
             "stall_ms_per_step": dec["stall_ms"] / n_dec,
             "host_syncs_per_step": dec["host_syncs"] / n_dec,

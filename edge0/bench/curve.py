@@ -17,7 +17,7 @@ from edge0.bench.runner import run_suite
 CURVE_ARMS = (
     Arm("mlx-lm-resident", BASES[0], "warm"),
     Arm("staged-warm", BASES[2], "warm"),
-    Arm("staged-warm-server", BASES[2], "warm"),  # stream_generate(should_stop=...), as the server calls it
+    Arm("staged-warm-server", BASES[2], "warm", cancellable=True),  # should_stop given, as the server does
     Arm("staged-capped", BASES[2], "capped"),
 )
 CURVE_DECODE_TOKENS = 2

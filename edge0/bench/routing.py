@@ -25,9 +25,21 @@ class SyntheticRoutes:
     def __init__(self, layers: list[int], num_experts: int, k: int, seed: int):
         self.layers = sorted(layers)
         self.row = {l: i for i, l in enumerate(self.layers)}
-        self.source = RouteSource(num_experts, k, len(self.layers), seed)
+        self.num_experts, self.k, self.seed = num_experts, k, seed
+        self.restart()
+
+    def restart(self) -> None:
+        """Start the route sequence over: every generation sees the same routes, token by token."""
+        self.source = RouteSource(self.num_experts, self.k, len(self.layers), self.seed)
         self.ahead: deque = deque()  # generated tokens not yet used: (routes [L, K], weights [L, K])
         self.current = None  # this pass's (routes [L, T, K], weights [L, T, K])
+
+    def keep(self, position: int) -> None:
+        """A speculative verify kept its tokens up to `position`: the routes of the rejected
+        positions go back to the front, for the tokens that take those positions next."""
+        routes, weights = self.current
+        for j in range(routes.shape[1] - 1, position, -1):
+            self.ahead.appendleft((routes[:, j], weights[:, j]))
 
     def peek(self):
         """The next token's routes and weights, without using them (the stager reads ahead)."""
@@ -59,12 +71,27 @@ class SyntheticRoutes:
         """The routes come from the source, not from heads."""
 
 
-class LookaheadStager(StepHooks):
+class SyntheticHooks(StepHooks):
+    """Every generation starts the route sequence over (runs are repeatable), and a speculative
+    verify's rejected positions give their routes back (each token position keeps its route)."""
+
+    def __init__(self, routes: SyntheticRoutes):
+        self.routes = routes
+
+    def start(self, engine) -> None:
+        self.routes.restart()
+
+    def kept(self, engine, step: int, position: int) -> None:
+        self.routes.keep(position)
+
+
+class LookaheadStager(SyntheticHooks):
     """Stages step t+1's synthetic route in every staged layer once step t's graph is launched,
     and swaps it in at the boundary (the pre-router's stager, with a perfect prediction)."""
 
     def __init__(self, routes: SyntheticRoutes, staged: dict):
-        self.routes, self.staged = routes, staged
+        super().__init__(routes)
+        self.staged = staged
 
     def after_forward(self, engine, step: int, launched) -> None:
         B.async_eval(launched)
@@ -96,6 +123,6 @@ def use_synthetic_routing(engine, seed: int = 0, lookahead: bool = False) -> Syn
     routes = SyntheticRoutes([l for l, _ in blocks], engine.spec.num_experts, engine.k, seed)
     for _, block in blocks:
         block.use_prerouting(routes)
-    hooks = LookaheadStager(routes, engine.streaming.staged()) if lookahead else StepHooks()
+    hooks = LookaheadStager(routes, engine.streaming.staged()) if lookahead else SyntheticHooks(routes)
     engine.use_prerouter(routes, hooks, None, {"routing": "qwen3-like", "seed": seed, "lookahead": lookahead})
     return routes

@@ -6,6 +6,7 @@ import argparse
 import datetime
 import json
 import math
+import os
 import shlex
 import signal
 import sys
@@ -13,6 +14,7 @@ from pathlib import Path
 
 from edge0.bench.arms import SIZES, select_arms
 from edge0.bench.cgroup import read_limit_refusal
+from edge0.bench.curve import CURVE_ARMS, curve_markdown, run_curve
 from edge0.bench.model import resolve_model
 from edge0.bench.report import SCHEMA, append_docs, git_commit, machine_info, markdown, package_versions, plot, summary
 from edge0.bench.runner import run_suite
@@ -59,6 +61,13 @@ def parse_args(argv):
     g = p.add_argument_group("workload")
     g.add_argument("--prompt-tokens", type=int, help="prompt length (default 40)")
     g.add_argument("--decode-tokens", type=int, help="greedy tokens generated (default 32)")
+    g.add_argument(
+        "--prompt-lengths",
+        metavar="N,N,...",
+        help="time to first token against prompt length instead of the arm table: for each length, "
+        "mlx-lm resident, staged warm (as the CLI and as the server call it) and staged capped (and with "
+        "--read-limit, capped with reads limited), two tokens each (docs/long-prompts.md)",
+    )
     g.add_argument(
         "--routing",
         default="uniform",
@@ -129,9 +138,23 @@ def parse_args(argv):
     if args.store and args.model:
         raise Edge0Error("--store: use either --model or --store (with --mlx-model), not both")
     args.read_limit = parse_rate(args.read_limit) if args.read_limit is not None else None
+    args.prompt_lengths = parse_lengths(args.prompt_lengths) if args.prompt_lengths is not None else None
+    if args.prompt_lengths and (args.arms or args.trace_arm):
+        raise Edge0Error("--prompt-lengths runs its own arms; drop --arms and --trace-arm")
     if args.read_limit is not None and args.no_cap:
         raise Edge0Error("--read-limit applies to the capped arms, which --no-cap skips; drop one of them")
     return args
+
+
+def parse_lengths(text: str) -> list[int]:
+    """'512,2048,8192' -> [512, 2048, 8192] (an Edge0Error naming --prompt-lengths)."""
+    try:
+        lengths = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise Edge0Error(f"--prompt-lengths {text!r}: not a list of token counts; use e.g. 512,2048,8192") from None
+    if not lengths or min(lengths) < 2:
+        raise Edge0Error(f"--prompt-lengths {text!r}: give one or more lengths of at least 2 tokens")
+    return lengths
 
 
 def parse_rate(text: str) -> int:
@@ -153,6 +176,8 @@ def main(argv=None) -> int:
         raise Edge0Error(
             f"--trace-arm {args.trace_arm}: not among the arms run; choose one of {', '.join(a.name for a in arms)}"
         )
+    if args.prompt_lengths:
+        arms = list(CURVE_ARMS)
     if args.read_limit is not None and not any(a.storage == "capped" for a in arms):
         raise Edge0Error(
             f"--read-limit applies to the capped arms; --arms {args.arms} selects none (add e.g. exact-capped)"
@@ -160,7 +185,8 @@ def main(argv=None) -> int:
     model = resolve_model(args)
     if args.read_limit is not None and (why := read_limit_refusal(model.store, args.read_limit)):
         raise Edge0Error(f"--read-limit {args.read_limit / 1e6:g}MB/s: cannot limit reads here: {why}")
-    out = Path(args.out or f"docs/benchmarks/bench{'-quick' if args.quick else ''}.json")
+    default = "prompt-curve" if args.prompt_lengths else "bench"
+    out = Path(args.out or f"docs/benchmarks/{default}{'-quick' if args.quick else ''}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     started = datetime.datetime.now().astimezone()
     result = {
@@ -182,7 +208,10 @@ def main(argv=None) -> int:
     # On SIGTERM unwind like Ctrl-C: stop the arm's process and remove the cgroup.
     previous = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
     try:
-        result.update(run_suite(args, model, arms))
+        if args.prompt_lengths:
+            result.update(run_curve(args, model, args.prompt_lengths))
+        else:
+            result.update(run_suite(args, model, arms))
     finally:
         if main_thread:
             signal.signal(signal.SIGTERM, previous)
@@ -190,10 +219,17 @@ def main(argv=None) -> int:
     if end != result["git"]:  # the code changed under a long run: say so
         result["git_at_end"] = end
         print(f"edge0 bench: warning: the git tree changed during the run ({end})", file=sys.stderr)
-    result["summary"] = summary(result)
     result["elapsed_s"] = (datetime.datetime.now().astimezone() - started).total_seconds()
+    if args.prompt_lengths:
+        for point in result["prompt_curve"]:
+            _check_numbers(point)
+        _write_json(out, result)
+        print(curve_markdown(result))
+        print(f"wrote {out}", file=sys.stderr)
+        return 0
+    result["summary"] = summary(result)
     _check_numbers(result)
-    out.write_text(json.dumps(result, indent=1) + "\n")
+    _write_json(out, result)
     table = markdown(result)
     print(table)
     print(f"wrote {out}", file=sys.stderr)
@@ -208,6 +244,16 @@ def main(argv=None) -> int:
         append_docs(Path(args.append_docs), result, table, out, png)
         print(f"appended the table to {args.append_docs}", file=sys.stderr)
     return 0
+
+
+def _write_json(path: Path, result: dict) -> None:
+    """A temp file, then a rename: an interrupted write never leaves a truncated result."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text(json.dumps(result, indent=1) + "\n")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _terminate(signum, frame):

@@ -14,6 +14,7 @@ from edge0.cli.common import (
     add_sampling_options,
     check_sampling_options,
     format_rank_stats,
+    format_speculation,
     load_or_follow,
     run_main,
 )
@@ -29,10 +30,11 @@ def stats_line(s: dict) -> str:
     """The one line printed after each reply: speed, reused KV, peak memory, expert-cache hits."""
     reused = s["prompt_tokens"] - s["prefill_tokens"]
     hit = "off" if s.get("expert_hit_rate") is None else f"{100 * s['expert_hit_rate']:.1f}%"
+    spec = format_speculation(s).replace(", speculation", " | speculation", 1)
     return (
         f"[{s['decode_tps']:.1f} tok/s, {s['generation_tokens']} tokens | prefill {s['prefill_tokens']} "
         f"of {s['prompt_tokens']} prompt tokens ({reused} reused) | peak memory "
-        f"{_size(s['peak_memory_bytes'])} | expert cache hit {hit}]"
+        f"{_size(s['peak_memory_bytes'])} | expert cache hit {hit}{spec}]"
     )
 
 

@@ -158,7 +158,20 @@ def format_stats(s: dict) -> str:
         f"MLX peak {s['peak_memory_bytes'] / 2**20:.1f} MiB, RSS peak {s['peak_rss_bytes'] / 2**20:.0f} MiB, "
         f"experts read {s['expert_bytes_read'] / 2**20:.1f} MiB in {s['expert_reads']} reads ({s['io_reader']}), "
         f"cache hits {hit}, "
-        f"stall {s.get('stall_ms_per_step', 0):.1f} ms/step{sub}"
+        f"stall {s.get('stall_ms_per_step', 0):.1f} ms/step{sub}{format_speculation(s)}"
+    )
+
+
+def format_speculation(s: dict) -> str:
+    """The speculation part of a stats line ("" without a drafter)."""
+    sp = s.get("speculation")
+    if not sp:
+        return ""
+    acc = "n/a" if sp["acceptance"] is None else f"{100 * sp['acceptance']:.0f}%"
+    tpv = "" if sp["tokens_per_verify"] is None else f", {sp['tokens_per_verify']:.2f} tok/verify"
+    return (
+        f", speculation ({sp['drafter']}, {'on' if sp['on'] else 'off'}): {sp['verifies']} verifies{tpv}, "
+        f"acceptance {acc}, {sp['plain_steps']} plain steps"
     )
 
 

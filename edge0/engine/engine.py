@@ -18,6 +18,7 @@ from edge0.engine.hooks import StepHooks
 from edge0.engine.kv import PromptCache
 from edge0.engine.prefill import Prefiller
 from edge0.engine.sampler import RequestSampler
+from edge0.engine.speculative import check_speculation
 from edge0.engine.stats import call_stats, engine_stats
 from edge0.errors import Edge0Error
 from edge0.sampling import check_sampling
@@ -72,6 +73,7 @@ class Engine:
         self.lora_path: Path | None = None
         self.lora_meta: dict | None = None
         self.lora_note = ""
+        self.speculation = None  # speculative decoding, when a drafter is attached (use_speculation)
         self.generating = False  # a stream_generate is running (resizing the expert cache waits for its end)
         # across ranks (edge0.distributed): this rank's stage, and its end of the stage exchange
         self.stage = stage
@@ -83,6 +85,13 @@ class Engine:
         `hooks` (its stager) in the generation loop."""
         self.prerouting, self.hooks = prerouting, hooks
         self.heads_path, self.heads_meta = (Path(path) if path else None), meta
+
+    def use_speculation(self, speculator) -> None:
+        """Decode with `speculator` (edge0.engine.speculative.Speculator): drafts verified in one
+        multi-token step; None goes back to plain steps. Outputs do not change."""
+        if speculator is not None:
+            check_speculation(self)
+        self.speculation = speculator
 
     def use_lora(self, path: Path, meta: dict) -> None:
         """Record the adapter whose LoRALinear layers now wrap the model's targets."""
@@ -247,8 +256,24 @@ class Engine:
         kv.advance(new)
         return y, len(new), prefilled
 
+    def _decode(self, prompt, generated, sampler, max_tokens):
+        """The tokens after `generated` (whose last token is not fed yet): plain one-token steps,
+        or speculative ones when a drafter is attached and the request samples plainly."""
+        if self.speculation is not None:
+            if sampler.plain:
+                yield from self.speculation.decode(self, prompt, generated, sampler, max_tokens)
+                return
+            # a verify samples its rows without the request's processors, top-k or log-probs
+            self.speculation.counts["unsupported_requests"] += 1
+        while True:
+            self.kv.begin()
+            y = self.step(generated[-1:], len(generated), sampler)
+            self.kv.advance(generated[-1:])
+            yield y
+
     def _generate(self, tokens, max_tokens, sampler, eos, stop, reuse_cache, should_stop):
         before = self.streaming.stats.totals()
+        spec_before = self.speculation.snapshot() if self.speculation else None
         io_before = self.store.io_stats()
         B.reset_peak_memory()
         t0 = time.perf_counter()
@@ -263,6 +288,7 @@ class Engine:
         detok.reset()
         stopper = StopMatcher(stop or [])
         generated: list[int] = []
+        source = None  # the decode steps, started after the first token
         t1 = time.perf_counter()
         finish = None
         while True:
@@ -293,14 +319,19 @@ class Engine:
                     t_prefill,
                     time.perf_counter() - t1,
                 )
+                if self.speculation is not None:
+                    decode_bytes = stats["expert_bytes_read"] - stats["prefill_expert_bytes_read"]
+                    stats["speculation"] = self.speculation.call_stats(
+                        spec_before, before, self.streaming.stats.totals(), len(generated), decode_bytes
+                    )
                 yield Step(y, text, finish, stats, stopper.matched)
                 return
             yield Step(y, text)
             if should_stop and should_stop():
                 return
-            self.kv.begin()
-            y = self.step([y], len(generated), sampler)
-            self.kv.advance(generated[-1:])
+            if source is None:
+                source = self._decode(tokens, generated, sampler, max_tokens)
+            y = next(source)
 
     def generate(self, prompt, max_tokens: int = 256, **kwargs) -> GenerationResult:
         """Run to completion; returns text, generated token ids, finish_reason and stats."""
@@ -354,9 +385,10 @@ class Engine:
         """One line about the loaded model and how its experts are streamed."""
         lora = f", LoRA {self.lora_path.name}" if self.lora_path else (f"; {self.lora_note}" if self.lora_note else "")
         rank = f"[{self.pipeline.stage.describe()}] " if self.pipeline is not None else ""
+        spec = f"; {self.speculation.describe()}" if self.speculation is not None else ""
         return (
             f"{rank}{self.model_id}: {self.compute_dtype}, resident {format_size(self.resident_bytes)}, "
-            f"{self.streaming.describe()}{lora}; {self.store.describe_io()}"
+            f"{self.streaming.describe()}{lora}; {self.store.describe_io()}{spec}"
         )
 
     def close(self) -> None:

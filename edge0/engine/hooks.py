@@ -10,13 +10,21 @@ from contextlib import nullcontext
 class StepHooks:
     """Hooks called by Engine, in this order for one generation: start; per step: before_step
     (at the boundary, from step 1 on), before_forward, after_forward (the step's graph is built),
-    step_done (its token was sampled); then finish."""
+    step_done (its token was sampled); then finish. A multi-token step (a speculative verify)
+    also calls multi_token after before_step, and kept before step_done."""
 
     def start(self, engine) -> None:
         """A generation or a teacher-forced pass begins: forget per-sequence state."""
 
     def before_step(self, engine, step: int) -> None:
         """Step boundary: the previous step was evaluated whole."""
+
+    def multi_token(self, engine, step: int, n_tokens: int) -> None:
+        """Step `step` feeds `n_tokens` > 1 tokens of one sequence (the last token and a draft)."""
+
+    def kept(self, engine, step: int, position: int) -> None:
+        """Multi-token step `step` kept its inputs up to `position` (the rest were rejected drafts);
+        what it computed at that position carries to the next step."""
 
     def before_forward(self, engine, step: int) -> None:
         """Step `step`'s forward is about to run (every step, 0 included; prefill chunks are not

@@ -27,6 +27,11 @@ class RequestSampler:
         self._records: deque = deque()  # (logprob, top) per sampled token, until its Step is out
         self._sample = None
 
+    @property
+    def plain(self) -> bool:
+        """Temperature and top-p only: what a speculative verify can sample exactly."""
+        return not self.processors and self.n_top is None and not self.top_k
+
     def __call__(self, logprobs):
         if self._sample is None:  # the vocabulary is known once a row arrives
             self._sample = blog.sampler(self.temperature, self.top_p, self.top_k, logprobs.shape[-1])

@@ -68,10 +68,13 @@ def engine_stats(engine) -> dict:
         "peak_rss_bytes": B.peak_rss(),
         "io": engine.store.io_stats(),
         "prerouter": None,
+        "speculation": None,
         "prompt_cache": engine.kv.stats(),
         **engine.prefiller.stats(),
     }
     out.update(engine.hooks.stats())
+    if engine.speculation is not None:
+        out.update(engine.speculation.stats())
     if engine.pipeline is not None and engine.pipeline.leads:
         out = engine.pipeline.merge_stats(out)
     return out

@@ -34,6 +34,7 @@ class PreRouting:
         self.heads, self.consumer, self.biases, self.remote = heads, consumer, biases, remote
         self.spec, self.k, self.diagnostics = spec, k, diagnostics
         self.parallel = False  # full-sequence forward routed as decoding would (training, eval)
+        self.verifying = False  # a multi-token decode step (speculative verify): routed as decoding would
         self.pending: dict = {}
         self.next: dict = {}
         self.next_scores: dict = {}  # consumer layer -> the head's scores over all experts (lazy)
@@ -44,6 +45,7 @@ class PreRouting:
 
     def reset(self) -> None:
         self.pending, self.next, self.next_scores, self.outgoing, self.overlaps = {}, {}, {}, {}, {}
+        self.verifying = False
 
     @contextmanager
     def teacher_forcing(self):
@@ -59,14 +61,27 @@ class PreRouting:
 
     # -- the MoE block's hooks ------------------------------------------------------------------
     def predicted(self, block, x):
-        """A decode call's route predicted at the previous token, or None (use the gate)."""
+        """A decode call's route predicted at the previous token, or None (use the gate). In a
+        multi-token step, position 0 takes the route predicted at the previous step and position
+        t > 0 the one this step's head predicted at t - 1: the routes plain decoding would use."""
         if x.shape[-2] != 1:
-            return None
+            return self._verify_route(block, x) if self.verifying else None
         r = self.pending.pop(block.layer, None)
         (self.routed_by_gate if r is None else self.routed_by_head)[block.layer] += 1
         if r is not None and self.diagnostics:
             self.compare(block.layer, r[0], block.gate_route(x)[0])
         return r
+
+    def _verify_route(self, block, x):
+        made = self.next.get(block.layer)  # by the owner layer, earlier in this forward: [.., T, K]
+        if made is None:
+            return None
+        first = self.pending.get(block.layer)  # kept until advance(): a replay of the step reads it again
+        if first is None:
+            self.routed_by_gate[block.layer] += 1
+            first = block.gate_route(x[..., :1, :])[:2]
+        self.routed_by_head[block.layer] += x.shape[-2] - 1
+        return tuple(B.concatenate([f, m[..., :-1, :]], axis=-2) for f, m in zip(first, made))
 
     def teacher_forced(self, layer: int, inds, scores):
         """In a teacher-forced pass, position t takes the head's route from t-1 (position 0 keeps
@@ -81,7 +96,7 @@ class PreRouting:
 
     def predict(self, layer: int, x) -> None:
         """Owner layer hook: predict the consumer's route for the next token."""
-        if layer not in self.heads or (x.shape[-2] != 1 and not self.parallel):
+        if layer not in self.heads or (x.shape[-2] != 1 and not (self.parallel or self.verifying)):
             return
         c = self.consumer[layer]
         logits = self.heads[layer](x.astype(B.float32))
@@ -106,6 +121,17 @@ class PreRouting:
         self.overlaps.setdefault(layer, []).append(hit)
 
     # -- the step boundary ----------------------------------------------------------------------
+    def keep(self, position: int) -> None:
+        """A multi-token step kept its inputs up to `position`: the predictions made there are
+        the next step's routes."""
+        self.verifying = False
+
+        def at(a):
+            return a[..., position : position + 1, :]
+
+        self.next = {c: (at(i), at(w)) for c, (i, w) in self.next.items()}
+        self.next_scores = {c: at(s) for c, s in self.next_scores.items()}
+
     def advance(self) -> None:
         """The predictions made during this step become the next step's routes."""
         self.pending, self.next, self.next_scores = self.next, {}, {}

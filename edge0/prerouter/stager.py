@@ -21,10 +21,24 @@ class PreRouterStager(StepHooks):
     def start(self, engine) -> None:
         self.pr.reset()
 
+    def multi_token(self, engine, step: int, n_tokens: int) -> None:
+        """A verify: pre-routed layers route each position as plain decoding would."""
+        self.pr.verifying = True
+
     def after_forward(self, engine, step: int, launched) -> None:
         """Step `step`'s graph is built and `launched` (its outputs) is being evaluated: issue the
-        reads for step + 1 now."""
+        reads for step + 1 now (after a multi-token step: once it is known which position is kept)."""
         B.async_eval(launched)
+        if not self.pr.verifying:
+            self._stage(step)
+
+    def kept(self, engine, step: int, position: int) -> None:
+        """The verify kept its inputs up to `position`: the heads' predictions there are the next
+        step's routes; read their experts."""
+        self.pr.keep(position)
+        self._stage(step)
+
+    def _stage(self, step: int) -> None:
         for layer, inds in sorted(self.pr.next_indices().items()):
             if layer in self.staged:
                 ex = self.staged[layer]

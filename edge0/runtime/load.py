@@ -9,6 +9,8 @@ from pathlib import Path
 
 from edge0.distributed.setup import connect, join, ready, stage_planner
 from edge0.engine import Engine, open_engine
+from edge0.engine.drafters import make_drafter
+from edge0.engine.speculative import DEFAULT_NUM_DRAFT, Speculator
 from edge0.lora.attach import attach_lora, store_adapter
 from edge0.options import LoadOptions
 from edge0.prerouter.attach import attach_prerouter, heads_path
@@ -33,6 +35,9 @@ def load_engine(path, options: LoadOptions) -> Engine:
             attach_lora(engine, adapter)
         elif why:
             engine.no_lora(why)
+    drafter = make_drafter(options.draft, options.draft_ngram, engine.tokenizer, engine.model_id, options.dtype)
+    if drafter is not None:  # speculation does not change outputs: not part of the prompt cache's identity
+        engine.use_speculation(Speculator(drafter, options.num_draft or DEFAULT_NUM_DRAFT, options.draft_adaptive))
     if options.prompt_cache_dir:  # last: its identity includes the heads and the adapter
         engine.use_prompt_cache_dir(options.prompt_cache_dir, options.prompt_cache_bytes())
     if engine.pipeline is not None:

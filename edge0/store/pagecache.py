@@ -14,6 +14,7 @@ def evict(paths) -> int | None:
     for f in paths:
         fd = os.open(f, os.O_RDONLY)
         try:
+            os.fdatasync(fd)  # DONTNEED leaves dirty pages cached: a file just written must reach the disk first
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             n += os.fstat(fd).st_size
         finally:

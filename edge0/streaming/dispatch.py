@@ -6,7 +6,10 @@ from __future__ import annotations
 import json
 import math
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
+
+import numpy as np
 
 from edge0.backend import core as B
 from edge0.cache.flashmoe import FlashMoEModel, load_model
@@ -60,11 +63,14 @@ def _no_room(b, k: int, n_layers: int, need: int) -> str:
 
 
 class LayerDispatch:
-    """Stands behind one StreamingExperts module: picks the executor for each call."""
+    """Stands behind one StreamingExperts module: picks the executor for each call. Calls with one
+    token, and every call while `decoding` (a multi-token decode step: T tokens of one sequence,
+    a speculative verify), go to the decode executor; other calls are prefill chunks."""
 
     def __init__(self, prefill: dict, decode, min_tokens: int, k: int, num_experts: int, stats):
         self.prefill, self.decode, self.min_tokens = prefill, decode, min_tokens
         self.k, self.num_experts, self.stats = k, num_experts, stats
+        self.decoding = False
         self.last = None
         self.span = None  # the executor of a layer-major prefill span in progress
 
@@ -91,12 +97,26 @@ class LayerDispatch:
         t = indices.shape[-2] if indices.ndim >= 2 else 1
         if self.span is not None:
             ex = self.span
-        elif t == 1:
+        elif t == 1 or self.decoding:
             ex = self.decode
         else:
             ex = self.prefill["whole"] if t >= self.min_tokens and "whole" in self.prefill else self.prefill["exact"]
         self.last = ex
-        return ex(indices, scores)
+        parts = ex(indices, scores)
+        if t > 1 and self.decoding:
+            self._count_multi(indices)
+        return parts
+
+    def _count_multi(self, indices) -> None:
+        """A multi-token decode call: its tokens, routed pairs and distinct experts. Every
+        executor has copied this route to the host already (T > 1 is never staged ahead), so this
+        adds no sync."""
+        ids = B.to_numpy(indices)
+        s = self.stats
+        s.multi_calls += 1
+        s.multi_tokens += ids.shape[-2]
+        s.multi_routes += ids.size
+        s.multi_union += len(np.unique(ids))
 
     def done(self, y) -> None:
         self.last.done(y)
@@ -211,6 +231,19 @@ class Streaming:
             ex.resize(n_slots)
         self.n_slots, self.budget = n_slots, n_slots * self.slot_bytes
         B.release_cached_memory()
+
+    @contextmanager
+    def decoding(self):
+        """Calls made inside are decode calls whatever their token count (a multi-token decode
+        step: the decode executors read the union of the tokens' experts once, hits from their
+        slots)."""
+        for d in self.layers.values():
+            d.decoding = True
+        try:
+            yield
+        finally:
+            for d in self.layers.values():
+                d.decoding = False
 
     def end_step(self) -> None:
         """After a decode step was evaluated: read the device-side dropped-expert counters."""

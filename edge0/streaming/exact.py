@@ -25,6 +25,15 @@ def to_device(raw: dict, n: int, compute_dtype: str) -> dict:
     return params
 
 
+def with_zero_row(params: dict) -> dict:
+    """`params` [n, ...] with one more all-zero expert at index n: positions another part
+    computes point there, and a zero expert's output is exactly zero."""
+    return {
+        p: {k: B.concatenate([v, B.zeros((1, *v.shape[1:]), v.dtype)]) for k, v in parts.items()}
+        for p, parts in params.items()
+    }
+
+
 def raw_nbytes(raw: dict) -> int:
     return sum(b.nbytes for b, _, _ in raw.values())
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from edge0.backend import core as B
-from edge0.streaming.exact import ExactExecutor
+from edge0.streaming.exact import ExactExecutor, with_zero_row
 from edge0.streaming.pool import SlotSet
 
 
@@ -74,12 +74,7 @@ class HotExecutor(ExactExecutor):
         if not hit.all():
             missed = np.unique(ids[~hit])
             params, _ = self.load(missed)
-            zero = len(missed)  # one extra all-zero row for the hot positions
-            params = {
-                p: {k: B.concatenate([v, B.zeros((1, *v.shape[1:]), v.dtype)]) for k, v in parts_.items()}
-                for p, parts_ in params.items()
-            }
-            local = np.where(hit, zero, np.searchsorted(missed, ids)).astype(np.uint32)
-            parts.append((params, B.array(local)))
+            local = np.where(hit, len(missed), np.searchsorted(missed, ids)).astype(np.uint32)
+            parts.append((with_zero_row(params), B.array(local)))  # hot positions -> the zero row
         self.due = s.calls % self.refresh == 0
         return parts

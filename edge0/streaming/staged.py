@@ -29,7 +29,7 @@ import numpy as np
 
 from edge0.backend import core as B
 from edge0.cache import substitute
-from edge0.streaming.exact import ExactExecutor, raw_nbytes
+from edge0.streaming.exact import ExactExecutor, raw_nbytes, with_zero_row
 from edge0.streaming.pool import SlotSet
 
 
@@ -116,18 +116,21 @@ class StagedExecutor(ExactExecutor):
 
     def __call__(self, indices, scores=None):
         self.stats.calls += 1
-        if self.trusted:
+        multi = indices.ndim >= 2 and indices.shape[-2] > 1  # T tokens of one sequence (a verify)
+        if self.trusted and not multi:
             self.trusted = False
             self.step += 1
             local = self.slots.local(indices)
             self._dropped.append((local == self.slots.zero).sum())
             return [(self.slots.params, local)]
+        # a multi-token step routes on the host even after a swap: what was staged is in the slots (hits)
+        self.trusted = False
         ids, scores = self.host_route(indices, scores) if self.wants_scores else (self.host_ids(indices), None)
-        if len(np.unique(ids)) > self.slots.n_slots:  # e.g. a long prefill chunk: more experts than slots
-            self.stats.fallbacks += 1
-            self.stats.calls -= 1
-            return self.run(ids)
+        if multi and scores is not None:  # the cache policy sees one score row per call: the tokens' mean
+            scores = np.reshape(scores, (-1, scores.shape[-1])).mean(axis=0)
         self.step += 1
+        if len(np.unique(ids)) > self.slots.n_slots:  # e.g. a verify's union of experts wider than the cache
+            return self._overflow(ids, scores)
         experts, alias = self.route_experts(ids, scores)
         hits, loaded, evicted, slots = self.slots.plan(self.step, experts, scores)
         s = self.stats
@@ -141,6 +144,36 @@ class StagedExecutor(ExactExecutor):
         s.slot_scatters += self.slots.apply(evicted, loaded, slots, raw, alias, in_place=True)
         s.slot_rewrites += len(loaded)
         return [(self.slots.params, self.slots.local(indices))]
+
+    def _overflow(self, ids: np.ndarray, scores):
+        """More distinct experts than slots: the cached ones stay, the misses of the earliest
+        tokens fill the rest of the slots (a verify always keeps its first tokens, so the next
+        step will want those), and the remaining misses are read for this call only (each once)
+        and computed as a second part. Each (token, k) pair is computed by one part and hits the
+        zero row in the other."""
+        order = list(dict.fromkeys(ids.reshape(-1).tolist()))  # distinct experts, earliest token first
+        cached = self.slots.slot_of
+        hits = [e for e in order if e in cached]
+        misses = [e for e in order if e not in cached]
+        admit, rest = (
+            misses[: self.slots.n_slots - len(hits)],
+            np.array(sorted(misses[self.slots.n_slots - len(hits) :])),
+        )
+        _, loaded, evicted, slots = self.slots.plan(self.step, hits + admit, scores)
+        s = self.stats
+        s.fallbacks += 1
+        s.hits += len(hits)
+        s.misses += len(misses)
+        s.bytes_used += len(order) * self.expert_nbytes
+        s.distinct_experts.update(order)
+        raw = self.read(loaded) if loaded else None
+        s.slot_scatters += self.slots.apply(evicted, loaded, slots, raw, in_place=True)
+        s.slot_rewrites += len(loaded)
+        later = np.isin(ids, rest)
+        local = np.where(later, self.slots.zero, self.slots.table_host[ids]).astype(np.uint32)
+        params, _ = self.load(rest)
+        local_rest = np.where(later, np.searchsorted(rest, ids), len(rest)).astype(np.uint32)
+        return [(self.slots.params, B.array(local)), (with_zero_row(params), B.array(local_rest))]
 
 
 def collect_dropped(executors) -> int:

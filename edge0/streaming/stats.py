@@ -1,5 +1,5 @@
 """Per-layer executor statistics: loads, hits, misses, bytes, stalls, slot rewrites, fallbacks,
-substitutions."""
+substitutions, and the multi-token decode calls (a speculative verify) with their union of experts."""
 
 from __future__ import annotations
 
@@ -18,6 +18,10 @@ COUNTERS = (
     "fallbacks",
     "dropped",
     "substitutions",
+    "multi_calls",
+    "multi_tokens",
+    "multi_routes",
+    "multi_union",
     "span_whole",
     "span_union",
 )
@@ -34,9 +38,15 @@ class LayerStats:
     bytes_used: int = 0  # bytes of the distinct experts each call actually used
     slot_rewrites: int = 0
     slot_scatters: int = 0  # slot tensors rewritten by a device scatter, not in place (see SlotSet.apply)
-    fallbacks: int = 0  # calls that fell back to the exact path
+    fallbacks: int = 0  # staged calls whose experts outnumbered the slots: the rest read for that call only
     dropped: int = 0  # routed experts that were not staged (trusted staged mode only)
     substitutions: int = 0  # routed experts replaced by a cached one (--substitute-alpha; lossy)
+    # decode calls with T > 1 tokens of one sequence (a speculative verify): tokens, T x K routed
+    # (token, expert) pairs, and the distinct experts among them (each read or hit once per call)
+    multi_calls: int = 0
+    multi_tokens: int = 0
+    multi_routes: int = 0
+    multi_union: int = 0
     span_whole: int = 0  # layer-major prefill spans that read this layer whole
     span_union: int = 0  # ... that read only the union of their routes
     stall_s: float = 0.0  # time blocked waiting for expert data

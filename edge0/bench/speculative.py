@@ -1,0 +1,95 @@
+"""The speculative-decoding bench: a controlled drafter (it drafts the true greedy continuation,
+each token right with probability p, so acceptance is set, not hoped for), the measured cost of a
+T-token verify forward against a 1-token step, and one engine's curve over p and k against plain
+staged decoding (scripts/bench_speculative.py runs it; docs/speculative.md reads it)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import numpy as np
+
+from edge0.backend import forward as bfw
+from edge0.backend import kvcache as bkv
+from edge0.backend import speculative as bsp
+from edge0.engine.drafters import Draft, Drafter
+from edge0.engine.speculative import Speculator
+
+
+class ControlledDrafter(Drafter):
+    """Drafts `reference` (the plain greedy tokens of the prompt being generated from): each
+    drafted token is the true one with probability `p`, else another token."""
+
+    def __init__(self, reference: list[int], p: float, seed: int = 0, vocab: int = 2**15):
+        self.reference, self.p, self.vocab = reference, p, vocab
+        self.rng = np.random.default_rng(seed)
+        self.name = f"controlled p={p}"
+        self.n0 = 0
+
+    def start(self, prompt: list[int]) -> None:
+        self.n0 = len(prompt)
+
+    def draft(self, context, k, temp=0.0, top_p=1.0) -> Draft:
+        i = len(context) - self.n0
+        true = self.reference[i : i + k]
+        return Draft([t if self.rng.random() < self.p else (t + 1) % self.vocab for t in true])
+
+
+def forward_cost(engine, prompt: list[int], tokens: int, repeats: int, seed: int = 0) -> float:
+    """Median seconds of one decode step of `tokens` random tokens after `prompt`, as the engine
+    runs it (the forward through the decode executors, the greedy token of every position, the
+    step's end): a plain step for 1 token, the verify's work for more. The KV cache is trimmed
+    back after each."""
+    rng = np.random.default_rng(seed)
+    engine.kv.prepare(prompt + [0], reuse=False)
+    bfw.prefill(engine.model, prompt, engine.kv.cache)
+    vocab = len(engine.tokenizer.get_vocab())
+    times = []
+    for _ in range(repeats):
+        ids = rng.integers(0, vocab, size=tokens).tolist()
+        t0 = time.perf_counter()
+        with engine.streaming.decoding():
+            bsp.greedy_tokens(bfw.forward_all(engine.model, ids, engine.kv.cache))
+        engine.streaming.end_step()
+        times.append(time.perf_counter() - t0)
+        bkv.trim_prompt_cache(engine.kv.cache, tokens)
+    engine.kv.reset()
+    return statistics.median(times)
+
+
+def controlled(engine, reference, p: float, k: int, adaptive: bool, seed: int = 0) -> Speculator:
+    """A speculator with the controlled drafter for `engine`."""
+    return Speculator(ControlledDrafter(reference, p, seed, len(engine.tokenizer.get_vocab())), k, adaptive)
+
+
+def run_setting(engine, prompt, n, reference, speculator=None) -> dict:
+    """One generation of `n` tokens: plain, or with `speculator`; its numbers."""
+    engine.use_speculation(speculator)
+    res = engine.generate(prompt, max_tokens=n, ignore_eos=True)
+    engine.use_speculation(None)
+    s = res.stats
+    out = {
+        "decode_tps": s["decode_tps"],
+        "expert_bytes_per_token": (s["expert_bytes_read"] - s["prefill_expert_bytes_read"]) / len(res.tokens),
+        "hit_rate": s["expert_hit_rate"],
+        "identical": res.tokens == reference[:n],
+    }
+    sp = s.get("speculation")
+    if sp:
+        out.update(
+            {
+                key: sp[key]
+                for key in (
+                    "verifies",
+                    "plain_steps",
+                    "acceptance",
+                    "tokens_per_verify",
+                    "union_per_routed",
+                    "switched_off",
+                    "switched_on",
+                    "on",
+                )
+            }
+        )
+    return out

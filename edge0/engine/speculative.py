@@ -1,0 +1,287 @@
+"""Speculative decoding on streamed experts: a drafter proposes k tokens, one multi-token decode
+step (the verify forward: k + 1 tokens through every layer, each MoE layer reading the union of
+their experts once) checks them, and the KV cache is taken back to the last kept token.
+
+Greedy output is the plain greedy output (the argmax of each position is compared with the draft);
+with sampling, the standard accept/reject rule keeps the model's distribution
+(edge0.backend.speculative). An adaptive switch turns drafting off while the measured acceptance
+and the measured cost of a verify make it slower than plain steps, and back on when they no
+longer do (docs/speculative.md)."""
+
+from __future__ import annotations
+
+import time
+
+from edge0.backend import forward as bfw
+from edge0.backend import kvcache as bkv
+from edge0.backend import speculative as bsp
+from edge0.engine.drafters import Drafter
+from edge0.errors import Edge0Error
+
+DEFAULT_NUM_DRAFT = 4
+DECAY = 0.9  # weight of the past in the running acceptance and cost estimates, per observation
+SWITCH_ON = 1.05  # speculation resumes when it is estimated this much faster than plain steps
+PROBE_EVERY = 16  # while off, an expensive drafter drafts (to measure acceptance) every this many tokens
+# Before any verify was timed, a verify of T tokens is assumed to cost 1 + PRIOR_SLOPE * (T - 1)
+# plain steps (between a GPU's ~0.1 and this CPU's ~0.75); while off, one verify is tried every
+# EXPLORE_EVERY plain steps until one was timed, so a wrong prior costs at most one verify.
+PRIOR_SLOPE = 0.5
+EXPLORE_EVERY = 64
+COUNTERS = (
+    "verifies",
+    "verify_tokens",
+    "drafted",
+    "accepted",
+    "yielded",
+    "plain_steps",
+    "replays",
+    "switched_off",
+    "switched_on",
+    "shadow_drafted",
+    "shadow_accepted",
+    "unsupported_requests",
+)
+
+
+class Estimates:
+    """Running estimates the switch decides from: the per-token acceptance (the chance that a draft
+    token is kept given the ones before it were), the time of a plain step, and the time of a
+    verify cycle (drafting, the forward, the rule, the rewind) by its token count."""
+
+    def __init__(self):
+        self.hits = self.trials = 0.0
+        self.plain: float | None = None
+        self.cycle: dict[int, float] = {}
+
+    def observe_acceptance(self, accepted: int, drafted: int) -> None:
+        """`accepted` of `drafted` tokens were kept; a rejection (if any) ended the run."""
+        self.hits = DECAY * self.hits + accepted
+        self.trials = DECAY * self.trials + accepted + (accepted < drafted)
+
+    def observe_plain(self, seconds: float) -> None:
+        self.plain = seconds if self.plain is None else DECAY * self.plain + (1 - DECAY) * seconds
+
+    def observe_cycle(self, tokens: int, seconds: float) -> None:
+        old = self.cycle.get(tokens)
+        self.cycle[tokens] = seconds if old is None else DECAY * old + (1 - DECAY) * seconds
+
+    @property
+    def acceptance(self) -> float | None:
+        return self.hits / self.trials if self.trials else None
+
+    def cycle_cost(self, tokens: int) -> float | None:
+        """The time of a verify of `tokens` tokens: measured, or on the line through a plain step
+        and the nearest measured verify (through the prior slope before any was)."""
+        if tokens in self.cycle:
+            return self.cycle[tokens]
+        if self.plain is None:
+            return None
+        if not self.cycle:
+            return self.plain * (1 + PRIOR_SLOPE * (tokens - 1))
+        near = min(self.cycle, key=lambda t: abs(t - tokens))
+        return self.plain + (tokens - 1) * (self.cycle[near] - self.plain) / max(1, near - 1)
+
+    def gain(self, k: int) -> float | None:
+        """Estimated speed of verifying k drafts against plain steps (tokens per second ratio)."""
+        a, c = self.acceptance, self.cycle_cost(k + 1)
+        if a is None or c is None or self.plain is None:
+            return None
+        return sum(a**i for i in range(k + 1)) * self.plain / c
+
+    def cost_ratio(self, tokens: int) -> float | None:
+        c = self.cycle_cost(tokens)
+        return c / self.plain if c is not None and self.plain else None
+
+
+class Speculator:
+    """An engine's speculative decoding: its drafter, k, the switch and the statistics."""
+
+    def __init__(self, drafter: Drafter, num_draft: int = DEFAULT_NUM_DRAFT, adaptive: bool = True):
+        self.drafter, self.k, self.adaptive = drafter, num_draft, adaptive
+        self.estimates = Estimates()
+        # adaptive: start off, measuring acceptance with shadow drafts, and switch on once the
+        # estimates say a verify pays; the estimates carry over to the next generations
+        self.on = not adaptive
+        self.off_steps = 0  # plain steps while off since the last verify
+        self.counts = dict.fromkeys(COUNTERS, 0)
+        self.seconds = {"draft": 0.0, "verify": 0.0, "plain": 0.0}
+
+    def describe(self) -> str:
+        switch = "adaptive" if self.adaptive else "always on"
+        return f"speculative decoding: {self.drafter.describe()}, {self.k} draft tokens, {switch}"
+
+    # -- the decode loop -----------------------------------------------------------------------
+    def decode(self, engine, prompt, generated, sampler, max_tokens):
+        """The tokens after `generated` (its last token not yet fed), one at a time; at each yield
+        the KV cache holds exactly `engine.kv.tokens`. `sampler`: a plain RequestSampler (temperature
+        and top-p only)."""
+        temp, top_p = sampler.temperature, sampler.top_p
+        self.drafter.start(prompt)
+        shadow = None  # (tokens, matched so far): a draft made while off, checked against the plain tokens
+        since_probe = PROBE_EVERY
+        while True:
+            k = min(self.k, max_tokens - len(generated) - 1)
+            context = prompt + generated
+            explore = not self.estimates.cycle and self.off_steps >= EXPLORE_EVERY  # no verify measured yet
+            if k > 0 and (self.on or not self.adaptive or explore):
+                t0 = time.perf_counter()
+                draft = self.drafter.draft(context, k, temp, top_p)
+                self.seconds["draft"] += time.perf_counter() - t0
+                if draft.tokens:
+                    out = self._verify(engine, generated, draft, temp, top_p)
+                    self.estimates.observe_cycle(len(draft.tokens) + 1, time.perf_counter() - t0)
+                    self.seconds["verify"] += time.perf_counter() - t0
+                    self.off_steps, shadow = 0, None  # a pending shadow draft no longer lines up
+                    self._decide(self.k)
+                    yield from out
+                    continue
+            if k > 0 and not self.on and shadow is None and (self.drafter.cheap or since_probe >= PROBE_EVERY):
+                tokens, since_probe = self.drafter.draft(context, k, temp, top_p).tokens, 0
+                self.counts["shadow_drafted"] += len(tokens)
+                shadow = (tokens, 0) if tokens else None
+            t0 = time.perf_counter()
+            engine.kv.begin()
+            y = engine.step([generated[-1]], len(generated), sampler)
+            engine.kv.advance(generated[-1:])
+            dt = time.perf_counter() - t0
+            self.estimates.observe_plain(dt)
+            self.seconds["plain"] += dt
+            self.counts["plain_steps"] += 1
+            since_probe += 1
+            self.off_steps += not self.on
+            if shadow:
+                shadow = self._check_shadow(shadow, y)
+            if k > 0:
+                self._decide(self.k)
+            yield y
+
+    def _check_shadow(self, shadow: tuple, y: int) -> tuple | None:
+        """One plain token `y` against the pending shadow draft (tokens, how many matched so far):
+        the draft still pending, or None once it is settled (a mismatch, or all of it matched)."""
+        tokens, run = shadow
+        if y == tokens[run]:
+            self.counts["shadow_accepted"] += 1
+            run += 1
+            if run < len(tokens):
+                return tokens, run
+            self.estimates.observe_acceptance(run, run)
+        else:
+            self.estimates.observe_acceptance(run, run + 1)
+        return None
+
+    def _verify(self, engine, generated, draft, temp, top_p) -> list[int]:
+        """One verify step of `generated[-1]` + the draft: the tokens it yields (the accepted draft
+        tokens and one more)."""
+        kv, hooks, step = engine.kv, engine.hooks, len(generated)
+        inputs = [generated[-1]] + draft.tokens
+        point = bkv.rewind_point(kv.cache)
+        hooks.before_step(engine, step)
+        hooks.multi_token(engine, step, len(inputs))
+        hooks.before_forward(engine, step)
+        kv.begin()
+        with engine.streaming.decoding():
+            logprobs = bfw.forward_all(engine.model, inputs, kv.cache)
+        hooks.after_forward(engine, step, logprobs)
+        k = len(draft.tokens)
+        if temp == 0:
+            best = bsp.greedy_tokens(logprobs)
+            n = next((i for i in range(k) if best[i] != draft.tokens[i]), k)
+            nxt = best[n]
+        else:
+            n, nxt = bsp.accept_reject(bsp.sampling_probs(logprobs, temp, top_p), draft.tokens, draft.probs)
+        keep = inputs[: n + 1]
+        if len(keep) < len(inputs) and bkv.rewind(kv.cache, len(inputs) - len(keep), len(inputs), point):
+            # recurrent layers cannot be trimmed: they went back to before the verify; feed the kept tokens again
+            with engine.streaming.decoding():
+                bfw.prefill(engine.model, keep, kv.cache)
+            self.counts["replays"] += 1
+        hooks.kept(engine, step, n)
+        hooks.step_done(engine, step)
+        engine.streaming.end_step()
+        kv.advance(keep)
+        c = self.counts
+        c["verifies"] += 1
+        c["verify_tokens"] += len(inputs)
+        c["drafted"] += k
+        c["accepted"] += n
+        c["yielded"] += n + 1
+        self.estimates.observe_acceptance(n, k)
+        return draft.tokens[:n] + [nxt]
+
+    def _decide(self, k: int) -> None:
+        """The adaptive switch: off when verifying k drafts (the configured k: the few last tokens
+        of a generation draft fewer, but must not set the state the next one starts with) is
+        estimated slower than plain steps, on again when it is estimated SWITCH_ON times faster."""
+        if not self.adaptive:
+            return
+        gain = self.estimates.gain(k)
+        if gain is None:
+            return
+        on = gain >= 1.0 if self.on else gain >= SWITCH_ON
+        if on != self.on:
+            self.counts["switched_on" if on else "switched_off"] += 1
+            self.on = on
+
+    # -- statistics ----------------------------------------------------------------------------
+    def snapshot(self) -> dict:
+        return {**self.counts, **{f"{k}_s": v for k, v in self.seconds.items()}}
+
+    def call_stats(self, before: dict, totals_before: dict, totals_after: dict, n_gen: int, bytes_read: int) -> dict:
+        """One generation's speculation statistics (docs/engine-api.md, "Stats keys"); `bytes_read`:
+        expert bytes its decode steps read (the prefill's excluded)."""
+        now = self.snapshot()
+        d = {k: now[k] - before[k] for k in now}
+        routes = totals_after["multi_routes"] - totals_before["multi_routes"]
+        union = totals_after["multi_union"] - totals_before["multi_union"]
+        est = self.estimates
+        return {
+            "drafter": self.drafter.name,
+            "num_draft": self.k,
+            "on": self.on,
+            "verifies": d["verifies"],
+            "plain_steps": d["plain_steps"],
+            "drafted": d["drafted"],
+            "accepted": d["accepted"],
+            "acceptance": d["accepted"] / d["drafted"] if d["drafted"] else None,
+            "tokens_per_verify": d["yielded"] / d["verifies"] if d["verifies"] else None,
+            "verify_tokens": d["verify_tokens"],
+            "union_per_routed": union / routes if routes else None,
+            "expert_bytes_per_token": bytes_read / n_gen if n_gen else None,
+            "verify_cost_ratio": est.cost_ratio(self.k + 1) if est.cycle else None,
+            "estimated_acceptance": est.acceptance,
+            "estimated_gain": est.gain(self.k),
+            "switched_off": d["switched_off"],
+            "switched_on": d["switched_on"],
+            "replays": d["replays"],
+            "unsupported_requests": d["unsupported_requests"],
+            "draft_ms": 1000 * d["draft_s"],
+            "shadow_drafted": d["shadow_drafted"],
+            "shadow_accepted": d["shadow_accepted"],
+        }
+
+    def stats(self) -> dict:
+        """Cumulative statistics (merged into Engine.stats())."""
+        est = self.estimates
+        return {
+            "speculation": {
+                "describe": self.describe(),
+                "on": self.on,
+                **self.counts,
+                "acceptance": self.counts["accepted"] / self.counts["drafted"] if self.counts["drafted"] else None,
+                "estimated_acceptance": est.acceptance,
+                "plain_step_ms": 1000 * est.plain if est.plain else None,
+                "verify_ms": {t: 1000 * c for t, c in sorted(est.cycle.items())},
+                "estimated_gain": est.gain(self.k),
+            }
+        }
+
+
+def check_speculation(engine) -> None:
+    """Speculative decoding needs a KV cache that can be taken back and one process."""
+    if engine.pipeline is not None:
+        raise Edge0Error("--draft: speculative decoding runs in one process, not across ranks under mlx.launch")
+    problem = bkv.rewind_problem(engine.kv.make())
+    if problem:
+        raise Edge0Error(
+            f"--draft: {engine.model_id}: {problem}, so rejected drafts cannot be dropped; use --draft none"
+        )

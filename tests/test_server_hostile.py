@@ -19,6 +19,7 @@ import httpx
 import pytest
 
 from tests.fake_engine import FakeEngine
+from tests.fixtures.hostile import CHAT, COMPLETIONS, HOSTILE, MESSAGES, RESPONSES, anthropic, chat, responses, user
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "sk-hostile"
@@ -60,25 +61,6 @@ def rss_kib(pid: int, field: str = "VmRSS") -> int:
         if line.startswith(field + ":"):
             return int(line.split()[1])
     raise AssertionError(f"no {field} for {pid}")
-
-
-def user(text):
-    return [{"role": "user", "content": text}]
-
-
-def chat(text, **kw):
-    return {"model": MODEL, "messages": user(text), **kw}
-
-
-def anthropic(text, **kw):
-    return {"model": MODEL, "max_tokens": 64, "messages": user(text), **kw}
-
-
-def responses(given, **kw):
-    return {"model": MODEL, "input": given, **kw}
-
-
-CHAT, COMPLETIONS, MESSAGES, RESPONSES = "/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses"
 
 
 def check_error(path: str, r: httpx.Response, status: int) -> None:
@@ -153,184 +135,6 @@ def test_sigterm_ends_open_streams_with_an_error_event_and_exits():
         assert (data["error"]["type"] if path == MESSAGES else data["type"]) == kind
     check_error(CHAT, queued["r"], 503)
     assert queued["r"].json()["error"]["code"] == "server_shutting_down"
-
-
-COUNT = "/v1/messages/count_tokens"
-F = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
-UNIQUE = {"type": "object", "properties": {"a": {"type": "array", "uniqueItems": True}}}
-
-
-def fmt(schema, **kw):
-    return {"type": "json_schema", "json_schema": {"name": "out", "schema": schema, **kw}}
-
-
-# Malformed requests: (path, body, extra headers, status).
-HOSTILE = [
-    # Chat Completions
-    (CHAT, b'{"model": "fake-moe", "messages": [', None, 400),
-    (CHAT, b"[1, 2]", None, 400),
-    (CHAT, b'"hello"', None, 400),
-    (CHAT, b"", None, 400),
-    (CHAT, b"\xff\xfe garbage", None, 400),
-    (CHAT, {"model": MODEL, "messages": "hello"}, None, 400),
-    (CHAT, {"model": MODEL, "messages": []}, None, 400),
-    (CHAT, {"model": MODEL, "messages": [{"role": "robot", "content": "x"}]}, None, 400),
-    (CHAT, {"model": MODEL, "messages": [{"content": "x"}]}, None, 400),
-    (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": 5}]}, None, 400),
-    (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, None, 400),
-    (CHAT, chat("x", max_tokens="ten"), None, 400),
-    (CHAT, chat("x", max_tokens=-5), None, 400),
-    (CHAT, chat("x", max_tokens=0), None, 400),
-    (CHAT, chat("x", max_tokens=1.5), None, 400),
-    (CHAT, chat("x", temperature=-1), None, 400),
-    (CHAT, b'{"model": "fake-moe", "messages": [{"role": "user", "content": "x"}], "temperature": 1e400}', None, 400),
-    (CHAT, b'{"model": "fake-moe", "messages": [{"role": "user", "content": "x"}], "top_p": NaN}', None, 400),
-    (CHAT, chat("x", temperature=True), None, 400),
-    (CHAT, chat("x", top_p=0), None, 400),
-    (CHAT, chat("x", top_p=1.5), None, 400),
-    (CHAT, chat("x", seed=-1), None, 400),
-    (CHAT, chat("x", seed=2**70), None, 400),
-    (CHAT, chat("x", seed="1"), None, 400),
-    (CHAT, chat("x", n=2), None, 400),
-    (CHAT, chat("x", stop=["s"] * 17), None, 400),
-    (CHAT, chat("x", stop=123), None, 400),
-    (CHAT, chat("x", tools=[{"type": "function"}]), None, 400),
-    (
-        CHAT,
-        {
-            "model": MODEL,
-            "messages": [
-                {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}]},
-                {"role": "user", "content": "x"},
-            ],
-        },
-        None,
-        400,
-    ),
-    (CHAT, chat("x" * 70_000), None, 413),
-    (CHAT, chat("x" * 40_000), None, 400),  # fits the body limit, not the prompt's 2048 tokens
-    (CHAT, chat("x"), {"Authorization": ""}, 401),
-    (CHAT, chat("x"), {"Authorization": "Bearer wrong"}, 401),
-    (CHAT, {"model": MODEL, "messages": user("x") * 600}, None, 400),
-    # Chat Completions: structured outputs, log-probs, logit_bias, reasoning, forced tools
-    (CHAT, chat("x", response_format={"type": "sound"}), None, 400),
-    (CHAT, chat("x", response_format="json"), None, 400),
-    (CHAT, chat("x", response_format=fmt("not an object")), None, 400),
-    (CHAT, chat("x", response_format=fmt([1, 2])), None, 400),
-    (CHAT, chat("x", response_format={"type": "json_schema", "json_schema": {"schema": {}}}), None, 400),
-    (CHAT, chat("x", response_format=fmt({}) | {"json_schema": {"name": "a b", "schema": {}}}), None, 400),
-    (CHAT, chat("x", response_format=fmt(UNIQUE)), None, 400),
-    (CHAT, chat("x", response_format=fmt({"type": "objectx"})), None, 400),
-    (CHAT, chat("x", response_format=fmt({"$ref": "#/nowhere"})), None, 400),
-    (CHAT, chat("x", response_format=fmt({"type": "string", "pattern": "(("})), None, 400),
-    (CHAT, chat("x", response_format=fmt({}, strict="yes")), None, 400),
-    (CHAT, chat("x", logprobs="true"), None, 400),
-    (CHAT, chat("x", logprobs=True, top_logprobs=21), None, 400),
-    (CHAT, chat("x", logprobs=True, top_logprobs=-1), None, 400),
-    (CHAT, chat("x", top_logprobs=2), None, 400),
-    (CHAT, chat("x", logit_bias={"x": 1}), None, 400),
-    (CHAT, chat("x", logit_bias={"1": 1000}), None, 400),
-    (CHAT, chat("x", logit_bias={"1": float("nan")}), None, 400),
-    (CHAT, chat("x", logit_bias={"99999999": 1}), None, 400),
-    (CHAT, chat("x", logit_bias=[1]), None, 400),
-    (CHAT, chat("x", reasoning_effort="extreme"), None, 400),
-    (CHAT, chat("x", tools=F, tool_choice={"type": "function", "function": {"name": "nope"}}), None, 400),
-    (CHAT, chat("x", tool_choice="required"), None, 400),
-    (
-        CHAT,
-        chat(
-            "x", tools=[{"type": "function", "function": {"name": "f", "parameters": UNIQUE}}], tool_choice="required"
-        ),
-        None,
-        400,
-    ),
-    (CHAT, chat("x", tools=[{"type": "function", "function": {"name": "f", "strict": 1}}]), None, 400),
-    (CHAT, chat("x", model=["m"]), None, 400),
-    # Completions
-    (COMPLETIONS, {"model": MODEL, "prompt": ""}, None, 400),
-    (COMPLETIONS, {"model": MODEL, "prompt": 42}, None, 400),
-    (COMPLETIONS, {"model": MODEL, "prompt": "x", "logprobs": 21}, None, 400),
-    (COMPLETIONS, {"model": MODEL, "prompt": "x", "logprobs": -1}, None, 400),
-    (COMPLETIONS, {"model": MODEL, "prompt": "x", "logprobs": True}, None, 400),
-    (COMPLETIONS, {"model": MODEL, "prompt": "x", "logit_bias": {"1": -101}}, None, 400),
-    # Anthropic Messages
-    (MESSAGES, {"model": MODEL, "messages": user("x")}, None, 400),  # no max_tokens
-    (MESSAGES, b'{"model": "fake-moe", "max_tokens": 5, "messages": [', None, 400),
-    (MESSAGES, anthropic("x", messages=[{"role": "user", "content": [{"type": "image", "source": {}}]}]), None, 400),
-    (MESSAGES, anthropic("x", messages=[{"role": "system", "content": "x"}]), None, 400),
-    (MESSAGES, anthropic("x", temperature=1.5), None, 400),
-    (MESSAGES, anthropic("x", top_k=0), None, 400),
-    (MESSAGES, anthropic("x"), {"Authorization": "", "x-api-key": "wrong"}, 401),
-    (MESSAGES, anthropic("x", messages=[]), None, 400),
-    (MESSAGES, anthropic("x", messages=user("x") + [{"role": "assistant", "content": "The answer is"}]), None, 400),
-    (
-        MESSAGES,
-        anthropic(
-            "x", messages=[{"role": "user", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]}]
-        ),
-        None,
-        400,
-    ),
-    (MESSAGES, anthropic("x", stop_sequences="END"), None, 400),
-    (MESSAGES, anthropic("x", top_k="5"), None, 400),
-    (MESSAGES, anthropic("x", top_k=1.5), None, 400),
-    (MESSAGES, anthropic("x", thinking={"type": "enabled"}), None, 400),
-    (MESSAGES, anthropic("x", thinking={"type": "enabled", "budget_tokens": 100}), None, 400),
-    (MESSAGES, anthropic("x", thinking={"type": "sometimes"}), None, 400),
-    (MESSAGES, anthropic("x", thinking=True), None, 400),
-    (
-        MESSAGES,
-        anthropic(
-            "x",
-            tools=[{"name": "f", "input_schema": {"type": "object"}}],
-            tool_choice={"type": "any"},
-            thinking={"type": "enabled", "budget_tokens": 2048},
-        ),
-        None,
-        400,
-    ),
-    (MESSAGES, anthropic("x", tools=[{"name": "f", "input_schema": {}}], tool_choice={"type": "tool"}), None, 400),
-    (
-        MESSAGES,
-        anthropic("x", tools=[{"name": "f", "input_schema": {}}], tool_choice={"type": "tool", "name": "g"}),
-        None,
-        400,
-    ),
-    (MESSAGES, anthropic("x", tools=[{"name": "f", "input_schema": UNIQUE}], tool_choice={"type": "any"}), None, 400),
-    (MESSAGES, anthropic("x", tool_choice={"type": "any"}), None, 400),
-    (MESSAGES, anthropic("x", messages=[{"role": "user", "content": [{"type": "thinking"}]}]), None, 400),
-    # Anthropic count_tokens
-    (COUNT, {"model": MODEL}, None, 400),
-    (COUNT, b"{", None, 400),
-    (COUNT, {"model": MODEL, "messages": user("x"), "thinking": {"type": "enabled", "budget_tokens": 1}}, None, 400),
-    (COUNT, {"model": MODEL, "messages": user("x"), "system": 5}, None, 400),
-    (COUNT, {"model": MODEL, "messages": user("x")}, {"Authorization": "", "x-api-key": "wrong"}, 401),
-    # Responses
-    (RESPONSES, {"model": MODEL}, None, 400),
-    (RESPONSES, responses(""), None, 400),
-    (RESPONSES, responses([{"type": "reasoning", "summary": [{"type": "image", "text": "x"}]}]), None, 400),
-    (RESPONSES, responses("x", max_output_tokens=0), None, 400),
-    (RESPONSES, responses("x", previous_response_id="resp_1"), None, 400),
-    (RESPONSES, responses("x", tools=[{"type": "web_search"}]), None, 400),
-    (RESPONSES, responses("x", temperature=3), None, 400),
-    (RESPONSES, responses("x", text={"format": {"type": "sound"}}), None, 400),
-    (RESPONSES, responses("x", text={"format": {"type": "json_schema", "schema": {}}}), None, 400),
-    (RESPONSES, responses("x", text={"format": {"type": "json_schema", "name": "o", "schema": "{}"}}), None, 400),
-    (RESPONSES, responses("x", text={"format": {"type": "json_schema", "name": "o", "schema": UNIQUE}}), None, 400),
-    (RESPONSES, responses("x", text="json"), None, 400),
-    (RESPONSES, responses("x", reasoning={"effort": "maximal"}), None, 400),
-    (
-        RESPONSES,
-        responses("x", tools=[{"type": "function", "name": "f"}], tool_choice={"type": "function", "name": "g"}),
-        None,
-        400,
-    ),
-    # The unprefixed aliases: the same checks
-    ("/chat/completions", chat("x", response_format={"type": "sound"}), None, 400),
-    ("/completions", {"model": MODEL, "prompt": "x", "logprobs": 99}, None, 400),
-    ("/responses", responses("x", max_output_tokens=0), None, 400),
-    ("/chat/completions", chat("x"), {"Authorization": "Bearer wrong"}, 401),
-]
 
 
 def _stream_and_leave(base: str, path: str, body: dict, after_lines: int) -> None:

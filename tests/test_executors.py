@@ -2,6 +2,8 @@
 reference on random inputs, against exact tokens on every spec'd family, under a small memory
 budget, with zero host syncs when the route is staged ahead, and under constant eviction."""
 
+import threading
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -314,3 +316,29 @@ def test_host_rows_widen_exactly_as_the_device_does():
         want = np.array(from_raw(raw, st, (2, 4)).astype(mx.float32))
         assert np.array_equal(host_rows(raw, st, np.dtype(np.float32)).reshape(2, 4), want)
     assert host_rows(np.zeros((1, 8), np.uint8), "F32", np.dtype(np.float16)) is None  # narrowing: the device does it
+
+
+@pytest.mark.parametrize("executor", ["staged", "hot"])
+def test_an_engine_decodes_on_another_thread_than_the_one_that_loaded_it(executor, store_for):
+    """The server loads on the main thread and generates on its engine thread; MLX evaluates a
+    lazy array only on the thread that built it, so nothing built at load may stay lazy (a
+    bfloat16 store's scales cast to float32 did: the server's first request was a 500)."""
+    store = store_for("qwen3_moe", dtype="bfloat16")
+    want = (
+        edge0.load(store, decode_executor=executor)
+        .generate("hello world once upon a time", max_tokens=6, ignore_eos=True)
+        .tokens
+    )
+    engine = edge0.load(store, decode_executor=executor)
+    out = {}
+
+    def run():
+        try:
+            out["tokens"] = engine.generate("hello world once upon a time", max_tokens=6, ignore_eos=True).tokens
+        except Exception as e:  # noqa: BLE001 - reported below with its message
+            out["error"] = f"{type(e).__name__}: {e}"
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    worker.join()
+    assert out.get("tokens") == want, out.get("error")

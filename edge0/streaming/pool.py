@@ -66,6 +66,9 @@ class SlotSet:
             for name, t in info["tensors"].items()
         }
         self.params = to_device(zeros, n_slots + 1, compute_dtype)
+        # evaluated here: MLX runs a lazy array only on the thread that built it, and the server
+        # decodes on its engine thread (a float16 scale cast to float32 was left lazy: a 500)
+        B.eval(self.params)
         # host views of the slot tensors, made at the first in-place write: materializing the
         # slots at load would add their full size to the prefill's peak
         self.views: dict | None = None

@@ -26,6 +26,15 @@ from prompt_cache_ttft import start  # noqa: E402
 WORDS = "the history of the printing press begins in the fifteenth century when movable type arrived "
 
 
+def prompt_of(store: Path, n: int) -> str:
+    """WORDS repeated to about `n` tokens of the store's tokenizer."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(store / "tokenizer.json"))
+    per = len(tok.encode(WORDS).ids)
+    return WORDS * max(1, n // per)
+
+
 def completion(base: str, prompt: str, max_tokens: int) -> tuple[float, dict]:
     t0 = time.perf_counter()
     r = httpx.post(
@@ -47,7 +56,8 @@ def leave_during_prefill(base: str, prompt: str, after: float) -> None:
                 "POST", base + "/v1/completions", json={"prompt": prompt, "max_tokens": 4, "stream": True}
             ) as resp:
                 for line in resp.iter_lines():
-                    if line.startswith("data:") and '"text"' in line:
+                    data = line[len("data:") :].strip() if line.startswith("data:") else ""
+                    if data and data != "[DONE]" and json.loads(data)["choices"][0].get("text"):
                         raise SystemExit("a token arrived before the client left: use a longer prompt")
         except httpx.ReadTimeout:
             pass  # leaving the block closed the connection
@@ -64,14 +74,14 @@ def main(argv=None) -> int:
     try:
         stats = httpx.get(base + "/v1/stats", timeout=10).json()["engine"]
         layers = len(stats["layers"])
-        prompt = WORDS * (args.prompt_tokens // 16 + 1)
+        prompt = prompt_of(Path(args.model), args.prompt_tokens)
         short = "Hello there"
         completion(base, short, 1)  # warm-up
         idle, _ = completion(base, short, 1)
-        full, body = completion(base, prompt + " once", 1)  # a different prompt: no prefix reuse
+        full, body = completion(base, prompt, 1)
         n_prompt = body["usage"]["prompt_tokens"]
         layer_s = full / layers
-        leave_during_prefill(base, prompt, args.leave_after)
+        leave_during_prefill(base, "Again: " + prompt, args.leave_after)  # no prefix in common: a whole prefill
         busy, _ = completion(base, short, 1)
         held = busy - idle
         result = {

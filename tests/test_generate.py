@@ -2,12 +2,15 @@
 
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 import edge0
 from edge0.errors import Edge0Error
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -114,3 +117,30 @@ def test_repo_id_offline_is_a_clear_error(tmp_path):
     )
     assert p.returncode == 2 and "Traceback" not in p.stderr
     assert "nobody/not-a-model" in p.stderr and "Hugging Face" in p.stderr
+
+
+def test_ids_the_vocabulary_skips_detokenize_as_empty_text(tmp_path):
+    """The bench models' tokenizer has no token for a few ids (its vocabulary skips them), as some
+    real ones do; a model can still sample them, which mlx-lm's BPE detokenizer failed on (a 500
+    in the middle of a stream)."""
+    import importlib.util
+
+    from edge0.backend import io as bio
+
+    spec = importlib.util.spec_from_file_location("make_bench_model", ROOT / "scripts" / "make_bench_model.py")
+    maker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(maker)
+    maker.write_tokenizer(tmp_path, 400)
+    tok = bio.load_tokenizer(tmp_path)
+    hf = tok._tokenizer
+    holes = [i for i, t in enumerate(hf.convert_ids_to_tokens(list(range(len(hf))))) if t is None]
+    assert holes
+    detok = tok.detokenizer
+    for token in [
+        *tok.encode("hi", add_special_tokens=False),
+        holes[0],
+        *tok.encode(" there", add_special_tokens=False),
+    ]:
+        detok.add_token(token)
+    detok.finalize()
+    assert detok.text == "hi there"

@@ -11,7 +11,8 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 from mlx_lm.tokenizer_utils import TokenizerWrapper
-from mlx_lm.utils import _get_classes, load_config, load_tokenizer, save_config
+from mlx_lm.utils import _get_classes, load_config, save_config
+from mlx_lm.utils import load_tokenizer as _mlx_load_tokenizer
 
 from edge0.errors import Edge0Error
 from edge0.units import SAFETENSORS_DTYPES
@@ -20,6 +21,17 @@ __all__ = ["load_config", "load_tokenizer", "save_config", "TokenizerWrapper"]
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 ST_DTYPE = {getattr(mx, name): label for label, (name, _) in SAFETENSORS_DTYPES.items() if hasattr(mx, name)}
+
+
+def load_tokenizer(path, **kwargs) -> TokenizerWrapper:
+    """mlx-lm's tokenizer, with ids the vocabulary skips (no token string) detokenized as empty
+    text: a model can sample them, and mlx-lm's BPE detokenizer would fail on the None."""
+    tok = _mlx_load_tokenizer(Path(path), **kwargs)
+    detok = tok._detokenizer
+    tokenmap = getattr(detok, "tokenmap", None)
+    if tokenmap is not None and any(t is None for t in tokenmap):
+        detok.tokenmap = ["" if t is None else t for t in tokenmap]
+    return tok
 
 
 def read_config(root: Path, fix: str) -> dict:

@@ -318,12 +318,13 @@ def test_host_rows_widen_exactly_as_the_device_does():
     assert host_rows(np.zeros((1, 8), np.uint8), "F32", np.dtype(np.float16)) is None  # narrowing: the device does it
 
 
-@pytest.mark.parametrize("executor", ["staged", "hot"])
-def test_an_engine_decodes_on_another_thread_than_the_one_that_loaded_it(executor, store_for):
+@pytest.mark.parametrize("family,executor", [("qwen3_moe", "staged"), ("qwen3_moe", "hot"), ("deepseek_v3", "staged")])
+def test_an_engine_decodes_on_another_thread_than_the_one_that_loaded_it(family, executor, store_for):
     """The server loads on the main thread and generates on its engine thread; MLX evaluates a
     lazy array only on the thread that built it, so nothing built at load may stay lazy (a
-    bfloat16 store's scales cast to float32 did: the server's first request was a 500)."""
-    store = store_for("qwen3_moe", dtype="bfloat16")
+    bfloat16 store's scales cast to float32 did, and deepseek_v3's YaRN RoPE frequencies: the
+    server's first request was a 500)."""
+    store = store_for(family, dtype="bfloat16")
     want = (
         edge0.load(store, decode_executor=executor)
         .generate("hello world once upon a time", max_tokens=6, ignore_eos=True)

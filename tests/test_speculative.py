@@ -324,3 +324,15 @@ def test_server_streams_the_same_text_with_speculation(store_for):
             assert client.chat.completions.create(**kwargs).choices[0].message.content == texts[-1]
     assert texts[0] == texts[1] and texts[0]
     assert spec.stats()["speculation"]["verifies"] > 0
+
+
+@pytest.mark.parametrize("width", [6, 10])
+def test_accept_reject_takes_a_draft_model_of_another_output_width(width):
+    """A draft model's rows can be narrower or wider than the target's (Qwen3's 151,936 output
+    rows against its tokenizer's 151,669): a rejection must still draw from max(p - q, 0)."""
+    p = mx.array([[0.0, 0.5, 0.5, 0.0, 0.0, 0.0, 0.0, 0.0], [0.25] * 4 + [0.0] * 4])  # [k + 1, 8]
+    q = mx.zeros((1, width)).at[0, 0].add(1.0)  # the drafter is sure of token 0, which p gives 0
+    for seed in range(5):
+        mx.random.seed(seed)
+        n, token = bsp.accept_reject(p, [0], q)
+        assert n == 0 and token in (1, 2)

@@ -73,8 +73,16 @@ def assemble(
     model.load_weights(weights, strict=keep is None)
     if stage is not None:
         bdist.replace_stage_ends(model, rank == size - 1, rank == 0)
-    mx.eval(model.parameters())
+    evaluate_all(model)
     return model
+
+
+def evaluate_all(model: nn.Module) -> None:
+    """Evaluate the parameters and every array a module keeps as a plain attribute (mlx-lm's YaRN
+    and Llama3 RoPE keep lazy `_freqs`): MLX runs a lazy array only on the thread that built it,
+    and the server generates on its engine thread, not the loading one."""
+    extra = [v for m in model.modules() for v in m.values() if isinstance(v, mx.array)]
+    mx.eval(model.parameters(), extra)
 
 
 def attach_executors(model: nn.Module, executors: dict) -> None:

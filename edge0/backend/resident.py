@@ -34,7 +34,9 @@ def load(path, dtype: str | None):
                 lambda k, v: v.astype(dt) if cast(k) and mx.issubdtype(v.dtype, mx.floating) else v, model.parameters()
             )
         )
-    mx.eval(model.parameters())
+    from edge0.backend.assemble import evaluate_all
+
+    evaluate_all(model)
     return model, tokenizer, compute, sum(v.nbytes for _, v in tree_flatten(model.parameters()))
 
 

@@ -31,6 +31,11 @@ def accept_reject(p, draft: list[int], q=None) -> tuple[int, int]:
     drafter's distribution (None: a deterministic drafter, q_i one-hot at d_i).
     Returns (accepted draft tokens n, the next token)."""
     k = len(draft)
+    if q is not None and q.shape[-1] != p.shape[-1]:
+        # the draft model's output width can differ from the target's (a padded vocabulary, e.g.
+        # Qwen3's 151,936 rows against a tokenizer of 151,669): q is 0 where the drafter has no row
+        w = p.shape[-1]
+        q = q[:, :w] if q.shape[-1] > w else mx.pad(q, [(0, 0), (0, w - q.shape[-1])])
     rows, d = mx.arange(k), mx.array(draft)
     pd = p[rows, d]
     qd = q[rows, d] if q is not None else mx.ones_like(pd)

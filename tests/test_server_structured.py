@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from edge0.server.config import ServerConfig
-from edge0.server.grammar import Constraint, Grammars
+from edge0.server.grammar import Constraint, Grammars, strict_schema
 from tests.fake_server import running_server
 from tests.fixtures.schemas import SCHEMAS
 
@@ -369,3 +369,26 @@ def test_a_claude_code_shaped_request_streams(thinking_engine):
     off = engine.chat_prompt([{"role": "user", "content": "x"}], enable_thinking=False)
     on = engine.chat_prompt([{"role": "user", "content": "x"}], enable_thinking=True)
     assert len(off) > len(on) and engine.tokenizer.decode(off[len(on) :]) == "<think>\n\n</think>\n\n"
+
+
+def test_strict_mode_closes_object_schemas_and_leaves_data_alone():
+    """strict: every object subschema gets additionalProperties false; values under const, enum,
+    default and examples are data, and a property named "properties" is a property."""
+    schema = {
+        "type": "object",
+        "properties": {
+            "x": {"const": {"type": "object"}, "default": {"properties": {}}},
+            "properties": {"type": "object", "properties": {"a": {"type": "string"}}},
+            "l": {"type": "array", "items": {"type": "object"}},
+        },
+        "$defs": {"D": {"properties": {}}},
+        "anyOf": [{"type": "object", "additionalProperties": True}],
+    }
+    got = strict_schema(schema)
+    assert got["additionalProperties"] is False
+    assert got["properties"]["x"] == schema["properties"]["x"]  # untouched data
+    assert set(got["properties"]) == {"x", "properties", "l"}
+    assert got["properties"]["properties"]["additionalProperties"] is False
+    assert got["properties"]["l"]["items"]["additionalProperties"] is False
+    assert got["$defs"]["D"]["additionalProperties"] is False
+    assert got["anyOf"][0]["additionalProperties"] is True  # what a schema says stays

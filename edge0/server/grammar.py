@@ -52,17 +52,30 @@ def strict_schema(schema: dict) -> dict:
     schema = copy.deepcopy(schema)
 
     def visit(node):
-        if isinstance(node, dict):
-            if node.get("type") == "object" or "properties" in node:
-                node.setdefault("additionalProperties", False)
-            for value in node.values():
-                visit(value)
-        elif isinstance(node, list):
-            for value in node:
-                visit(value)
+        # only subschemas: values under const, enum, default or examples are data, not schemas
+        if not isinstance(node, dict):
+            return
+        if node.get("type") == "object" or "properties" in node:
+            node.setdefault("additionalProperties", False)
+        for key in SCHEMA_MAPS:
+            if isinstance(node.get(key), dict):
+                for sub in node[key].values():
+                    visit(sub)
+        for key in SCHEMA_LISTS:
+            if isinstance(node.get(key), list):
+                for sub in node[key]:
+                    visit(sub)
+        for key in SCHEMA_KEYS:
+            visit(node.get(key))
 
     visit(schema)
     return schema
+
+
+# The JSON-schema keywords whose values are schemas (maps of them, lists of them, or one).
+SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+SCHEMA_KEYS = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames")
 
 
 def _json_rule(schema: dict, strict: bool) -> str:

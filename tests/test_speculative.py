@@ -336,3 +336,20 @@ def test_accept_reject_takes_a_draft_model_of_another_output_width(width):
         mx.random.seed(seed)
         n, token = bsp.accept_reject(p, [0], q)
         assert n == 0 and token in (1, 2)
+
+
+def test_drafts_are_cut_at_the_end_of_sequence(store_for):
+    """A draft is verified only up to an end-of-sequence token it contains: the verify's own next
+    token is the end, and the KV cache holds what plain decoding's would (nothing fed after it)."""
+    e = edge0.load(store_for("qwen3_moe"))
+    prompt = e.encode(PROMPT)
+    want = e.generate(prompt, max_tokens=8, ignore_eos=True).tokens
+    stop = want[3]
+    assert stop not in want[:3]
+    e.tokenizer.eos_token_ids = {stop}
+    e.use_speculation(Speculator(Controlled(want, 1.0), num_draft=6, adaptive=False))
+    res = e.generate(prompt, max_tokens=8, reuse_cache=True)
+    assert res.tokens == want[:4] and res.finish_reason == "stop"
+    assert res.stats["speculation"]["drafted"] == 2  # one verify: want[1:3], not 6 tokens
+    assert e.kv.tokens == prompt + want[:3]  # the end was never fed, as in plain decoding
+    assert Draft([5, 7, 9, 7], "pq").until({7}) == Draft([5], "p")

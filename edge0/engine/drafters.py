@@ -25,6 +25,15 @@ class Draft:
     tokens: list[int]
     probs: object = None  # the drafter's distributions [k, V] when it sampled; None: deterministic
 
+    def until(self, eos) -> Draft:
+        """The draft before its first end-of-sequence token: the verify's own next token is then that
+        token when the model agrees, and nothing after it is fed into the KV cache (a generation
+        never feeds its last token, and a recurrent model's cache cannot drop tokens)."""
+        cut = next((i for i, t in enumerate(self.tokens) if t in eos), len(self.tokens))
+        if cut == len(self.tokens):
+            return self
+        return Draft(self.tokens[:cut], None if self.probs is None else self.probs[:cut])
+
 
 class Drafter:
     """The interface. `draft(context, k, temp, top_p)`: up to k tokens that may follow `context`

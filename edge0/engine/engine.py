@@ -256,12 +256,12 @@ class Engine:
         kv.advance(new)
         return y, len(new), prefilled
 
-    def _decode(self, prompt, generated, sampler, max_tokens):
+    def _decode(self, prompt, generated, sampler, max_tokens, eos):
         """The tokens after `generated` (whose last token is not fed yet): plain one-token steps,
         or speculative ones when a drafter is attached and the request samples plainly."""
         if self.speculation is not None:
             if sampler.plain:
-                yield from self.speculation.decode(self, prompt, generated, sampler, max_tokens)
+                yield from self.speculation.decode(self, prompt, generated, sampler, max_tokens, eos)
                 return
             # a verify samples its rows without the request's processors, top-k or log-probs
             self.speculation.counts["unsupported_requests"] += 1
@@ -330,7 +330,7 @@ class Engine:
             if should_stop and should_stop():
                 return
             if source is None:
-                source = self._decode(tokens, generated, sampler, max_tokens)
+                source = self._decode(tokens, generated, sampler, max_tokens, eos)
             y = next(source)
 
     def generate(self, prompt, max_tokens: int = 256, **kwargs) -> GenerationResult:

@@ -111,10 +111,10 @@ class Speculator:
         return f"speculative decoding: {self.drafter.describe()}, {self.k} draft tokens, {switch}"
 
     # -- the decode loop -----------------------------------------------------------------------
-    def decode(self, engine, prompt, generated, sampler, max_tokens):
+    def decode(self, engine, prompt, generated, sampler, max_tokens, eos=frozenset()):
         """The tokens after `generated` (its last token not yet fed), one at a time; at each yield
         the KV cache holds exactly `engine.kv.tokens`. `sampler`: a plain RequestSampler (temperature
-        and top-p only)."""
+        and top-p only); `eos`: the end-of-sequence ids, where drafts are cut."""
         temp, top_p = sampler.temperature, sampler.top_p
         self.drafter.start(prompt)
         shadow = None  # (tokens, matched so far): a draft made while off, checked against the plain tokens
@@ -125,7 +125,7 @@ class Speculator:
             explore = not self.estimates.cycle and self.off_steps >= EXPLORE_EVERY  # no verify measured yet
             if k > 0 and (self.on or not self.adaptive or explore):
                 t0 = time.perf_counter()
-                draft = self.drafter.draft(context, k, temp, top_p)
+                draft = self.drafter.draft(context, k, temp, top_p).until(eos)
                 self.seconds["draft"] += time.perf_counter() - t0
                 if draft.tokens:
                     out = self._verify(engine, generated, draft, temp, top_p)
@@ -136,7 +136,7 @@ class Speculator:
                     yield from out
                     continue
             if k > 0 and not self.on and shadow is None and (self.drafter.cheap or since_probe >= PROBE_EVERY):
-                tokens, since_probe = self.drafter.draft(context, k, temp, top_p).tokens, 0
+                tokens, since_probe = self.drafter.draft(context, k, temp, top_p).until(eos).tokens, 0
                 self.counts["shadow_drafted"] += len(tokens)
                 shadow = (tokens, 0) if tokens else None
             t0 = time.perf_counter()

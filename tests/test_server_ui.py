@@ -31,6 +31,10 @@ def fake():
 
 SEEN: list[str] = []  # every URL the browser requested during these tests
 
+# One worker runs this whole module (pyproject's --dist loadgroup): its tests share one browser, and
+# the last one checks every URL the others made it request.
+pytestmark = pytest.mark.xdist_group("browser")
+
 
 @pytest.fixture(scope="module")
 def browser(tmp_path_factory):

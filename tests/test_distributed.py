@@ -6,6 +6,7 @@ stores are one-line errors."""
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -51,6 +52,21 @@ def free_ports(n: int) -> list[int]:
     for s in socks:
         s.close()
     return ports
+
+
+def free_port_pair(lo: int = 20000, hi: int = 32000) -> int:
+    """A port P with P and P + 1 free (mlx.launch's ring gives rank r P + r), below Linux's ephemeral
+    range, where a client connection's TIME_WAIT (on even ports) cannot hold P + 1."""
+    rng = random.Random()
+    while True:
+        port = rng.randrange(lo, hi)
+        with socket.socket() as a, socket.socket() as b:
+            try:
+                a.bind(("127.0.0.1", port))
+                b.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+            return port
 
 
 def start(tmp_path, argvs: list[list[str]], ranks: int = 2) -> list[subprocess.Popen]:
@@ -173,7 +189,7 @@ def test_generate_under_mlx_launch_prints_the_single_process_text(store_for, tmp
     prompt = ["--prompt", PROMPT, "--max-tokens", str(TOKENS), "--no-chat-template"]
     engine = edge0.load(store)
     want = engine.generate(PROMPT, max_tokens=TOKENS).text
-    port = free_ports(1)[0]
+    port = free_port_pair()
     p = subprocess.run(
         [
             str(launcher),

@@ -440,7 +440,7 @@ def wait_for(predicate, timeout=5.0):
 
 
 def test_client_disconnect_mid_stream_frees_the_engine(url, client, engine):
-    engine.delay = 0.005
+    engine.delay = 0.02  # 100 steps = 2 s for the server to notice, on a loaded machine too
     body = {"model": MODEL, "messages": user("count 1000"), "stream": True, "max_tokens": 256}
     try:
         with httpx.stream(
@@ -462,14 +462,14 @@ def test_client_disconnect_mid_stream_frees_the_engine(url, client, engine):
 
 
 def test_client_timeout_cancels_a_non_streaming_request(url, client, engine):
-    engine.delay = 0.005
+    engine.delay = 0.02  # 256 tokens take 5 s: the 1 s timeout fires mid-generation
     try:
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(
                 url + "/v1/chat/completions",
                 json={**VALID, "messages": user("count 1000"), "max_tokens": 256},
                 headers={"Authorization": f"Bearer {KEY}"},
-                timeout=0.3,
+                timeout=1.0,
             )
         call = engine.calls[-1]
         wait_for(lambda: call.closed_early)

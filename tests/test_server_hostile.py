@@ -113,7 +113,11 @@ def test_sigterm_ends_open_streams_with_an_error_event_and_exits():
         queued = {}
         waiter = threading.Thread(target=lambda: queued.update(r=send(base, CHAT, chat("count 10"), timeout=30)))
         waiter.start()
-        time.sleep(0.5)
+        deadline = time.monotonic() + 10  # all four admitted (a fixed sleep was too short under a loaded CI)
+        with httpx.Client(base_url=base, timeout=5) as probe:
+            while probe.get("/health").json()["requests_in_flight"] < 4:
+                assert time.monotonic() < deadline, "the requests were not all admitted"
+                time.sleep(0.02)
         sent = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=10)

@@ -362,7 +362,9 @@ def test_a_claude_code_shaped_request_streams(thinking_engine):
     assert kinds[0] == "message_start" and kinds[-1] == "message_stop" and "message_delta" in kinds
     starts = [e.index for e in events if e.type == "content_block_start"]
     stops = [e.index for e in events if e.type == "content_block_stop"]
-    assert starts == stops == list(range(len(final.content))) and final.content
+    assert starts == stops == list(range(len(final.content)))
+    # sampled at the client's temperature 1: an end of sequence first (p ~ 0.002 here) opens no block
+    assert final.content or (final.stop_reason == "end_turn" and final.usage.output_tokens <= 1)
     assert final.model == engine.model_id and final.stop_reason in ("end_turn", "max_tokens", "tool_use")
     assert final.usage.output_tokens <= 24 and events[0].message.usage.input_tokens == counted.input_tokens
     # Thinking on reaches the template: no empty <think></think> block in the prompt.

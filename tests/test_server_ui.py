@@ -354,7 +354,10 @@ def test_stats_panel_shows_what_v1_stats_says(browser, store_for):
         before = stats(base)["engine"]
         send(browser, "hello there")
         wait(browser, reply_done, what="the reply")
-        now = stats(base)
+        deadline = time.monotonic() + 10  # the scheduler counts the request done just after its last token
+        while (now := stats(base))["server"]["requests_in_flight"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
         e = now["engine"]
         assert e["decode_steps"] > before["decode_steps"]
 
@@ -364,7 +367,10 @@ def test_stats_panel_shows_what_v1_stats_says(browser, store_for):
                 "return Object.fromEntries([...document.querySelectorAll('[data-metric]')]"
                 ".filter(n => n.dataset.value !== undefined).map(n => [n.dataset.metric, n.dataset.value]))",
             )
-            return values if values.get("decode_steps") == str(e["decode_steps"]) and "reply_tps" in values else None
+            # a poll between the last decode step and the scheduler's counters shows the request in flight
+            ok = values.get("decode_steps") == str(e["decode_steps"]) and "reply_tps" in values
+            ok = ok and values.get("completed") == str(now["server"]["completed"])
+            return values if ok and values.get("requests_in_flight") == "0" else None
 
         values = wait(browser, shown, what="the panel to catch up")
         totals, io = e["totals"], e["io"]

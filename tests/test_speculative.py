@@ -221,11 +221,58 @@ def test_adaptive_switch_turns_off_and_on_from_the_estimates():
     assert est.cycle_cost(3) == pytest.approx(0.10 + 2 * (0.30 - 0.10) / 4)  # on the line through the measured ones
 
 
-def test_adaptive_speculation_measures_shadow_drafts_then_switches(store_for, monkeypatch):
-    # the switch's clock ticks 1 ms per reading: a plain step measures 1 ms and a verify cycle 2 ms on
-    # any machine (real timings under a loaded CI can switch it off and on again, dropping a shadow draft)
+@pytest.fixture
+def ticking_clock(monkeypatch):
+    """The switch's clock ticks 1 ms per reading: a plain step measures 1 ms and a verify cycle 2 ms
+    on any machine (real timings under a loaded CI can switch it off and on at random)."""
     ticks = itertools.count(0.0, 0.001)
     monkeypatch.setattr(esp, "time", types.SimpleNamespace(perf_counter=lambda: next(ticks)))
+
+
+def test_a_stale_slow_verify_timing_is_timed_again_while_it_could_pay():
+    sp = Speculator(PromptLookup(), num_draft=4)
+    est = sp.estimates
+    est.observe_plain(0.10)
+    for _ in range(30):
+        est.observe_acceptance(4, 4)  # every draft kept: 5 tokens per verify
+    est.observe_cycle(5, 0.60)  # one slow verify (a cold cache): 6 plain steps, gain 5/6
+    sp._decide(4)
+    assert not sp.on
+    sp.off_steps = esp.EXPLORE_EVERY - 1
+    assert not sp._explore()
+    sp.off_steps = esp.EXPLORE_EVERY
+    assert sp._explore()  # gain 0.83 >= RETIME_GAIN
+    sp._explored()
+    assert sp.retime_every == 2 * esp.EXPLORE_EVERY and not sp._explore()  # stayed off: waits twice as long
+    est.observe_cycle(5, 0.20)  # timed again: 2 plain steps
+    assert est.cycle_cost(5) == pytest.approx(0.40)  # the mean of both timings, not 0.9 x the stale one
+    sp._decide(4)
+    assert sp.on and sp.retime_every == esp.EXPLORE_EVERY  # gain 5 x 0.1 / 0.4 = 1.25
+    far = Speculator(PromptLookup(), num_draft=4)  # far from paying: never timed again
+    far.estimates.observe_plain(0.10)
+    far.estimates.observe_cycle(5, 0.60)
+    far.estimates.observe_acceptance(0, 4)
+    far.off_steps = 10**6
+    assert not far._explore()
+
+
+def test_adaptive_speculation_retimes_a_stale_verify_and_switches_on(store_for, ticking_clock):
+    e = edge0.load(store_for("qwen3_moe"))
+    prompt = e.encode(PROMPT)
+    n = esp.EXPLORE_EVERY + 24
+    want = e.generate(prompt, max_tokens=n + 4, ignore_eos=True).tokens
+    sp = Speculator(Controlled(want, 1.0), num_draft=4)
+    sp.estimates.observe_plain(0.001)
+    sp.estimates.observe_cycle(5, 0.006)  # a stale timing: a verify looked like 6 plain steps (gain 5/6)
+    e.use_speculation(sp)
+    res = e.generate(prompt, max_tokens=n, ignore_eos=True)
+    s = res.stats["speculation"]
+    assert res.tokens == want[:n]
+    assert s["plain_steps"] >= esp.EXPLORE_EVERY and s["switched_on"] == 1 and s["verifies"] > 1
+    assert s["verify_cost_ratio"] == pytest.approx(3.0, rel=0.2)  # mean of 6 and 2 ms, then decayed toward 2
+
+
+def test_adaptive_speculation_measures_shadow_drafts_then_switches(store_for, ticking_clock):
     e = edge0.load(store_for("qwen3_moe"))
     prompt = e.encode(PROMPT)
     want = e.generate(prompt, max_tokens=16, ignore_eos=True).tokens

@@ -27,6 +27,11 @@ PROBE_EVERY = 16  # while off, an expensive drafter drafts (to measure acceptanc
 # EXPLORE_EVERY plain steps until one was timed, so a wrong prior costs at most one verify.
 PRIOR_SLOPE = 0.5
 EXPLORE_EVERY = 64
+# While off with a verify timed, one is timed again when the estimated gain is at least RETIME_GAIN
+# (one slow verify, e.g. on a cold cache, must not keep speculation off for the engine's life),
+# after EXPLORE_EVERY plain steps, then twice as many each time it stays off, up to RETIME_MAX.
+RETIME_GAIN = 0.75
+RETIME_MAX = 1024
 COUNTERS = (
     "verifies",
     "verify_tokens",
@@ -52,6 +57,7 @@ class Estimates:
         self.hits = self.trials = 0.0
         self.plain: float | None = None
         self.cycle: dict[int, float] = {}
+        self.cycle_n: dict[int, int] = {}
 
     def observe_acceptance(self, accepted: int, drafted: int) -> None:
         """`accepted` of `drafted` tokens were kept; a rejection (if any) ended the run."""
@@ -62,8 +68,10 @@ class Estimates:
         self.plain = seconds if self.plain is None else DECAY * self.plain + (1 - DECAY) * seconds
 
     def observe_cycle(self, tokens: int, seconds: float) -> None:
-        old = self.cycle.get(tokens)
-        self.cycle[tokens] = seconds if old is None else DECAY * old + (1 - DECAY) * seconds
+        # the plain mean of the first observations, then decayed: a second timing counts as much as the first
+        n = self.cycle_n[tokens] = self.cycle_n.get(tokens, 0) + 1
+        w = max(1 / n, 1 - DECAY)
+        self.cycle[tokens] = (1 - w) * self.cycle.get(tokens, 0.0) + w * seconds
 
     @property
     def acceptance(self) -> float | None:
@@ -103,6 +111,7 @@ class Speculator:
         # estimates say a verify pays; the estimates carry over to the next generations
         self.on = not adaptive
         self.off_steps = 0  # plain steps while off since the last verify
+        self.retime_every = EXPLORE_EVERY
         self.counts = dict.fromkeys(COUNTERS, 0)
         self.seconds = {"draft": 0.0, "verify": 0.0, "plain": 0.0}
 
@@ -122,7 +131,7 @@ class Speculator:
         while True:
             k = min(self.k, max_tokens - len(generated) - 1)
             context = prompt + generated
-            explore = not self.estimates.cycle and self.off_steps >= EXPLORE_EVERY  # no verify measured yet
+            explore = not self.on and self._explore()
             if k > 0 and (self.on or not self.adaptive or explore):
                 t0 = time.perf_counter()
                 draft = self.drafter.draft(context, k, temp, top_p).until(eos)
@@ -133,6 +142,8 @@ class Speculator:
                     self.seconds["verify"] += time.perf_counter() - t0
                     self.off_steps, shadow = 0, None  # a pending shadow draft no longer lines up
                     self._decide(self.k)
+                    if explore:
+                        self._explored()
                     yield from out
                     continue
             if k > 0 and not self.on and shadow is None and (self.drafter.cheap or since_probe >= PROBE_EVERY):
@@ -208,6 +219,19 @@ class Speculator:
         self.estimates.observe_acceptance(n, k)
         return draft.tokens[:n] + [nxt]
 
+    def _explore(self) -> bool:
+        """While off: time a verify now? Once when none was timed yet, and again while the estimated
+        gain is within reach of paying (a stale slow timing would otherwise decide forever)."""
+        if not self.estimates.cycle:
+            return self.off_steps >= EXPLORE_EVERY
+        gain = self.estimates.gain(self.k)
+        return self.off_steps >= self.retime_every and gain is not None and gain >= RETIME_GAIN
+
+    def _explored(self) -> None:
+        """A verify was timed while off; if the switch stayed off, wait twice as long before the next."""
+        if not self.on:
+            self.retime_every = min(2 * self.retime_every, RETIME_MAX)
+
     def _decide(self, k: int) -> None:
         """The adaptive switch: off when verifying k drafts (the configured k: the few last tokens
         of a generation draft fewer, but must not set the state the next one starts with) is
@@ -221,6 +245,7 @@ class Speculator:
         if on != self.on:
             self.counts["switched_on" if on else "switched_off"] += 1
             self.on = on
+            self.retime_every = EXPLORE_EVERY
 
     # -- statistics ----------------------------------------------------------------------------
     def snapshot(self) -> dict:

@@ -48,9 +48,9 @@ def child(args) -> dict:
     ks, ps = [int(k) for k in args.k.split(",")], [float(p) for p in args.p.split(",")]
     n = args.tokens
     reference = engine.generate(prompt, max_tokens=n + max(ks), ignore_eos=True).tokens  # also warms up
-    costs = {1: forward_cost(engine, prompt, 1, args.cost_repeats)}
+    costs = {1: forward_cost(engine, prompt, reference, 1, args.cost_repeats)}
     for k in ks:
-        costs[k + 1] = forward_cost(engine, prompt, k + 1, args.cost_repeats)
+        costs[k + 1] = forward_cost(engine, prompt, reference, k + 1, args.cost_repeats)
     runs = []
     # an adaptive speculator is kept across repeats, as an engine keeps it across requests: its
     # first generation starts from no estimates, the later ones from what it measured

@@ -4,6 +4,7 @@ computes with the generator's routes, and the pre-router arms' stager reads them
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 import edge0
 from edge0.bench.routing import use_synthetic_routing
@@ -59,3 +60,19 @@ def test_speculation_keeps_each_token_position_on_its_route(store_for):
     res = e.generate(prompt, max_tokens=14, ignore_eos=True)
     assert res.tokens == want
     assert 0 < res.stats["speculation"]["accepted"] < res.stats["speculation"]["drafted"]
+
+
+def test_verify_cost_walks_the_true_continuation_and_leaves_generation_unchanged(store_for):
+    from edge0.bench.speculative import forward_cost
+
+    e = load(store_for("qwen3_moe"), decode_executor="staged")
+    use_synthetic_routing(e, seed=2)
+    prompt = e.encode("hello world, once upon a time")
+    want = e.generate(prompt, max_tokens=9, ignore_eos=True).tokens
+    before = e.stats()["totals"]["calls"]
+    assert forward_cost(e, prompt, want, 3, repeats=5) > 0
+    moe_layers = len(e.store.layers)
+    assert e.stats()["totals"]["calls"] - before == moe_layers * (1 + 3)  # the prefill, then 9 // 3 steps of 3
+    assert e.generate(prompt, max_tokens=9, ignore_eos=True).tokens == want
+    with pytest.raises(ValueError, match="no step of 10"):
+        forward_cost(e, prompt, want, 10, repeats=1)

@@ -11,7 +11,6 @@ import time
 import numpy as np
 
 from edge0.backend import forward as bfw
-from edge0.backend import kvcache as bkv
 from edge0.backend import speculative as bsp
 from edge0.engine.drafters import Draft, Drafter
 from edge0.engine.speculative import Speculator
@@ -36,24 +35,26 @@ class ControlledDrafter(Drafter):
         return Draft([t if self.rng.random() < self.p else (t + 1) % self.vocab for t in true])
 
 
-def forward_cost(engine, prompt: list[int], tokens: int, repeats: int, seed: int = 0) -> float:
-    """Median seconds of one decode step of `tokens` random tokens after `prompt`, as the engine
-    runs it (the forward through the decode executors, the greedy token of every position, the
-    step's end): a plain step for 1 token, the verify's work for more. The KV cache is trimmed
-    back after each."""
-    rng = np.random.default_rng(seed)
+def forward_cost(engine, prompt: list[int], reference: list[int], tokens: int, repeats: int) -> float:
+    """Median seconds of one decode step of `tokens` tokens after `prompt`, as the engine runs it
+    (the forward through the decode executors, the greedy token of every position, the step's
+    end): a plain step for 1 token, the verify's work for more. The steps walk the true
+    continuation `reference` `tokens` at a time, as verifies whose drafts are all kept do, so
+    their routes and expert-cache hits are a real continuation's (random tokens route apart)."""
+    repeats = min(repeats, len(reference) // tokens)
+    if repeats < 1:
+        raise ValueError(f"forward_cost: a reference of {len(reference)} tokens has no step of {tokens}")
     engine.kv.prepare(prompt + [0], reuse=False)
+    engine.hooks.start(engine)  # synthetic routes start over: step i routes as a generation's step i
     bfw.prefill(engine.model, prompt, engine.kv.cache)
-    vocab = len(engine.tokenizer.get_vocab())
     times = []
-    for _ in range(repeats):
-        ids = rng.integers(0, vocab, size=tokens).tolist()
+    for i in range(repeats):
         t0 = time.perf_counter()
         with engine.streaming.decoding():
-            bsp.greedy_tokens(bfw.forward_all(engine.model, ids, engine.kv.cache))
+            bsp.greedy_tokens(bfw.forward_all(engine.model, reference[i * tokens : (i + 1) * tokens], engine.kv.cache))
         engine.streaming.end_step()
         times.append(time.perf_counter() - t0)
-        bkv.trim_prompt_cache(engine.kv.cache, tokens)
+    engine.hooks.finish(engine)
     engine.kv.reset()
     return statistics.median(times)
 

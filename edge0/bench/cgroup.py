@@ -12,11 +12,36 @@ from contextlib import contextmanager
 from pathlib import Path
 
 
-class MemoryCgroup:
+class Cgroup:
+    """A child cgroup directory this process made: processes enter it, and it is removed after."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def enter(self) -> None:
+        """Runs in a child between fork and exec: move itself into the cgroup."""
+        with open(self.path / "cgroup.procs", "w") as fh:
+            fh.write(str(os.getpid()))
+
+    def remove(self) -> None:
+        """Remove the directory, waiting up to 5 s for the processes in it to exit."""
+        for _ in range(50):
+            try:
+                self.path.rmdir()
+                return
+            except FileNotFoundError:
+                return
+            except OSError:
+                time.sleep(0.1)
+        print(f"edge0 bench: could not remove cgroup {self.path}", file=sys.stderr)
+
+
+class MemoryCgroup(Cgroup):
     """A cgroup v1 memory controller child of this process's own cgroup, with a hard limit."""
 
     def __init__(self, path: Path, limit: int):
-        self.path, self.limit = path, limit
+        super().__init__(path)
+        self.limit = limit
 
     @staticmethod
     def available() -> tuple[Path | None, str]:
@@ -52,11 +77,6 @@ class MemoryCgroup:
             raise
         return cg
 
-    def enter(self) -> None:
-        """Runs in the child between fork and exec: move itself into the cgroup."""
-        with open(self.path / "cgroup.procs", "w") as fh:
-            fh.write(str(os.getpid()))
-
     def report(self) -> dict:
         def read(name):
             try:
@@ -72,17 +92,6 @@ class MemoryCgroup:
             "oom_kills": int(oom.get("oom_kill", 0)),
         }
 
-    def remove(self) -> None:
-        for _ in range(50):
-            try:
-                self.path.rmdir()
-                return
-            except FileNotFoundError:
-                return
-            except OSError:
-                time.sleep(0.1)
-        print(f"edge0 bench: could not remove cgroup {self.path}", file=sys.stderr)
-
 
 def block_device(path) -> tuple[int, int] | None:
     """(major, minor) of the whole disk that holds `path` (a partition maps to its disk, which is
@@ -97,12 +106,13 @@ def block_device(path) -> tuple[int, int] | None:
     return major, minor
 
 
-class ReadLimit:
+class ReadLimit(Cgroup):
     """A child block-I/O cgroup of this process's own that limits reads from one disk to `rate`
     bytes/s: buffered and O_DIRECT reads alike (page-cache hits are not throttled)."""
 
     def __init__(self, path: Path, device: tuple[int, int], rate: int, version: int):
-        self.path, self.device, self.rate, self.version = path, device, rate, version
+        super().__init__(path)
+        self.device, self.rate, self.version = device, rate, version
 
     @staticmethod
     def parent() -> tuple[Path | None, int, str]:
@@ -161,11 +171,6 @@ class ReadLimit:
             raise
         return cg
 
-    def enter(self) -> None:
-        """Move the calling process (a child between fork and exec) into the cgroup."""
-        with open(self.path / "cgroup.procs", "w") as fh:
-            fh.write(str(os.getpid()))
-
     def bytes_read(self) -> int:
         """Bytes read from the limited disk by processes in the cgroup so far."""
         dev = f"{self.device[0]}:{self.device[1]}"
@@ -192,9 +197,6 @@ class ReadLimit:
             "cgroup": str(self.path),
             "cgroup_version": self.version,
         }
-
-    def remove(self) -> None:
-        MemoryCgroup(self.path, 0).remove()
 
 
 def read_limit_refusal(store, rate: int) -> str:

@@ -28,18 +28,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def child(args) -> dict:
-    import edge0
     from edge0.bench.child import prompt_ids
-    from edge0.bench.speculative import controlled, forward_cost, run_setting
+    from edge0.bench.speculative import controlled, forward_cost, run_setting, staged_engine
 
-    store = Path(args.model) / "store" if (Path(args.model) / "store").is_dir() else Path(args.model)
-    probe = edge0.load(store, prerouter=False, lora=False, decode_executor="exact")
-    total = probe.streaming.total_expert_bytes
-    probe.close()
-    opts = dict(prerouter=False, lora=False, decode_executor="staged", prefill_executor="exact")
-    if args.read_limit:
-        opts.update(io="direct", expert_cache=int(total * float(args.expert_cache.rstrip("%")) / 100))
-    engine = edge0.load(store, **opts)
+    limited = bool(args.read_limit)  # misses must really wait on the limited disk
+    engine = staged_engine(args.model, args.expert_cache if limited else None, "direct" if limited else None)
     if args.routing == "qwen3-like":  # routes with a real model's locality across tokens
         from edge0.bench.routing import use_synthetic_routing
 
@@ -48,9 +41,7 @@ def child(args) -> dict:
     ks, ps = [int(k) for k in args.k.split(",")], [float(p) for p in args.p.split(",")]
     n = args.tokens
     reference = engine.generate(prompt, max_tokens=n + max(ks), ignore_eos=True).tokens  # also warms up
-    costs = {1: forward_cost(engine, prompt, reference, 1, args.cost_repeats)}
-    for k in ks:
-        costs[k + 1] = forward_cost(engine, prompt, reference, k + 1, args.cost_repeats)
+    costs = {t: forward_cost(engine, prompt, reference, t, args.cost_repeats) for t in [1, *(k + 1 for k in ks)]}
     runs = []
     # an adaptive speculator is kept across repeats, as an engine keeps it across requests: its
     # first generation starts from no estimates, the later ones from what it measured

@@ -27,19 +27,11 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=3, help="drafter seeds per setting (their mean is printed)")
     args = ap.parse_args()
 
-    import edge0
     from edge0.bench.child import prompt_ids
     from edge0.bench.routing import use_synthetic_routing
-    from edge0.bench.speculative import controlled, run_setting
+    from edge0.bench.speculative import controlled, run_setting, staged_engine
 
-    store = Path(args.model) / "store" if (Path(args.model) / "store").is_dir() else Path(args.model)
-    probe = edge0.load(store, prerouter=False, lora=False, decode_executor="exact")
-    total = probe.streaming.total_expert_bytes
-    probe.close()
-    cache = int(total * float(args.expert_cache.rstrip("%")) / 100)
-    engine = edge0.load(
-        store, prerouter=False, lora=False, decode_executor="staged", prefill_executor="exact", expert_cache=cache
-    )
+    engine = staged_engine(args.model, args.expert_cache)
     use_synthetic_routing(engine, seed=0)
     prompt = prompt_ids(engine.tokenizer, 40)
     ks, ps = [int(k) for k in args.k.split(",")], [float(p) for p in args.p.split(",")]

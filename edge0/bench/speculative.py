@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -33,6 +34,24 @@ class ControlledDrafter(Drafter):
         i = len(context) - self.n0
         true = self.reference[i : i + k]
         return Draft([t if self.rng.random() < self.p else (t + 1) % self.vocab for t in true])
+
+
+def staged_engine(model, cache_share: str | None = None, io: str | None = None):
+    """The bench's engine: staged decode, exact prefill, no pre-router or adapter, on `model` (a
+    bench-model directory with store/, or a store); with `cache_share` (e.g. "20%") an expert cache
+    of that share of all experts, with `io` that reading strategy."""
+    import edge0
+
+    store = Path(model) / "store" if (Path(model) / "store").is_dir() else Path(model)
+    opts = dict(prerouter=False, lora=False, decode_executor="staged", prefill_executor="exact")
+    if cache_share is not None:
+        probe = edge0.load(store, prerouter=False, lora=False, decode_executor="exact")
+        total = probe.streaming.total_expert_bytes
+        probe.close()
+        opts["expert_cache"] = int(total * float(cache_share.rstrip("%")) / 100)
+    if io is not None:
+        opts["io"] = io
+    return edge0.load(store, **opts)
 
 
 def forward_cost(engine, prompt: list[int], reference: list[int], tokens: int, repeats: int) -> float:

@@ -6,6 +6,7 @@ three APIs, Anthropic count_tokens and top_k, the unprefixed OpenAI routes, the 
 from __future__ import annotations
 
 import json
+import shlex
 
 import anthropic
 import httpx
@@ -14,7 +15,7 @@ import pytest
 
 from edge0.server.clients import setup_lines
 from edge0.server.config import ServerConfig
-from tests.fake_engine import FakeEngine, FakeTokenizer
+from tests.fake_engine import EMPTY_THINK, FakeEngine, FakeTokenizer
 from tests.fake_server import running_server
 
 KEY = "sk-agents"
@@ -250,7 +251,7 @@ def test_reasoning_sent_back_reaches_the_template(oai, claude, engine):
     assert "<think>\nwhy\n</think>" in engine.tokenizer.decode(prompts[0])
 
 
-def test_thinking_required_on_a_model_without_a_reasoning_format_is_400():
+def test_thinking_on_a_model_without_a_reasoning_format_is_answered_without_reasoning_and_counted():
     class PlainTokenizer(FakeTokenizer):
         has_thinking = False
 
@@ -258,16 +259,15 @@ def test_thinking_required_on_a_model_without_a_reasoning_format_is_400():
     engine.tokenizer = PlainTokenizer()
     with running_server(engine, ServerConfig()) as base:
         client = anthropic.Anthropic(base_url=base, api_key="x", max_retries=0)
-        with pytest.raises(anthropic.BadRequestError, match="no reasoning format"):
-            client.messages.create(
-                model="m", max_tokens=5, messages=user("x"), thinking={"type": "enabled", "budget_tokens": 2048}
-            )
-        # Not required: adaptive thinking, or an OpenAI reasoning effort, just answers.
-        assert client.messages.create(
-            model="m", max_tokens=20, messages=user("x"), thinking={"type": "adaptive"}
-        ).content
+        # Claude Code with a Claude model name sends thinking enabled with budget_tokens 31999.
+        for thinking in ({"type": "enabled", "budget_tokens": 31999}, {"type": "adaptive"}):
+            reply = client.messages.create(model="m", max_tokens=20, messages=user("x"), thinking=thinking)
+            assert [b.type for b in reply.content] == ["text"] and reply.content[0].text == "Echo: x"
+        # The prompt asked the template for no thinking (Qwen3's empty <think></think>).
+        assert all(engine.tokenizer.decode(c.prompt).endswith(EMPTY_THINK) for c in engine.calls)
         r = httpx.post(base + "/v1/chat/completions", json={"messages": user("x"), "reasoning_effort": "high"})
         assert r.status_code == 200
+        assert httpx.get(base + "/v1/stats").json()["server"]["adapted"] == {"thinking_without_reasoning_format": 2}
 
 
 def test_count_tokens_equals_the_messages_input_tokens(claude, engine):
@@ -303,10 +303,15 @@ def test_setup_lines_name_each_client():
     assert lines[0].startswith("Claude Code: ANTHROPIC_BASE_URL=http://127.0.0.1:8080 ")
     assert "ANTHROPIC_MODEL=my-store" in lines[0] and "ANTHROPIC_SMALL_FAST_MODEL=my-store" in lines[0]
     assert 'base_url="http://127.0.0.1:8080/v1", wire_api="responses"' in lines[1] and "env_key" not in lines[1]
-    assert 'OpenAI(base_url="http://127.0.0.1:8080/v1"' in lines[2]
+    assert lines[2].startswith("opencode: OPENCODE_CONFIG_CONTENT=") and lines[2].endswith(" opencode")
+    config = json.loads(shlex.split(lines[2].removeprefix("opencode: "))[0].partition("=")[2])
+    assert config["model"] == "edge0/my-store"
+    assert config["provider"]["edge0"]["options"] == {"baseURL": "http://127.0.0.1:8080/v1", "apiKey": "edge0"}
+    assert 'OpenAI(base_url="http://127.0.0.1:8080/v1"' in lines[3]
     keyed = setup_lines("http://h:1", "m", keyed=True)
     assert "ANTHROPIC_AUTH_TOKEN=$EDGE0_API_KEY" in keyed[0] and 'env_key="EDGE0_API_KEY"' in keyed[1]
-    assert json.dumps(keyed).count("EDGE0_API_KEY") == 3
+    assert '"apiKey":"{env:EDGE0_API_KEY}"' in keyed[2]
+    assert json.dumps(keyed).count("EDGE0_API_KEY") == 4
 
 
 @pytest.mark.parametrize(

@@ -25,6 +25,11 @@ from edge0.server.structured import tool_constraint
 router = APIRouter()
 AnthropicTemperature = temperature_field(1)  # Anthropic's range is 0 to 1
 THINKING_BUDGET_LEAST = 1024  # Anthropic's smallest budget_tokens
+THINKING_IGNORED = (
+    "thinking_without_reasoning_format",
+    "a request asked for thinking, but this model has no reasoning format (no <think>-style markers in its "
+    "tokenizer): answering without reasoning (counted in /v1/stats as thinking_without_reasoning_format)",
+)
 
 
 class TextBlock(Strict):
@@ -70,7 +75,9 @@ Block = Annotated[
 
 
 class InputMessage(Strict):
-    role: Literal["user", "assistant"]
+    # "system" inside `messages` is Claude Code's mid-conversation system turn (beta
+    # mid-conversation-system-2026-04-07); other roles are refused in Anthropic's words (below).
+    role: str
     content: Union[str, list[Block]]
 
 
@@ -116,11 +123,30 @@ class CountTokensRequest(Strict):
                 {"role": "system", "content": self.system if isinstance(self.system, str) else join_text(self.system)}
             )
         for i, m in enumerate(self.messages):
+            if m.role not in ("user", "assistant", "system"):
+                # Worded as Anthropic's API words it: clients match it to fall back (Claude Code).
+                raise APIError(
+                    400,
+                    f'messages.{i}: Unexpected role "{m.role}". The Messages API accepts "user", "assistant" '
+                    'and "system" as input message roles; tool results go in user messages as tool_result blocks',
+                    f"messages.{i}.role",
+                    "invalid_value",
+                )
             blocks = [TextBlock(type="text", text=m.content)] if isinstance(m.content, str) else m.content
             texts = [b for b in blocks if b.type == "text"]
             uses = [b for b in blocks if b.type == "tool_use"]
             results = [b for b in blocks if b.type == "tool_result"]
             thoughts = [b.thinking for b in blocks if b.type == "thinking"]
+            if m.role == "system":
+                if len(texts) != len(blocks):
+                    raise APIError(
+                        400,
+                        f"messages.{i}: a system message holds text blocks only",
+                        f"messages.{i}.content",
+                        "invalid_value",
+                    )
+                out.append({"role": "system", "content": join_text(texts)})
+                continue
             if (uses and m.role == "user") or (results and m.role == "assistant"):
                 raise APIError(
                     400,
@@ -143,7 +169,10 @@ class CountTokensRequest(Strict):
                         for u in uses
                     ]
                 out.append(message)
-        if self.messages[-1].role == "assistant":
+        turns = [m.role for m in self.messages if m.role != "system"]
+        if not turns:
+            raise APIError(400, "messages: the conversation has no user message", "messages", "invalid_value")
+        if turns[-1] == "assistant":
             raise APIError(
                 400,
                 "The last message must be a user message: continuing a partial assistant reply "
@@ -171,14 +200,10 @@ class CountTokensRequest(Strict):
         """The prompt: thinking on only when asked (Anthropic's default is off), and a forced
         tool call (tool_choice any / tool) generated under its tool's input schema."""
         thinking = self.thinking is not None and self.thinking.type != "disabled"
-        if self.thinking is not None and self.thinking.type == "enabled" and not reasoning.markers(tokenizer):
-            raise APIError(
-                400,
-                "thinking: this model has no reasoning format (its tokenizer has no <think>-style markers); "
-                'send thinking {"type": "disabled"} or leave it out',
-                "thinking",
-                "unsupported_value",
-            )
+        notes = ()
+        if thinking and not reasoning.markers(tokenizer):
+            # Claude Code asks for thinking by default; answer without it rather than refuse.
+            thinking, notes = False, (THINKING_IGNORED,)
         tools, constraint = self.tool_dicts(), None
         if self.tool_mode() == "forced":
             if thinking:  # as Anthropic's API
@@ -198,7 +223,10 @@ class CountTokensRequest(Strict):
             template_kwargs={"enable_thinking": thinking},
             constraint=constraint,
             constraint_param="tool_choice",
-            thinking_budget=self.thinking.budget_tokens if isinstance(self.thinking, ThinkingEnabled) else None,
+            thinking_budget=self.thinking.budget_tokens
+            if thinking and isinstance(self.thinking, ThinkingEnabled)
+            else None,
+            notes=notes,
         )
 
 

@@ -7,6 +7,7 @@ import asyncio
 import logging
 import socket
 import time
+from collections import Counter
 from contextlib import asynccontextmanager
 
 import uvicorn
@@ -15,6 +16,7 @@ from fastapi import FastAPI
 from edge0.backend.memory import available as memory_available
 from edge0.server import anthropic, hosts, responses_api, ui
 from edge0.server.config import ServerConfig
+from edge0.server.conversation import renders_mid_system
 from edge0.server.errors import install_error_handlers
 from edge0.server.grammar import Grammars
 from edge0.server.memory import MemoryWatcher
@@ -61,6 +63,8 @@ def create_app(engine, config: ServerConfig | None = None, read_memory=memory_av
     vocab = engine.tokenizer.get_vocab()
     app.state.token_chars, app.state.vocab_size = max(map(len, vocab)), max(vocab.values()) + 1
     app.state.grammars = Grammars(engine.tokenizer)
+    app.state.mid_system = renders_mid_system(engine.chat_prompt, engine.tokenizer.decode)
+    app.state.adapted = Counter()  # requests adapted rather than refused, by kind (pipeline.Prompt.notes)
     install_error_handlers(app)
     app.add_middleware(Guard, api_key=config.api_key, max_body_bytes=config.max_body_bytes)
     hosts.install(app, config.allowed_hosts, config.cors_origins)  # outermost: before auth and limits

@@ -3,6 +3,8 @@ same setup as docs/server.md's client sections)."""
 
 from __future__ import annotations
 
+import json
+
 KEY_VARIABLE = "EDGE0_API_KEY"
 
 
@@ -12,10 +14,22 @@ def setup_lines(base_url: str, model: str, keyed: bool) -> list[str]:
     key = f"${KEY_VARIABLE}" if keyed else "edge0"  # without a key, any value does
     codex_key = f', env_key="{KEY_VARIABLE}"' if keyed else ""
     sdk_key = f'os.environ["{KEY_VARIABLE}"]' if keyed else '"edge0"'
+    opencode = {
+        "provider": {
+            "edge0": {
+                "npm": "@ai-sdk/openai-compatible",
+                "name": "edge0",
+                "options": {"baseURL": f"{base_url}/v1", "apiKey": f"{{env:{KEY_VARIABLE}}}" if keyed else "edge0"},
+                "models": {model: {"name": model}},
+            }
+        },
+        "model": f"edge0/{model}",
+    }
     return [
         f"Claude Code: ANTHROPIC_BASE_URL={base_url} ANTHROPIC_AUTH_TOKEN={key} ANTHROPIC_MODEL={model} "
         f"ANTHROPIC_SMALL_FAST_MODEL={model} claude",
         f'Codex CLI: codex -c model_provider=edge0 -c \'model_providers.edge0={{name="edge0", '
         f'base_url="{base_url}/v1", wire_api="responses"{codex_key}}}\' -m {model}',
+        f"opencode: OPENCODE_CONFIG_CONTENT='{json.dumps(opencode, separators=(',', ':'))}' opencode",
         f'OpenAI SDK: OpenAI(base_url="{base_url}/v1", api_key={sdk_key}), model="{model}" (any name is accepted)',
     ]

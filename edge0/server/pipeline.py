@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Iterable, Literal, Protocol
 
@@ -22,6 +22,7 @@ from starlette.concurrency import run_in_threadpool
 
 from edge0.backend.logits import LogitBias
 from edge0.server import reasoning
+from edge0.server.conversation import place_system_turns
 from edge0.server.errors import APIError
 from edge0.server.generation import Finish, Params, Run, Segment, generation_events
 from edge0.server.grammar import Constraint, GrammarError
@@ -61,6 +62,9 @@ class Prompt:
     constraint: Constraint | None = None
     constraint_param: str | None = None
     thinking_budget: int | None = None  # most reasoning tokens (Anthropic's budget_tokens)
+    # What the request asked that this server adapted rather than refused: (counter, log line) pairs,
+    # counted in /v1/stats and logged the first time.
+    notes: tuple[tuple[str, str], ...] = ()
 
 
 def served_id(request: Request) -> str:
@@ -125,11 +129,34 @@ def _text_chars(value) -> int:
     return 0
 
 
-async def prompt_tokens(request: Request, prompt: Prompt) -> list[int]:
+SYSTEM_FOLDED = (
+    "system_turns_folded",
+    "a system message inside the conversation was folded into a user turn as a <system-reminder>: this "
+    "model's chat template renders no system turn there (counted in /v1/stats as system_turns_folded)",
+)
+
+
+def _adapted(state, prompt: Prompt, record: bool) -> Prompt:
+    """`prompt` with its system turns placed for the chat template (conversation.py); with `record`,
+    each adaptation is counted in /v1/stats and logged the first time."""
+    notes = list(prompt.notes)
+    if prompt.messages is not None:
+        messages, folded = place_system_turns(prompt.messages, state.mid_system)
+        prompt = replace(prompt, messages=messages)
+        notes += [SYSTEM_FOLDED] if folded else []
+    for name, line in notes if record else ():
+        if not state.adapted[name]:
+            log.info("%s", line)
+        state.adapted[name] += 1
+    return prompt
+
+
+async def prompt_tokens(request: Request, prompt: Prompt, record: bool = False) -> list[int]:
     """The token ids the engine would prefill for `prompt`, after the limits on messages, tools and
-    prompt length (APIError when they refuse it)."""
+    prompt length (APIError when they refuse it). `record`: count what was adapted (a generation)."""
     state = request.app.state
     engine, config = state.engine, state.config
+    prompt = _adapted(state, prompt, record)
     if prompt.messages is not None and len(prompt.messages) > config.max_messages:
         raise APIError(
             400,
@@ -186,7 +213,7 @@ async def respond(request: Request, fmt: Format, prompt: Prompt, params: Params,
     """Check the prompt against the limits, queue its generation, and answer: server-sent events
     when `stream`, else one JSON body. Raises APIError for a request the limits refuse."""
     state = request.app.state
-    tokens = await prompt_tokens(request, prompt)
+    tokens = await prompt_tokens(request, prompt, record=True)
     params = params.with_max_tokens(generation_limit(state.config, params.max_tokens, len(tokens), prompt.param))
     run = await _run(request, prompt, params, tokens)
     job = state.scheduler.submit(partial(generation_events, state.engine, run))

@@ -10,15 +10,15 @@ sends the whole conversation each turn.
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal, Optional, Union
+from typing import Annotated, Literal, Optional, Union
 
 from fastapi import APIRouter, Request
 from pydantic import Discriminator, Field, Tag
 
 from edge0.server.errors import APIError
-from edge0.server.grammar import ToolSpec
 from edge0.server.pipeline import Prompt, check_model, chosen_tools, respond, sampling_params
 from edge0.server.responses_format import ResponseFormat
+from edge0.server.responses_tools import NamedFunction, ResponsesTools, Tool, ToolChoice, flat_name
 from edge0.server.schemas import (
     OpenAITemperature,
     ReasoningEffort,
@@ -49,6 +49,7 @@ class FunctionCallItem(Strict):
     call_id: str
     name: str
     arguments: str
+    namespace: Optional[str] = None  # a call of a tool in a namespace group (responses_tools.py)
 
 
 class FunctionCallOutputItem(Strict):
@@ -90,19 +91,6 @@ InputItem = Annotated[
 ]
 
 
-class FunctionTool(Strict):
-    type: Literal["function"]
-    name: str = Field(min_length=1)
-    description: Optional[str] = None
-    parameters: Optional[dict[str, Any]] = None
-    strict: Optional[bool] = None
-
-
-class NamedFunction(Strict):
-    type: Literal["function"]
-    name: str
-
-
 class TextOptions(Strict):
     format: Optional[ResponsesTextFormat] = None
 
@@ -119,8 +107,8 @@ class ResponsesRequest(Strict):
     temperature: OpenAITemperature = None
     top_p: TopP = None
     stream: bool = False
-    tools: Optional[list[FunctionTool]] = None
-    tool_choice: Union[Literal["auto", "none", "required"], NamedFunction, None] = None
+    tools: Optional[list[Tool]] = None
+    tool_choice: Optional[ToolChoice] = None
     previous_response_id: Optional[str] = None
     text: Optional[TextOptions] = None
     reasoning: Optional[ReasoningOptions] = None
@@ -147,8 +135,9 @@ class ResponsesRequest(Strict):
                     ) from None
                 if not (out and out[-1]["role"] == "assistant"):
                     out.append({"role": "assistant", "content": ""})
+                name = flat_name(item.namespace, item.name)
                 out[-1].setdefault("tool_calls", []).append(
-                    {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": args}}
+                    {"id": item.call_id, "type": "function", "function": {"name": name, "arguments": args}}
                 )
             else:
                 output = item.output if isinstance(item.output, str) else join_text(item.output)
@@ -157,12 +146,8 @@ class ResponsesRequest(Strict):
                 out[-1]["reasoning_content"], thought = thought, ""
         return out
 
-    def tool_dicts(self) -> list[dict] | None:
-        """Function tools as the chat template takes them (Chat Completions' shape)."""
-        return [
-            {"type": "function", "function": t.model_dump(exclude_none=True, exclude={"type", "strict"})}
-            for t in self.tools or []
-        ] or None
+    def tool_set(self) -> ResponsesTools:
+        return ResponsesTools(self.tools, self.tool_choice)
 
     def tool_mode(self):
         return "auto" if self.tool_choice in (None, "auto") else "none" if self.tool_choice == "none" else "forced"
@@ -183,16 +168,13 @@ class ResponsesRequest(Strict):
             else {"format": {"type": "text"}},
         }
 
-    def tool_specs(self) -> list[ToolSpec]:
-        return [ToolSpec(t.name, t.parameters or {"type": "object"}, bool(t.strict)) for t in self.tools or []]
-
-    def prompt(self) -> Prompt:
+    def prompt(self, tools: ResponsesTools) -> Prompt:
         """The prompt, with a forced tool call or `text.format` as its constraint; reasoning is on
         as `reasoning.effort` says (the template's default without one), and off before a
         constrained output unless asked."""
         if self.tool_mode() == "forced":
             name = self.tool_choice.name if isinstance(self.tool_choice, NamedFunction) else None
-            constraint, where = tool_constraint(self.tool_specs(), name, "tool_choice"), "tool_choice"
+            constraint, where = tool_constraint(tools.specs(), name, "tool_choice"), "tool_choice"
         else:
             constraint, where = format_constraint(self.text and self.text.format, "text.format"), "text.format"
         switch = thinking_switch(self.reasoning and self.reasoning.effort)
@@ -201,10 +183,11 @@ class ResponsesRequest(Strict):
         return Prompt(
             "input",
             self.template_messages(),
-            chosen_tools(self.tool_dicts(), self.tool_mode()),
+            chosen_tools(tools.template_tools(), self.tool_mode()),
             template_kwargs=switch,
             constraint=constraint,
             constraint_param=where,
+            notes=tools.notes(),
         )
 
 
@@ -222,4 +205,6 @@ async def create_response(body: ResponsesRequest, request: Request):
             "unsupported_value",
         )
     params = sampling_params(body.max_output_tokens, body.temperature, body.top_p)
-    return await respond(request, ResponseFormat(model, body.echo()), body.prompt(), params, body.stream)
+    tools = body.tool_set()
+    fmt = ResponseFormat(model, body.echo(), tools.split)
+    return await respond(request, fmt, body.prompt(tools), params, body.stream)

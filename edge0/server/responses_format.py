@@ -26,9 +26,10 @@ class ResponseFormat:
     """A `response` object, or its stream of events (numbered from 0). Output items are built as
     segments arrive, so a whole answer is the stream's items."""
 
-    def __init__(self, model: str, echo: dict):
+    def __init__(self, model: str, echo: dict, split=lambda name: (None, name)):
         self.id, self.created, self.model = f"resp_{uuid.uuid4().hex}", int(time.time()), model
         self.echo = echo  # request fields the response object repeats
+        self.split = split  # a called tool's name as the model saw it -> (namespace, name)
         self.output: list[dict] = []
         self._message: dict | None = None  # the message item receiving text, while open
         self._message_index = 0
@@ -92,12 +93,14 @@ class ResponseFormat:
             return
         yield from self._close_message()
         fn = segment["function"]
+        namespace, name = self.split(fn["name"])
         item = {
             "id": f"fc_{uuid.uuid4().hex}",
             "type": "function_call",
             "status": "in_progress",
             "call_id": segment["id"],
-            "name": fn["name"],
+            "name": name,
+            **({"namespace": namespace} if namespace else {}),
             "arguments": "",
         }
         self.output.append(item)
@@ -111,7 +114,7 @@ class ResponseFormat:
             "response.function_call_arguments.done",
             item_id=item["id"],
             output_index=index,
-            name=fn["name"],
+            name=name,
             arguments=fn["arguments"],
         )
         yield self._event("response.output_item.done", output_index=index, item=item)

@@ -54,6 +54,7 @@ async def stats(request: Request) -> dict:
             **state.scheduler.counters,
             "between_errors": state.scheduler.between_errors,
             "sampling": dict(state.grammars.stats),
+            "adapted": dict(state.adapted),
         },
         "memory": state.memory.stats() if state.memory else None,
         "machine": _machine_memory(),

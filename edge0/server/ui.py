@@ -49,10 +49,11 @@ def _file(name: str) -> Response:
     return Response(body, media_type=TYPES[name[name.rfind(".") :]], headers=HEADERS)
 
 
-@router.get("/")
-@router.get("/ui")
+# HEAD too: Claude Code sends `HEAD /` to open its connection before the first request.
+@router.api_route("/", methods=["GET", "HEAD"])
+@router.api_route("/ui", methods=["GET", "HEAD"])
 async def page() -> Response:
-    """The chat page."""
+    """The chat page (HEAD: its headers)."""
     return _file("index.html")
 
 

@@ -1,0 +1,188 @@
+"""The real coding-agent clients (npm releases, pinned) against the real server, each run inside a
+loopback-only network namespace, with the setup lines `edge0 serve` prints.
+
+`python -m tests.agent_clients --client claude --prompt "run: echo hi" --out result.json` (run
+it under `unshare -n`, as `run_client` does) brings the namespace's loopback up, serves the
+scripted agent engine (tests/agent_engine.py) on a free port, runs the client with the setup line
+for it, and writes the client's exit code and output and every request body the server received.
+
+The clients are installed by `.ci/run` (`npm install --prefix DIR`); DIR is $EDGE0_AGENT_CLIENTS,
+default ~/.cache/edge0/agent-clients.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+# Pinned npm releases: the versions whose request shapes docs/clients.md describes.
+PACKAGES = {
+    "claude": ("@anthropic-ai/claude-code", "2.1.197"),
+    "codex": ("@openai/codex", "0.171.0"),
+    "opencode": ("opencode-ai", "1.18.33"),
+}
+SETUP_PREFIX = {"claude": "Claude Code: ", "codex": "Codex CLI: ", "opencode": "opencode: "}
+
+
+def clients_dir() -> Path:
+    return Path(os.environ.get("EDGE0_AGENT_CLIENTS") or Path.home() / ".cache" / "edge0" / "agent-clients")
+
+
+def installed(client: str) -> str | None:
+    """The client's executable, if the pinned version is installed (else None)."""
+    package, version = PACKAGES[client]
+    meta = clients_dir() / "node_modules" / package / "package.json"
+    exe = clients_dir() / "node_modules" / ".bin" / client
+    if not exe.exists() or not meta.exists() or json.loads(meta.read_text()).get("version") != version:
+        return None
+    return str(exe)
+
+
+def netns_problem() -> str | None:
+    """Why a loopback-only network namespace cannot be made here (None: it can)."""
+    if shutil.which("unshare") is None or shutil.which("ip") is None:
+        return "unshare or ip (util-linux, iproute2) is not installed"
+    p = subprocess.run(["unshare", "-n", "ip", "link", "set", "lo", "up"], capture_output=True, text=True)
+    return None if p.returncode == 0 else f"unshare -n failed: {p.stderr.strip()}"
+
+
+def client_command(client: str, line: str, prompt: str) -> tuple[dict, list[str]]:
+    """(environment, argv) for running `client` non-interactively on `prompt`, from the setup
+    line edge0 serve prints for it ("Claude Code: VAR=... claude", "Codex CLI: codex -c ...")."""
+    words = shlex.split(line.removeprefix(SETUP_PREFIX[client]))
+    env = {}
+    while words and "=" in words[0] and not words[0].startswith("-"):
+        key, _, value = words.pop(0).partition("=")
+        env[key] = value
+    exe = installed(client)
+    assert words[0] == client and exe, (line, exe)
+    argv = [exe, *words[1:]]
+    if client == "claude":
+        argv += ["-p", prompt, "--allowedTools", "Bash(echo:*)"]
+    elif client == "codex":
+        argv += ["exec", "--skip-git-repo-check", "--dangerously-bypass-approvals-and-sandbox", prompt]
+    else:
+        argv += ["run", prompt]
+    return env, argv
+
+
+class Recorder:
+    """ASGI wrapper keeping (method, path, JSON body) of every request."""
+
+    def __init__(self, app):
+        self.app, self.requests = app, []
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        chunks = []
+
+        async def recording_receive():
+            message = await receive()
+            chunks.append(message.get("body", b""))
+            return message
+
+        try:
+            await self.app(scope, recording_receive, send)
+        finally:
+            body = b"".join(chunks)
+            try:
+                parsed = json.loads(body) if body else None
+            except ValueError:
+                parsed = body.decode("utf-8", "replace")
+            self.requests.append({"method": scope["method"], "path": scope["path"], "body": parsed})
+
+
+def serve_and_run(client: str, prompt: str, timeout: float, engine_kwargs: dict) -> dict:
+    """Inside the namespace: the server in a thread, the client as a child process."""
+    import uvicorn
+
+    from edge0.server.app import create_app
+    from edge0.server.clients import setup_lines
+    from edge0.server.config import ServerConfig
+    from tests.agent_engine import AgentEngine
+
+    subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
+    engine = AgentEngine(**engine_kwargs)
+    app = Recorder(create_app(engine, ServerConfig(context_length=200_000, max_prompt_tokens=190_000)))
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True).start()
+    while not server.started:
+        time.sleep(0.01)
+    base = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    lines = setup_lines(base, engine.model_id, keyed=False)
+    line = next(x for x in lines if x.startswith(SETUP_PREFIX[client]))
+    env, argv = client_command(client, line, prompt)
+    with tempfile.TemporaryDirectory() as home:
+        work = Path(home) / "work"
+        work.mkdir()
+        child_env = {
+            "PATH": os.environ["PATH"],
+            "HOME": home,
+            "CODEX_HOME": str(Path(home) / ".codex"),
+            "XDG_CONFIG_HOME": str(Path(home) / ".config"),
+            "XDG_DATA_HOME": str(Path(home) / ".local/share"),
+            "XDG_CACHE_HOME": str(Path(home) / ".cache"),
+            "TERM": "dumb",
+            **env,
+        }
+        Path(child_env["CODEX_HOME"]).mkdir()
+        started = time.monotonic()
+        try:
+            p = subprocess.run(
+                argv, cwd=work, env=child_env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout
+            )
+            rc, out, err = p.returncode, p.stdout, p.stderr
+        except subprocess.TimeoutExpired as e:
+            rc, out, err = "timeout", e.stdout or "", e.stderr or ""
+        wall = time.monotonic() - started
+    server.should_exit = True
+    return {
+        "client": client,
+        "setup_line": line,
+        "rc": rc,
+        "stdout": out if isinstance(out, str) else out.decode("utf-8", "replace"),
+        "stderr": err if isinstance(err, str) else err.decode("utf-8", "replace"),
+        "wall_s": wall,
+        "requests": app.requests,
+        "generations": len(engine.calls),
+    }
+
+
+def run_client(client: str, prompt: str, tmp_path: Path, timeout: float = 120, **engine_kwargs) -> dict:
+    """Run `client` on `prompt` in a fresh loopback-only network namespace; its result dict."""
+    out = tmp_path / f"{client}-result.json"
+    cmd = [sys.executable, "-m", "tests.agent_clients", "--client", client, "--prompt", prompt, "--out", str(out)]
+    cmd += ["--timeout", str(timeout), "--engine", json.dumps(engine_kwargs)]
+    root = Path(__file__).resolve().parents[1]
+    p = subprocess.run(["unshare", "-n", *cmd], cwd=root, capture_output=True, text=True, timeout=timeout + 60)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--client", choices=sorted(PACKAGES), required=True)
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--timeout", type=float, default=120)
+    p.add_argument("--engine", default="{}", help="AgentEngine keyword arguments, as JSON")
+    args = p.parse_args(argv)
+    result = serve_and_run(args.client, args.prompt, args.timeout, json.loads(args.engine))
+    Path(args.out).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -56,9 +56,10 @@ def netns_problem() -> str | None:
     return None if p.returncode == 0 else f"unshare -n failed: {p.stderr.strip()}"
 
 
-def client_command(client: str, line: str, prompt: str) -> tuple[dict, list[str]]:
+def client_command(client: str, line: str, prompt: str, extra: list[str] = ()) -> tuple[dict, list[str]]:
     """(environment, argv) for running `client` non-interactively on `prompt`, from the setup
-    line edge0 serve prints for it ("Claude Code: VAR=... claude", "Codex CLI: codex -c ...")."""
+    line edge0 serve prints for it ("Claude Code: VAR=... claude", "Codex CLI: codex -c ..."),
+    with `extra` arguments before the prompt's."""
     words = shlex.split(line.removeprefix(SETUP_PREFIX[client]))
     env = {}
     while words and "=" in words[0] and not words[0].startswith("-"):
@@ -66,7 +67,7 @@ def client_command(client: str, line: str, prompt: str) -> tuple[dict, list[str]
         env[key] = value
     exe = installed(client)
     assert words[0] == client and exe, (line, exe)
-    argv = [exe, *words[1:]]
+    argv = [exe, *words[1:], *extra]
     if client == "claude":
         argv += ["-p", prompt, "--allowedTools", "Bash(echo:*)"]
     elif client == "codex":
@@ -103,7 +104,9 @@ class Recorder:
             self.requests.append({"method": scope["method"], "path": scope["path"], "body": parsed})
 
 
-def serve_and_run(client: str, prompt: str, timeout: float, engine_kwargs: dict) -> dict:
+def serve_and_run(
+    client: str, prompt: str, timeout: float, engine_kwargs: dict, keepalive_s: float = 15.0, extra: list[str] = ()
+) -> dict:
     """Inside the namespace: the server in a thread, the client as a child process."""
     import uvicorn
 
@@ -114,7 +117,8 @@ def serve_and_run(client: str, prompt: str, timeout: float, engine_kwargs: dict)
 
     subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
     engine = AgentEngine(**engine_kwargs)
-    app = Recorder(create_app(engine, ServerConfig(context_length=200_000, max_prompt_tokens=190_000)))
+    config = ServerConfig(context_length=200_000, max_prompt_tokens=190_000, keepalive_s=keepalive_s)
+    app = Recorder(create_app(engine, config))
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
@@ -124,7 +128,7 @@ def serve_and_run(client: str, prompt: str, timeout: float, engine_kwargs: dict)
     base = f"http://127.0.0.1:{sock.getsockname()[1]}"
     lines = setup_lines(base, engine.model_id, keyed=False)
     line = next(x for x in lines if x.startswith(SETUP_PREFIX[client]))
-    env, argv = client_command(client, line, prompt)
+    env, argv = client_command(client, line, prompt, extra)
     with tempfile.TemporaryDirectory() as home:
         work = Path(home) / "work"
         work.mkdir()
@@ -161,11 +165,21 @@ def serve_and_run(client: str, prompt: str, timeout: float, engine_kwargs: dict)
     }
 
 
-def run_client(client: str, prompt: str, tmp_path: Path, timeout: float = 120, **engine_kwargs) -> dict:
-    """Run `client` on `prompt` in a fresh loopback-only network namespace; its result dict."""
+def run_client(
+    client: str,
+    prompt: str,
+    tmp_path: Path,
+    timeout: float = 120,
+    keepalive_s: float = 15.0,
+    extra: list[str] = (),
+    **engine_kwargs,
+) -> dict:
+    """Run `client` on `prompt` in a fresh loopback-only network namespace; its result dict.
+    `extra`: client arguments; `engine_kwargs`: AgentEngine's (delay, prefill_delay)."""
     out = tmp_path / f"{client}-result.json"
     cmd = [sys.executable, "-m", "tests.agent_clients", "--client", client, "--prompt", prompt, "--out", str(out)]
-    cmd += ["--timeout", str(timeout), "--engine", json.dumps(engine_kwargs)]
+    cmd += ["--timeout", str(timeout), "--engine", json.dumps(engine_kwargs), "--keepalive-s", str(keepalive_s)]
+    cmd += [f"--client-arg={a}" for a in extra]
     root = Path(__file__).resolve().parents[1]
     p = subprocess.run(["unshare", "-n", *cmd], cwd=root, capture_output=True, text=True, timeout=timeout + 60)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -179,8 +193,12 @@ def main(argv=None) -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--timeout", type=float, default=120)
     p.add_argument("--engine", default="{}", help="AgentEngine keyword arguments, as JSON")
+    p.add_argument("--keepalive-s", type=float, default=15.0)
+    p.add_argument("--client-arg", action="append", default=[], help="an argument for the client (repeatable)")
     args = p.parse_args(argv)
-    result = serve_and_run(args.client, args.prompt, args.timeout, json.loads(args.engine))
+    result = serve_and_run(
+        args.client, args.prompt, args.timeout, json.loads(args.engine), args.keepalive_s, args.client_arg
+    )
     Path(args.out).write_text(json.dumps(result, indent=1))
 
 

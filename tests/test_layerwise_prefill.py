@@ -88,13 +88,35 @@ def test_cancellation_is_seen_between_layers(store_for):
     steps = list(engine.stream_generate(PROMPT, max_tokens=4, should_stop=lambda: checks.append(1) or len(checks) > 2))
     # checks: layer 0 starts, its attention chunk, its MoE chunk -> stop: the second layer never ran
     assert steps == [] and len(checks) == 3
-    assert engine.kv.tokens == [] and engine.kv.cache is None  # the partial cache was dropped
+    # layer 0's attention wrote the span's keys; trimmed back, the cache holds nothing of it
+    assert engine.kv.tokens == [] and {c.offset for c in engine.kv.cache} == {0}
     calls = engine.streaming.stats.totals()["calls"]
     assert calls == 0  # layer 0's MoE chunk was not computed either
     again = engine.generate(PROMPT, max_tokens=4)
     engine.prefiller.layerwise = False
     engine.reset_cache()
     assert again.tokens == engine.generate(PROMPT, max_tokens=4).tokens
+
+
+@pytest.mark.parametrize("layerwise", [True, False])
+def test_a_cancelled_prefill_keeps_the_spans_fed_into_every_layer_and_a_retry_resumes_there(store_for, layerwise):
+    engine = edge0.load(store_for("qwen3_moe"), dtype="float32", prerouter=False)
+    prompt = [(7 * i) % 200 + 10 for i in range(1124)]
+    expected = engine.generate(prompt, max_tokens=6)
+    engine.prefiller.layerwise, engine.prefiller.span_tokens = layerwise, 256
+    engine.reset_cache()
+    if layerwise:  # stop inside the third span: two spans went into every layer
+        stop = lambda: engine.prefiller.spans - spans0 >= 2  # noqa: E731
+    else:  # the chunked forward checks before each 512-token chunk: stop before the third
+        checks = []
+        stop = lambda: checks.append(1) or len(checks) > 2  # noqa: E731
+    spans0 = engine.prefiller.spans
+    assert list(engine.stream_generate(prompt, max_tokens=6, reuse_cache=True, should_stop=stop)) == []
+    kept = 2 * (256 if layerwise else 512)
+    assert engine.kv.tokens == prompt[:kept] and {c.offset for c in engine.kv.cache} == {kept}
+    again = engine.generate(prompt, max_tokens=6, reuse_cache=True)
+    assert again.stats["prefill_tokens"] == len(prompt) - kept  # the retry resumed
+    assert again.tokens == expected.tokens
 
 
 class _Layer(nn.Module):

@@ -81,7 +81,14 @@ def test_streaming_equals_non_streaming(client):
         "message_stop",
     ]
     assert set(kinds[2:-3]) == {"content_block_delta"} and len(kinds) > 10
-    assert events[0].message.usage.input_tokens == whole.usage.input_tokens + whole.usage.cache_read_input_tokens
+    # The counts are known once generation starts: message_start has zeros, message_delta the totals.
+    assert events[0].message.usage.input_tokens == 0 and events[0].message.usage.output_tokens == 0
+    assert events[-2].usage.input_tokens + events[-2].usage.cache_read_input_tokens == (
+        whole.usage.input_tokens + whole.usage.cache_read_input_tokens
+    )
+    assert final.usage.input_tokens + final.usage.cache_read_input_tokens == events[-2].usage.input_tokens + (
+        events[-2].usage.cache_read_input_tokens
+    )
 
 
 def test_max_tokens_and_stop_sequences(client):

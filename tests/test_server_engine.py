@@ -131,8 +131,8 @@ def test_real_engine_on_a_fixture_store(store_for):
 
 def test_real_engine_stops_during_prefill_and_between_steps_and_stays_consistent(store_for):
     """should_stop: checked between the prefill's layers and chunks and between decode steps; a
-    stop in prefill drops the partial KV cache, StepHooks.finish runs, and the next generation is
-    right."""
+    stop in prefill keeps only whole spans (none here), StepHooks.finish runs, and the next
+    generation is right."""
     import edge0
     from edge0.engine.hooks import StepHooks
 
@@ -161,7 +161,7 @@ def test_real_engine_stops_during_prefill_and_between_steps_and_stays_consistent
     assert steps == [] and len(checks) == 2  # stopped inside the first layer
     assert hooks.events[-2:] == ["start", "finish"]
     again = engine.generate(prompt, max_tokens=6, reuse_cache=True)
-    assert again.stats["prefill_tokens"] == len(prompt)  # nothing of the abandoned prompt was kept
+    assert again.stats["prefill_tokens"] == len(prompt)  # no span was complete: nothing kept
     assert again.tokens == expected
 
     cancellable = engine.generate(prompt + [3], max_tokens=6, should_stop=lambda: False)
@@ -195,3 +195,44 @@ def test_serve_prints_each_clients_setup_and_wires_the_model_names(monkeypatch, 
     assert 'base_url="http://127.0.0.1:9001/v1", wire_api="responses", env_key="EDGE0_API_KEY"' in codex
     assert any(line.startswith("OpenAI SDK:") for line in lines)
     assert "sk-secret" not in caplog.text  # the key is never logged
+
+
+def test_a_client_that_leaves_during_the_prefill_leaves_its_spans_cached_for_the_retry(store_for, monkeypatch):
+    """Claude Code and Codex retry a request whose stream went idle: the retry resumes from the
+    spans the abandoned prefill finished, and its usage says so."""
+    import threading
+    import time
+
+    import httpx
+
+    import edge0
+    from edge0.backend import layerwise as blw
+
+    engine = edge0.load(store_for("qwen3_moe"), prerouter=False)
+    engine.prefiller.span_tokens = 128
+    spans, real = threading.Event(), blw.prefill_layerwise
+
+    def slow_span(*args):  # 0.1 s per span: the client leaves after the second
+        real(*args)
+        time.sleep(0.1)
+        if engine.prefiller.spans >= 1:
+            spans.set()
+
+    monkeypatch.setattr(blw, "prefill_layerwise", slow_span)
+    text = " ".join(f"word{i % 97}" for i in range(300))
+    body = {"model": "m", "max_tokens": 4, "temperature": 0, "messages": [{"role": "user", "content": text}]}
+    with running_server(engine, ServerConfig()) as base:
+        with httpx.stream("POST", base + "/v1/messages", json={**body, "stream": True}) as r:
+            assert r.status_code == 200
+            assert spans.wait(30)  # a span is done; the client goes
+        deadline = time.monotonic() + 30
+        while engine.generating and time.monotonic() < deadline:
+            time.sleep(0.05)
+        kept = len(engine.kv.tokens)
+        assert kept > 0 and kept % 128 == 0
+        retry = httpx.post(base + "/v1/messages", json=body, timeout=60).json()
+        assert retry["usage"]["cache_read_input_tokens"] == kept
+        engine.reset_cache()
+        cold = httpx.post(base + "/v1/messages", json=body, timeout=60).json()
+        assert cold["usage"]["cache_read_input_tokens"] == 0 and cold["content"] == retry["content"]
+        assert cold["usage"]["input_tokens"] == retry["usage"]["input_tokens"] + kept

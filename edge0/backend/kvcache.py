@@ -28,6 +28,7 @@ __all__ = [
     "rewind_problem",
     "rewind_point",
     "rewind",
+    "trim_to",
 ]
 
 
@@ -67,6 +68,18 @@ def prompt_cache_metadata(flat: dict[str, str]) -> dict:
     if not isinstance(metadata, list) or not metadata or not isinstance(metadata[0], dict):
         raise ValueError("no prompt-cache metadata")
     return metadata[0]
+
+
+def trim_to(cache, n: int) -> bool:
+    """Make every layer hold its first `n` tokens (a prefill cancelled between layers leaves the
+    first layers ahead of the others). False, and nothing changed, when a layer holding more than
+    `n` cannot be trimmed (recurrent state)."""
+    ahead = [c for c in cache if c.offset > n] if all(hasattr(c, "offset") for c in cache) else None
+    if ahead is None or not all(c.is_trimmable() for c in ahead):
+        return False
+    for c in ahead:
+        c.trim(c.offset - n)
+    return True
 
 
 def rewind_problem(cache) -> str | None:

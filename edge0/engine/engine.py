@@ -194,7 +194,8 @@ class Engine:
 
         `should_stop()`, if given, is checked between the prefill's layers and chunks and between
         decode steps; once it returns True the generator ends without a final Step. A stop during
-        prefill drops the KV cache, which then holds part of the prompt. `logits_processors` and
+        prefill keeps the prompt's spans already fed into every layer in the KV cache (with
+        reuse_cache, the same prompt again prefills only the rest); recurrent caches are dropped. `logits_processors` and
         `logprobs`: see edge0/engine/sampler.py."""
         self._leads()
         tokens = self.encode(prompt)
@@ -241,8 +242,11 @@ class Engine:
         new = tokens[kv.prepare(tokens, reuse) :]
         kv.begin()
         try:
-            if not self.prefiller(new[:-1], kv.cache, should_stop) or (should_stop and should_stop()):
-                return None, len(new) - 1, None
+            fed = self.prefiller(new[:-1], kv.cache, should_stop)
+            if fed < len(new) - 1 or (should_stop and should_stop()):
+                # Cancelled: what went into every layer stays, so a retry of the request resumes there.
+                kv.keep(new[:fed])
+                return None, fed, None
             prefilled = self.streaming.stats.totals()
             y = self.step(new[-1:], 0, sampler)
         except ValueError as e:  # mlx-lm's quantized cache needs key widths the group size divides
@@ -279,8 +283,7 @@ class Engine:
         t0 = time.perf_counter()
         self.hooks.start(self)
         y, n_prefill, prefilled = self._prefill(tokens, reuse_cache, sampler, should_stop)
-        if y is None:  # cancelled: the cache holds part of the prompt, which nothing can reuse
-            self.kv.reset()
+        if y is None:  # cancelled during the prefill: the cache keeps what it fed (PromptCache.keep)
             return
         t_prefill = time.perf_counter() - t0
 

@@ -48,6 +48,17 @@ class PromptCache:
         self.tokens += list(fed)
         self.dirty = False
 
+    def keep(self, fed: list[int]) -> bool:
+        """The forward that `begin` announced was cancelled after feeding `fed` completely (and
+        maybe part of what followed): the cache is trimmed back to hold `tokens + fed`, so a retry
+        of the request resumes there. Recurrent state cannot be trimmed: then the cache is dropped.
+        Returns whether it was kept."""
+        if self.cache is None or not bkv.trim_to(self.cache, len(self.tokens) + len(fed)):
+            self.reset()
+            return False
+        self.advance(fed)
+        return True
+
     def prepare(self, tokens: list[int], reuse: bool) -> int:
         """Make the cache hold a prefix of `tokens` (all but the last token at most, which must be
         fed to get logits): the longer of what the cache in memory shares with them and what a

@@ -31,30 +31,31 @@ class Prefiller:
         self.spans = 0  # spans fed layer by layer
         self.chunked_spans = 0  # spans fed by the chunked forward (the model or cache does not allow layers)
 
-    def __call__(self, tokens: list[int], cache, should_stop=None) -> bool:
-        """Feed `tokens`; False if `should_stop()` said so between layers or chunks (the cache
-        then holds part of them)."""
+    def __call__(self, tokens: list[int], cache, should_stop=None) -> int:
+        """Feed `tokens`; returns how many went into every layer: all of them, or fewer when
+        `should_stop()` said so between layers or chunks (the cache may then hold part of the
+        next span in its first layers; kv.PromptCache.keep trims that)."""
         if not tokens:
-            return True
+            return 0
         if not (self.layerwise and blw.layerwise_ready(self.model, cache, self.hidden, self.compute_dtype)):
             return self._chunked(tokens, cache, should_stop)
         plan = blw.SpanPlan(self.moe_chunk, self.heads, should_stop, self.score_bytes)
-        try:
-            for i in range(0, len(tokens), self.span_tokens):
+        for i in range(0, len(tokens), self.span_tokens):
+            try:
                 blw.prefill_layerwise(self.model, tokens[i : i + self.span_tokens], cache, plan)
-                self.spans += 1
-        except blw.PrefillCancelled:
-            return False
-        return True
+            except blw.PrefillCancelled:
+                return i
+            self.spans += 1
+        return len(tokens)
 
-    def _chunked(self, tokens, cache, should_stop) -> bool:
+    def _chunked(self, tokens, cache, should_stop) -> int:
         chunk = CANCELLABLE_CHUNK if should_stop else CHUNK
         for i in range(0, len(tokens), chunk):
             if should_stop and should_stop():
-                return False
+                return i
             bfw.prefill(self.model, tokens[i : i + chunk], cache, chunk)
         self.chunked_spans += 1
-        return True
+        return len(tokens)
 
     def stats(self) -> dict:
         return {

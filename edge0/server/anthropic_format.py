@@ -22,6 +22,9 @@ def anthropic_usage(usage: Usage) -> dict:
     }
 
 
+_ZERO_USAGE = {"input_tokens": 0, "output_tokens": 0, "cache_read_input_tokens": 0, "cache_creation_input_tokens": 0}
+
+
 def _stop_reason(finish: Finish) -> str:
     if finish.reason == "tool_calls":
         return "tool_use"
@@ -61,8 +64,15 @@ class MessageFormat:
         }
 
     def stream_start(self, prompt_tokens: int):
-        # The cache hit is known only once generation starts: message_delta's usage is final.
-        yield _event("message_start", message=self._message(None, {"input_tokens": prompt_tokens, "output_tokens": 0}))
+        # The request is only queued: how much of the prompt the KV cache holds is known once
+        # generation starts, so the token counts are all in message_delta (zero here). It also
+        # keeps keep-alive deltas free: Claude Code adds each message_delta's usage to its costs.
+        yield _event("message_start", message=self._message(None, _ZERO_USAGE))
+
+    def stream_keepalive(self):
+        # Claude Code's idle watchdog ignores `ping` (its SDK drops pings), so the keep-alive is an
+        # empty message_delta: no stop reason yet, zero tokens; the final message_delta overrides it.
+        yield _event("message_delta", delta={"stop_reason": None, "stop_sequence": None}, usage={"output_tokens": 0})
 
     def stream_delta(self, segment: Segment):
         if isinstance(segment, Logprobs):

@@ -73,6 +73,10 @@ class _OpenAIStream:
             yield sse(self._object(choices=[], usage=openai_usage(finish.usage)))
         yield sse("[DONE]")
 
+    def stream_keepalive(self):
+        # An SSE comment: every client's parser skips it, and it resets byte-level read timeouts.
+        yield ": keep-alive\n\n"
+
     def stream_error(self, error: APIError) -> str:
         return sse(openai_error(error))
 

@@ -31,6 +31,7 @@ class ServerConfig:
     cors_origins: tuple[str, ...] = ()  # --cors-origin: origins whose pages may call the API (CORS)
     served_model_names: tuple[str, ...] = ()  # --served-model-name: the id reported (the first) and aliases
     strict_model_name: bool = False  # --strict-model-name: 404 for a model name not served
+    keepalive_s: float = 15.0  # --keepalive-s: a stream with no event for this long gets a keep-alive event
 
 
 def model_context_length(root: Path) -> int | None:

@@ -42,6 +42,7 @@ class Format(Protocol):
 
     def stream_start(self, prompt_tokens: int) -> Iterable[str]: ...
     def stream_delta(self, segment: Segment) -> Iterable[str]: ...
+    def stream_keepalive(self) -> Iterable[str]: ...
     def stream_end(self, finish: Finish) -> Iterable[str]: ...
     def stream_error(self, error: APIError) -> str: ...
     def body(self, segments: list[Segment], finish: Finish) -> dict: ...
@@ -220,7 +221,7 @@ async def respond(request: Request, fmt: Format, prompt: Prompt, params: Params,
     if stream:
         # The background task also covers a client that leaves before the stream starts.
         return StreamingResponse(
-            _stream(job, fmt, len(tokens)),
+            _stream(job, fmt, len(tokens), state.config.keepalive_s),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache"},
             background=BackgroundTask(job.cancel),
@@ -294,12 +295,27 @@ def _tokenize(engine, prompt: Prompt) -> list[int]:
         raise APIError(400, f"Could not apply the chat template: {e}", prompt.param, "invalid_messages") from None
 
 
-async def _stream(job: Job, fmt: Format, prompt_tokens: int):
-    """SSE body. Leaving this generator early (client gone) cancels the job."""
+async def _stream(job: Job, fmt: Format, prompt_tokens: int, keepalive_s: float):
+    """SSE body. Leaving this generator early (client gone) cancels the job. While no event comes
+    for `keepalive_s` (a long prefill, a tool call being written), the Format's keep-alive goes out,
+    so that clients' stream idle watchdogs do not fire (docs/clients.md)."""
+    events = job.events().__aiter__()
+    pending = None
     try:
         for event in fmt.stream_start(prompt_tokens):
             yield event
-        async for item in job.events():
+        while True:
+            pending = pending or asyncio.ensure_future(events.__anext__())
+            done, _ = await asyncio.wait({pending}, timeout=keepalive_s)
+            if not done:
+                for event in fmt.stream_keepalive():
+                    yield event
+                continue
+            task, pending = pending, None
+            try:
+                item = task.result()
+            except StopAsyncIteration:
+                break
             for event in fmt.stream_end(item) if isinstance(item, Finish) else fmt.stream_delta(item):
                 yield event
     except APIError as e:  # headers are sent: report the failure in-stream, as the APIs do
@@ -308,6 +324,8 @@ async def _stream(job: Job, fmt: Format, prompt_tokens: int):
         log.exception("generation failed")
         yield fmt.stream_error(APIError(500, f"Generation failed: {type(e).__name__}: {e}"))
     finally:
+        if pending is not None:
+            pending.cancel()
         job.cancel()
 
 

@@ -67,6 +67,10 @@ class ResponseFormat:
         yield self._event("response.created", response=self._response())
         yield self._event("response.in_progress", response=self._response())
 
+    def stream_keepalive(self):
+        # Codex's idle timeout counts SSE events (not comments): the in-progress event again.
+        yield self._event("response.in_progress", response=self._response())
+
     def stream_delta(self, segment: Segment):
         if isinstance(segment, Logprobs):
             return

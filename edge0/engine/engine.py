@@ -195,8 +195,8 @@ class Engine:
         `should_stop()`, if given, is checked between the prefill's layers and chunks and between
         decode steps; once it returns True the generator ends without a final Step. A stop during
         prefill keeps the prompt's spans already fed into every layer in the KV cache (with
-        reuse_cache, the same prompt again prefills only the rest); recurrent caches are dropped. `logits_processors` and
-        `logprobs`: see edge0/engine/sampler.py."""
+        reuse_cache, the same prompt again prefills only the rest); recurrent caches are dropped.
+        `logits_processors` and `logprobs`: see edge0/engine/sampler.py."""
         self._leads()
         tokens = self.encode(prompt)
         if max_tokens < 1:

@@ -3,7 +3,7 @@ through the real server: the fake engine's tokenizer and chat template (tests/fa
 with replies written for an agent's tool loop.
 
 The reply reads the rendered prompt back (ChatML, tools as JSON lines in `<tools>`):
-- the last turn is a tool result -> "Tool result: FIRST LINE";
+- the last turn is a tool result -> "Tool result: LAST LINE" (Codex puts the command's output last);
 - the last user turn says `run: CMD` and a tool takes a shell command (a `command` or `cmd`
   parameter: Claude Code's Bash, Codex's exec_command, opencode's bash) -> a call of that tool
   running CMD, every other required string parameter filled in;
@@ -64,8 +64,8 @@ class AgentEngine(FakeEngine):
             return HELLO
         role, content = turns[-1]
         if m := re.search(r"<tool_response>\n(.*?)\n</tool_response>", content, re.S):
-            first = (m.group(1).strip().splitlines() or [""])[0]
-            return TOOL_RESULT + first[:200]
+            last = ([line for line in m.group(1).splitlines() if line.strip()] or [""])[-1]
+            return TOOL_RESULT + last.strip()[:200]
         call = None
         # opencode quotes the prompt of `opencode run`.
         if m := re.search(r'^"?run: (.+?)"?$', content, re.M):

@@ -187,7 +187,7 @@ def test_serve_prints_each_clients_setup_and_wires_the_model_names(monkeypatch, 
         )
     config = ran["app"].state.config
     assert config.served_model_names == ("coder",) and config.strict_model_name
-    assert config.context_length == 4096 and config.max_tokens is None and config.default_max_tokens is None
+    assert config.context_length == 4096 and config.max_tokens is None and config.default_max_tokens == 4096
     lines = [r.getMessage() for r in caplog.records]
     claude = next(line for line in lines if line.startswith("Claude Code:"))
     assert "ANTHROPIC_BASE_URL=http://127.0.0.1:9001 " in claude and "ANTHROPIC_MODEL=coder" in claude
@@ -236,3 +236,31 @@ def test_a_client_that_leaves_during_the_prefill_leaves_its_spans_cached_for_the
         cold = httpx.post(base + "/v1/messages", json=body, timeout=60).json()
         assert cold["usage"]["cache_read_input_tokens"] == 0 and cold["content"] == retry["content"]
         assert cold["usage"]["input_tokens"] == retry["usage"]["input_tokens"] + kept
+
+
+def test_generated_control_tokens_are_not_in_the_text(store_for):
+    """A model may sample <|im_start|> or <|endoftext|>: the tokens count, their text is not shown
+    (reasoning and tool-call markers, which the server parses, stay)."""
+    import edge0
+    from tests.fixtures import tokenizer as tok
+
+    engine = edge0.load(store_for("qwen3_moe"), prerouter=False)
+    control = {tok.token_id(t) for t in ("<|im_start|>", "<|endoftext|>")}
+    assert control <= engine.control_ids and tok.token_id("<tool_call>") not in engine.control_ids
+    bias = {str(i): 100 for i in control}  # every token is one of them
+    with running_server(engine, ServerConfig()) as base:
+        client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
+        r = client.chat.completions.create(model="m", messages=user("hi"), max_tokens=5, logit_bias=bias)
+        assert r.choices[0].message.content == "" and r.usage.completion_tokens == 5
+        streamed = client.chat.completions.create(
+            model="m", messages=user("hi"), max_tokens=5, logit_bias=bias, stream=True
+        )
+        assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == ""
+    markup = engine.generate("hi", max_tokens=3, logits_processors=[_force(tok.token_id("<tool_call>"))])
+    assert markup.text == "<tool_call>" * 3
+
+
+def _force(token: int):
+    from edge0.backend.logits import only_token
+
+    return lambda generated, row: only_token(row, token)

@@ -34,6 +34,18 @@ def load_tokenizer(path, **kwargs) -> TokenizerWrapper:
     return tok
 
 
+def control_token_ids(tokenizer) -> frozenset[int]:
+    """Ids of the tokenizer's special tokens (chat-format controls such as <|im_start|>), except
+    those that mark reasoning or tool calls, whose text the server parses."""
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    added = getattr(hf, "added_tokens_decoder", None) or {}
+    special = {i for i, t in added.items() if getattr(t, "special", False)} | set(getattr(hf, "all_special_ids", ()))
+    markers = {
+        getattr(tokenizer, name, None) for name in ("think_start", "think_end", "tool_call_start", "tool_call_end")
+    }
+    return frozenset(i for i in special if hf.convert_ids_to_tokens(i) not in markers)
+
+
 def read_config(root: Path, fix: str) -> dict:
     """`root`/config.json as mlx-lm reads it, after checking that it and generation_config.json
     (if present) are JSON objects and that config.json names a model_type; else an Edge0Error

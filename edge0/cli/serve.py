@@ -119,7 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--default-max-tokens",
         type=_count(1),
         default=None,
-        help="max_tokens for a request that gives none (default: the largest allowed)",
+        help="max_tokens for a request that gives none (default 4096, at most --max-tokens); a request's own "
+        "max_tokens is used as given, up to --max-tokens",
     )
     p.add_argument(
         "--served-model-name",
@@ -176,8 +177,8 @@ def main(argv=None) -> int:
         )
 
     from edge0.server.app import create_app, run
-    from edge0.server.clients import setup_lines
-    from edge0.server.config import DEFAULT_MAX_PROMPT_TOKENS, ServerConfig, model_context_length
+    from edge0.server.clients import agent_warnings, setup_lines
+    from edge0.server.config import DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_MAX_TOKENS, ServerConfig, model_context_length
 
     memory_low = args.memory_low
     if memory_low is None:  # before loading: the model's own memory is not "pressure"
@@ -199,7 +200,7 @@ def main(argv=None) -> int:
         max_queue=args.max_queue,
         max_body_bytes=args.max_body_bytes,
         max_tokens=args.max_tokens,
-        default_max_tokens=args.default_max_tokens,
+        default_max_tokens=args.default_max_tokens or min(DEFAULT_MAX_TOKENS, args.max_tokens or DEFAULT_MAX_TOKENS),
         context_length=context,
         max_prompt_tokens=max_prompt_tokens,
         max_messages=args.max_messages,
@@ -211,11 +212,13 @@ def main(argv=None) -> int:
         strict_model_name=args.strict_model_name,
     )
     log.info(
-        "limits: context %d tokens, prompt %d (--max-prompt-tokens), generation %s (--max-tokens), queue %d "
-        "(--max-queue); expert cache shrinks below %s available (--memory-low)",
+        "limits: context %d tokens, prompt %d (--max-prompt-tokens), generation %s (--max-tokens), %d when a "
+        "request names none (--default-max-tokens), queue %d (--max-queue); expert cache shrinks below %s "
+        "available (--memory-low)",
         config.context_length,
         config.max_prompt_tokens,
         config.max_tokens or "what the context leaves",
+        config.default_max_tokens,
         config.max_queue,
         format_size(memory_low) if memory_low else "never",
     )
@@ -225,6 +228,8 @@ def main(argv=None) -> int:
     model = (config.served_model_names or (engine.model_id,))[0]
     for line in setup_lines(base, model, keyed=bool(args.api_key)):
         log.info("%s", line)
+    for line in agent_warnings(engine.tokenizer.has_tool_calling, config.context_length):
+        log.warning("%s", line)
     try:
         run(create_app(engine, config), host=args.host, port=args.port, log_level=args.log_level)
     finally:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from edge0.backend import core as B
 from edge0.backend import forward as bfw
+from edge0.backend import io as bio
 from edge0.backend import modules as bmod
 from edge0.engine.diagnostics import decode_logits, logits, observe_routes, prerouted_logits
 from edge0.engine.hooks import StepHooks
@@ -56,6 +57,8 @@ class Engine:
         self.model_id = self.root.name
         self.model = model
         self.tokenizer = tokenizer
+        # Chat-format control tokens a model may sample (<|im_start|>): generated, never shown as text.
+        self.control_ids = bio.control_token_ids(tokenizer)
         self.store = store
         self.streaming = streaming
         self.spec, self.k, self.compute_dtype = spec, k, compute_dtype
@@ -301,7 +304,8 @@ class Engine:
                 detok.finalize()
                 text = stopper.flush(detok.last_segment)
             else:
-                detok.add_token(y)
+                if y not in self.control_ids:
+                    detok.add_token(y)
                 text, hit = stopper.feed(detok.last_segment)
                 if hit:
                     finish = "stop"

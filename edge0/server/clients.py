@@ -6,6 +6,9 @@ from __future__ import annotations
 import json
 
 KEY_VARIABLE = "EDGE0_API_KEY"
+# Coding agents' first request with their default tools: 20k-45k tokens on a real tokenizer
+# (docs/clients.md); below this context they cannot start.
+AGENT_CONTEXT = 16384
 
 
 def setup_lines(base_url: str, model: str, keyed: bool) -> list[str]:
@@ -33,3 +36,20 @@ def setup_lines(base_url: str, model: str, keyed: bool) -> list[str]:
         f"opencode: OPENCODE_CONFIG_CONTENT='{json.dumps(opencode, separators=(',', ':'))}' opencode",
         f'OpenAI SDK: OpenAI(base_url="{base_url}/v1", api_key={sdk_key}), model="{model}" (any name is accepted)',
     ]
+
+
+def agent_warnings(tool_calling: bool, context: int) -> list[str]:
+    """What keeps coding agents (which send tools and long prompts) from working with this model."""
+    out = []
+    if not tool_calling:
+        out.append(
+            "this model's chat template has no tool-call format: Claude Code, Codex CLI and opencode send tools "
+            "with every request, which will be refused; for agents, serve a model whose template has one "
+            "(docs/clients.md)"
+        )
+    if context < AGENT_CONTEXT:
+        out.append(
+            f"this model's context is {context} tokens: coding agents' first request is 20k-45k tokens, so "
+            f"they need at least {AGENT_CONTEXT}; for agents, serve a long-context model (docs/clients.md)"
+        )
+    return out

@@ -9,6 +9,9 @@ from pathlib import Path
 from edge0.store.format import CONFIG_FILE
 
 DEFAULT_MAX_PROMPT_TOKENS = 32768  # the context of a model whose config declares none
+# max_tokens of a request that names none (aider sends none): a bound, so that one reply cannot run
+# to the end of a long context while the next request waits.
+DEFAULT_MAX_TOKENS = 4096
 
 
 @dataclass(frozen=True)
@@ -21,7 +24,7 @@ class ServerConfig:
     # Generation limits: a request's max_tokens is clamped to --max-tokens and to what the context
     # (--context-length, the model's own by default) leaves after the prompt.
     max_tokens: int | None = None  # --max-tokens (None: what the context leaves)
-    default_max_tokens: int | None = None  # --default-max-tokens: for a request that gives none (None: the limit)
+    default_max_tokens: int | None = DEFAULT_MAX_TOKENS  # --default-max-tokens: for a request that gives none
     context_length: int = DEFAULT_MAX_PROMPT_TOKENS  # the model's context: prompt + generated tokens
     max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS  # --max-prompt-tokens (the CLI: the model's context)
     max_messages: int = 512  # --max-messages

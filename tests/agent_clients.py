@@ -186,16 +186,32 @@ def run_client(
     return json.loads(out.read_text())
 
 
+def install() -> None:
+    """npm-install the pinned clients that are missing into clients_dir() (what .ci/run calls)."""
+    missing = [f"{package}@{version}" for client, (package, version) in PACKAGES.items() if not installed(client)]
+    if not missing:
+        return
+    clients_dir().mkdir(parents=True, exist_ok=True)
+    cmd = ["npm", "install", "--prefix", str(clients_dir()), "--no-audit", "--no-fund", "--silent", *missing]
+    subprocess.run(cmd, check=True)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--client", choices=sorted(PACKAGES), required=True)
-    p.add_argument("--prompt", required=True)
-    p.add_argument("--out", required=True)
+    p.add_argument("--install", action="store_true", help="install the pinned clients, then exit")
+    p.add_argument("--client", choices=sorted(PACKAGES))
+    p.add_argument("--prompt")
+    p.add_argument("--out")
     p.add_argument("--timeout", type=float, default=120)
     p.add_argument("--engine", default="{}", help="AgentEngine keyword arguments, as JSON")
     p.add_argument("--keepalive-s", type=float, default=15.0)
     p.add_argument("--client-arg", action="append", default=[], help="an argument for the client (repeatable)")
     args = p.parse_args(argv)
+    if args.install:
+        install()
+        return
+    if not (args.client and args.prompt and args.out):
+        p.error("--client, --prompt and --out are needed")
     result = serve_and_run(
         args.client, args.prompt, args.timeout, json.loads(args.engine), args.keepalive_s, args.client_arg
     )

@@ -32,7 +32,7 @@ def feed(engine, tokens, layerwise: bool):
 
 
 def state(cache) -> list[np.ndarray]:
-    return [np.array(a.astype(mx.float32)) for c in cache for a in blw._state_arrays(c)]
+    return [np.array(a.astype(mx.float32)) for a in blw._state_arrays(cache)]
 
 
 @pytest.mark.parametrize("family", SPECD + UNIVERSAL)
@@ -111,16 +111,25 @@ class _Layer(nn.Module):
         return x + (self.norm(r) if self.post else r)
 
 
+class _Model(nn.Module):
+    def __init__(self, post: bool):
+        super().__init__()
+        self.embed = nn.Embedding(8, 4)
+        self.layers = [_Layer(False), _Layer(post)]
+
+    def __call__(self, inputs, cache=None):
+        h = self.embed(inputs)
+        for layer in self.layers:
+            h = layer(h, None, None)
+        return h
+
+
 def test_the_residual_probe_tells_the_two_layers_apart():
-    class Plain(_Layer):
-        pass
-
-    class Post(_Layer):
-        pass
-
-    assert blw.moe_child(Plain(False)) == "mlp"
-    assert blw.residual_moe(Plain(False), "mlp", 4, "float32")
-    assert not blw.residual_moe(Post(True), "mlp", 4, "float32")
+    assert blw.lp.moe_child(_Layer(False)) == "mlp"
+    plain = blw.probe(_Model(post=False))
+    assert plain.why_not is None and [c.residual for c in plain.calls] == [True, True] and plain.hidden == 4
+    post = blw.probe(_Model(post=True))
+    assert post.why_not == "decoder layer 1 (_Layer) does not add its MoE output to its residual stream"
 
 
 def test_quantized_kv_cache_round_trip(store_for, tmp_path):

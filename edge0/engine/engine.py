@@ -386,9 +386,11 @@ class Engine:
         lora = f", LoRA {self.lora_path.name}" if self.lora_path else (f"; {self.lora_note}" if self.lora_note else "")
         rank = f"[{self.pipeline.stage.describe()}] " if self.pipeline is not None else ""
         spec = f"; {self.speculation.describe()}" if self.speculation is not None else ""
+        # said only when a prompt is not fed layer by layer (each chunk then reads the experts again)
+        prefill = "" if self.prefiller.layerwise else f"; {self.prefiller.describe()}"
         return (
             f"{rank}{self.model_id}: {self.compute_dtype}, resident {format_size(self.resident_bytes)}, "
-            f"{self.streaming.describe()}{lora}; {self.store.describe_io()}{spec}"
+            f"{self.streaming.describe()}{lora}; {self.store.describe_io()}{spec}{prefill}"
         )
 
     def close(self) -> None:

@@ -12,7 +12,7 @@ from edge0.engine.engine import Engine
 from edge0.engine.prefill import default_span
 from edge0.errors import Edge0Error
 from edge0.families import supported
-from edge0.spec import MoESpec, text_config
+from edge0.spec import MoESpec, model_dims, moe_dims
 from edge0.store import ExpertStore, open_manifest
 from edge0.store.format import RESIDENT_FILE
 from edge0.store.resident import check_resident
@@ -69,7 +69,7 @@ def _reserve(config: dict, compute: str, options) -> tuple[int, int, int]:
     """(KV bytes per token, context tokens, prefill activations at that context) for the default
     expert cache; the activations follow docs/long-prompts.md ("Memory"): 6 x T x D x 4 bytes."""
     context = context_tokens(config, options.context_tokens)
-    hidden = int(text_config(config).get("hidden_size") or 0)
+    hidden = model_dims(config)[0]
     span = min(context, options.prefill_span or default_span(hidden))
     kv = kv_bytes_per_token(config, compute, options.kv_bits, options.kv_group_size)
     return kv, context, 6 * span * hidden * 4
@@ -136,5 +136,4 @@ def _universal_checks(manifest: dict, options) -> None:
 
 def _native_k(config: dict) -> int:
     """Experts per token of a universal-level family (its slot sets must hold one route)."""
-    c = text_config(config)
-    return int(c.get("num_experts_per_tok") or c.get("moe_top_k") or c.get("top_k") or 1)
+    return moe_dims(config)[1] or 1

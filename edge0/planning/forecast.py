@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from edge0.errors import Edge0Error
-from edge0.spec import text_config
+from edge0.spec import moe_dims, text_config
 from edge0.store.headers import read_header
 from edge0.store.pagecache import evict
 from edge0.units import SAFETENSORS_DTYPES
@@ -102,8 +102,7 @@ def summarize(config: dict, tensors: dict, source: str) -> Checkpoint:
     """Sizes Edge0 would have for this checkpoint (converted to int4 unless already quantized)."""
     c = text_config(config)
     quantized = "quantization" in config
-    experts = int(c.get("num_experts") or c.get("n_routed_experts") or c.get("num_local_experts") or 0)
-    top_k = int(c.get("num_experts_per_tok") or c.get("moe_top_k") or c.get("top_k") or 0)
+    experts, top_k = moe_dims(config)
     if not experts or not top_k:
         raise Edge0Error(
             f"--hf-path {source}: config.json has no routed experts (num_experts / num_experts_per_tok); "

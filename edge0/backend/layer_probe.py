@@ -16,11 +16,13 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import _BaseCache, make_prompt_cache
+from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 
 from edge0.backend.io import decoder_layers
 from edge0.backend.moe import StreamingExpertList, StreamingExperts
 
 STREAMED = (StreamingExperts, StreamingExpertList)
+EXPERTS = (*STREAMED, SwitchGLU, SwitchMLP)  # streamed, or mlx-lm's own (a model built from a config)
 PROBE_TOKENS = [1, 2]
 
 
@@ -48,14 +50,17 @@ class Probe:
         return any(c.moe is not None and not c.cuttable for c in self.calls)
 
 
+def _holds_experts(m) -> bool:
+    if isinstance(m, EXPERTS):
+        return True
+    if not isinstance(m, nn.Module):
+        return False
+    return isinstance(m.get("experts"), list) or any(isinstance(c, EXPERTS) for _, c in m.named_modules())
+
+
 def moe_child(layer: nn.Module) -> str | None:
-    """The name of the layer's direct child that holds its streamed experts (its MoE block), or None."""
-    for name, child in layer.items():
-        if isinstance(child, STREAMED):
-            return name
-        if isinstance(child, nn.Module) and any(isinstance(m, STREAMED) for _, m in child.named_modules()):
-            return name
-    return None
+    """The name of the layer's direct child that holds its routed experts (its MoE block), or None."""
+    return next((name for name, child in layer.items() if _holds_experts(child)), None)
 
 
 def streamed_experts(block: nn.Module):
@@ -164,6 +169,32 @@ class _Checker:
             tol = 1e-3 if r.output.dtype == mx.float32 else 3e-2
             self.residual = bool((mx.abs(moved - z).max() <= tol * scale).item())
         return out
+
+
+class _NoExperts:
+    """A decoder layer with its MoE block returning zeros (nothing evaluated, no expert read)."""
+
+    def __init__(self, layer):
+        self.layer, self.moe = layer, moe_child(layer)
+
+    def __getattr__(self, name):
+        return getattr(self.layer, name)
+
+    def __call__(self, *args, **kwargs):
+        if self.moe is None:
+            return self.layer(*args, **kwargs)
+        return run_stubbed(self.layer, self.moe, Stub(mx.zeros_like), args, kwargs)
+
+
+def forward_without_experts(model, tokens: list[int], cache) -> None:
+    """Feed `tokens` into `cache` lazily, every MoE block returning zeros: the cache's arrays get
+    their shapes, and nothing is computed unless the caller evaluates them (the KV footprint)."""
+    owner, key, layers = decoder_layers(model)
+    owner[key] = [_NoExperts(layer) for layer in layers]
+    try:
+        model(mx.array([tokens]), cache=cache)
+    finally:
+        owner[key] = layers
 
 
 def probe(model) -> Probe:

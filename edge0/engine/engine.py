@@ -28,6 +28,12 @@ from edge0.textstream import StopMatcher
 from edge0.units import format_size
 from edge0.version import __version__
 
+# mlx-lm's quantized KV cache needs key widths its group size divides
+KV_GROUP = (
+    "--kv-group-size {group} does not divide this model's attention key width; use --kv-group-size 32 "
+    "(or drop --kv-bits)"
+)
+
 
 @dataclass
 class Step:
@@ -248,10 +254,7 @@ class Engine:
         except ValueError as e:  # mlx-lm's quantized cache needs key widths the group size divides
             if kv.kv_bits and "group size" in str(e):
                 kv.reset()
-                raise Edge0Error(
-                    f"--kv-group-size {kv.kv_group_size} does not divide this model's attention key width; "
-                    "use --kv-group-size 32 (or drop --kv-bits)"
-                ) from None
+                raise Edge0Error(KV_GROUP.format(group=kv.kv_group_size)) from None
             raise
         kv.advance(new)
         return y, len(new), prefilled

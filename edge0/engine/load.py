@@ -8,7 +8,8 @@ from pathlib import Path
 from edge0.backend import assemble as bas
 from edge0.backend import core as B
 from edge0.backend import io as bio
-from edge0.engine.engine import Engine
+from edge0.backend import kvcache as bkv
+from edge0.engine.engine import KV_GROUP, Engine
 from edge0.engine.prefill import default_span
 from edge0.errors import Edge0Error
 from edge0.families import supported
@@ -16,7 +17,7 @@ from edge0.spec import MoESpec, model_dims, moe_dims
 from edge0.store import ExpertStore, open_manifest
 from edge0.store.format import RESIDENT_FILE
 from edge0.store.resident import check_resident
-from edge0.streaming.budget import context_tokens, kv_bytes_per_token
+from edge0.streaming.budget import context_tokens
 from edge0.streaming.dispatch import Streaming
 
 
@@ -60,18 +61,26 @@ def open_engine(root: Path, options, stage_for=None) -> Engine:
         check.result()
         store.resident_checked = check.name
     # the default expert cache is sized now, with the resident weights already in memory
-    streaming = Streaming(store, compute, k or _native_k(config), options, _reserve(config, compute, options))
+    reserve = _reserve(model, config, options)
+    streaming = Streaming(store, compute, k or _native_k(config), options, reserve)
     bas.attach_executors(model, streaming.layers)
     return Engine(root, model, bio.load_tokenizer(root), store, streaming, spec, k, compute, stage)
 
 
-def _reserve(config: dict, compute: str, options) -> tuple[int, int, int]:
-    """(KV bytes per token, context tokens, prefill activations at that context) for the default
-    expert cache; the activations follow docs/long-prompts.md ("Memory"): 6 x T x D x 4 bytes."""
+def _reserve(model, config: dict, options) -> tuple[int, int, int]:
+    """(KV cache bytes at the context, context tokens, prefill activations at that context) for
+    the default expert cache. The KV bytes are those of the model's own caches (backend.kvcache:
+    latent attention, sliding windows and recurrent states as the family lays them out); the
+    activations follow docs/long-prompts.md ("Memory"): 6 x T x D x 4 bytes."""
     context = context_tokens(config, options.context_tokens)
     hidden = model_dims(config)[0]
     span = min(context, options.prefill_span or default_span(hidden))
-    kv = kv_bytes_per_token(config, compute, options.kv_bits, options.kv_group_size)
+    try:
+        kv = bkv.kv_footprint(model, options.kv_bits, options.kv_group_size).bytes_at(context)
+    except ValueError as e:  # mlx-lm's quantized cache needs key widths the group size divides
+        if options.kv_bits and "group size" in str(e):
+            raise Edge0Error(KV_GROUP.format(group=options.kv_group_size)) from None
+        raise
     return kv, context, 6 * span * hidden * 4
 
 

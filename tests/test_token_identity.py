@@ -22,13 +22,9 @@ from edge0.families import REFUSED
 from edge0.spec import moe_dims
 from edge0.store import ExpertStore, open_manifest
 from tests.fixtures import ALL_FAMILIES as ALL
+from tests.fixtures import CHUNKED_PREFILL
 from tests.fixtures.families import SPECD, UNIVERSAL
 from tests.fixtures.make import fixture_config, reference_dir
-
-# Families whose layers do not add their MoE output to the residual stream as is, so their prompts
-# are fed by mlx-lm's chunked forward (said in describe() and counted): a norm or a multiplier on
-# the MoE output (afmoe, gemma4, granite), hyper-connections (deepseek_v41).
-CHUNKED_PREFILL = {"afmoe", "deepseek_v41", "gemma4", "gemma4_text", "granitemoe", "granitemoehybrid"}
 
 PROMPT = "hello world, once upon a time there was a tiny model that"
 

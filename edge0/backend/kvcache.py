@@ -168,7 +168,7 @@ def _cap(cache) -> int | None:
     return int(chunk) + int(getattr(cache, "step", 0)) if chunk else None
 
 
-def kv_footprint(model, kv_bits: int | None = None, group_size: int = 64) -> KVFootprint:
+def kv_footprint(model, kv_bits: int | None = None, group_size: int = 64, dtype: str = "float32") -> KVFootprint:
     """The footprint of the cache `make_cache` gives this model, measured on its own caches after two
     tokens and then two more, fed lazily with the MoE blocks stubbed (nothing is evaluated, so a
     model built from a config alone costs no memory). A KV-style cache's token bytes come from its

@@ -27,7 +27,10 @@ def open_engine(root: Path, options, stage_for=None) -> Engine:
     then only its layers are loaded and only their experts streamed."""
     manifest = open_manifest(root, verify=options.verify)
     config = bio.read_config(root, f"{REBUILD}, or put back the config.json it was converted with")
-    _check_config(root, config, manifest)
+    # the family's model from config.json alone (never evaluated): checked against the store, and
+    # the KV footprint is measured on it, as `edge0 plan` measures it
+    built = bio.build_model(config, root)
+    _check_config(root, config, manifest, built)
     _check_layer_executors(options, manifest)
     spec = MoESpec.from_dict(manifest["spec"]) if manifest.get("spec") else None
     if spec is None:
@@ -61,22 +64,24 @@ def open_engine(root: Path, options, stage_for=None) -> Engine:
         check.result()
         store.resident_checked = check.name
     # the default expert cache is sized now, with the resident weights already in memory
-    reserve = _reserve(model, config, options)
+    reserve = _reserve(built, config, compute, options)
     streaming = Streaming(store, compute, k or _native_k(config), options, reserve)
     bas.attach_executors(model, streaming.layers)
     return Engine(root, model, bio.load_tokenizer(root), store, streaming, spec, k, compute, stage)
 
 
-def _reserve(model, config: dict, options) -> tuple[int, int, int]:
+def _reserve(built, config: dict, compute: str, options) -> tuple[int, int, int]:
     """(KV cache bytes at the context, context tokens, prefill activations at that context) for
-    the default expert cache. The KV bytes are those of the model's own caches (backend.kvcache:
-    latent attention, sliding windows and recurrent states as the family lays them out); the
-    activations follow docs/long-prompts.md ("Memory"): 6 x T x D x 4 bytes."""
+    the default expert cache. The KV bytes are those the family's own caches hold in the compute
+    dtype, measured on `built`, the whole model built from config.json (backend.kvcache: latent
+    attention, sliding windows and recurrent states as the family lays them out; a pipeline
+    stage's own model would exchange with other ranks in its forward); the activations follow
+    docs/long-prompts.md ("Memory"): 6 x T x D x 4 bytes."""
     context = context_tokens(config, options.context_tokens)
     hidden = model_dims(config)[0]
     span = min(context, options.prefill_span or default_span(hidden))
     try:
-        kv = bkv.kv_footprint(model, options.kv_bits, options.kv_group_size).bytes_at(context)
+        kv = bkv.kv_footprint(built, options.kv_bits, options.kv_group_size, compute).bytes_at(context)
     except ValueError as e:  # mlx-lm's quantized cache needs key widths the group size divides
         if options.kv_bits and "group size" in str(e):
             raise Edge0Error(KV_GROUP.format(group=options.kv_group_size)) from None
@@ -87,11 +92,11 @@ def _reserve(model, config: dict, options) -> tuple[int, int, int]:
 REBUILD = "convert the checkpoint again (edge0 convert --hf-path SRC -o DIR)"
 
 
-def _check_config(root: Path, config: dict, manifest: dict) -> None:
-    """config.json must describe the MoE model the manifest indexes: the same model_type, routed
-    experts in the same modules (assembly replaces them by path)."""
+def _check_config(root: Path, config: dict, manifest: dict, built) -> None:
+    """config.json (`built`: its model) must describe the MoE model the manifest indexes: the same
+    model_type, routed experts in the same modules (assembly replaces them by path)."""
     path = root / "config.json"
-    found = bio.expert_modules(bio.build_model(config, root), root, supported())
+    found = bio.expert_modules(built, root, supported())
     if config["model_type"] != manifest["model_type"]:
         raise Edge0Error(
             f"{path}: model_type {config['model_type']!r}, but the store holds a "

@@ -5,6 +5,9 @@ The KV bytes `edge0 plan` and the budget count are those the engine's caches hol
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import mlx.core as mx
 import pytest
 
 import edge0
@@ -110,3 +113,20 @@ def test_describe_names_the_probe_and_the_terms(monkeypatch, store_for):
     assert "available after loading" not in given.describe()
     with pytest.raises(Edge0Error, match="--context-tokens 0"):
         edge0.load(store, context_tokens=0)
+
+
+def test_a_deepseek_v3_sized_model_counts_its_latent_cache_without_building_weights():
+    """DeepSeek-V3's real sizes, built from its config alone: MLA caches one 512-wide latent and one
+    64-wide rope key per layer and token (the plan once counted 128 heads' K and V: 85x more), and
+    measuring it evaluates none of the 671B parameters."""
+    from edge0.backend import io as bio
+    from tests.fixtures.make import fixture_config
+
+    real = dict(hidden_size=7168, num_hidden_layers=61, first_k_dense_replace=3, n_routed_experts=256)
+    real.update(num_experts_per_tok=8, moe_intermediate_size=2048, intermediate_size=18432, vocab_size=129280)
+    real.update(num_attention_heads=128, num_key_value_heads=128, q_lora_rank=1536, kv_lora_rank=512)
+    real.update(qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_group=8, topk_group=4)
+    before = mx.get_peak_memory()
+    fp = bkv.kv_footprint(bio.build_model(fixture_config("deepseek_v3", **real), Path(".")))
+    assert fp.bytes_at(4096) == 61 * (512 + 64) * 4 * 4096
+    assert mx.get_peak_memory() - before < 64 << 20  # nothing of the model was evaluated

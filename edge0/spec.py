@@ -98,7 +98,44 @@ class MoESpec:
 
 def text_config(config: dict) -> dict:
     """Multimodal checkpoints nest the language model's settings under text_config."""
-    return {**config, **config.get("text_config", {})}
+    return {**config, **(config.get("text_config") or {})}
+
+
+# What families call the hidden size and the attention heads (DBRX: d_model, n_heads; Phixtral:
+# model_dim, num_heads).
+HIDDEN_KEYS = ("hidden_size", "d_model", "model_dim")
+HEADS_KEYS = ("num_attention_heads", "n_heads", "num_heads")
+
+
+# What families call the number of routed experts and the experts per token (DBRX keeps both in
+# ffn_config).
+EXPERTS_KEYS = ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts")
+TOP_K_KEYS = (
+    "num_experts_per_tok",
+    "num_experts_per_token",
+    "moe_top_k",
+    "moe_topk",
+    "moe_k",
+    "top_k_experts",
+    "top_k",
+)
+
+
+def moe_dims(config: dict) -> tuple[int, int]:
+    """(routed experts, experts per token) of the text model, 0 where the config does not say."""
+    c = text_config(config)
+    c = {**(c.get("ffn_config") or {}), **c}
+    experts = next((int(c[k]) for k in EXPERTS_KEYS if c.get(k)), 0)
+    top_k = next((int(c[k]) for k in TOP_K_KEYS if c.get(k)), 0)
+    return experts, top_k
+
+
+def model_dims(config: dict) -> tuple[int, int]:
+    """(hidden size, attention heads) of the text model, 0 where the config does not say."""
+    c = text_config(config)
+    hidden = next((int(c[k]) for k in HIDDEN_KEYS if c.get(k)), 0)
+    heads = next((int(c[k]) for k in HEADS_KEYS if c.get(k)), 0)
+    return hidden, heads
 
 
 def quant_from_config(config: dict) -> QuantSpec:

@@ -1,31 +1,71 @@
 """The default expert-cache budget: the memory probe's number (taken once the resident weights are
 loaded) less the KV cache at the configured context, two layers of experts for prefill and a
-headroom; a one-line error naming the --expert-cache that would fit when even one route does not."""
+headroom; a one-line error naming the --expert-cache that would fit when even one route does not.
+The KV bytes `edge0 plan` and the budget count are those the engine's caches hold."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import mlx.core as mx
 import pytest
 
 import edge0
+from edge0.backend import kvcache as bkv
 from edge0.backend import memory
+from edge0.backend.kvcache import prompt_cache_nbytes
 from edge0.errors import Edge0Error
+from edge0.planning.forecast import read_checkpoint, summarize
 from edge0.streaming import budget as bud
+from tests.fixtures import ALL_FAMILIES, fixture_dir
 
 MB = 10**6
 
 
-def test_kv_bytes_per_token_of_each_attention_kind():
-    gqa = {"num_hidden_layers": 24, "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 64}
-    assert bud.kv_bytes_per_token(gqa, "float32") == 24 * 2 * 4 * 64 * 4
-    assert bud.kv_bytes_per_token(gqa, "bfloat16") == 24 * 2 * 4 * 64 * 2
-    # --kv-bits 8: one byte per value and a float32 scale and bias per group of 64
-    assert bud.kv_bytes_per_token(gqa, "float32", kv_bits=8, kv_group_size=64) == 24 * 2 * 4 * 64 * (1 + 8 / 64)
-    no_head_dim = {"num_hidden_layers": 2, "num_attention_heads": 8, "hidden_size": 512}  # MHA, head_dim 64
-    assert bud.kv_bytes_per_token(no_head_dim, "float32") == 2 * 2 * 8 * 64 * 4
-    mla = {"num_hidden_layers": 3, "num_attention_heads": 8, "kv_lora_rank": 512, "qk_rope_head_dim": 64}
-    assert bud.kv_bytes_per_token(mla, "float32") == 3 * (512 + 64) * 4
-    hybrid = {**gqa, "full_attention_interval": 4}  # 6 of 24 layers keep a KV cache
-    assert bud.kv_bytes_per_token(hybrid, "float32") == 6 * 2 * 4 * 64 * 4
+# One fixture per kind of KV cache: grouped-query attention, latent attention (MLA), sliding
+# windows, linear attention beside full attention, Mamba, chunked local attention, DeepSeek-V4.1's
+# window state, KV shared across layers, cross-layer attention; -m slow runs every family.
+KV_KINDS = (
+    "qwen3_moe",
+    "deepseek_v3",
+    "gpt_oss",
+    "qwen3_5_moe",
+    "jamba",
+    "llama4",
+    "deepseek_v41",
+    "gemma4",
+    "hunyuan",
+)
+CONTEXT = 1024  # a multiple of mlx-lm's 256-token KV allocation step
+
+
+def _check_kv(family, store_for):
+    src = fixture_dir(family)
+    planned = summarize(*read_checkpoint(str(src)), str(src)).kv.bytes_at(CONTEXT)  # what `edge0 plan` uses
+    engine = edge0.load(store_for(family), dtype="float32", prerouter=False, lora=False, context_tokens=CONTEXT)
+    engine.generate([(7 * i) % 200 + 10 for i in range(CONTEXT)], max_tokens=1, reuse_cache=True)
+    allocated = prompt_cache_nbytes(engine.kv.cache)  # the arrays the engine's caches hold after CONTEXT tokens
+    assert allocated > 0 and abs(planned - allocated) <= 0.05 * allocated, (family, planned, allocated)
+    assert engine.streaming.default.kv == planned  # the default expert cache leaves the same room
+
+
+@pytest.mark.parametrize("family", KV_KINDS)
+def test_plan_and_budget_kv_bytes_equal_the_engines_kv_cache(family, store_for):
+    _check_kv(family, store_for)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", sorted(set(ALL_FAMILIES) - set(KV_KINDS)))
+def test_plan_and_budget_kv_bytes_equal_the_engines_kv_cache_every_family(family, store_for):
+    _check_kv(family, store_for)
+
+
+def test_kv_footprint_with_kv_bits_and_windows():
+    fp = bkv.KVFootprint(per_token=(256, 256, 0), caps=(None, 8, None), fixed=1000, quantizable=(True, False, False))
+    assert fp.bytes_at(100) == 1000 + 256 * 100 + 256 * 8
+    assert fp.longest(fp.bytes_at(300), 10_000) == 300 and fp.longest(999, 10_000) == 0
+    q8 = fp.with_bits(8, 64)  # one byte per value and a float32 scale and bias per group of 64
+    assert q8.per_token == (72, 256, 0) and q8.bytes_at(10) == 1000 + 720 + 256 * 8
     assert bud.context_tokens({"max_position_embeddings": 1024}, None) == 1024
     assert bud.context_tokens({"max_position_embeddings": 40960}, None) == bud.DEFAULT_CONTEXT
     assert bud.context_tokens({"max_position_embeddings": 1024}, 9000) == 9000
@@ -73,3 +113,20 @@ def test_describe_names_the_probe_and_the_terms(monkeypatch, store_for):
     assert "available after loading" not in given.describe()
     with pytest.raises(Edge0Error, match="--context-tokens 0"):
         edge0.load(store, context_tokens=0)
+
+
+def test_a_deepseek_v3_sized_model_counts_its_latent_cache_without_building_weights():
+    """DeepSeek-V3's real sizes, built from its config alone: MLA caches one 512-wide latent and one
+    64-wide rope key per layer and token (the plan once counted 128 heads' K and V: 85x more), and
+    measuring it evaluates none of the 671B parameters."""
+    from edge0.backend import io as bio
+    from tests.fixtures.make import fixture_config
+
+    real = dict(hidden_size=7168, num_hidden_layers=61, first_k_dense_replace=3, n_routed_experts=256)
+    real.update(num_experts_per_tok=8, moe_intermediate_size=2048, intermediate_size=18432, vocab_size=129280)
+    real.update(num_attention_heads=128, num_key_value_heads=128, q_lora_rank=1536, kv_lora_rank=512)
+    real.update(qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_group=8, topk_group=4)
+    before = mx.get_peak_memory()
+    fp = bkv.kv_footprint(bio.build_model(fixture_config("deepseek_v3", **real), Path(".")))
+    assert fp.bytes_at(4096) == 61 * (512 + 64) * 4 * 4096
+    assert mx.get_peak_memory() - before < 64 << 20  # nothing of the model was evaluated

@@ -3,6 +3,7 @@
 import json
 
 import mlx.core as mx
+import mlx_lm
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
@@ -11,7 +12,7 @@ from edge0.errors import Edge0Error
 from edge0.store import VERSION, ExpertStore, open_manifest
 from edge0.store.convert import convert
 from edge0.store.writer import SafetensorsWriter
-from tests.fixtures.make import fixture_dir
+from tests.fixtures.make import fixture_dir, reference_dir
 
 
 def test_streaming_writer_is_read_back_by_safetensors(tmp_path):
@@ -96,3 +97,34 @@ def test_interrupted_convert_leaves_nothing_that_loads(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
     with pytest.raises(Edge0Error, match="no such directory"):
         open_manifest(out)
+
+
+def test_raw_bytes_of_a_transposed_view_are_row_major():
+    from edge0.backend import io as bio
+
+    a = mx.arange(12, dtype=mx.float32).reshape(3, 4).T  # mlx-lm's sanitize swaps fused expert axes like this
+    mx.eval(a)
+    assert bytes(bio.raw_bytes(a)) == np.ascontiguousarray(np.array(a)).tobytes()
+
+
+def test_unquantized_transposed_experts_convert_and_match_mlx_lm(tmp_path):
+    """qwen3_vl_moe stores experts transposed; with an expert width group-64 quantization skips
+    (32), mlx-lm keeps them float and swapped, and the store writes them row-major."""
+    import edge0
+    from tests.test_token_identity import PROMPT, mlx_lm_greedy
+
+    hf = fixture_dir("qwen3_vl_moe", moe_intermediate_size=32)
+    model, tok = mlx_lm.load(str(reference_dir("qwen3_vl_moe", moe_intermediate_size=32)))
+    prompt = tok.encode(PROMPT)
+    store = convert(str(hf), tmp_path / "s", quiet=True)
+    assert edge0.load(store, dtype="float32").generate(prompt, max_tokens=8, ignore_eos=True).tokens == mlx_lm_greedy(
+        model, prompt, 8
+    )
+
+
+def test_a_refused_family_is_refused_with_its_reason(tmp_path):
+    src = tmp_path / "m"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps({"model_type": "muse_spark"}))
+    with pytest.raises(Edge0Error, match="model_type 'muse_spark' is not supported: .*Metal kernel"):
+        convert(str(src), tmp_path / "out", quiet=True)

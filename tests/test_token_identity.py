@@ -1,17 +1,30 @@
-"""Greedy tokens and logits equal mlx-lm's on the same fixture, for every spec'd family and for
-two families served at the universal level."""
+"""Greedy tokens and logits equal mlx-lm's on the same fixture, for every spec'd family and every
+other MoE family mlx-lm ships (served at the universal level), through every executor with a
+cache smaller than a layer; and every mlx-lm model module with routed experts has such a case or
+a documented refusal."""
+
+import json
+import pkgutil
+import re
+from pathlib import Path
 
 import mlx.core as mx
+import mlx_lm.models
 import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
+from mlx_lm.utils import MODEL_ARCHITECTURE_REMAPPING, MODEL_REMAPPING
 from mlx_lm.utils import load as mlx_load
 
 import edge0
 from edge0.backend import core as B
+from edge0.families import REFUSED
+from edge0.spec import moe_dims
 from edge0.store import ExpertStore, open_manifest
+from tests.fixtures import ALL_FAMILIES as ALL
+from tests.fixtures import CHUNKED_PREFILL
 from tests.fixtures.families import SPECD, UNIVERSAL
-from tests.fixtures.make import reference_dir
+from tests.fixtures.make import fixture_config, reference_dir
 
 PROMPT = "hello world, once upon a time there was a tiny model that"
 
@@ -86,3 +99,94 @@ def test_every_specd_family_in_the_registry_has_a_fixture_and_a_token_identity_c
     assert missing == [], f"spec'd model types with no fixture in tests/fixtures/families.py: {missing}"
     assert {fixture_types[name] for name in SPECD} == set(REGISTRY)
     assert not set(UNIVERSAL) & set(REGISTRY)  # a universal-level fixture must not be spec'd
+
+
+# -- every MoE family of the installed mlx-lm --------------------------------------------------------------------
+
+
+def mlx_lm_moe_modules() -> set[str]:
+    """Modules of the installed mlx_lm.models whose model has routed experts: the module, or a model
+    module it imports, builds SwitchGLU/SwitchMLP experts or keeps a list of per-expert modules."""
+    root = Path(mlx_lm.models.__file__).parent
+    sources = {m.name: (root / f"{m.name}.py").read_text() for m in pkgutil.iter_modules([str(root)])}
+    imports = {}
+    for name, src in sources.items():
+        found = set(re.findall(r"^from \.(\w+) import", src, re.M))
+        for group in re.findall(r"^from \. import ([\w, ]+)", src, re.M):
+            found.update(n.strip() for n in group.split(","))
+        imports[name] = found & set(sources)
+    moe = {n for n, src in sources.items() if re.search(r"\bSwitch(GLU|MLP)\(|\bexperts = \[", src)}
+    moe.discard("switch_layers")  # defines them
+    while True:
+        more = {n for n, deps in imports.items() if deps & moe} - moe - {"switch_layers"}
+        if not more:
+            return moe
+        moe |= more
+
+
+def module_of(family: str) -> str:
+    """The mlx_lm.models module mlx-lm loads a fixture's config with (as mlx_lm.utils._get_classes)."""
+    c = fixture_config(family)
+    for arch in c.get("architectures") or ():
+        if (c["model_type"], arch) in MODEL_ARCHITECTURE_REMAPPING:
+            return MODEL_ARCHITECTURE_REMAPPING[(c["model_type"], arch)]
+    return MODEL_REMAPPING.get(c["model_type"], c["model_type"])
+
+
+def test_every_mlx_lm_moe_module_has_a_token_identity_case_or_a_refusal():
+    found = mlx_lm_moe_modules()
+    covered = {module_of(f) for f in ALL}
+    assert covered <= found, f"fixtures of modules the discovery missed: {sorted(covered - found)}"
+    missing = sorted(found - covered - set(REFUSED))
+    assert missing == [], (
+        f"mlx-lm MoE modules with no fixture in tests/fixtures/zoo.py and no entry in edge0.families.REFUSED: {missing}"
+    )
+    assert set(REFUSED) <= found and not set(REFUSED) & covered
+    assert len(found) >= 55  # mlx-lm 0.32.2 ships 55 such modules (53 with fixtures, 2 refused)
+
+
+def _small_cache(store: Path) -> tuple[int, int]:
+    """(bytes of K + 1 expert slots in every MoE layer, K): a cache smaller than one layer's experts."""
+    experts = ExpertStore(store, open_manifest(store))
+    k = moe_dims(json.loads((store / "config.json").read_text()))[1]
+    return (k + 1) * sum(experts.expert_nbytes(l) for l in experts.layers), k
+
+
+# (source, prefill executor, decode executor): the default run covers each source and each
+# executor once per family; -m slow adds the other combinations.
+CASES = [("hf", "whole", "staged"), ("mlx", "exact", "hot"), ("hf", "exact", "exact")]
+SLOW_CASES = [("mlx", "whole", "staged"), ("hf", "whole", "hot"), ("mlx", "exact", "exact")]
+
+
+def _check_executors(family, store_for, cases):
+    ref_model, tok = mlx_load(str(reference_dir(family)))
+    prompt = tok.encode(PROMPT)
+    expected = mlx_lm_greedy(ref_model, prompt, 16)
+    assert len(set(expected)) > 1
+    for source, prefill, decode in cases:
+        store = store_for(family, source)
+        cache, k = _small_cache(store)
+        engine = edge0.load(
+            store, dtype="float32", expert_cache=cache, prefill_executor=prefill, decode_executor=decode
+        )
+        if decode != "exact":
+            assert k + 1 == engine.streaming.n_slots < engine.streaming.max_slots  # smaller than a layer
+        got = engine.generate(prompt, max_tokens=16, ignore_eos=True)
+        assert got.tokens == expected, f"{family} ({source}, {prefill}/{decode}): greedy tokens differ from mlx-lm"
+        stats = engine.stats()
+        assert stats["totals"]["bytes_read"] > 0
+        chunked = family in CHUNKED_PREFILL
+        assert engine.prefiller.layerwise is not chunked
+        assert (stats["prefill_chunked_spans"] > 0, stats["prefill_spans"] > 0) == (chunked, not chunked)
+        assert ("not layer by layer" in engine.describe()) is chunked
+
+
+@pytest.mark.parametrize("family", ALL)
+def test_every_executor_with_a_small_cache_matches_mlx_lm(family, store_for):
+    _check_executors(family, store_for, CASES)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ALL)
+def test_the_other_executor_combinations_match_mlx_lm(family, store_for):
+    _check_executors(family, store_for, SLOW_CASES)

@@ -12,7 +12,7 @@ from mlx.utils import tree_flatten
 from edge0.backend import distributed as bdist
 from edge0.backend import io as bio
 from edge0.backend.modules import get_module, set_module
-from edge0.backend.moe import SpecMoEBlock, StreamingExperts
+from edge0.backend.moe import SpecMoEBlock, StreamingExpertList, StreamingExperts
 
 
 def assemble(
@@ -50,7 +50,12 @@ def assemble(
     dt = getattr(mx, compute_dtype)
     for layer in manifest["expert_layers"]:
         path = layer["module"]
-        set_module(model, path, StreamingExperts(get_module(model, path), layer["layer"]))
+        inner = get_module(model, path)
+        if isinstance(inner, list):  # per-expert modules: one of them runs each expert's stored tensors
+            stream = StreamingExpertList(_quantized_like(inner[0], path, layer["tensors"], q), layer["layer"])
+        else:
+            stream = StreamingExperts(inner, layer["layer"])
+        set_module(model, path, stream)
         if spec is not None:
             block_path = path[: -len(spec.experts) - 1]
             set_module(model, block_path, SpecMoEBlock(get_module(model, block_path), spec, k, layer["layer"]))
@@ -77,6 +82,19 @@ def assemble(
     return model
 
 
+def _quantized_like(template: nn.Module, path: str, tensors, q: dict | None) -> nn.Module:
+    """One expert's module quantized as the store holds that list's experts."""
+    if q:
+        nn.quantize(
+            template,
+            q["group_size"],
+            q["bits"],
+            mode=q.get("mode", "affine"),
+            class_predicate=lambda p, m: hasattr(m, "to_quantized") and f"{p}.scales" in tensors,
+        )
+    return template
+
+
 def evaluate_all(model: nn.Module) -> None:
     """Evaluate the parameters and every array a module keeps as a plain attribute (mlx-lm's YaRN
     and Llama3 RoPE keep lazy `_freqs`): MLX runs a lazy array only on the thread that built it,
@@ -86,9 +104,9 @@ def evaluate_all(model: nn.Module) -> None:
 
 
 def attach_executors(model: nn.Module, executors: dict) -> None:
-    """Give every StreamingExperts its executor, by layer."""
+    """Give every StreamingExperts (and StreamingExpertList) its executor, by layer."""
     for _, m in model.named_modules():
-        if isinstance(m, StreamingExperts):
+        if isinstance(m, (StreamingExperts, StreamingExpertList)):
             m.use_executor(executors[m.layer])
 
 

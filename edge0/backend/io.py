@@ -93,27 +93,70 @@ def build_model(config: dict, where: Path) -> nn.Module:
 
 
 def layer_index(path: str) -> int:
-    """The decoder layer a module path belongs to (`...layers.7.mlp` -> 7)."""
+    """The decoder layer a module path of a spec'd family belongs to (`...layers.7.mlp` -> 7)."""
     return int(_LAYER.search(path + ".").group(1))
 
 
-def expert_modules(model: nn.Module, where: Path, supported: str = "") -> list[tuple[str, int]]:
-    """(path, layer index) of every SwitchGLU/SwitchMLP module: the routed experts. A model
-    without any is an Edge0Error; `supported` says in it which models edge0 runs."""
-    found = []
+def decoder_layers(model) -> tuple[nn.Module, str, list] | None:
+    """(owner module, attribute, list) of the model's decoder layers (`model.layers`, wherever the
+    family keeps them: `model.layers`, `transformer.h`, `backbone.layers`, ...), or None."""
+    layers = getattr(model, "layers", None)
+    if not layers:
+        return None
+    for _, m in model.named_modules():
+        for key, value in m.items():
+            if isinstance(value, list) and value and value[0] is layers[0]:
+                return m, key, value
+    return None
+
+
+def _expert_lists(model: nn.Module):
+    """(path, list) of every `experts` list of per-expert modules of one class (DBRX)."""
     for path, m in model.named_modules():
-        if isinstance(m, (SwitchGLU, SwitchMLP)):
-            layer = _LAYER.search(path + ".")
-            if layer is None:
-                raise Edge0Error(f"{where / 'config.json'}: expert module {path} is not inside a layers list")
-            found.append((path, int(layer.group(1))))
-    if not found:
+        value = m.get("experts") if isinstance(m, nn.Module) else None
+        if isinstance(value, list) and len(value) > 1 and all(type(e) is type(value[0]) for e in value):
+            yield (f"{path}.experts" if path else "experts"), value
+
+
+def expert_modules(model: nn.Module, where: Path, supported: str = "") -> list[tuple[str, int]]:
+    """(path, decoder layer index) of every routed-experts module: SwitchGLU/SwitchMLP, or a list
+    of per-expert modules. A model without any is an Edge0Error; `supported` says in it which
+    models edge0 runs."""
+    paths = [p for p, m in model.named_modules() if isinstance(m, (SwitchGLU, SwitchMLP))]
+    paths += [p for p, _ in _expert_lists(model)]
+    if not paths:
         raise Edge0Error(
             f"{where / 'config.json'}: model_type {getattr(model, 'model_type', '?')!r} "
-            "has no MoE block with routed experts (no SwitchGLU/SwitchMLP layers); edge0 runs "
+            "has no MoE block with routed experts (no SwitchGLU/SwitchMLP layers or list of experts); edge0 runs "
             f"MoE models only{f' ({supported})' if supported else ''}; use mlx-lm for dense models"
         )
-    return sorted(found, key=lambda p: p[1])
+    found = decoder_layers(model)
+    ids = {id(layer): i for i, layer in enumerate(found[2])} if found else {}
+    layer_paths = {p: ids[id(m)] for p, m in model.named_modules() if id(m) in ids}
+    out = []
+    for path in paths:
+        owner = max((lp for lp in layer_paths if path.startswith(lp + ".")), key=len, default=None)
+        if owner is None:
+            raise Edge0Error(
+                f"{where / 'config.json'}: expert module {path} is not inside the model's decoder layers "
+                "(model.layers); this mlx-lm model is not supported"
+            )
+        out.append((path, layer_paths[owner]))
+    return sorted(out, key=lambda p: p[1])
+
+
+def stack_expert_lists(weights: dict, paths) -> dict:
+    """Per-expert tensors of expert lists (`{path}.{e}.{name}`) stacked into `{path}.{name}` [E, ...],
+    the layout the store keeps for every routed-experts module; lazily, one stack per tensor."""
+    for path in paths:
+        prefix = path + "."
+        rows: dict[str, dict[int, mx.array]] = {}
+        for k in [k for k in weights if k.startswith(prefix) and k[len(prefix) :].split(".", 1)[0].isdigit()]:
+            e, name = k[len(prefix) :].split(".", 1)
+            rows.setdefault(name, {})[int(e)] = weights.pop(k)
+        for name, per in rows.items():
+            weights[prefix + name] = mx.stack([per[e] for e in sorted(per)])
+    return weights
 
 
 def lazy_load(files) -> dict:
@@ -133,10 +176,16 @@ def materialize(arrays: list) -> None:
 
 
 def raw_bytes(a: mx.array) -> memoryview:
-    """The little-endian bytes of an evaluated array."""
+    """The little-endian bytes of an evaluated array, in row-major order (a transposed view, such as
+    an unquantized expert tensor mlx-lm's sanitize swapped, is copied into that order first)."""
     if a.dtype == mx.bfloat16:
         a = a.view(mx.uint16)
-    return memoryview(a).cast("B")
+    view = memoryview(a)
+    if not view.c_contiguous:
+        a = mx.contiguous(a)
+        mx.eval(a)
+        view = memoryview(a)
+    return view.cast("B")
 
 
 def st_dtype(a: mx.array) -> str:

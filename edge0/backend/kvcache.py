@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models.cache import (
     ArraysCache,
+    KVCache,
     can_trim_prompt_cache,
     load_prompt_cache,
     make_prompt_cache,
@@ -13,6 +16,8 @@ from mlx_lm.models.cache import (
     trim_prompt_cache,
 )
 from mlx_lm.utils import common_prefix_len
+
+from edge0.backend import layer_probe as lp
 
 __all__ = [
     "make_prompt_cache",
@@ -28,18 +33,22 @@ __all__ = [
     "rewind_problem",
     "rewind_point",
     "rewind",
+<<<<<<< HEAD
     "trim_to",
+=======
+    "KVFootprint",
+    "kv_footprint",
+>>>>>>> families
 ]
 
 
 def make_cache(model, kv_bits: int | None = None, group_size: int = 64) -> list:
-    """The model's prompt cache; with `kv_bits`, its attention layers' caches quantized from the
-    first token (mlx-lm's QuantizedKVCache; recurrent layers' state stays as it is)."""
+    """The model's prompt cache; with `kv_bits`, its full-attention layers' caches quantized from
+    the first token (mlx-lm's QuantizedKVCache; sliding windows, which mlx-lm cannot quantize, and
+    recurrent states stay as they are)."""
     cache = make_prompt_cache(model)
     if kv_bits is not None:
-        cache = [
-            c.to_quantized(group_size=group_size, bits=kv_bits) if hasattr(c, "to_quantized") else c for c in cache
-        ]
+        cache = [c.to_quantized(group_size=group_size, bits=kv_bits) if type(c) is KVCache else c for c in cache]
     return cache
 
 
@@ -111,3 +120,88 @@ def rewind(cache, drop: int, fed: int, point) -> bool:
         else:
             c.trim(fed)
     return True
+
+
+@dataclass(frozen=True)
+class KVFootprint:
+    """What a model's prompt cache holds as it grows: per cache, the bytes one token adds and the
+    tokens it keeps at most (a sliding window; None: all), and the bytes of fixed states
+    (linear-attention and SSM layers)."""
+
+    per_token: tuple[int, ...]
+    caps: tuple[int | None, ...]
+    fixed: int
+    quantizable: tuple[bool, ...] = ()  # per cache: --kv-bits would quantize it
+
+    def with_bits(self, bits: int, group_size: int = 64, itemsize: int = 4) -> "KVFootprint":
+        """The footprint with --kv-bits: `bits` per value and a scale and a bias per group (in the
+        compute dtype, `itemsize` bytes) for the caches that quantize."""
+        scale = (bits / 8 + 2 * itemsize / group_size) / itemsize
+        per_token = tuple(int(p * scale) if q else p for p, q in zip(self.per_token, self.quantizable))
+        return KVFootprint(per_token, self.caps, self.fixed, self.quantizable)
+
+    def bytes_at(self, tokens: int) -> int:
+        """Bytes the cache holds after `tokens` tokens."""
+        held = (p * (tokens if c is None else min(tokens, c)) for p, c in zip(self.per_token, self.caps))
+        return self.fixed + sum(held)
+
+    def longest(self, room: int, most: int) -> int:
+        """The most tokens (up to `most`) whose cache fits in `room` bytes."""
+        lo, hi = 0, most
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if self.bytes_at(mid) <= room else (lo, mid - 1)
+        return lo
+
+
+def _held(cache) -> int:
+    return sum(a.nbytes for _, a in tree_flatten(cache.state) if isinstance(a, mx.array))
+
+
+def _leaves(cache) -> list:
+    """A cache and the caches it nests (a CacheList's)."""
+    inner = getattr(cache, "caches", None)
+    return [leaf for c in inner for leaf in _leaves(c)] if isinstance(inner, (list, tuple)) else [cache]
+
+
+def _per_slot(cache) -> int | None:
+    """Bytes one cached token takes in a KV-style cache, from its own key and value arrays (quantized
+    ones included); None for a cache that keeps no keys (a recurrent state)."""
+    keys = getattr(cache, "keys", None)
+    if keys is None:
+        return None
+    arrays = [a for _, a in tree_flatten([keys, getattr(cache, "values", None)]) if isinstance(a, mx.array)]
+    return sum(a.nbytes for a in arrays) // arrays[0].shape[-2]
+
+
+def _cap(cache) -> int | None:
+    """The most tokens a cache keeps: a sliding window's size (mlx-lm's rotating cache, DeepSeek-V4.1's
+    layer window), or a chunked cache's chunk plus the step it allocates ahead; None: every token."""
+    window = getattr(cache, "max_size", None) or getattr(cache, "window_size", None)
+    if window:
+        return int(window)
+    chunk = getattr(cache, "chunk_size", None)
+    return int(chunk) + int(getattr(cache, "step", 0)) if chunk else None
+
+
+def kv_footprint(model, kv_bits: int | None = None, group_size: int = 64, dtype: str = "float32") -> KVFootprint:
+    """The footprint of the cache `make_cache` gives this model, measured on its own caches after two
+    tokens and then two more, fed lazily with the MoE blocks stubbed (nothing is evaluated, so a
+    model built from a config alone costs no memory). A KV-style cache's token bytes come from its
+    key and value arrays, any other cache's from how much it grew (the rest being fixed state),
+    capped by its window (`_cap`). Latent attention, shared KV and recurrent states come out as the
+    family's own code lays them out; DeepSeek-V4.1's compressed groups (one row per `ratio`
+    tokens) are not seen in four tokens and are not counted."""
+    cache = make_cache(model, kv_bits, group_size)
+    held = []
+    for _ in range(2):
+        lp.forward_without_experts(model, [1, 2], cache)
+        held.append([_held(c) for c in cache for c in _leaves(c)])
+    per_token, caps, fixed = [], [], 0
+    leaves = [leaf for c in cache for leaf in _leaves(c)]
+    for c, two, four in zip(leaves, *held):
+        slot = _per_slot(c)
+        per_token.append((four - two) // 2 if slot is None else slot)
+        fixed += two - 2 * per_token[-1] if slot is None else 0
+        caps.append(_cap(c))
+    return KVFootprint(tuple(per_token), tuple(caps), fixed, tuple(type(c) is KVCache for c in leaves))

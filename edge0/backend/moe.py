@@ -48,6 +48,41 @@ class StreamingExperts(nn.Module):
         return y
 
 
+class StreamingExpertList(nn.Module):
+    """Stands in for a list of per-expert modules (DBRX's `experts`), whose tensors the store holds
+    stacked like a SwitchGLU's. The family's block calls `experts[e](x)`; each call asks the
+    executor for expert e (a route of one expert) and runs `template`, a copy of one expert's
+    module, on its tensors. `template` is quantized like the stored tensors by the caller."""
+
+    def __init__(self, template: nn.Module, layer: int):
+        super().__init__()
+        blank = tree_map(lambda _: mx.zeros((0,)), template.parameters())
+        template.update(blank)
+        object.__setattr__(self, "inner", template)
+        object.__setattr__(self, "blank", blank)
+        object.__setattr__(self, "executor", None)
+        self.layer = layer
+
+    def use_executor(self, executor) -> None:
+        object.__setattr__(self, "executor", executor)
+
+    def __getitem__(self, key):
+        if isinstance(key, int):  # the block's `self.experts[e]`; string keys are the module's own
+            return lambda x: self.expert(key, x)
+        return super().__getitem__(key)
+
+    def expert(self, e: int, x):
+        y = None
+        for params, local in self.executor(mx.array([[e]]), None):
+            row = local.reshape(-1)[0]  # where expert e sits in this part's tensors (a zero row if elsewhere)
+            self.inner.update(tree_map(lambda v: v[row], params))
+            part = self.inner(x)
+            y = part if y is None else y + part
+        self.inner.update(self.blank)
+        self.executor.done(y)
+        return y
+
+
 class SpecMoEBlock(nn.Module):
     """A spec'd family's MoE block with Edge0's routing: router -> top-k -> experts -> weighted
     sum (+ shared experts). Keeps the original block's children so weight names are unchanged.

@@ -44,7 +44,7 @@ def quantize_hf(src: Path, bits: int = 4, group_size: int = 64, dtype: str | Non
         )
     with contextlib.redirect_stdout(io.StringIO()):
         model, config = quantize_model(model, config, group_size, bits)
-    weights = bio.flat_parameters(model)
+    weights = bio.stack_expert_lists(bio.flat_parameters(model), [p for p, _ in experts])
     # Drop the model's references so each tensor is freed once written.
     model.update(tree_map(lambda _: mx.array([]), model.parameters()))
     return weights, config, tokenizer, experts
@@ -56,6 +56,6 @@ def index_quantized(src: Path):
     files = sorted(src.glob("model*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{src}: no model*.safetensors files")
-    weights = bio.lazy_load(files)
     experts = bio.expert_modules(bio.build_model(config, src), src)
+    weights = bio.stack_expert_lists(bio.lazy_load(files), [p for p, _ in experts])
     return weights, config, bio.load_tokenizer(src), experts

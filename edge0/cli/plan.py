@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -204,7 +205,7 @@ def forecast_main(args) -> int:
     print(f"verdict          {f['verdict']}")
     if args.json:
         args.json.write_text(
-            json.dumps({"checkpoint": ck.__dict__, "probes": {"disk": disk, "compute": compute}, **f}, indent=1) + "\n"
+            json.dumps({"checkpoint": asdict(ck), "probes": {"disk": disk, "compute": compute}, **f}, indent=1) + "\n"
         )
         print(f"wrote {args.json}", file=sys.stderr)
     return 0

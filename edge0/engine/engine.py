@@ -29,6 +29,12 @@ from edge0.textstream import StopMatcher
 from edge0.units import format_size
 from edge0.version import __version__
 
+# mlx-lm's quantized KV cache needs key widths its group size divides
+KV_GROUP = (
+    "--kv-group-size {group} does not divide this model's attention key width; use --kv-group-size 32 "
+    "(or drop --kv-bits)"
+)
+
 
 @dataclass
 class Step:
@@ -255,10 +261,7 @@ class Engine:
         except ValueError as e:  # mlx-lm's quantized cache needs key widths the group size divides
             if kv.kv_bits and "group size" in str(e):
                 kv.reset()
-                raise Edge0Error(
-                    f"--kv-group-size {kv.kv_group_size} does not divide this model's attention key width; "
-                    "use --kv-group-size 32 (or drop --kv-bits)"
-                ) from None
+                raise Edge0Error(KV_GROUP.format(group=kv.kv_group_size)) from None
             raise
         kv.advance(new)
         return y, len(new), prefilled
@@ -393,9 +396,11 @@ class Engine:
         lora = f", LoRA {self.lora_path.name}" if self.lora_path else (f"; {self.lora_note}" if self.lora_note else "")
         rank = f"[{self.pipeline.stage.describe()}] " if self.pipeline is not None else ""
         spec = f"; {self.speculation.describe()}" if self.speculation is not None else ""
+        # said only when a prompt is not fed layer by layer (each chunk then reads the experts again)
+        prefill = "" if self.prefiller.layerwise else f"; {self.prefiller.describe()}"
         return (
             f"{rank}{self.model_id}: {self.compute_dtype}, resident {format_size(self.resident_bytes)}, "
-            f"{self.streaming.describe()}{lora}; {self.store.describe_io()}{spec}"
+            f"{self.streaming.describe()}{lora}; {self.store.describe_io()}{spec}{prefill}"
         )
 
     def close(self) -> None:

@@ -8,15 +8,16 @@ from pathlib import Path
 from edge0.backend import assemble as bas
 from edge0.backend import core as B
 from edge0.backend import io as bio
-from edge0.engine.engine import Engine
+from edge0.backend import kvcache as bkv
+from edge0.engine.engine import KV_GROUP, Engine
 from edge0.engine.prefill import default_span
 from edge0.errors import Edge0Error
 from edge0.families import supported
-from edge0.spec import MoESpec, text_config
+from edge0.spec import MoESpec, model_dims, moe_dims
 from edge0.store import ExpertStore, open_manifest
 from edge0.store.format import RESIDENT_FILE
 from edge0.store.resident import check_resident
-from edge0.streaming.budget import context_tokens, kv_bytes_per_token
+from edge0.streaming.budget import context_tokens
 from edge0.streaming.dispatch import Streaming
 
 
@@ -26,7 +27,10 @@ def open_engine(root: Path, options, stage_for=None) -> Engine:
     then only its layers are loaded and only their experts streamed."""
     manifest = open_manifest(root, verify=options.verify)
     config = bio.read_config(root, f"{REBUILD}, or put back the config.json it was converted with")
-    _check_config(root, config, manifest)
+    # the family's model from config.json alone (never evaluated): checked against the store, and
+    # the KV footprint is measured on it, as `edge0 plan` measures it
+    built = bio.build_model(config, root)
+    _check_config(root, config, manifest, built)
     _check_layer_executors(options, manifest)
     spec = MoESpec.from_dict(manifest["spec"]) if manifest.get("spec") else None
     if spec is None:
@@ -60,29 +64,39 @@ def open_engine(root: Path, options, stage_for=None) -> Engine:
         check.result()
         store.resident_checked = check.name
     # the default expert cache is sized now, with the resident weights already in memory
-    streaming = Streaming(store, compute, k or _native_k(config), options, _reserve(config, compute, options))
+    reserve = _reserve(built, config, compute, options)
+    streaming = Streaming(store, compute, k or _native_k(config), options, reserve)
     bas.attach_executors(model, streaming.layers)
     return Engine(root, model, bio.load_tokenizer(root), store, streaming, spec, k, compute, stage)
 
 
-def _reserve(config: dict, compute: str, options) -> tuple[int, int, int]:
-    """(KV bytes per token, context tokens, prefill activations at that context) for the default
-    expert cache; the activations follow docs/long-prompts.md ("Memory"): 6 x T x D x 4 bytes."""
+def _reserve(built, config: dict, compute: str, options) -> tuple[int, int, int]:
+    """(KV cache bytes at the context, context tokens, prefill activations at that context) for
+    the default expert cache. The KV bytes are those the family's own caches hold in the compute
+    dtype, measured on `built`, the whole model built from config.json (backend.kvcache: latent
+    attention, sliding windows and recurrent states as the family lays them out; a pipeline
+    stage's own model would exchange with other ranks in its forward); the activations follow
+    docs/long-prompts.md ("Memory"): 6 x T x D x 4 bytes."""
     context = context_tokens(config, options.context_tokens)
-    hidden = int(text_config(config).get("hidden_size") or 0)
+    hidden = model_dims(config)[0]
     span = min(context, options.prefill_span or default_span(hidden))
-    kv = kv_bytes_per_token(config, compute, options.kv_bits, options.kv_group_size)
+    try:
+        kv = bkv.kv_footprint(built, options.kv_bits, options.kv_group_size, compute).bytes_at(context)
+    except ValueError as e:  # mlx-lm's quantized cache needs key widths the group size divides
+        if options.kv_bits and "group size" in str(e):
+            raise Edge0Error(KV_GROUP.format(group=options.kv_group_size)) from None
+        raise
     return kv, context, 6 * span * hidden * 4
 
 
 REBUILD = "convert the checkpoint again (edge0 convert --hf-path SRC -o DIR)"
 
 
-def _check_config(root: Path, config: dict, manifest: dict) -> None:
-    """config.json must describe the MoE model the manifest indexes: the same model_type, routed
-    experts in the same modules (assembly replaces them by path)."""
+def _check_config(root: Path, config: dict, manifest: dict, built) -> None:
+    """config.json (`built`: its model) must describe the MoE model the manifest indexes: the same
+    model_type, routed experts in the same modules (assembly replaces them by path)."""
     path = root / "config.json"
-    found = bio.expert_modules(bio.build_model(config, root), root, supported())
+    found = bio.expert_modules(built, root, supported())
     if config["model_type"] != manifest["model_type"]:
         raise Edge0Error(
             f"{path}: model_type {config['model_type']!r}, but the store holds a "
@@ -136,5 +150,4 @@ def _universal_checks(manifest: dict, options) -> None:
 
 def _native_k(config: dict) -> int:
     """Experts per token of a universal-level family (its slot sets must hold one route)."""
-    c = text_config(config)
-    return int(c.get("num_experts_per_tok") or c.get("moe_top_k") or c.get("top_k") or 1)
+    return moe_dims(config)[1] or 1

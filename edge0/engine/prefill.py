@@ -1,11 +1,14 @@
 """Feeding a prompt into the KV cache: layer-major spans where the model allows it, so a long
 prompt reads each layer's experts once per span (edge0.backend.layerwise), otherwise mlx-lm's
-chunked forward, which reads them once per chunk (counted as `prefill_chunked_spans`)."""
+chunked forward, which reads them once per chunk (counted as `prefill_chunked_spans`, and said
+by `describe()` with the reason, from the probe run at load)."""
 
 from __future__ import annotations
 
 from edge0.backend import forward as bfw
 from edge0.backend import layerwise as blw
+from edge0.errors import Edge0Error
+from edge0.spec import HIDDEN_KEYS, model_dims
 
 # The span's activations (about 6 x tokens x hidden x 4 bytes at a layer's peak: its input, the
 # post-attention residual, the MoE input, the MoE output in chunks and joined, and the sum) stay
@@ -13,8 +16,10 @@ from edge0.backend import layerwise as blw
 SPAN_ACTIVATION_BYTES = 512 << 20
 MOE_CHUNK = 512  # tokens per MoE call inside a span (bounds the experts' intermediate activations)
 # mlx-lm's chunked forward (the fallback): 2048-token chunks, 512 when the caller can cancel,
-# since a cancellation is seen only between chunks.
+# since a cancellation is seen only between chunks. A span whose attention runs in one call
+# (layerwise.whole_span) is no longer than mlx-lm's chunk, so its score matrix is no larger.
 CHUNK, CANCELLABLE_CHUNK = 2048, 512
+DEFAULT_HEADS = 32  # for the score-matrix bound when the config does not say
 
 
 class Prefiller:
@@ -24,12 +29,14 @@ class Prefiller:
         """`span_tokens`: tokens per span (default from SPAN_ACTIVATION_BYTES); `layerwise`
         False: always the chunked forward (a model split across ranks)."""
         self.model, self.compute_dtype = model, compute_dtype
-        self.hidden, self.heads = blw.model_dims(model)
+        self.probe = blw.probe(model) if layerwise else blw.lp.Probe(why_not="the model is split across ranks")
+        hidden, heads = model_dims(blw.lp.model_config(model))
+        self.hidden, self.heads = hidden or self.probe.hidden, heads or DEFAULT_HEADS
         self.span_tokens = span_tokens or default_span(self.hidden)
-        self.layerwise = layerwise
+        self.layerwise = layerwise and self.probe.why_not is None
         self.moe_chunk, self.score_bytes = MOE_CHUNK, blw.SCORE_BYTES
         self.spans = 0  # spans fed layer by layer
-        self.chunked_spans = 0  # spans fed by the chunked forward (the model or cache does not allow layers)
+        self.chunked_spans = 0  # spans fed by the chunked forward (the model does not allow layers)
 
     def __call__(self, tokens: list[int], cache, should_stop=None) -> int:
         """Feed `tokens`; returns how many went into every layer: all of them, or fewer when
@@ -37,12 +44,13 @@ class Prefiller:
         next span in its first layers; kv.PromptCache.keep trims that)."""
         if not tokens:
             return 0
-        if not (self.layerwise and blw.layerwise_ready(self.model, cache, self.hidden, self.compute_dtype)):
+        if not self.layerwise:
             return self._chunked(tokens, cache, should_stop)
+        span = min(self.span_tokens, CHUNK) if blw.whole_span(self.probe, cache) else self.span_tokens
         plan = blw.SpanPlan(self.moe_chunk, self.heads, should_stop, self.score_bytes)
-        for i in range(0, len(tokens), self.span_tokens):
+        for i in range(0, len(tokens), span):
             try:
-                blw.prefill_layerwise(self.model, tokens[i : i + self.span_tokens], cache, plan)
+                blw.prefill_layerwise(self.model, tokens[i : i + span], cache, plan, self.probe)
             except blw.PrefillCancelled:
                 return i
             self.spans += 1
@@ -57,14 +65,27 @@ class Prefiller:
         self.chunked_spans += 1
         return len(tokens)
 
+    def describe(self) -> str:
+        """How prompts are fed, for the engine's describe line."""
+        if self.layerwise:
+            return f"prefill layer by layer ({self.span_tokens}-token spans)"
+        why = self.probe.why_not or "switched off"
+        return f"prefill chunk by chunk, not layer by layer: {why}"
+
     def stats(self) -> dict:
         return {
             "prefill_spans": self.spans,
             "prefill_chunked_spans": self.chunked_spans,
             "prefill_span_tokens": self.span_tokens,
+            "prefill_layerwise": self.layerwise,
         }
 
 
 def default_span(hidden: int) -> int:
     """Tokens per span whose activations fit SPAN_ACTIVATION_BYTES (float32), at least MOE_CHUNK."""
+    if hidden <= 0:
+        raise Edge0Error(
+            f"config.json names no hidden size ({', '.join(HIDDEN_KEYS)}); edge0 cannot size its prefill spans "
+            "for this model; pass --prefill-span N"
+        )
     return max(MOE_CHUNK, SPAN_ACTIVATION_BYTES // (6 * hidden * 4))

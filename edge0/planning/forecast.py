@@ -22,16 +22,24 @@ from pathlib import Path
 
 import numpy as np
 
+from edge0.backend import io as bio
+from edge0.backend import kvcache as bkv
+from edge0.backend.kvcache import KVFootprint
 from edge0.errors import Edge0Error
-from edge0.spec import text_config
+from edge0.spec import model_dims, moe_dims, text_config
 from edge0.store.headers import read_header
 from edge0.store.pagecache import evict
 from edge0.units import SAFETENSORS_DTYPES
 
-# Routed-expert tensors: per expert (`experts.3.gate_proj.weight`, `experts.3.w1.weight`), fused
-# (`experts.gate_up_proj`) or stacked by mlx-lm (`switch_mlp.gate_proj.weight`). Shared experts
-# (`shared_experts.gate_proj`) do not match.
-ROUTED = re.compile(r"(^|\.)(experts\.(\d+\.|gate_up_proj|down_proj)|switch_mlp\.)")
+# Routed-expert tensors: per expert (`experts.3.gate_proj.weight`, `experts.3.w1.weight`, Phixtral's
+# `moe.mlp.3.fc1`), fused (`experts.gate_up_proj`, DBRX's `experts.mlp.w1`, Granite's
+# `block_sparse_moe.input_linear`), stacked per projection (Step's `moe.gate_proj`) or by mlx-lm
+# (`switch_mlp.gate_proj.weight`). Shared experts (`shared_experts.gate_proj`) do not match.
+ROUTED = re.compile(
+    r"(^|\.)(experts\.(\d+\.|gate_up_proj|down_proj|mlp\.)|switch_mlp\.|block_sparse_moe\.(input|output)_linear"
+    r"|moe\.(mlp\.\d+\.|(gate|up|down)_proj))"
+)
+LAYER = re.compile(r"(?:layers|blocks|h)\.(\d+)\.")  # the decoder layer of a tensor name
 VERDICTS = ((20.0, "FAST"), (8.0, "GOOD"), (2.0, "USABLE"), (0.0, "SLOW"))
 # int4 with one scale and one bias per 64 weights in a 2-byte dtype: what `mlx_lm convert -q` writes
 INT4_BYTES_PER_PARAM = 0.5 + 2 * 2 / 64
@@ -49,7 +57,7 @@ class Checkpoint:
     top_k: int
     hidden: int
     max_context: int
-    kv_bytes_per_token: int  # float32 K and V of every full-attention layer
+    kv: KVFootprint  # the model's own KV cache in float32 (latent attention, windows, recurrent states)
     resident_bytes: int  # in memory after conversion (int4 linears, float32 scales and the rest on CPU)
     resident_store_bytes: int  # the same tensors as stored (2-byte scales and biases)
     untouched_bytes: int  # resident bytes a decode token does not read: the input embedding (one row used)
@@ -102,8 +110,7 @@ def summarize(config: dict, tensors: dict, source: str) -> Checkpoint:
     """Sizes Edge0 would have for this checkpoint (converted to int4 unless already quantized)."""
     c = text_config(config)
     quantized = "quantization" in config
-    experts = int(c.get("num_experts") or c.get("n_routed_experts") or c.get("num_local_experts") or 0)
-    top_k = int(c.get("num_experts_per_tok") or c.get("moe_top_k") or c.get("top_k") or 0)
+    experts, top_k = moe_dims(config)
     if not experts or not top_k:
         raise Edge0Error(
             f"--hf-path {source}: config.json has no routed experts (num_experts / num_experts_per_tok); "
@@ -117,7 +124,7 @@ def summarize(config: dict, tensors: dict, source: str) -> Checkpoint:
         nbytes = n * SAFETENSORS_DTYPES.get(dtype, (None, 2))[1]
         ckpt += nbytes
         if ROUTED.search(name):
-            layer = re.search(r"layers\.(\d+)\.", name)
+            layer = LAYER.search(name)
             moe_layers.add(int(layer.group(1)) if layer else -1)
             routed += nbytes if quantized else n * INT4_BYTES_PER_PARAM
             continue
@@ -135,21 +142,19 @@ def summarize(config: dict, tensors: dict, source: str) -> Checkpoint:
             f"--hf-path {source}: no routed-expert tensors in the safetensors headers (expected names "
             "like model.layers.N.mlp.experts.E.gate_proj.weight)"
         )
-    layers = int(c.get("num_hidden_layers"))
-    kv_heads = int(c.get("num_key_value_heads") or c.get("num_attention_heads"))
-    head_dim = int(c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"])
-    # hybrid models (linear attention) keep a KV cache only on every n-th layer
-    full = layers // int(c.get("full_attention_interval") or 1)
+    # the family's mlx-lm model built from config.json alone (its weights never evaluated) tells
+    # the layers and what its KV cache holds per token, as the engine will allocate it
+    model = bio.build_model(config, Path(source))
     return Checkpoint(
         source=source,
         model_type=str(config.get("model_type")),
-        num_layers=layers,
+        num_layers=len(model.layers),
         moe_layers=len(moe_layers),
         num_experts=experts,
         top_k=top_k,
-        hidden=int(c["hidden_size"]),
+        hidden=model_dims(config)[0],
         max_context=int(c.get("max_position_embeddings") or 4096),
-        kv_bytes_per_token=2 * full * kv_heads * head_dim * 4,
+        kv=bkv.kv_footprint(model),
         resident_bytes=int(resident),
         resident_store_bytes=int(stored),
         untouched_bytes=int(embedding),
@@ -210,10 +215,10 @@ def probe_compute(config: dict, hidden: int) -> dict:
 KV_VARIANTS = {"float32": None, "8-bit": 8, "4-bit": 4}  # --kv-bits
 
 
-def kv_bytes_per_token(ck: Checkpoint, bits: int | None = None, group_size: int = 64) -> float:
-    """KV-cache bytes per token: float32, or quantized to `bits` with a float32 scale and bias per group."""
-    elems = ck.kv_bytes_per_token / 4
-    return elems * 4 if bits is None else elems * (bits / 8 + 2 * 4 / group_size)
+def kv_footprint(ck: Checkpoint, bits: int | None = None, group_size: int = 64) -> KVFootprint:
+    """The KV cache's footprint: float32, or quantized to `bits` with a float32 scale and bias per
+    group where --kv-bits quantizes (full-attention layers)."""
+    return ck.kv if bits is None else ck.kv.with_bits(bits, group_size)
 
 
 def forecast(ck: Checkpoint, memory: int, disk: dict, compute: dict) -> dict:
@@ -222,7 +227,7 @@ def forecast(ck: Checkpoint, memory: int, disk: dict, compute: dict) -> dict:
 
     overhead = 256 << 20  # runtime, tokenizer, MLX temporaries
     context = 4096
-    kv = ck.kv_bytes_per_token * context
+    kv = ck.kv.bytes_at(context)
     free = memory - ck.resident_bytes - overhead - kv
     min_cache = ck.top_k * ck.expert_bytes * ck.moe_layers  # one token's route in every layer
     cache = int(min(max(free, 0), ck.expert_store_bytes))
@@ -242,9 +247,7 @@ def forecast(ck: Checkpoint, memory: int, disk: dict, compute: dict) -> dict:
 
     low, high = tok_s(hit_uniform), tok_s(hit_local)
     room = memory - ck.resident_bytes - overhead - min_cache
-    longest = {
-        n: int(min(ck.max_context, max(0, room) // max(1, kv_bytes_per_token(ck, b)))) for n, b in KV_VARIANTS.items()
-    }
+    longest = {n: kv_footprint(ck, b).longest(max(0, room), ck.max_context) for n, b in KV_VARIANTS.items()}
     verdict = "DOES-NOT-FIT" if not fits else next(v for t, v in VERDICTS if high >= t)
     return {
         "store_bytes": ck.store_bytes,
@@ -257,7 +260,7 @@ def forecast(ck: Checkpoint, memory: int, disk: dict, compute: dict) -> dict:
         "tok_s_high": high,
         "longest_context": longest["float32"],
         "longest_context_kv": longest,  # with --kv-bits 8 / 4
-        "kv_bytes_at_max_context": {n: int(kv_bytes_per_token(ck, b) * ck.max_context) for n, b in KV_VARIANTS.items()},
+        "kv_bytes_at_max_context": {n: kv_footprint(ck, b).bytes_at(ck.max_context) for n, b in KV_VARIANTS.items()},
         "verdict": verdict,
         "memory_bytes": memory,
     }

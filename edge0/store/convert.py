@@ -19,7 +19,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from edge0.errors import Edge0Error
-from edge0.families import spec_for, supported
+from edge0.families import refusal, spec_for, supported
 from edge0.store.format import (
     CONFIG_FILE,
     FORMAT,
@@ -94,6 +94,12 @@ def convert(
     if (src / MANIFEST).is_file():
         raise Edge0Error(f"--hf-path {src}: already an edge0 store; load it with --model {src}")
     config = bio.read_config(src, "pass a Hugging Face or mlx-lm model directory")
+    why = refusal(config)
+    if why:
+        raise Edge0Error(
+            f"{src / 'config.json'}: model_type {config['model_type']!r} is not supported: {why}; "
+            "run it resident with mlx-lm (mlx_lm.generate)"
+        )
     if not any(src.glob("*.safetensors")):
         raise Edge0Error(f"{src}: no *.safetensors weights; pass a Hugging Face or mlx-lm model directory")
     bio.expert_modules(bio.build_model(config, src), src, supported())  # fail early on a dense model

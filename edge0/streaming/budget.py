@@ -16,26 +16,6 @@ DEFAULT_CONTEXT = 4096  # tokens of KV cache the default budget leaves room for
 HEADROOM_MIN = 64 << 20  # MLX temporaries, Python objects, read buffers
 HEADROOM_SHARE = 0.10  # of the available memory, when that is more: other processes come and go
 PREFILL_LAYERS = 2  # whole-layer prefill holds the layer computing and the next one read ahead
-ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
-
-
-def kv_bytes_per_token(config: dict, compute_dtype: str, kv_bits: int | None = None, kv_group_size: int = 64) -> int:
-    """KV-cache bytes one token adds, from config.json (K and V of every full-attention layer in
-    the compute dtype; MLA families cache one latent and one rope key per layer). With `kv_bits`,
-    mlx-lm's quantized cache: `kv_bits` per value plus a scale and a bias per group."""
-    c = text_config(config)
-    layers = int(c.get("num_hidden_layers") or 0)
-    full = layers // int(c.get("full_attention_interval") or 1)  # hybrid: linear-attention layers keep a fixed state
-    if c.get("kv_lora_rank"):
-        per_layer = int(c["kv_lora_rank"]) + int(c.get("qk_rope_head_dim") or 0)
-    else:
-        heads = int(c.get("num_attention_heads") or 1)
-        kv_heads = int(c.get("num_key_value_heads") or heads)
-        head_dim = int(c.get("head_dim") or int(c.get("hidden_size") or 0) // heads)
-        per_layer = 2 * kv_heads * head_dim
-    itemsize = ITEMSIZE.get(compute_dtype, 4)
-    per_value = itemsize if kv_bits is None else kv_bits / 8 + 2 * itemsize / kv_group_size
-    return int(full * per_layer * per_value)
 
 
 def context_tokens(config: dict, given: int | None) -> int:

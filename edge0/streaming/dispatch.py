@@ -127,7 +127,7 @@ class Streaming:
 
     def __init__(self, store, compute_dtype: str, k: int, options, reserve: tuple[int, int, int] = (0, 0, 0)):
         """`options`: the engine's validated LoadOptions (expert cache, policy, executors).
-        `reserve` = (KV bytes per token, context tokens, prefill activation bytes at that context):
+        `reserve` = (KV cache bytes at the context, context tokens, prefill activation bytes at it):
         what the default budget leaves room for besides two layers of experts and the headroom."""
         self.store, self.options = store, options
         self.stats = ExecutorStats()
@@ -136,7 +136,7 @@ class Streaming:
         self.default = (
             None
             if options.expert_cache is not None
-            else default_budget(total, reserve[0] * reserve[1], reserve[1], PREFILL_LAYERS * largest + reserve[2])
+            else default_budget(total, reserve[0], reserve[1], PREFILL_LAYERS * largest + reserve[2])
         )
         self.budget = parse_size(options.expert_cache) if self.default is None else self.default.bytes
         self.total_expert_bytes = total

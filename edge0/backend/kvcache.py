@@ -33,12 +33,9 @@ __all__ = [
     "rewind_problem",
     "rewind_point",
     "rewind",
-<<<<<<< HEAD
     "trim_to",
-=======
     "KVFootprint",
     "kv_footprint",
->>>>>>> families
 ]
 
 

@@ -168,6 +168,13 @@ class LoadOptions:
         f"most bytes --prompt-cache-dir holds; the least recently used go first (default {DEFAULT_PROMPT_CACHE_SIZE})",
         "size",
     )
+    prompt_cache_memory: int | str | None = _opt(
+        None,
+        "memory for the KV caches of other conversations, kept beside the one in flight (an agent's "
+        "main thread, side requests, subagents), e.g. 1GB; 0 keeps only the last (default: 2 contexts' "
+        "KV cache at --context-tokens, at most a quarter of the memory left for the expert cache)",
+        "size",
+    )
     pipeline_split: str | tuple | None = _opt(
         None,
         "under mlx.launch: decoder layers per rank, rank 0 first "
@@ -222,6 +229,8 @@ class LoadOptions:
             )
         if self.prompt_cache_dir and self.prompt_cache_bytes() < 1:
             raise Edge0Error(f"--prompt-cache-size {self.prompt_cache_size}: must be more than 0 bytes, e.g. 2GB")
+        if self.prompt_cache_memory is not None and parse_size(self.prompt_cache_memory, "--prompt-cache-memory") < 0:
+            raise Edge0Error(f"--prompt-cache-memory {self.prompt_cache_memory}: must be 0 or more bytes, e.g. 1GB")
         if self.prefill_span is not None and self.prefill_span < 2:
             raise Edge0Error(f"--prefill-span {self.prefill_span}: must be >= 2 tokens (e.g. 8192)")
         if self.kv_bits is not None and self.kv_bits not in (4, 8):

@@ -71,21 +71,30 @@ def test_kv_footprint_with_kv_bits_and_windows():
     assert bud.context_tokens({"max_position_embeddings": 1024}, 9000) == 9000
 
 
+ROOM = 500 * MB - 100 * MB - 170 * MB - bud.HEADROOM_MIN  # 500 MB available, less KV, prefill and headroom
+
+
 @pytest.mark.parametrize(
     "available, total, want",
     [
         (20_000 * MB, 2_000 * MB, 2_000 * MB),  # every expert fits
-        (500 * MB, 2_000 * MB, 500 * MB - 100 * MB - 170 * MB - bud.HEADROOM_MIN),  # the 64 MiB floor
-        (5_000 * MB, 9_000 * MB, 5_000 * MB - 100 * MB - 170 * MB - 500 * MB),  # 10% of what is available
+        # the 64 MiB headroom floor; the other conversations' caches take a quarter of what is left
+        (500 * MB, 2_000 * MB, ROOM - ROOM // 4),
+        (5_000 * MB, 9_000 * MB, 5_000 * MB - 100 * MB - 170 * MB - 500 * MB - 200 * MB),  # 10%; 2 contexts' KV
         (300 * MB, 2_000 * MB, 0),  # nothing left
     ],
 )
-def test_default_budget_leaves_kv_prefill_and_headroom(monkeypatch, available, total, want):
+def test_default_budget_leaves_kv_prompt_caches_prefill_and_headroom(monkeypatch, available, total, want):
     monkeypatch.setattr(memory, "available", lambda: (available, "cgroup limit 1.40 GB (test)"))
     b = bud.default_budget(total, 100 * MB, 4096, 170 * MB)
     assert b.bytes == want
     assert b.headroom == max(bud.HEADROOM_MIN, available // 10)
-    assert "cgroup limit 1.40 GB (test)" in b.describe() and "at 4096 tokens" in b.describe()
+    room = max(0, available - 100 * MB - 170 * MB - b.headroom)
+    assert b.prompt_caches == min(bud.POOL_CONTEXTS * 100 * MB, room // 4)
+    d = b.describe()
+    assert "cgroup limit 1.40 GB (test)" in d and "at 4096 tokens" in d and "(--prompt-cache-memory)" in d
+    given = bud.default_budget(total, 100 * MB, 4096, 170 * MB, prompt_caches=0)
+    assert given.prompt_caches == 0 and given.bytes == min(total, max(0, room))
 
 
 def test_no_room_for_one_route_names_the_expert_cache_that_would_fit(monkeypatch, store_for):

@@ -108,7 +108,10 @@ def test_the_size_bound_removes_the_least_recently_used(store, tmp_path):
     probe = edge0.load(store, prompt_cache_dir=tmp_path / "probe")
     probe.generate(a, max_tokens=8, reuse_cache=True)
     one = disk(probe)["bytes"]
-    engine = edge0.load(store, prompt_cache_dir=tmp_path / "pc", prompt_cache_size=int(2.5 * one))
+    # no memory pool: every reuse below comes from the disk
+    engine = edge0.load(
+        store, prompt_cache_dir=tmp_path / "pc", prompt_cache_size=int(2.5 * one), prompt_cache_memory=0
+    )
     for prompt in (a, b):
         engine.generate(prompt, max_tokens=8, reuse_cache=True)
     # a + NEW restores a's cache from disk (a is the most recently used now); saving it goes over

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -34,6 +35,7 @@ __all__ = [
     "rewind_point",
     "rewind",
     "trim_to",
+    "copy_cache",
     "KVFootprint",
     "kv_footprint",
 ]
@@ -74,6 +76,12 @@ def prompt_cache_metadata(flat: dict[str, str]) -> dict:
     if not isinstance(metadata, list) or not metadata or not isinstance(metadata[0], dict):
         raise ValueError("no prompt-cache metadata")
     return metadata[0]
+
+
+def copy_cache(cache) -> list:
+    """An independent copy of a prompt cache: MLX updates a cache's arrays in place, so a copy
+    that only shared them would write into the original."""
+    return copy.deepcopy(cache)
 
 
 def trim_to(cache, n: int) -> bool:

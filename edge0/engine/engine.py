@@ -264,6 +264,7 @@ class Engine:
                 raise Edge0Error(KV_GROUP.format(group=kv.kv_group_size)) from None
             raise
         kv.advance(new)
+        kv.mark_prompt_end()
         return y, len(new), prefilled
 
     def _decode(self, prompt, generated, sampler, max_tokens, eos):

@@ -1,10 +1,13 @@
-"""The reusable KV cache: keep the longest common token prefix with the previous call and prefill
-only the rest (mlx-lm's prompt-cache helpers do the trimming); optionally, finished caches on disk
-for a restarted process (edge0.store.promptcache.DiskPromptCaches)."""
+"""The reusable KV cache: keep the longest common token prefix with an earlier call and prefill
+only the rest (mlx-lm's prompt-cache helpers do the trimming). The cache of the request in flight
+is the working cache; with a pool (kvpool.KVPool), the caches of other conversations stay in memory
+beside it, and with a disk tier (edge0.store.promptcache.DiskPromptCaches), finished and evicted
+caches go to disk for a later request or a restarted process."""
 
 from __future__ import annotations
 
 from edge0.backend import kvcache as bkv
+from edge0.engine.kvpool import BLOCK, KVPool
 from edge0.errors import Edge0Error
 from edge0.store.promptcache import DiskPromptCaches
 
@@ -19,11 +22,16 @@ class PromptCache:
         self.tokens: list[int] = []
         self.dirty = False  # set while the KV cache may be ahead of `tokens` (a step in flight)
         self.disk: DiskPromptCaches | None = None
+        self.pool: KVPool | None = None
         self.persistable = False  # the last generation asked for reuse (only those are saved)
         self.on_disk: list[int] = []  # a prefix of `tokens` already on disk (saved or restored)
+        self.prompt_end = 0  # where the prompt of the request that filled the working cache ended
+        self.snapshot = None  # (tokens, cache copy) at the end of that prompt, for caches that cannot be trimmed
+        self.evicted: list = []  # pool entries pushed out of memory, for the disk tier between requests
 
     def reset(self) -> None:
         self.cache, self.tokens, self.dirty, self.on_disk, self.persistable = None, [], False, [], False
+        self.prompt_end, self.snapshot = 0, None
 
     def fresh(self) -> None:
         """An empty cache that nothing reuses (a teacher-forced pass)."""
@@ -37,6 +45,28 @@ class PromptCache:
     def use_disk(self, disk: DiskPromptCaches) -> None:
         """Save finished caches to `disk` and restore matching prefixes from it."""
         self.disk = disk
+
+    def use_pool(self, max_bytes: int) -> None:
+        """Keep the caches of other conversations in memory, at most `max_bytes` (0: none)."""
+        self.pool = KVPool(max_bytes) if max_bytes > 0 else None
+
+    def _park(self) -> None:
+        """The working cache (and its end-of-prompt snapshot) into the pool, for its conversation's
+        next request; what the pool's bound pushes out waits for the disk tier."""
+        if self.pool is not None and self.cache is not None and not self.dirty and self.persistable and self.tokens:
+            if self.snapshot is not None:
+                self.evicted += self.pool.put(*self.snapshot, prompt_end=len(self.snapshot[0]))
+            on_disk = self.on_disk == self.tokens
+            self.evicted += self.pool.put(self.tokens, self.cache, self.prompt_end, on_disk)
+        self.reset()
+
+    def mark_prompt_end(self) -> None:
+        """The working cache holds the whole prompt now: a cache that cannot be trimmed back keeps a
+        copy of itself here, where the conversation's next request (its prompt, the reply as the
+        client renders it, a new turn) will branch off."""
+        self.prompt_end = len(self.tokens)
+        if self.pool is not None and self.persistable and not bkv.can_trim_prompt_cache(self.cache):
+            self.snapshot = (list(self.tokens), bkv.copy_cache(self.cache))
 
     def begin(self) -> None:
         """A forward that extends the cache is in flight: until `advance`, the cache may hold
@@ -60,28 +90,64 @@ class PromptCache:
         return True
 
     def prepare(self, tokens: list[int], reuse: bool) -> int:
-        """Make the cache hold a prefix of `tokens` (all but the last token at most, which must be
-        fed to get logits): the longer of what the cache in memory shares with them and what a
-        cache on disk does. Returns that prefix's length."""
-        held, usable = 0, False
-        if reuse and self.cache is not None and not self.dirty:
-            held = bkv.common_prefix_len(self.tokens, tokens[:-1])
-            usable = held == len(self.tokens) or (held > 0 and bkv.can_trim_prompt_cache(self.cache))
-        held = held if usable else 0
-        if reuse and self.disk is not None and held < len(tokens) - 1:  # the disk could hold more
-            cache, n = self.disk.restore(tokens, longer_than=held)
-            if cache is not None:
-                self.cache, self.tokens, self.on_disk, self.persistable = cache, tokens[:n], tokens[:n], True
-                return n
-        if usable:
-            if held < len(self.tokens):
-                bkv.trim_prompt_cache(self.cache, len(self.tokens) - held)
+        """Make the working cache hold a prefix of `tokens` (all but the last token at most, which
+        must be fed to get logits): the longest that the working cache, a pooled cache or a cache
+        on disk shares with them. Returns that prefix's length.
+
+        The working cache is continued in place when the request extends it, or branches off it
+        after its last prompt (the conversation's next turn: the client's rendering of the reply
+        differs from the tokens generated). A request that branches off earlier is another
+        conversation: with a pool, the working cache joins it whole and the request gets a trimmed
+        copy (kvpool.KVPool.take); without one, it is trimmed."""
+        if not reuse:
+            self._park()
+            self.cache, self.persistable = self.make(), False
+            return 0
+        q = tokens[:-1]
+        held = bkv.common_prefix_len(self.tokens, q) if self.cache is not None and not self.dirty else 0
+        if held < len(self.tokens) and not (held and bkv.can_trim_prompt_cache(self.cache)):
+            held = 0  # it cannot be cut back to the shared prefix
+        entry, n = self.pool.best(q) if self.pool is not None else (None, 0)
+        snap = self.snapshot
+        if not held and snap is not None and len(snap[0]) > n and q[: len(snap[0])] == snap[0]:
+            # the conversation's next turn on a cache that cannot be cut back: from its prompt's end
+            self.snapshot = None
+            self._park()
+            self.cache, self.tokens, self.persistable = snap[1], list(snap[0]), True
+            self.pool.count("hits")
+            return len(self.tokens)
+        longest = max(held, n)
+        restored, r = self.disk.restore(tokens, longer_than=longest) if self.disk and longest < len(q) else (None, 0)
+        if restored is not None:
+            self._park()
+            self.cache, self.tokens, self.on_disk, self.persistable = restored, q[:r], q[:r], True
+            return r
+        if held and held >= n:
+            # the prompt's last token is fed by the first step: up to there, the same conversation
+            other = held < len(self.tokens) and held < self.prompt_end - 1
+            if other and self.pool is not None and len(self.tokens) >= BLOCK:
+                cache = bkv.copy_cache(self.cache)  # the working cache stays whole for its own conversation
+                bkv.trim_to(cache, held)
+                self._park()
+                self.pool.count("copies")
+                self.cache, self.tokens, self.on_disk = cache, q[:held], []
+            elif held < len(self.tokens):
+                bkv.trim_to(self.cache, held)
                 self.tokens, self.on_disk = self.tokens[:held], self.on_disk[:held]
-            self.persistable = True
+            if self.pool is not None:
+                self.pool.count("hits")
+            self.persistable, self.prompt_end, self.snapshot = True, 0, None
             return held
-        self.reset()
-        self.cache, self.persistable = self.make(), reuse
-        return 0
+        taken = self.pool.take(entry, n) if entry is not None else None  # before parking, which may evict it
+        self._park()
+        if taken is None:
+            if self.pool is not None:
+                self.pool.count("misses")
+            self.cache, self.persistable = self.make(), True
+            return 0
+        self.cache, self.tokens, self.persistable = taken, q[:n], True
+        self.on_disk = list(self.tokens) if entry.on_disk else []
+        return n
 
     def sync(self, offset: int) -> None:
         """A follower stage: hold exactly `offset` tokens, as rank 0's cache does before a forward
@@ -99,7 +165,12 @@ class PromptCache:
 
     def persist(self) -> bool:
         """Save the cache to disk when a directory is set, the last generation asked for reuse, and
-        it holds tokens that are not on disk yet. Returns whether it saved."""
+        it holds tokens that are not on disk yet (and the pool's evicted caches). Returns whether it
+        saved the working cache."""
+        evicted, self.evicted = self.evicted, []
+        for entry in evicted if self.disk is not None else ():
+            if not entry.on_disk:
+                self.disk.save(entry.tokens, entry.cache)
         if self.disk is None or not self.persistable or self.cache is None or self.dirty or not self.tokens:
             return False
         if self.tokens == self.on_disk[: len(self.tokens)]:
@@ -110,5 +181,10 @@ class PromptCache:
         return True
 
     def stats(self) -> dict:
-        """The tokens the cache holds, and its directory's statistics (`dir` None without one)."""
-        return {"tokens": len(self.tokens), **(self.disk.stats() if self.disk else {"dir": None})}
+        """The tokens the working cache holds, its directory's statistics (`dir` None without one)
+        and the memory pool's (`memory`, None without one)."""
+        return {
+            "tokens": len(self.tokens),
+            **(self.disk.stats() if self.disk else {"dir": None}),
+            "memory": self.pool.stats() if self.pool is not None else None,
+        }

@@ -17,8 +17,9 @@ from edge0.spec import MoESpec, model_dims, moe_dims
 from edge0.store import ExpertStore, open_manifest
 from edge0.store.format import RESIDENT_FILE
 from edge0.store.resident import check_resident
-from edge0.streaming.budget import context_tokens
+from edge0.streaming.budget import context_tokens, prompt_cache_memory
 from edge0.streaming.dispatch import Streaming
+from edge0.units import parse_size
 
 
 def open_engine(root: Path, options, stage_for=None) -> Engine:
@@ -67,15 +68,20 @@ def open_engine(root: Path, options, stage_for=None) -> Engine:
     reserve = _reserve(built, config, compute, options)
     streaming = Streaming(store, compute, k or _native_k(config), options, reserve)
     bas.attach_executors(model, streaming.layers)
-    return Engine(root, model, bio.load_tokenizer(root), store, streaming, spec, k, compute, stage)
+    engine = Engine(root, model, bio.load_tokenizer(root), store, streaming, spec, k, compute, stage)
+    # the other conversations' KV caches: the default budget's share, else what was given (or the default)
+    pool = streaming.default.prompt_caches if streaming.default else prompt_cache_memory(reserve[0], reserve[3], None)
+    engine.kv.use_pool(pool)
+    return engine
 
 
-def _reserve(built, config: dict, compute: str, options) -> tuple[int, int, int]:
-    """(KV cache bytes at the context, context tokens, prefill activations at that context) for
-    the default expert cache. The KV bytes are those the family's own caches hold in the compute
-    dtype, measured on `built`, the whole model built from config.json (backend.kvcache: latent
-    attention, sliding windows and recurrent states as the family lays them out; a pipeline
-    stage's own model would exchange with other ranks in its forward); the activations follow
+def _reserve(built, config: dict, compute: str, options) -> tuple[int, int, int, int | None]:
+    """(KV cache bytes at the context, context tokens, prefill activations at that context, the
+    --prompt-cache-memory given or None) for the default expert cache. The KV bytes are those the
+    family's own caches hold in the compute dtype, measured on `built`, the whole model built from
+    config.json (backend.kvcache: latent attention, sliding windows and recurrent states as the
+    family lays them out; a pipeline stage's own model would exchange with other ranks in its
+    forward); the activations follow
     docs/long-prompts.md ("Memory"): 6 x T x D x 4 bytes."""
     context = context_tokens(config, options.context_tokens)
     hidden = model_dims(config)[0]
@@ -86,7 +92,8 @@ def _reserve(built, config: dict, compute: str, options) -> tuple[int, int, int]
         if options.kv_bits and "group size" in str(e):
             raise Edge0Error(KV_GROUP.format(group=options.kv_group_size)) from None
         raise
-    return kv, context, 6 * span * hidden * 4
+    pool = None if options.prompt_cache_memory is None else parse_size(options.prompt_cache_memory)
+    return kv, context, 6 * span * hidden * 4, pool
 
 
 REBUILD = "convert the checkpoint again (edge0 convert --hf-path SRC -o DIR)"

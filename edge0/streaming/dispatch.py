@@ -125,10 +125,13 @@ class LayerDispatch:
 class Streaming:
     """All executors of one engine, the expert pool they share, and their statistics."""
 
-    def __init__(self, store, compute_dtype: str, k: int, options, reserve: tuple[int, int, int] = (0, 0, 0)):
+    def __init__(
+        self, store, compute_dtype: str, k: int, options, reserve: tuple[int, int, int, int | None] = (0, 0, 0, 0)
+    ):
         """`options`: the engine's validated LoadOptions (expert cache, policy, executors).
-        `reserve` = (KV cache bytes at the context, context tokens, prefill activation bytes at it):
-        what the default budget leaves room for besides two layers of experts and the headroom."""
+        `reserve` = (KV cache bytes at the context, context tokens, prefill activation bytes at it,
+        the other conversations' KV caches (None: the default share)): what the default budget
+        leaves room for besides two layers of experts and the headroom."""
         self.store, self.options = store, options
         self.stats = ExecutorStats()
         total = sum(store.expert_nbytes(l) * int(v["num_experts"]) for l, v in store.layers.items())
@@ -136,7 +139,7 @@ class Streaming:
         self.default = (
             None
             if options.expert_cache is not None
-            else default_budget(total, reserve[0], reserve[1], PREFILL_LAYERS * largest + reserve[2])
+            else default_budget(total, reserve[0], reserve[1], PREFILL_LAYERS * largest + reserve[2], reserve[3])
         )
         self.budget = parse_size(options.expert_cache) if self.default is None else self.default.bytes
         self.total_expert_bytes = total

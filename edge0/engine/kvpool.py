@@ -1,0 +1,170 @@
+"""KV caches of several conversations in memory. An agent session is many conversations (a main
+thread, side requests, subagents) whose requests interleave; each next request of one repeats
+everything before it. The pool keeps the caches of finished requests, bounded in bytes; a request
+takes the one sharing its longest prefix: the cache itself when the request extends all of it, a
+trimmed copy when it branches off inside it (the original stays for its own conversation). The
+least recently used go first beyond the bound (to the disk tier, if the engine has one).
+
+Lookup walks the request's tokens in blocks of BLOCK: each block's prefix hash maps to the entries
+holding that prefix, so finding the longest shared prefix costs a dict lookup per block, not a
+comparison with every cached conversation.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from edge0.backend import kvcache as bkv
+
+BLOCK = 64  # tokens per lookup block; a shared prefix shorter than one block is not reused
+
+
+@dataclass
+class Entry:
+    """A cached conversation: `tokens` the cache holds, `prompt_end` where its last request's
+    prompt ended (a branch after it is that conversation's next turn, not another conversation)."""
+
+    tokens: list[int]
+    cache: list
+    nbytes: int
+    prompt_end: int
+    trimmable: bool
+    used: float = field(default_factory=time.monotonic)
+    keys: list[int] = field(default_factory=list)  # its block-prefix hashes in the index
+    eid: int = -1
+    on_disk: bool = False  # the disk tier holds these tokens already
+
+
+def _block_hashes(tokens: list[int]):
+    """The hash of each whole block's prefix: tokens[:BLOCK], tokens[:2 BLOCK], ..."""
+    h = 0
+    for i in range(BLOCK, len(tokens) + 1, BLOCK):
+        h = hash((h, tuple(tokens[i - BLOCK : i])))
+        yield h
+
+
+class KVPool:
+    """Caches of finished requests, at most `max_bytes` together (module docstring)."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self._entries: dict[int, Entry] = {}
+        self._index: dict[int, set[int]] = {}  # block-prefix hash -> ids of the entries holding it
+        self._ids = itertools.count()
+        self.bytes = 0
+        self.counts = {"hits": 0, "misses": 0, "copies": 0, "evicted": 0, "evicted_bytes": 0, "too_large": 0}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    # -- in and out ------------------------------------------------------------------------------
+    def put(self, tokens: list[int], cache, prompt_end: int, on_disk: bool = False) -> list[Entry]:
+        """Keep `cache` (holding exactly `tokens`). Entries it makes redundant (a trimmable cache
+        holds their tokens and more) go; then the least recently used beyond the bound. Returns
+        the entries evicted by the bound, oldest first (for the disk tier)."""
+        nbytes, trimmable = bkv.prompt_cache_nbytes(cache), bkv.can_trim_prompt_cache(cache)
+        entry = Entry(list(tokens), cache, nbytes, prompt_end, trimmable, on_disk=on_disk)
+        if len(tokens) < BLOCK:  # too short to be found (and to be worth keeping)
+            return []
+        if entry.nbytes > self.max_bytes:
+            self.counts["too_large"] += 1
+            return [entry]
+        if entry.trimmable:
+            for other in self._holding(tokens):
+                if len(other.tokens) <= len(tokens) and tokens[: len(other.tokens)] == other.tokens:
+                    self._drop(other)
+        entry.eid = next(self._ids)
+        entry.keys = list(_block_hashes(entry.tokens))
+        for h in entry.keys:
+            self._index.setdefault(h, set()).add(entry.eid)
+        self._entries[entry.eid] = entry
+        self.bytes += entry.nbytes
+        evicted = []
+        for old in sorted(self._entries.values(), key=lambda e: e.used):
+            if self.bytes <= self.max_bytes:
+                break
+            if old is not entry:
+                self._drop(old)
+                self.counts["evicted"] += 1
+                self.counts["evicted_bytes"] += old.nbytes
+                evicted.append(old)
+        return evicted
+
+    def best(self, tokens: list[int]) -> tuple[Entry | None, int]:
+        """The entry sharing the longest usable prefix with `tokens` and that prefix's length: a
+        trimmable cache at any point, another only where its tokens end (it cannot be cut back)."""
+        candidates: set[int] = set()
+        depth = 0
+        for h in _block_hashes(tokens):
+            found = self._index.get(h)
+            if not found:
+                break
+            candidates, depth = found, depth + BLOCK
+        best, n = None, 0
+        for eid in candidates:
+            e = self._entries[eid]
+            k = depth + bkv.common_prefix_len(e.tokens[depth:], tokens[depth:])
+            if not e.trimmable and k < len(e.tokens):
+                continue
+            if k > n or (k == n and best is not None and e.used > best.used):
+                best, n = e, k
+        return best, n
+
+    def take(self, entry: Entry, n: int):
+        """The cache of `entry` holding its first `n` tokens, for a request to write into: the
+        entry itself (out of the pool) when `n` covers it, or the next turn of its conversation
+        branches after its prompt (the tail is that turn's own reply); else a trimmed copy, and the
+        entry stays."""
+        self.counts["hits"] += 1
+        entry.used = time.monotonic()
+        if n == len(entry.tokens) or (entry.trimmable and n >= entry.prompt_end):
+            self._drop(entry)
+            if n < len(entry.tokens):
+                bkv.trim_to(entry.cache, n)
+            return entry.cache
+        self.counts["copies"] += 1
+        cache = bkv.copy_cache(entry.cache)
+        bkv.trim_to(cache, n)
+        return cache
+
+    def count(self, what: str) -> None:
+        """A lookup the working cache answered (hits, copies) or nothing did (misses)."""
+        self.counts[what] += 1
+
+    def shrink(self, max_bytes: int) -> list[Entry]:
+        """A new bound (memory pressure): the least recently used go until it holds. Returns them."""
+        self.max_bytes = max_bytes
+        evicted = []
+        for old in sorted(self._entries.values(), key=lambda e: e.used):
+            if self.bytes <= self.max_bytes:
+                break
+            self._drop(old)
+            self.counts["evicted"] += 1
+            self.counts["evicted_bytes"] += old.nbytes
+            evicted.append(old)
+        return evicted
+
+    def clear(self) -> None:
+        for e in list(self._entries.values()):
+            self._drop(e)
+
+    # -- bookkeeping -----------------------------------------------------------------------------
+    def _holding(self, tokens: list[int]) -> list[Entry]:
+        """Entries that share at least the first block with `tokens`."""
+        first = next(_block_hashes(tokens), None)
+        return [self._entries[i] for i in self._index.get(first, ())] if first is not None else []
+
+    def _drop(self, entry: Entry) -> None:
+        for h in entry.keys:
+            ids = self._index.get(h)
+            if ids is not None:
+                ids.discard(entry.eid)
+                if not ids:
+                    del self._index[h]
+        del self._entries[entry.eid]
+        self.bytes -= entry.nbytes
+
+    def stats(self) -> dict:
+        return {"entries": len(self._entries), "bytes": self.bytes, "max_bytes": self.max_bytes, **self.counts}

@@ -300,3 +300,21 @@ def test_codex_with_a_stream_idle_timeout_shorter_than_the_prefill_gets_its_answ
     result = run_client("codex", "say hello", tmp_path, keepalive_s=0.5, extra=idle, prefill_delay=0.00015)
     assert result["rc"] == 0 and HELLO in result["stdout"], result["stderr"][-2000:]
     assert result["generations"] == 1 and result["wall_s"] > 6
+
+
+def test_claude_codes_billing_line_does_not_break_the_shared_prefix():
+    """Claude Code starts `system` with `x-anthropic-billing-header: cc_version=2.1.197.<suffix>`,
+    a suffix that differs between its requests: left out, two requests share their whole prefix."""
+    engine = FakeEngine()
+    prompts = []
+    with running_server(engine, ServerConfig()) as base:
+        for suffix in ("d55", "a7b"):
+            system = [
+                {"type": "text", "text": f"x-anthropic-billing-header: cc_version=2.1.197.{suffix}; cc_entrypoint=cli;"},
+                {"type": "text", "text": "You are Claude Code.", "cache_control": {"type": "ephemeral"}},
+            ]
+            body = {"model": "m", "max_tokens": 8, "system": system, "messages": user("hello")}
+            assert httpx.post(base + "/v1/messages", json=body).status_code == 200
+            prompts.append(engine.tokenizer.decode(engine.calls[-1].prompt))
+    assert prompts[0] == prompts[1] and "billing" not in prompts[0] and "You are Claude Code." in prompts[0]
+    assert engine.calls[-1].prefill_tokens == 1  # the KV cache held all but the prompt's last token

@@ -157,6 +157,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_POLL_S,
         help=f"seconds between memory readings (default {DEFAULT_POLL_S:g})",
     )
+    p.add_argument(
+        "--no-prompt-cache-dir",
+        action="store_true",
+        help="keep no KV caches on disk (default for serve: --prompt-cache-dir is the edge0 cache directory's "
+        "prompt-caches/, so a conversation evicted from memory or a restarted server resumes its prefix)",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
 
@@ -168,6 +174,12 @@ def main(argv=None) -> int:
         p.error("--default-max-tokens must not exceed --max-tokens")
     if any(not name.strip() for name in args.served_model_name):
         p.error("--served-model-name must not be empty")
+    if args.no_prompt_cache_dir and args.prompt_cache_dir:
+        p.error("--no-prompt-cache-dir and --prompt-cache-dir contradict each other; drop one")
+    if not args.no_prompt_cache_dir and args.prompt_cache_dir is None:
+        from edge0.store.bundled import cache_dir
+
+        args.prompt_cache_dir = str(cache_dir() / "prompt-caches")
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(message)s")
     if not _is_loopback(args.host):
         log.warning(

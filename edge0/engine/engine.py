@@ -401,7 +401,7 @@ class Engine:
         prefill = "" if self.prefiller.layerwise else f"; {self.prefiller.describe()}"
         return (
             f"{rank}{self.model_id}: {self.compute_dtype}, resident {format_size(self.resident_bytes)}, "
-            f"{self.streaming.describe()}{lora}; {self.store.describe_io()}{spec}{prefill}"
+            f"{self.streaming.describe()}{lora}; {self.store.describe_io()}; {self.kv.describe()}{spec}{prefill}"
         )
 
     def close(self) -> None:

@@ -10,6 +10,7 @@ from edge0.backend import kvcache as bkv
 from edge0.engine.kvpool import BLOCK, KVPool
 from edge0.errors import Edge0Error
 from edge0.store.promptcache import DiskPromptCaches
+from edge0.units import format_size
 
 
 class PromptCache:
@@ -179,6 +180,15 @@ class PromptCache:
             return False
         self.on_disk = list(self.tokens)
         return True
+
+    def describe(self) -> str:
+        """The tiers that keep conversations' KV caches, for the engine's describe line."""
+        pool = self.pool
+        memory = (
+            f"memory {format_size(pool.max_bytes)} (--prompt-cache-memory)" if pool is not None else "the last only"
+        )
+        disk = f"disk {self.disk.root} up to {format_size(self.disk.max_bytes)}" if self.disk else "no disk"
+        return f"prompt caches: {memory}, {disk}"
 
     def stats(self) -> dict:
         """The tokens the working cache holds, its directory's statistics (`dir` None without one)

@@ -105,6 +105,17 @@ class ThinkingOther(Strict):
 Thinking = Annotated[Union[ThinkingEnabled, ThinkingOther], Field(discriminator="type")]
 
 
+BILLING_HEADER = "x-anthropic-billing-header:"
+
+
+def _without_billing(blocks: list[TextBlock]) -> list[TextBlock]:
+    """The system blocks without Claude Code's billing line (`x-anthropic-billing-header:
+    cc_version=2.1.197.a7b; ...`): its suffix differs between requests and sessions, and at the
+    very start of the prompt it would keep any two of them from sharing a cached prefix; it means
+    nothing to the model."""
+    return [b for b in blocks if not b.text.startswith(BILLING_HEADER)]
+
+
 class CountTokensRequest(Strict):
     """What decides the prompt: the body of count_tokens, and the base of a Messages request."""
 
@@ -118,10 +129,9 @@ class CountTokensRequest(Strict):
     def template_messages(self) -> list[dict]:
         """The conversation as chat-template messages (OpenAI's shape, which templates take)."""
         out = []
-        if self.system:
-            out.append(
-                {"role": "system", "content": self.system if isinstance(self.system, str) else join_text(self.system)}
-            )
+        system = self.system if isinstance(self.system, str) else join_text(_without_billing(self.system or []))
+        if system:
+            out.append({"role": "system", "content": system})
         for i, m in enumerate(self.messages):
             if m.role not in ("user", "assistant", "system"):
                 # Worded as Anthropic's API words it: clients match it to fall back (Claude Code).

@@ -3,10 +3,29 @@
 import contextlib
 import io
 import os
+import shutil
+import tempfile
 
 import pytest
 
 from tests.fixtures.make import fixture_dir, reference_dir
+
+
+def pytest_configure(config):
+    """One fixture cache for the whole run: the xdist workers (spawned after this, with this
+    environment) share the checkpoints and mlx-lm references they build, instead of each building
+    its own (fixture directories are written atomically, so concurrent builders do not clash)."""
+    if os.environ.get("PYTEST_XDIST_WORKER") or os.environ.get("EDGE0_FIXTURE_CACHE"):
+        return
+    config._edge0_fixture_cache = tempfile.mkdtemp(prefix="edge0-fixtures-")
+    os.environ["EDGE0_FIXTURE_CACHE"] = config._edge0_fixture_cache
+
+
+def pytest_unconfigure(config):
+    path = getattr(config, "_edge0_fixture_cache", None)
+    if path:
+        shutil.rmtree(path, ignore_errors=True)
+        os.environ.pop("EDGE0_FIXTURE_CACHE", None)
 
 
 @pytest.fixture(scope="session", autouse=True)

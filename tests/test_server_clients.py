@@ -310,7 +310,7 @@ def test_claude_codes_billing_line_does_not_break_the_shared_prefix():
     with running_server(engine, ServerConfig()) as base:
         for suffix in ("d55", "a7b"):
             system = [
-                {"type": "text", "text": f"x-anthropic-billing-header: cc_version=2.1.197.{suffix}; cc_entrypoint=cli;"},
+                {"type": "text", "text": f"x-anthropic-billing-header: cc_version=2.1.197.{suffix}; cc_entrypoint=x;"},
                 {"type": "text", "text": "You are Claude Code.", "cache_control": {"type": "ephemeral"}},
             ]
             body = {"model": "m", "max_tokens": 8, "system": system, "messages": user("hello")}

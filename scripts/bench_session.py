@@ -66,7 +66,7 @@ def one(name: str, store: str, mlx: str, shape: SessionShape, seed: int, tmp: Pa
     try:
         tokenizer = load_tokenizer(store)
         maker = TextMaker(lambda text: len(tokenizer.encode(text)), seed)
-        result = run_session(base, shape, maker)
+        result = run_session(base, mlx if name == "mlx_lm" else "session", shape, maker)
     finally:
         proc.terminate()
         proc.wait(60)

@@ -109,8 +109,12 @@ def _joined(calls: list, axis_of) -> tuple:
 class SpanLayer:
     """A decoder layer run over a whole span in the two passes above (callable as the layer)."""
 
-    def __init__(self, layer: nn.Module, call: lp.LayerCall, plan: SpanPlan, whole: bool):
+    def __init__(self, layer: nn.Module, call: lp.LayerCall, plan: SpanPlan, whole: bool, last: bool = False):
         self.layer, self.call, self.plan, self.whole = layer, call, plan, whole
+        # The last layer's output feeds only the logits, which a prefill never needs: its keys and
+        # values (its cache) are all it must compute, as mlx-lm's prefill does by evaluating the
+        # caches alone; its attention and its experts (reads included) are skipped.
+        self.last = last
 
     def __getattr__(self, name):  # the model's loop may read layer attributes (is_linear, ...)
         return getattr(self.layer, name)
@@ -118,6 +122,9 @@ class SpanLayer:
     def __call__(self, *args, **kwargs):
         # args[0] [B, T, ...]: the span's hidden states entering this layer
         self.plan.check()
+        if self.last:
+            stub = lp.Stub(mx.zeros_like) if self.call.moe is not None else None
+            return self._attention(args, kwargs, stub, state_only=True)
         if self.call.moe is None:
             return self._attention(args, kwargs, None)
         block = self.layer[self.call.moe]
@@ -134,9 +141,10 @@ class SpanLayer:
         mx.eval(h)
         return (h, *out[1:]) if isinstance(out, (tuple, list)) else h
 
-    def _attention(self, args, kwargs, stub):
+    def _attention(self, args, kwargs, stub, state_only: bool = False):
         """Pass A: the layer over query chunks, or the whole span (its MoE block stubbed when
-        `stub` is given); returns its output, the hidden states joined over the chunks."""
+        `stub` is given); returns its output, the hidden states joined over the chunks (left
+        unevaluated with `state_only`: only the caches are computed)."""
         plan, span = self.plan, args[0].shape[1]
         held = _keys_held(list(args) + list(kwargs.values()))
         chunk = span if self.whole or not self.call.cuttable else plan.attention_chunk(held + span)
@@ -147,8 +155,12 @@ class SpanLayer:
             a = (args[0][:, c0:c1], *(_cut(x, c0, c1, span) for x in args[1:]))
             kw = {k: _cut(v, c0, c1, span) for k, v in kwargs.items()}
             out = self.layer(*a, **kw) if stub is None else lp.run_stubbed(self.layer, self.call.moe, stub, a, kw)
-            recorded = [x for x in stub.calls[-1][0] if isinstance(x, mx.array)] if stub is not None else []
-            mx.eval(lp.first(out), *recorded, *_state_arrays(list(a) + list(kw.values())))
+            states = _state_arrays(list(a) + list(kw.values()))
+            if state_only:
+                mx.eval(*states)
+            else:
+                recorded = [x for x in stub.calls[-1][0] if isinstance(x, mx.array)] if stub is not None else []
+                mx.eval(lp.first(out), *recorded, *states)
             parts.append(lp.first(out))
         h = mx.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
         return (h, *out[1:]) if isinstance(out, (tuple, list)) else h
@@ -183,7 +195,10 @@ def prefill_layerwise(model, tokens: list[int], cache, plan: SpanPlan, found: lp
     then holds part of the span)."""
     owner, key, layers = lp.decoder_layers(model)
     whole = whole_span(found, cache)
-    owner[key] = [SpanLayer(layer, call, plan, whole) for layer, call in zip(layers, found.calls)]
+    last = len(layers) - 1
+    owner[key] = [
+        SpanLayer(layer, call, plan, whole, i == last) for i, (layer, call) in enumerate(zip(layers, found.calls))
+    ]
     try:
         model(mx.array(tokens)[None], cache=cache)  # the logits are never evaluated
     finally:

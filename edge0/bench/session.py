@@ -58,30 +58,39 @@ class TextMaker:
 def script(shape: SessionShape, maker: TextMaker):
     """(conversation, messages to append) in the order an agent sends them; the driver adds each
     reply to its conversation before that conversation's next request."""
-    yield "main", [
-        {"role": "system", "content": maker.text(shape.main_tokens * 9 // 10, "main-system")},
-        {"role": "user", "content": maker.text(shape.main_tokens // 10, "main-turn-0")},
-    ]
+    yield (
+        "main",
+        [
+            {"role": "system", "content": maker.text(shape.main_tokens * 9 // 10, "main-system")},
+            {"role": "user", "content": maker.text(shape.main_tokens // 10, "main-turn-0")},
+        ],
+    )
     for turn in range(shape.main_turns):
         if turn:
             yield "main", [{"role": "user", "content": maker.text(shape.main_growth, f"main-turn-{turn}")}]
-        yield f"side-{turn}", [
-            {"role": "system", "content": "Write a five-word title for this conversation."},
-            {"role": "user", "content": maker.text(shape.side_tokens, f"side-{turn}")},
-        ]
+        yield (
+            f"side-{turn}",
+            [
+                {"role": "system", "content": "Write a five-word title for this conversation."},
+                {"role": "user", "content": maker.text(shape.side_tokens, f"side-{turn}")},
+            ],
+        )
         if turn < shape.sub_turns:
             if turn == 0:
-                yield "sub", [
-                    {"role": "system", "content": maker.text(shape.sub_tokens * 9 // 10, "sub-system")},
-                    {"role": "user", "content": maker.text(shape.sub_tokens // 10, "sub-turn-0")},
-                ]
+                yield (
+                    "sub",
+                    [
+                        {"role": "system", "content": maker.text(shape.sub_tokens * 9 // 10, "sub-system")},
+                        {"role": "user", "content": maker.text(shape.sub_tokens // 10, "sub-turn-0")},
+                    ],
+                )
             else:
                 yield "sub", [{"role": "user", "content": maker.text(shape.sub_growth, f"sub-turn-{turn}")}]
 
 
-def _request(client: httpx.Client, base: str, messages: list[dict], reply_tokens: int) -> dict:
+def _request(client: httpx.Client, base: str, model: str, messages: list[dict], reply_tokens: int) -> dict:
     body = {
-        "model": "session",
+        "model": model,
         "messages": messages,
         "max_tokens": reply_tokens,
         "temperature": 0,
@@ -118,8 +127,9 @@ def _request(client: httpx.Client, base: str, messages: list[dict], reply_tokens
     }
 
 
-def run_session(base: str, shape: SessionShape, maker: TextMaker, timeout: float = 3600) -> dict:
-    """Replay the script against the server at `base` (no /v1); per-request records and totals."""
+def run_session(base: str, model: str, shape: SessionShape, maker: TextMaker, timeout: float = 3600) -> dict:
+    """Replay the script against the server at `base` (no /v1), naming `model` (mlx_lm.server
+    loads the model a request names); per-request records and totals."""
     conversations: dict[str, list[dict]] = {}
     last: dict[str, int] = {}  # a conversation's previous prompt + reply, in tokens
     records = []
@@ -127,7 +137,7 @@ def run_session(base: str, shape: SessionShape, maker: TextMaker, timeout: float
     with httpx.Client(timeout=timeout) as client:
         for name, add in script(shape, maker):
             messages = conversations.setdefault(name, []) + add
-            r = _request(client, base, messages, shape.reply_tokens)
+            r = _request(client, base, model, messages, shape.reply_tokens)
             r["conversation"] = name
             r["new_tokens"] = r["prompt_tokens"] - last.get(name, 0)
             last[name] = r["prompt_tokens"] + r["completion_tokens"]

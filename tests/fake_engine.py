@@ -310,6 +310,12 @@ class FakeEngine:
     def persist_prompt_cache(self) -> bool:
         return False  # no prompt-cache dir
 
+    def free_prompt_caches(self, nbytes: int) -> int:
+        return 0  # no other conversations' caches in memory
+
+    def restore_prompt_caches(self) -> None:
+        pass
+
     def expert_cache(self) -> dict:
         """No expert slots: nothing for a memory watcher to resize."""
         return {

@@ -90,6 +90,12 @@ class StubEngine:
     def resize_expert_cache(self, n):
         self.info.update(slots_per_layer=n, budget_bytes=10 * n)
 
+    def free_prompt_caches(self, nbytes):
+        return 0  # no other conversations' caches held
+
+    def restore_prompt_caches(self):
+        pass
+
 
 def test_watcher_targets_have_a_gap_and_stay_in_bounds():
     reading = [1000]

@@ -109,3 +109,25 @@ def test_a_model_that_cannot_trim_its_cache_resumes_from_the_end_of_its_prompt(s
     got = _run(engine, follow)
     assert got[2] == len(follow) - len(conv)  # from the end-of-prompt snapshot, not from zero
     _same(got, _cold(cold, follow))
+
+
+def test_memory_pressure_moves_other_conversations_out_before_the_expert_cache_shrinks(engines):
+    from edge0.server.memory import MemoryWatcher
+
+    pooled, _ = engines
+    pooled.reset_cache()
+    pooled.kv.pool.clear()
+    for seed in (20, 21, 22):
+        _run(pooled, _tokens(seed, 200))
+    held = pooled.kv.pool.bytes
+    assert held > 0 and len(pooled.kv.pool) == 2
+    slots = pooled.expert_cache()["slots_per_layer"]
+    readings = iter([(1 << 20, "test: low"), (1 << 40, "test: freed")])  # low, then enough once freed
+    watcher = MemoryWatcher(pooled, low=64 << 20, read=lambda: next(readings))
+    watcher.apply()
+    assert pooled.kv.pool.bytes == 0 and len(pooled.kv.evicted) == 2  # to the disk tier between requests
+    assert pooled.expert_cache()["slots_per_layer"] == slots  # the expert cache did not need to shrink
+    assert watcher.stats()["prompt_cache_frees"] == 1 and pooled.kv.pool.max_bytes < pooled.kv.pool.configured_bytes
+    pooled.restore_prompt_caches()
+    assert pooled.kv.pool.max_bytes == pooled.kv.pool.configured_bytes
+    pooled.kv.evicted.clear()

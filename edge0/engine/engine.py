@@ -359,6 +359,23 @@ class Engine:
         and `budget_bytes`."""
         return self.streaming.cache_info()
 
+    def free_prompt_caches(self, nbytes: int) -> int:
+        """Memory pressure, between generations: drop (to the disk tier, if any) the least recently
+        used conversations' KV caches kept in memory until `nbytes` are freed or none is left, and
+        keep the pool's bound that much lower until `restore_prompt_caches()`. Returns bytes freed."""
+        pool = self.kv.pool
+        if pool is None or not pool.bytes:
+            return 0
+        before = pool.bytes
+        self.kv.evicted += pool.shrink(max(0, before - nbytes))
+        B.release_cached_memory()
+        return before - pool.bytes
+
+    def restore_prompt_caches(self) -> None:
+        """Memory is back: the pool's bound as configured again."""
+        if self.kv.pool is not None:
+            self.kv.pool.max_bytes = self.kv.pool.configured_bytes
+
     def resize_expert_cache(self, n_slots: int) -> None:
         """Give each MoE layer `n_slots` expert slots, between generations only; outputs do not
         change (a dropped expert is read again when a route needs it), reads may."""

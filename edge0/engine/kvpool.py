@@ -49,7 +49,7 @@ class KVPool:
     """Caches of finished requests, at most `max_bytes` together (module docstring)."""
 
     def __init__(self, max_bytes: int):
-        self.max_bytes = max_bytes
+        self.max_bytes = self.configured_bytes = max_bytes
         self._entries: dict[int, Entry] = {}
         self._index: dict[int, set[int]] = {}  # block-prefix hash -> ids of the entries holding it
         self._ids = itertools.count()

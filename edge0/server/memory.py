@@ -41,7 +41,7 @@ class MemoryWatcher:
         # A shrink aims for `high` available and a grow must leave `high`: the gap (a quarter of
         # `low`, at least one slot) keeps one resize from triggering the opposite one.
         self.high = low + max(low // 4, self.slot_bytes)
-        self.shrinks = self.grows = self.low_at_floor = 0
+        self.shrinks = self.grows = self.low_at_floor = self.prompt_cache_frees = 0
         self.reading: dict | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -63,8 +63,23 @@ class MemoryWatcher:
         return self.target(available) != self.engine.expert_cache()["slots_per_layer"]
 
     def apply(self) -> None:
-        """On the engine thread, between requests: read memory and resize the cache if due."""
+        """On the engine thread, between requests: read memory; when it is low, other
+        conversations' KV caches kept in memory go first (to disk), then the expert cache shrinks if
+        that was not enough; when it is back, both may grow again."""
         due = self.check()
+        available = self.reading["available_bytes"]
+        if available < self.low:
+            freed = self.engine.free_prompt_caches(self.high - available)
+            if freed:
+                self.prompt_cache_frees += 1
+                log.info(
+                    "memory %s available: %s of other conversations' KV caches moved out of memory",
+                    format_size(available),
+                    format_size(freed),
+                )
+                due = self.check()
+        elif available > self.high:
+            self.engine.restore_prompt_caches()
         info = self.engine.expert_cache()
         n, available = info["slots_per_layer"], self.reading["available_bytes"]
         if available < self.low and n == info["min_slots"]:
@@ -125,5 +140,6 @@ class MemoryWatcher:
             "shrinks": self.shrinks,
             "grows": self.grows,
             "low_at_floor": self.low_at_floor,
+            "prompt_cache_frees": self.prompt_cache_frees,
             "last_reading": self.reading,
         }

@@ -384,6 +384,9 @@ def test_stats_panel_shows_what_v1_stats_says(browser, store_for):
             "expert_cache_bytes": e["expert_cache_bytes"],
             "completed": now["server"]["completed"],
             "requests_in_flight": 0,
+            "pc_memory": e["prompt_cache"]["memory"]["entries"],
+            "pc_hits": e["prompt_cache"]["memory"]["hits"],
+            "pc_evicted": e["prompt_cache"]["memory"]["evicted"],
         }
         for name, value in exact.items():
             assert values[name] == str(value), name

@@ -243,6 +243,7 @@ export class StatsPanel {
     this.set("memory_available_bytes", available, formatBytes(available));
     this.set("peak_rss_bytes", e.peak_rss_bytes, formatBytes(e.peak_rss_bytes));
     for (const k of ["requests_in_flight", "completed", "cancelled", "failed"]) this.set(k, server[k]);
+    this.renderPromptCaches(e.prompt_cache ?? {});
     this.renderMemory(e.resident_bytes, e.expert_cache_bytes, available, stats.machine?.memory_source);
 
     const now = this.samples[this.samples.length - 1];
@@ -264,6 +265,17 @@ export class StatsPanel {
       box.dataset.kind = v.kind;
     }
     this.renderCharts();
+  }
+
+  /** The tiers that keep conversations' KV caches: memory (the pool beside the one in flight) and disk. */
+  renderPromptCaches(pc) {
+    const mem = pc.memory;
+    this.set("pc_memory", mem?.entries, mem ? `${mem.entries} (${formatBytes(mem.bytes)} of ${formatBytes(mem.max_bytes)})` : "—");
+    this.set("pc_hits", mem?.hits, mem ? `${mem.hits} / ${mem.misses}` : "—");
+    this.set("pc_evicted", mem?.evicted, mem ? `${mem.evicted} (${formatBytes(mem.evicted_bytes)})` : "—");
+    const disk = pc.dir ? `${pc.entries} (${formatBytes(pc.bytes)} of ${formatBytes(pc.max_bytes)})` : "off";
+    this.set("pc_disk", pc.dir ? pc.entries : null, disk);
+    this.set("pc_restored", pc.dir ? pc.restored : null, pc.dir ? `${pc.restored} (${pc.restored_tokens} tokens)` : "—");
   }
 
   renderMemory(resident, cache, available, source) {

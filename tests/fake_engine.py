@@ -310,6 +310,9 @@ class FakeEngine:
     def persist_prompt_cache(self) -> bool:
         return False  # no prompt-cache dir
 
+    def flush_prompt_caches(self) -> int:
+        return 0  # no prompt-cache dir
+
     def free_prompt_caches(self, nbytes: int) -> int:
         return 0  # no other conversations' caches in memory
 

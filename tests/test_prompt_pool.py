@@ -131,3 +131,20 @@ def test_memory_pressure_moves_other_conversations_out_before_the_expert_cache_s
     pooled.restore_prompt_caches()
     assert pooled.kv.pool.max_bytes == pooled.kv.pool.configured_bytes
     pooled.kv.evicted.clear()
+
+
+def test_a_restarted_engine_resumes_every_conversation_from_disk_after_a_flush(store_for, tmp_path):
+    store = store_for("qwen3_moe")
+    first = edge0.load(store, dtype="float32", prerouter=False, prompt_cache_dir=tmp_path, prompt_cache_memory="64MB")
+    convs = [_tokens(30 + i, 150 + 40 * i) for i in range(3)]
+    for conv in convs:  # as the server runs them: closed at the last step, nothing saved yet
+        steps = first.stream_generate(conv, max_tokens=4, reuse_cache=True, ignore_eos=True)
+        while next(steps).finish_reason is None:
+            pass
+        steps.close()
+    assert first.kv.stats()["saved"] == 0
+    assert first.flush_prompt_caches() == 3  # the working cache and the two in the pool
+    restarted = edge0.load(store, dtype="float32", prerouter=False, prompt_cache_dir=tmp_path)
+    for conv in convs:
+        follow = conv + [7, 8, 9]
+        assert _run(restarted, follow)[2] <= 4  # restored from disk: the new tokens and the reply's last

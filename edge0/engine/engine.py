@@ -179,6 +179,11 @@ class Engine:
         used removed first) and reuse them, in this or a later process, when a prompt extends one."""
         self.kv.use_disk(DiskPromptCaches(path, self.identity(), max_bytes))
 
+    def flush_prompt_caches(self) -> int:
+        """Before the process ends, between generations: every conversation's KV cache held in memory
+        and not on disk yet goes to the prompt-cache dir, if one is set; returns how many were saved."""
+        return self.kv.flush()
+
     def persist_prompt_cache(self) -> bool:
         """Save the KV cache of the last generation (with reuse_cache) to the prompt-cache dir, if
         one is set and it holds tokens not saved yet; returns whether it saved. Between generations."""

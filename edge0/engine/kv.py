@@ -181,6 +181,19 @@ class PromptCache:
         self.on_disk = list(self.tokens)
         return True
 
+    def flush(self) -> int:
+        """Before the process ends: the working cache and the pooled ones not on disk yet go to the
+        disk tier (the most recently used first, as its bound keeps those). Returns how many."""
+        if self.disk is None:
+            return 0
+        saved = int(self.persist())
+        pooled = sorted(self.pool.entries(), key=lambda e: e.used) if self.pool is not None else []
+        for entry in [e for e in self.evicted if not e.on_disk] + pooled:
+            if not entry.on_disk and self.disk.save(entry.tokens, entry.cache):
+                entry.on_disk, saved = True, saved + 1
+        self.evicted = []
+        return saved
+
     def describe(self) -> str:
         """The tiers that keep conversations' KV caches, for the engine's describe line."""
         pool = self.pool

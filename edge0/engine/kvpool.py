@@ -146,6 +146,9 @@ class KVPool:
             evicted.append(old)
         return evicted
 
+    def entries(self) -> list[Entry]:
+        return list(self._entries.values())
+
     def clear(self) -> None:
         for e in list(self._entries.values()):
             self._drop(e)

@@ -52,6 +52,9 @@ def create_app(engine, config: ServerConfig | None = None, read_memory=memory_av
         yield
         if watcher:
             watcher.stop()
+        # On the engine thread, after the jobs in flight: the conversations' caches to disk, so a
+        # restarted server resumes them.
+        await scheduler.last(engine.flush_prompt_caches)
         scheduler.shutdown()
 
     app = FastAPI(

@@ -160,6 +160,14 @@ class Scheduler:
         if self.loop is not None:
             self.loop.call_soon_threadsafe(self.stop)
 
+    async def last(self, fn: Callable[[], object]) -> None:
+        """Run `fn` on the engine thread after every job queued now (the server is stopping);
+        a failure is logged and counted, as between requests."""
+        try:
+            await asyncio.wrap_future(self._executor.submit(self._call, fn))
+        except RuntimeError:  # the executor is already shut down
+            pass
+
     def shutdown(self) -> None:
         """Cancel every job so the engine thread ends promptly when the server stops."""
         with self._lock:

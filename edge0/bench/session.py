@@ -88,7 +88,8 @@ def script(shape: SessionShape, maker: TextMaker):
                 yield "sub", [{"role": "user", "content": maker.text(shape.sub_growth, f"sub-turn-{turn}")}]
 
 
-def _request(client: httpx.Client, base: str, model: str, messages: list[dict], reply_tokens: int) -> dict:
+def request(client: httpx.Client, base: str, model: str, messages: list[dict], reply_tokens: int) -> dict:
+    """One streamed, greedy Chat Completions request: its usage, cached tokens and times."""
     body = {
         "model": model,
         "messages": messages,
@@ -127,17 +128,21 @@ def _request(client: httpx.Client, base: str, model: str, messages: list[dict], 
     }
 
 
-def run_session(base: str, model: str, shape: SessionShape, maker: TextMaker, timeout: float = 3600) -> dict:
+def run_session(
+    base: str, model: str, shape: SessionShape, maker: TextMaker, timeout: float = 3600, before=None
+) -> dict:
     """Replay the script against the server at `base` (no /v1), naming `model` (mlx_lm.server
-    loads the model a request names); per-request records and totals."""
+    loads the model a request names); per-request records and totals. `before(i, messages)`, if
+    given, runs before request i and may return a new base URL (a restarted server)."""
     conversations: dict[str, list[dict]] = {}
     last: dict[str, int] = {}  # a conversation's previous prompt + reply, in tokens
     records = []
     started = time.perf_counter()
     with httpx.Client(timeout=timeout) as client:
-        for name, add in script(shape, maker):
+        for i, (name, add) in enumerate(script(shape, maker)):
             messages = conversations.setdefault(name, []) + add
-            r = _request(client, base, model, messages, shape.reply_tokens)
+            base = (before and before(i, messages)) or base
+            r = request(client, base, model, messages, shape.reply_tokens)
             r["conversation"] = name
             r["new_tokens"] = r["prompt_tokens"] - last.get(name, 0)
             last[name] = r["prompt_tokens"] + r["completion_tokens"]

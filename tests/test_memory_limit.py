@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import io
+import json
 import shutil
 import subprocess
 import sys
@@ -78,3 +79,43 @@ def test_default_expert_cache_fits_a_memory_limit_smaller_than_the_store(big_ben
     cache = describe.split("expert cache ")[1].split()[:2]  # e.g. ['48.02', 'MB']
     assert float(cache[0]) * {"MB": 1e6, "GB": 1e9}[cache[1]] < store_bytes / 2  # the limit bit
     assert "generated 4 tok" in r.stderr
+
+
+SESSION = """
+import json, sys
+import edge0
+engine = edge0.load(sys.argv[1])  # the defaults: expert cache and prompt-cache memory from the limit
+convs = [[(7 * i + k) % 200 + 10 for i in range(n)] for k, n in enumerate((300, 120, 200))]
+prefilled = []
+for turn in range(2):  # three conversations interleaved, twice: the second turns reuse their prefixes
+    for conv in convs:
+        r = engine.generate(conv, max_tokens=3, reuse_cache=True, ignore_eos=True)
+        prefilled.append(r.stats["prefill_tokens"])
+        conv += r.tokens + [11, 12]
+print(json.dumps({"prefilled": prefilled, "pool": engine.kv.stats()["memory"]}))
+"""
+
+
+def test_a_session_of_three_conversations_runs_inside_the_limit_with_the_defaults(big_bench_store):
+    parent, why = MemoryCgroup.available()
+    if parent is None:
+        pytest.skip(why)
+    cg = MemoryCgroup.create(parent, LIMIT)
+    try:
+        r = subprocess.run(
+            [sys.executable, "-c", SESSION, str(big_bench_store)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            preexec_fn=cg.enter,
+            cwd=ROOT,
+        )
+        report = cg.report()
+    finally:
+        cg.remove()
+    assert r.returncode == 0, (r.returncode, r.stderr[-2000:], report)
+    assert report["oom_kills"] == 0 and report["max_usage_bytes"] <= LIMIT
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    # later turns: the reply's last token (generated, never fed) and the two new ones
+    assert out["prefilled"][:3] == [300, 120, 200] and out["prefilled"][3:] == [3, 3, 3], out
+    assert out["pool"]["hits"] >= 3 and out["pool"]["max_bytes"] > 0

@@ -291,6 +291,7 @@ def test_the_real_client_with_the_printed_setup_completes_a_tool_round_trip(clie
     assert result["generations"] >= 2
 
 
+@pytest.mark.slow  # 16 s; the keep-alives themselves are checked in the default run (above)
 def test_codex_with_a_stream_idle_timeout_shorter_than_the_prefill_gets_its_answer_first_time(tmp_path):
     """Codex aborts a stream that sends no SSE event for stream_idle_timeout_ms: the keep-alives
     carry it through a prefill three times longer, in one request."""

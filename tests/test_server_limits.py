@@ -25,7 +25,7 @@ from edge0.server.config import ServerConfig
 from edge0.server.connections import RESERVED_FDS, AcceptErrors, raise_fd_limit
 from tests.fake_engine import FakeEngine
 from tests.fake_server import running_server
-from tests.fixtures.hostile import CHAT, COUNT, anthropic, chat
+from tests.fixtures.hostile import CHAT, COUNT, MESSAGES, MODEL, anthropic, chat
 from tests.test_server_hostile import AUTH, KEY, check_error, rss_kib, send, server_process
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads RSS and descriptors in /proc")
@@ -329,3 +329,39 @@ def test_no_page_loads_a_script_from_elsewhere(small):
         r = httpx.get(base + path, timeout=5)
         assert r.status_code == 200 and "script-src 'self'" in r.headers["content-security-policy"]
         assert "http://" not in r.text.replace("http://127.0.0.1", "") and "https://" not in r.text, path
+
+
+def test_a_lone_surrogate_quoted_in_an_error_is_escaped():
+    """JSON may carry a lone surrogate (\\ud800), which UTF-8 cannot encode: quoting one in an
+    error message made the error itself a 500."""
+    with running_server(FakeEngine(), ServerConfig(strict_model_name=True)) as base:
+        for path, body, status in (
+            (CHAT, chat("hi", model="\ud800"), 404),
+            (MESSAGES, anthropic("hi", model="\udcff"), 404),
+            (CHAT, chat("hi", model=MODEL, logit_bias={"\ud800": 1}), 400),
+        ):
+            r = httpx.post(base + path, content=json.dumps(body), headers={"Content-Type": "application/json"})
+            check_error(path, r, status)
+            message = r.json()["error"]["message"]
+            assert "\\ud800" in message or "\\udcff" in message, message
+
+
+@pytest.mark.parametrize(
+    "argv, env, needle",
+    [
+        pytest.param(["--api-key", ""], {}, "is empty", id="empty-flag"),
+        pytest.param([], {"EDGE0_API_KEY": ""}, "is empty", id="empty-env"),
+        pytest.param(["--api-key", "clé-secrète"], {}, "outside printable ASCII", id="non-ascii"),
+        pytest.param(["--api-key", "two words"], {}, "a space", id="space"),
+    ],
+)
+def test_an_api_key_that_cannot_work_is_a_usage_error(capsys, monkeypatch, argv, env, needle):
+    """Before, an empty key silently served without auth, and a non-ASCII one answered 401 to everyone."""
+    from tests.test_errors import assert_one_line_error
+    from tests.test_hardening import run_verb
+
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    code, err = run_verb(capsys, "serve", "--model", "/nonexistent", *argv)
+    assert_one_line_error(code, err, "--api-key", needle)
+    assert "secr" not in err  # the key is never printed

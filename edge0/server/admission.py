@@ -21,16 +21,22 @@ def rendered_chars(value) -> int:
     """The characters a chat template renders for a JSON-like value: every string, dict keys included
     (tools are rendered as JSON, their parameter names too; a message's own keys stand for the
     markup the template puts around each message, which is longer), every number as written, and
-    one separator per item, so that a million empty strings cannot pass as nothing."""
-    if isinstance(value, str):
-        return len(value)
-    if isinstance(value, dict):
-        return sum(len(str(k)) + 1 + rendered_chars(v) for k, v in value.items())
-    if isinstance(value, (list, tuple)):
-        return sum(1 + rendered_chars(v) for v in value)
-    if value is None:
-        return 0
-    return len(str(value))
+    one separator per item, so that a million empty strings cannot pass as nothing. Iterative: a
+    request may nest its lists as deep as the JSON parser allows."""
+    total, todo = 0, [value]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, str):
+            total += len(node)
+        elif isinstance(node, dict):
+            total += sum(len(str(k)) + 1 for k in node)
+            todo.extend(node.values())
+        elif isinstance(node, (list, tuple)):
+            total += len(node)
+            todo.extend(node)
+        elif node is not None:
+            total += len(str(node))
+    return total
 
 
 class Tokenizing:

@@ -14,6 +14,7 @@ from edge0.errors import Edge0Error
 from edge0.families import supported
 from edge0.spec import MoESpec, text_config
 from edge0.store import ExpertStore, open_manifest
+from edge0.store.consistency import check_config
 from edge0.store.format import RESIDENT_FILE
 from edge0.store.resident import check_resident
 from edge0.streaming.budget import context_tokens, kv_bytes_per_token
@@ -26,6 +27,8 @@ def open_engine(root: Path, options, stage_for=None) -> Engine:
     then only its layers are loaded and only their experts streamed."""
     manifest = open_manifest(root, verify=options.verify)
     config = bio.read_config(root, f"{REBUILD}, or put back the config.json it was converted with")
+    check_config(root, config, manifest)  # before anything is built from it
+    tokenizer = _load_tokenizer(root)
     _check_config(root, config, manifest)
     _check_layer_executors(options, manifest)
     spec = MoESpec.from_dict(manifest["spec"]) if manifest.get("spec") else None
@@ -52,9 +55,14 @@ def open_engine(root: Path, options, stage_for=None) -> Engine:
             compute,
             stage=(stage.rank, stage.size, list(stage.split)) if stage else None,
         )
-    except Exception:
+    except Exception as e:
         if check is not None:
             check.result()  # damage explains a failed load better than the loader's own error
+        if isinstance(e, (ValueError, ArithmeticError)):  # a config the weights do not fit (shapes, sizes)
+            raise Edge0Error(
+                f"{root / 'config.json'} does not fit the store's weights ({type(e).__name__}: {e}); put back "
+                f"the config.json it was converted with, or {REBUILD}"
+            ) from None
         raise
     if check is not None:
         check.result()
@@ -62,7 +70,19 @@ def open_engine(root: Path, options, stage_for=None) -> Engine:
     # the default expert cache is sized now, with the resident weights already in memory
     streaming = Streaming(store, compute, k or _native_k(config), options, _reserve(config, compute, options))
     bas.attach_executors(model, streaming.layers)
-    return Engine(root, model, bio.load_tokenizer(root), store, streaming, spec, k, compute, stage)
+    return Engine(root, model, tokenizer, store, streaming, spec, k, compute, stage)
+
+
+def _load_tokenizer(root: Path):
+    """The store's tokenizer, loaded before the weights so that a missing or damaged one fails first."""
+    try:
+        return bio.load_tokenizer(root)
+    except Exception as e:  # noqa: BLE001 - whatever transformers raises on missing or damaged files
+        raise Edge0Error(
+            f"{root}: its tokenizer does not load ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+            f"put back the tokenizer files it was converted with (tokenizer.json, tokenizer_config.json), or "
+            f"{REBUILD}; edge0 verify {root} names the files that differ"
+        ) from None
 
 
 def _reserve(config: dict, compute: str, options) -> tuple[int, int, int]:
@@ -80,9 +100,16 @@ REBUILD = "convert the checkpoint again (edge0 convert --hf-path SRC -o DIR)"
 
 def _check_config(root: Path, config: dict, manifest: dict) -> None:
     """config.json must describe the MoE model the manifest indexes: the same model_type, routed
-    experts in the same modules (assembly replaces them by path)."""
+    experts in the same modules (assembly replaces them by path); its sizes were checked against
+    the store before (store/consistency.py)."""
     path = root / "config.json"
-    found = bio.expert_modules(bio.build_model(config, root), root, supported())
+    try:
+        model = bio.build_model(config, root)
+    except ArithmeticError as e:  # a value the checks before let through (ZeroDivisionError, OverflowError)
+        raise Edge0Error(
+            f"{path}: mlx-lm cannot build the model from it ({type(e).__name__}: {e}); {REBUILD}"
+        ) from None
+    found = bio.expert_modules(model, root, supported())
     if config["model_type"] != manifest["model_type"]:
         raise Edge0Error(
             f"{path}: model_type {config['model_type']!r}, but the store holds a "

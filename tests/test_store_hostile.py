@@ -19,7 +19,7 @@ from edge0.store import promptcache
 from edge0.store.format import MANIFEST, seal
 from edge0.store.promptcache import DiskPromptCaches
 from tests.test_errors import assert_one_line_error
-from tests.test_hardening import run_verb
+from tests.test_hardening import assert_last_line_error, run_verb
 
 
 @pytest.fixture
@@ -242,3 +242,63 @@ def test_an_index_naming_a_file_outside_the_cache_is_rebuilt(store_for, tmp_path
     (root / "index.json").write_text(json.dumps({"version": 1, "entries": {"../victim.txt": entry}}))
     cache = DiskPromptCaches(root, engine.identity(), 1000)
     assert victim.read_text() == "keep me" and cache.stats()["index_rebuilt"] == 1 and cache.stats()["entries"] == 0
+
+
+# -- a full disk under edge0 convert -------------------------------------------------------------
+def test_a_full_disk_during_convert_is_one_line_and_leaves_nothing(capsys, tmp_path, monkeypatch):
+    from edge0.store import convert
+    from tests.fixtures.make import fixture_dir
+
+    def full(*_):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(convert, "seal", full)  # the manifest's write, the last of the conversion
+    code, err = run_verb(capsys, "convert", "--hf-path", str(fixture_dir("qwen3_moe")), "-o", str(tmp_path / "out"))
+    assert_last_line_error(code, err, f"-o {tmp_path / 'out'}: no space left on", "free some space")  # after the bar
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # no partial directory, no lock
+
+
+def test_no_space_for_the_lock_leaves_no_lock(capsys, tmp_path, monkeypatch):
+    from edge0.store import outdir
+    from tests.fixtures.make import fixture_dir
+
+    def full(fd, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(outdir.os, "write", full)
+    code, err = run_verb(capsys, "convert", "--hf-path", str(fixture_dir("qwen3_moe")), "-o", str(tmp_path / "out"))
+    assert_one_line_error(code, err, "no space left on")
+    assert list(tmp_path.iterdir()) == []  # the lock file it created is gone (it stayed: .out.lock)
+
+
+def test_a_real_full_file_system(tmp_path):
+    """On a 200 KB tmpfs (root only): the store does not fit, then not even the lock."""
+    import subprocess
+    import sys
+
+    from tests.fixtures.make import fixture_dir
+
+    full = tmp_path / "full"
+    full.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=200k", "tmpfs", str(full)]).returncode:
+        pytest.skip("mounting a small tmpfs needs root")
+    try:
+        src = fixture_dir("qwen3_moe")
+        for fill in (False, True):
+            if fill:
+                fd = os.open(full / "fill", os.O_WRONLY | os.O_CREAT)
+                with pytest.raises(OSError):  # until the file system is full
+                    while True:
+                        os.write(fd, b"\0" * 4096)
+                os.close(fd)
+            p = subprocess.run(
+                [sys.executable, "-m", "edge0", "convert", "--hf-path", str(src), "-o", str(full / "out")],
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+            assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+            assert p.stderr.strip().splitlines()[-1].startswith("edge0: error: -o ") and "no space left" in p.stderr
+            assert [f.name for f in full.iterdir()] == (["fill"] if fill else [])
+    finally:
+        subprocess.run(["umount", str(full)])

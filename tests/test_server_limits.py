@@ -13,6 +13,7 @@ import resource
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -365,3 +366,61 @@ def test_an_api_key_that_cannot_work_is_a_usage_error(capsys, monkeypatch, argv,
     code, err = run_verb(capsys, "serve", "--model", "/nonexistent", *argv)
     assert_one_line_error(code, err, "--api-key", needle)
     assert "secr" not in err  # the key is never printed
+
+
+@pytest.mark.slow
+def test_real_bundled_model_under_both_attacks(capsys):
+    """`python -m edge0.serve` with the bundled model (context 4096: at most 155,648 characters):
+    the numbers in docs/server.md. Run with `python -m pytest -m slow tests/test_server_limits.py -s`."""
+    from tests.test_server_hostile import _free_port
+
+    port = _free_port()
+    base, out = f"http://127.0.0.1:{port}", {}
+    with contextlib.ExitStack() as stack:
+        log = stack.enter_context(tempfile.TemporaryFile("w+"))
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "edge0.serve", "--port", str(port), "--log-level", "warning", "--api-key", KEY],
+            cwd=Path(__file__).resolve().parents[1],
+            stdout=log,
+            stderr=log,
+        )
+        stack.callback(lambda: proc.poll() is None and (proc.kill(), proc.wait(10)))
+        deadline = time.monotonic() + 300
+        while True:
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(base + "/health", timeout=1).status_code == 200:
+                    break
+            assert time.monotonic() < deadline and proc.poll() is None, "the server did not start"
+            time.sleep(0.2)
+        model = httpx.get(base + "/v1/models", headers=AUTH).json()["data"][0]["id"]
+        words = " ".join(open(Path(__file__).resolve().parents[1] / "data" / "valid.txt").read().split())
+        near = {"model": model, "messages": [{"role": "user", "content": (words * 20)[:150_000]}]}
+        assert send(base, CHAT, {**near, "max_tokens": 1}, timeout=300).status_code == 400  # tokenized, too long
+        time.sleep(0.5)
+        out["cold"] = rss_kib(proc.pid)
+        # Warm-up, as the hostile battery does: the first round grows the tokenizer's caches and a second
+        # tokenizing thread's heap once (measured: 159 -> 197 MiB, then 197 and 198 MiB after later rounds).
+        assert set(attack(base, CHAT, near, 64)) <= {400, 429}
+        time.sleep(1)
+        out["idle"] = rss_kib(proc.pid)
+        with Health(base) as health:
+            out["near"] = attack(base, CHAT, near, 64)
+            out["keys"] = attack(base, CHAT, {**chat("hi", tools=[tool_with_keys(3_900, 1_000)]), "model": model}, 6)
+        out["peak"] = rss_kib(proc.pid, "VmHWM")
+        time.sleep(1)
+        out["after"] = rss_kib(proc.pid)
+        with many_sockets(base, 2_100), Health(base) as idle_health:
+            time.sleep(2)
+            out["fds"] = fd_count(proc.pid)
+        stats = httpx.get(base + "/v1/stats", headers=AUTH, timeout=10).json()["server"]
+    with capsys.disabled():
+        print(
+            f"\nbundled model: RSS cold {out['cold'] / 1024:.0f} MiB, idle after warm-up {out['idle'] / 1024:.0f} MiB, "
+            f"peak {out['peak'] / 1024:.0f} MiB, after "
+            f"{out['after'] / 1024:.0f} MiB; 64 near-limit prompts: {sorted(set(out['near']))} "
+            f"({out['near'].count(429)} x 429), tokenizing peak {stats['tokenizing_peak']}; 6 tools of 3.9 MB of "
+            f"keys: {out['keys']}; slowest /health {health.slowest * 1000:.0f} ms; 2,100 idle connections: "
+            f"{out['fds']} descriptors, slowest /health {idle_health.slowest * 1000:.0f} ms"
+        )
+    assert set(out["near"]) <= {400, 429} and out["keys"] == [400] * 6 and stats["tokenizing_peak"] <= 2
+    assert out["after"] <= out["idle"] * RSS_BACK and health.slowest < HEALTH_S and idle_health.slowest < HEALTH_S

@@ -258,13 +258,18 @@ def main(argv=None) -> int:
     log.info(
         "limits: context %d tokens, prompt %d (--max-prompt-tokens), generation %s (--max-tokens), %d when a "
         "request names none (--default-max-tokens), queue %d (--max-queue); expert cache shrinks below %s "
-        "available (--memory-low)",
+        "available (--memory-low); connections %d (--max-connections), headers within %gs, bodies within %gs, "
+        "idle connections kept %gs",
         config.context_length,
         config.max_prompt_tokens,
         config.max_tokens or "what the context leaves",
         config.default_max_tokens,
         config.max_queue,
         format_size(memory_low) if memory_low else "never",
+        config.max_connections,
+        config.header_timeout_s,
+        config.body_timeout_s,
+        config.idle_timeout_s,
     )
     shown = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
     base = f"http://{f'[{shown}]' if ':' in shown else shown}:{args.port}"

@@ -51,6 +51,7 @@ def main(argv=None) -> None:
     p.add_argument("--max-connections", type=int, default=ServerConfig.max_connections)
     p.add_argument("--header-timeout-s", type=float, default=ServerConfig.header_timeout_s)
     p.add_argument("--body-timeout-s", type=float, default=ServerConfig.body_timeout_s)
+    p.add_argument("--idle-timeout-s", type=float, default=ServerConfig.idle_timeout_s)
     p.add_argument("--tokenize-s", type=float, default=0.0, help="seconds each chat template render takes")
     args = p.parse_args(argv)
     sock = socket.socket()
@@ -63,6 +64,7 @@ def main(argv=None) -> None:
         max_connections=args.max_connections,
         header_timeout_s=args.header_timeout_s,
         body_timeout_s=args.body_timeout_s,
+        idle_timeout_s=args.idle_timeout_s,
     )
     engine = FakeEngine(delay=args.delay, prefill_delay=args.prefill_delay, tokenize_s=args.tokenize_s)
     app = create_app(engine, config)

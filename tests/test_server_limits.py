@@ -263,8 +263,9 @@ def health_on(s: socket.socket) -> bytes:
     return answer
 
 
-def test_headers_and_bodies_that_trickle_are_cut_off():
-    with server_process("--header-timeout-s", "1", "--body-timeout-s", "1") as (proc, base):
+def test_headers_and_bodies_that_trickle_are_cut_off_and_a_stream_outlives_every_timeout():
+    args = ["--header-timeout-s", "1", "--body-timeout-s", "1", "--idle-timeout-s", "2.5", "--delay", "0.01"]
+    with server_process(*args) as (proc, base):
         host, port = base.removeprefix("http://").split(":")
         headers = socket.create_connection((host, int(port)), timeout=5)
         headers.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # never ends its headers
@@ -280,21 +281,17 @@ def test_headers_and_bodies_that_trickle_are_cut_off():
             answer += chunk
         answer = answer.decode()
         assert answer.startswith("HTTP/1.1 408") and "--body-timeout-s" in answer and "connection: close" in answer
-        idle = socket.create_connection((host, int(port)), timeout=5)  # an idle keep-alive is not a header wait
+        idle = socket.create_connection((host, int(port)), timeout=5)  # between requests: not a header wait
         assert health_on(idle).startswith(b"HTTP/1.1 200")
         time.sleep(1.5)
         assert health_on(idle).startswith(b"HTTP/1.1 200")
         for s in (headers, body, idle):
             s.close()
-
-
-def test_a_stream_outlives_every_timeout():
-    """A streamed reply that takes longer than the header, body and idle timeouts together."""
-    args = ["--header-timeout-s", "0.5", "--body-timeout-s", "0.5", "--delay", "0.01"]
-    with server_process(*args) as (proc, base):
-        with httpx.stream("POST", base + CHAT, json=chat("count 250", stream=True), timeout=30) as r:
+        # a streamed reply of 290 tokens at 10 ms (2.9 s): longer than the header, body and idle timeouts
+        started = time.monotonic()
+        with httpx.stream("POST", base + CHAT, json=chat("count 100", stream=True), timeout=30) as r:
             lines = [line for line in r.iter_lines() if line.startswith("data:")]
-    assert lines[-1] == "data: [DONE]" and len(lines) > 200
+    assert lines[-1] == "data: [DONE]" and len(lines) > 250 and time.monotonic() - started > 2.5
 
 
 def test_accept_errors_are_logged_once_a_minute(caplog):

@@ -271,8 +271,10 @@ def test_no_space_for_the_lock_leaves_no_lock(capsys, tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []  # the lock file it created is gone (it stayed: .out.lock)
 
 
+@pytest.mark.slow
 def test_a_real_full_file_system(tmp_path):
-    """On a 200 KB tmpfs (root only): the store does not fit, then not even the lock."""
+    """On a 200 KB tmpfs (root only): the store does not fit, then not even the lock. Slow: two
+    conversions in their own processes (the tests above inject the same errors in-process)."""
     import subprocess
     import sys
 

@@ -143,10 +143,13 @@ class FakeEngine:
     follower = False  # one process: no ranks to follow (docs/distributed.md)
     pipeline = None
 
-    def __init__(self, delay: float = 0.0, prefill_delay: float = 0.0, root=None):
+    def __init__(self, delay: float = 0.0, prefill_delay: float = 0.0, root=None, tokenize_s: float = 0.0):
         self.tokenizer = FakeTokenizer()
         self.root = root
         self.delay, self.prefill_delay = delay, prefill_delay
+        self.tokenize_s = tokenize_s  # seconds each chat_prompt takes (a slow tokenizer)
+        self.max_tokenizing = 0  # the most chat_prompt calls running at once
+        self._tokenizing = 0
         self.interrupt_at: int | None = None  # raise KeyboardInterrupt once, at this step (Ctrl-C)
         self.fail_at: int | None = None  # raise RuntimeError once, at this step (a failing generation)
         self.calls: list[Call] = []
@@ -177,7 +180,17 @@ class FakeEngine:
         return "Echo: " + content
 
     def chat_prompt(self, messages, tools=None, **template_kwargs) -> list[int]:
-        return self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, **template_kwargs)
+        with self._lock:
+            self._tokenizing += 1
+            self.max_tokenizing = max(self.max_tokenizing, self._tokenizing)
+        try:
+            time.sleep(self.tokenize_s)
+            return self.tokenizer.apply_chat_template(
+                messages, tools=tools, add_generation_prompt=True, **template_kwargs
+            )
+        finally:
+            with self._lock:
+                self._tokenizing -= 1
 
     def stream_generate(
         self,

@@ -15,7 +15,7 @@ import time
 
 import uvicorn
 
-from edge0.server.app import create_app, run
+from edge0.server.app import create_app, run, uvicorn_config
 from edge0.server.config import ServerConfig
 from tests.fake_engine import FakeEngine
 
@@ -26,7 +26,7 @@ def running_server(engine, config, host="127.0.0.1", **app_kwargs):
     `app_kwargs` go to create_app (e.g. read_memory)."""
     sock = socket.socket()
     sock.bind((host, 0))
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, config, **app_kwargs), log_level="warning"))
+    server = uvicorn.Server(uvicorn_config(create_app(engine, config, **app_kwargs), log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 10
@@ -48,6 +48,11 @@ def main(argv=None) -> None:
     p.add_argument("--max-queue", type=int, default=16)
     p.add_argument("--max-body-bytes", type=int, default=4 << 20)
     p.add_argument("--max-prompt-tokens", type=int, default=4096)
+    p.add_argument("--max-connections", type=int, default=ServerConfig.max_connections)
+    p.add_argument("--header-timeout-s", type=float, default=ServerConfig.header_timeout_s)
+    p.add_argument("--body-timeout-s", type=float, default=ServerConfig.body_timeout_s)
+    p.add_argument("--idle-timeout-s", type=float, default=ServerConfig.idle_timeout_s)
+    p.add_argument("--tokenize-s", type=float, default=0.0, help="seconds each chat template render takes")
     args = p.parse_args(argv)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
@@ -56,8 +61,13 @@ def main(argv=None) -> None:
         max_queue=args.max_queue,
         max_body_bytes=args.max_body_bytes,
         max_prompt_tokens=args.max_prompt_tokens,
+        max_connections=args.max_connections,
+        header_timeout_s=args.header_timeout_s,
+        body_timeout_s=args.body_timeout_s,
+        idle_timeout_s=args.idle_timeout_s,
     )
-    app = create_app(FakeEngine(delay=args.delay, prefill_delay=args.prefill_delay), config)
+    engine = FakeEngine(delay=args.delay, prefill_delay=args.prefill_delay, tokenize_s=args.tokenize_s)
+    app = create_app(engine, config)
     print(f"port {sock.getsockname()[1]}", flush=True)
     run(app, log_level="warning", sock=sock)
 

@@ -262,7 +262,9 @@ def dense_config() -> dict:
             json.dumps({"model_type": "qwen3_moe"}), ["cannot build a 'qwen3_moe' model"], id="fields-missing"
         ),
         pytest.param(
-            json.dumps({**fixture_config("qwen3_moe"), "hidden_size": "wide"}), ["cannot build"], id="wrong-type"
+            json.dumps({**fixture_config("qwen3_moe"), "hidden_size": "wide"}),
+            ["hidden_size is 'wide', not an integer >= 1"],
+            id="wrong-type",
         ),
         pytest.param(None, ["config.json: missing"], id="missing"),
     ],

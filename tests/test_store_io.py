@@ -21,7 +21,7 @@ from edge0.backend.memory import available as memory_available
 from edge0.backend.memory import cgroup_available
 from edge0.errors import Edge0Error
 from edge0.store import VERSION, ExpertStore, open_manifest
-from edge0.store.format import ALIGN, EXPERT_MAJOR, manifest_hash
+from edge0.store.format import ALIGN, EXPERT_MAJOR, manifest_hash, seal
 from edge0.store.readers import STRATEGIES, choose_io
 from edge0.store.relayout import relayout_store
 from edge0.store.writer import SafetensorsWriter, write_expert_layer
@@ -304,8 +304,8 @@ def test_layout_that_does_not_match_the_file_is_one_line_error(stores, tmp_path)
     (copy / "edge0-manifest.json").write_text(json.dumps(m))
     with pytest.raises(Edge0Error, match="changed after conversion"):  # its own checksum catches the edit
         open_manifest(copy)
-    m.pop("manifest_sha256")  # a manifest without one (written before stores carried it): the layout check
-    (copy / "edge0-manifest.json").write_text(json.dumps(m))
+    m.pop("manifest_sha256")  # checksummed again (the edit passes its own checksum): the layout check
+    (copy / "edge0-manifest.json").write_text(json.dumps(seal(m)))
     with pytest.raises(Edge0Error, match="layout in the manifest does not match") as e:
         open_manifest(copy)
     assert "\n" not in str(e.value) and "edge0 convert" in str(e.value)

@@ -128,6 +128,12 @@ def release_cached_memory() -> None:
     glibc also the free pages of the C heap, where freed buffers stay otherwise (measured: a
     further 30 MiB of 109 MiB freed, docs/server.md)."""
     mx.clear_cache()
+    trim_heap()
+
+
+def trim_heap() -> None:
+    """Give the C heap's free pages back to the OS (glibc; elsewhere nothing): a large Python or
+    tokenizer allocation that was freed stays in the heap otherwise."""
     if _malloc_trim is not None:
         _malloc_trim(0)
 

@@ -72,6 +72,24 @@ def _checked(normalize: str):
     return parse
 
 
+def _check_api_key(p: argparse.ArgumentParser, key: str | None) -> None:
+    """An empty key (often an unset shell variable: --api-key "$KEY") would turn auth off, and one
+    outside printable ASCII can never match (HTTP header values are ASCII): both are usage errors.
+    The key itself is never printed."""
+    if key is None:
+        return
+    if not key:
+        p.error(
+            "--api-key (or $EDGE0_API_KEY) is empty, which would serve without a key; give a key, or leave out "
+            "--api-key and unset EDGE0_API_KEY to serve without one"
+        )
+    if not all("!" <= c <= "~" for c in key):
+        p.error(
+            "--api-key (or $EDGE0_API_KEY) holds a space or a character outside printable ASCII, which no "
+            "client can send in an HTTP header; choose a key of letters, digits and punctuation"
+        )
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="edge0 serve", description=__doc__.splitlines()[0])
     add_model_options(p)
@@ -163,8 +181,29 @@ def build_parser() -> argparse.ArgumentParser:
         help="keep no KV caches on disk (default for serve: --prompt-cache-dir is the edge0 cache directory's "
         "prompt-caches/, so a conversation evicted from memory or a restarted server resumes its prefix)",
     )
+    add_connection_options(p)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
+
+
+def add_connection_options(p: argparse.ArgumentParser) -> None:
+    """The connection limits (server/connections.py); defaults from ServerConfig."""
+    from edge0.server.config import ServerConfig
+
+    d = ServerConfig()
+    p.add_argument(
+        "--max-connections",
+        type=_count(1),
+        default=d.max_connections,
+        help="open connections; past it the oldest idle one is closed, and a new one is refused when all are "
+        f"busy (default {d.max_connections}; the descriptor limit is raised to fit)",
+    )
+    for flag, default, what in (
+        ("--header-timeout-s", d.header_timeout_s, "for a request's headers to arrive"),
+        ("--body-timeout-s", d.body_timeout_s, "for a request's body to arrive once its headers are in (408)"),
+        ("--idle-timeout-s", d.idle_timeout_s, "a connection stays open between requests (keep-alive)"),
+    ):
+        p.add_argument(flag, type=_seconds, default=default, help=f"seconds {what} (default {default:g})")
 
 
 def main(argv=None) -> int:
@@ -180,6 +219,7 @@ def main(argv=None) -> int:
         from edge0.store.bundled import cache_dir
 
         args.prompt_cache_dir = str(cache_dir() / "prompt-caches")
+    _check_api_key(p, args.api_key)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(message)s")
     if not _is_loopback(args.host):
         log.warning(
@@ -222,17 +262,26 @@ def main(argv=None) -> int:
         cors_origins=tuple(args.cors_origin),
         served_model_names=tuple(args.served_model_name),
         strict_model_name=args.strict_model_name,
+        max_connections=args.max_connections,
+        header_timeout_s=args.header_timeout_s,
+        body_timeout_s=args.body_timeout_s,
+        idle_timeout_s=args.idle_timeout_s,
     )
     log.info(
         "limits: context %d tokens, prompt %d (--max-prompt-tokens), generation %s (--max-tokens), %d when a "
         "request names none (--default-max-tokens), queue %d (--max-queue); expert cache shrinks below %s "
-        "available (--memory-low)",
+        "available (--memory-low); connections %d (--max-connections), headers within %gs, bodies within %gs, "
+        "idle connections kept %gs",
         config.context_length,
         config.max_prompt_tokens,
         config.max_tokens or "what the context leaves",
         config.default_max_tokens,
         config.max_queue,
         format_size(memory_low) if memory_low else "never",
+        config.max_connections,
+        config.header_timeout_s,
+        config.body_timeout_s,
+        config.idle_timeout_s,
     )
     shown = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
     base = f"http://{f'[{shown}]' if ':' in shown else shown}:{args.port}"

@@ -15,6 +15,7 @@ from edge0.errors import Edge0Error
 from edge0.families import supported
 from edge0.spec import MoESpec, model_dims, moe_dims
 from edge0.store import ExpertStore, open_manifest
+from edge0.store.consistency import check_config
 from edge0.store.format import RESIDENT_FILE
 from edge0.store.resident import check_resident
 from edge0.streaming.budget import context_tokens, prompt_cache_memory
@@ -28,9 +29,11 @@ def open_engine(root: Path, options, stage_for=None) -> Engine:
     then only its layers are loaded and only their experts streamed."""
     manifest = open_manifest(root, verify=options.verify)
     config = bio.read_config(root, f"{REBUILD}, or put back the config.json it was converted with")
+    check_config(root, config, manifest)  # before anything is built from it
+    tokenizer = _load_tokenizer(root)
     # the family's model from config.json alone (never evaluated): checked against the store, and
     # the KV footprint is measured on it, as `edge0 plan` measures it
-    built = bio.build_model(config, root)
+    built = _build(root, config)
     _check_config(root, config, manifest, built)
     _check_layer_executors(options, manifest)
     spec = MoESpec.from_dict(manifest["spec"]) if manifest.get("spec") else None
@@ -57,9 +60,14 @@ def open_engine(root: Path, options, stage_for=None) -> Engine:
             compute,
             stage=(stage.rank, stage.size, list(stage.split)) if stage else None,
         )
-    except Exception:
+    except Exception as e:
         if check is not None:
             check.result()  # damage explains a failed load better than the loader's own error
+        if isinstance(e, (ValueError, ArithmeticError)):  # a config the weights do not fit (shapes, sizes)
+            raise Edge0Error(
+                f"{root / 'config.json'} does not fit the store's weights ({type(e).__name__}: {e}); put back "
+                f"the config.json it was converted with, or {REBUILD}"
+            ) from None
         raise
     if check is not None:
         check.result()
@@ -68,11 +76,23 @@ def open_engine(root: Path, options, stage_for=None) -> Engine:
     reserve = _reserve(built, config, compute, options)
     streaming = Streaming(store, compute, k or _native_k(config), options, reserve)
     bas.attach_executors(model, streaming.layers)
-    engine = Engine(root, model, bio.load_tokenizer(root), store, streaming, spec, k, compute, stage)
+    engine = Engine(root, model, tokenizer, store, streaming, spec, k, compute, stage)
     # the other conversations' KV caches: the default budget's share, else what was given (or the default)
     pool = streaming.default.prompt_caches if streaming.default else prompt_cache_memory(reserve[0], reserve[3], None)
     engine.kv.use_pool(pool)
     return engine
+
+
+def _load_tokenizer(root: Path):
+    """The store's tokenizer, loaded before the weights so that a missing or damaged one fails first."""
+    try:
+        return bio.load_tokenizer(root)
+    except Exception as e:  # noqa: BLE001 - whatever transformers raises on missing or damaged files
+        raise Edge0Error(
+            f"{root}: its tokenizer does not load ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+            f"put back the tokenizer files it was converted with (tokenizer.json, tokenizer_config.json), or "
+            f"{REBUILD}; edge0 verify {root} names the files that differ"
+        ) from None
 
 
 def _reserve(built, config: dict, compute: str, options) -> tuple[int, int, int, int | None]:
@@ -99,9 +119,20 @@ def _reserve(built, config: dict, compute: str, options) -> tuple[int, int, int,
 REBUILD = "convert the checkpoint again (edge0 convert --hf-path SRC -o DIR)"
 
 
+def _build(root: Path, config: dict):
+    """The family's mlx-lm model built from config.json (lazy: nothing evaluated)."""
+    try:
+        return bio.build_model(config, root)
+    except ArithmeticError as e:  # a value the checks before let through (ZeroDivisionError, OverflowError)
+        raise Edge0Error(
+            f"{root / 'config.json'}: mlx-lm cannot build the model from it ({type(e).__name__}: {e}); {REBUILD}"
+        ) from None
+
+
 def _check_config(root: Path, config: dict, manifest: dict, built) -> None:
     """config.json (`built`: its model) must describe the MoE model the manifest indexes: the same
-    model_type, routed experts in the same modules (assembly replaces them by path)."""
+    model_type, routed experts in the same modules (assembly replaces them by path); its sizes were
+    checked against the store before (store/consistency.py)."""
     path = root / "config.json"
     found = bio.expert_modules(built, root, supported())
     if config["model_type"] != manifest["model_type"]:

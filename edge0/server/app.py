@@ -15,7 +15,9 @@ from fastapi import FastAPI
 
 from edge0.backend.memory import available as memory_available
 from edge0.server import anthropic, hosts, responses_api, ui
+from edge0.server.admission import Tokenizing
 from edge0.server.config import ServerConfig
+from edge0.server.connections import AcceptErrors, connection_protocol, raise_fd_limit
 from edge0.server.conversation import renders_mid_system
 from edge0.server.errors import install_error_handlers
 from edge0.server.grammar import Grammars
@@ -47,6 +49,7 @@ def create_app(engine, config: ServerConfig | None = None, read_memory=memory_av
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         scheduler.loop = asyncio.get_running_loop()
+        scheduler.loop.set_exception_handler(AcceptErrors())
         if watcher:
             watcher.start(scheduler.run_between)
         yield
@@ -57,19 +60,29 @@ def create_app(engine, config: ServerConfig | None = None, read_memory=memory_av
         await scheduler.last(engine.flush_prompt_caches)
         scheduler.shutdown()
 
+    # No /docs or /redoc: FastAPI's pages load their scripts from a CDN, on the origin where the chat
+    # page keeps the API key. The schema itself stays at /openapi.json.
     app = FastAPI(
-        title="edge0", summary="OpenAI- and Anthropic-compatible server for an edge0 MoE engine", lifespan=lifespan
+        title="edge0",
+        summary="OpenAI- and Anthropic-compatible server for an edge0 MoE engine",
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
     )
     app.state.engine, app.state.config, app.state.scheduler, app.state.memory = engine, config, scheduler, watcher
     app.state.started = int(time.time())
+    app.state.protocol = None  # the connection protocol, once run() serves the app
     # The longest vocabulary entry bounds the characters one token can hold (pipeline.respond).
     vocab = engine.tokenizer.get_vocab()
     app.state.token_chars, app.state.vocab_size = max(map(len, vocab)), max(vocab.values()) + 1
     app.state.grammars = Grammars(engine.tokenizer)
+    app.state.tokenizing = Tokenizing(config.tokenize_concurrency, config.max_queue)
     app.state.mid_system = renders_mid_system(engine.chat_prompt, engine.tokenizer.decode)
     app.state.adapted = Counter()  # requests adapted rather than refused, by kind (pipeline.Prompt.notes)
     install_error_handlers(app)
-    app.add_middleware(Guard, api_key=config.api_key, max_body_bytes=config.max_body_bytes)
+    app.add_middleware(
+        Guard, api_key=config.api_key, max_body_bytes=config.max_body_bytes, body_timeout_s=config.body_timeout_s
+    )
     hosts.install(app, config.allowed_hosts, config.cors_origins)  # outermost: before auth and limits
     app.include_router(ui.router)
     for routes in (router, anthropic.router, responses_api.router):
@@ -93,6 +106,16 @@ class _Server(uvicorn.Server):
 def run(
     app: FastAPI, host: str = "127.0.0.1", port: int = 8080, log_level: str = "info", sock: socket.socket | None = None
 ) -> None:
-    """Serve `app` until SIGTERM / SIGINT (on `sock` if given, else host:port)."""
-    server = _Server(uvicorn.Config(app, host=host, port=port, log_level=log_level), app.state.scheduler)
+    """Serve `app` until SIGTERM / SIGINT (on `sock` if given, else host:port), with the connection
+    limits of its ServerConfig (connections.py)."""
+    server = _Server(uvicorn_config(app, host=host, port=port, log_level=log_level), app.state.scheduler)
     server.run(sockets=[sock] if sock else None)
+
+
+def uvicorn_config(app: FastAPI, **kwargs) -> uvicorn.Config:
+    """uvicorn's settings for `app`: its connection cap (the descriptor limit raised to fit it), the
+    header timeout and the keep-alive timeout between requests (the body timeout is middleware.py's)."""
+    config: ServerConfig = app.state.config
+    cap = raise_fd_limit(config.max_connections)
+    app.state.protocol = connection_protocol(cap, config.header_timeout_s)
+    return uvicorn.Config(app, http=app.state.protocol, timeout_keep_alive=config.idle_timeout_s, **kwargs)

@@ -34,6 +34,13 @@ class ServerConfig:
     cors_origins: tuple[str, ...] = ()  # --cors-origin: origins whose pages may call the API (CORS)
     served_model_names: tuple[str, ...] = ()  # --served-model-name: the id reported (the first) and aliases
     strict_model_name: bool = False  # --strict-model-name: 404 for a model name not served
+    # Connections (connections.py): one local user and a few agents need a handful each; past the cap
+    # the oldest idle connection is closed. The timeouts never apply while a response is running.
+    max_connections: int = 128  # --max-connections
+    header_timeout_s: float = 30.0  # --header-timeout-s: a request's headers must arrive within this
+    body_timeout_s: float = 60.0  # --body-timeout-s: its body within this, once the headers are in
+    idle_timeout_s: float = 120.0  # --idle-timeout-s: a connection kept open between requests (keep-alive)
+    tokenize_concurrency: int = 2  # prompts rendered and tokenized at once before the queue (admission.py)
     keepalive_s: float = 15.0  # --keepalive-s: a stream with no event for this long gets a keep-alive event
 
 

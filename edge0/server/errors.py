@@ -32,6 +32,9 @@ class APIError(Exception):
     """Raised by handlers; turned into an error response in the API's shape."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        # A message may quote the request (a model or tool name), which JSON may carry as a lone
+        # surrogate that UTF-8 cannot encode: it is shown escaped (\\udc80) instead of failing the answer.
+        message = message.encode("utf-8", "backslashreplace").decode("utf-8")
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
 

@@ -84,9 +84,29 @@ def _json_rule(schema: dict, strict: bool) -> str:
     return "%json " + json.dumps({**schema, "x-guidance": {**JSON_OPTIONS, **schema.get("x-guidance", {})}})
 
 
+# Deeper schemas are refused before they are copied or compiled (both recurse; 300 levels raised
+# RecursionError). Real schemas nest a few levels.
+MAX_SCHEMA_DEPTH = 64
+
+
 def check_schema(schema: dict, strict: bool = False) -> None:
     """Raise GrammarError unless llguidance can enforce `schema` exactly."""
+    depth = nesting(schema)
+    if depth > MAX_SCHEMA_DEPTH:
+        raise GrammarError(f"the schema nests {depth} levels deep, more than the {MAX_SCHEMA_DEPTH} this server takes")
     validate(f"start: {_json_rule(schema, strict)}\n")
+
+
+def nesting(value) -> int:
+    """How deep lists and objects nest in a JSON-like value (without recursion)."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        node, depth = todo.pop()
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else None
+        if children is not None:
+            deepest = max(deepest, depth)
+            todo.extend((c, depth + 1) for c in children)
+    return deepest
 
 
 def validate(grammar: str) -> None:

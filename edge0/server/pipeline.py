@@ -22,6 +22,7 @@ from starlette.concurrency import run_in_threadpool
 
 from edge0.backend.logits import LogitBias
 from edge0.server import reasoning
+from edge0.server.admission import rendered_chars
 from edge0.server.conversation import place_system_turns
 from edge0.server.errors import APIError
 from edge0.server.generation import Finish, Params, Run, Segment, generation_events
@@ -119,17 +120,6 @@ def chosen_tools(tools: list[dict] | None, choice: ToolChoice) -> list[dict] | N
     return tools if choice != "none" else None
 
 
-def _text_chars(value) -> int:
-    """Characters in every string of a JSON-like value (the text a prompt is made of)."""
-    if isinstance(value, str):
-        return len(value)
-    if isinstance(value, dict):
-        return sum(_text_chars(v) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return sum(_text_chars(v) for v in value)
-    return 0
-
-
 SYSTEM_FOLDED = (
     "system_turns_folded",
     "a system message inside the conversation was folded into a user turn as a <system-reminder>: this "
@@ -170,7 +160,7 @@ async def prompt_tokens(request: Request, prompt: Prompt, record: bool = False) 
     # No token is longer than the longest vocabulary entry, so more characters than this cannot
     # fit in the token limit: refuse them before paying for the template and the tokenizer.
     chars, most = (
-        _text_chars([prompt.messages, prompt.tools, prompt.text]),
+        rendered_chars([prompt.messages, prompt.tools, prompt.text]),
         config.max_prompt_tokens * state.token_chars,
     )
     if chars > most:
@@ -182,7 +172,7 @@ async def prompt_tokens(request: Request, prompt: Prompt, record: bool = False) 
             prompt.param,
             "context_length_exceeded",
         )
-    tokens = await run_in_threadpool(_tokenize, engine, prompt)
+    tokens = await state.tokenizing.run(_tokenize, engine, prompt, chars=chars)  # bounded: admission.py
     if len(tokens) > config.max_prompt_tokens:
         raise APIError(
             400,

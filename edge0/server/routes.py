@@ -7,6 +7,7 @@ from fastapi import APIRouter, Request
 
 from edge0.backend.memory import available as memory_available
 from edge0.server.chat_format import ChatFormat, CompletionFormat
+from edge0.server.connections import connection_stats
 from edge0.server.pipeline import Prompt, check_model, chosen_tools, respond, sampling_params, served_id
 from edge0.server.schemas import ChatCompletion, ChatRequest, Completion, CompletionRequest, ModelCard, ModelList
 from edge0.server.structured import format_constraint, logit_bias, thinking_switch, tool_constraint
@@ -55,6 +56,8 @@ async def stats(request: Request) -> dict:
             "between_errors": state.scheduler.between_errors,
             "sampling": dict(state.grammars.stats),
             "adapted": dict(state.adapted),
+            **state.tokenizing.stats(),
+            **(connection_stats(state.protocol) if state.protocol else {}),
         },
         "memory": state.memory.stats() if state.memory else None,
         "machine": _machine_memory(),

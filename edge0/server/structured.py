@@ -56,10 +56,12 @@ def logit_bias(bias: dict[str, Any] | None, vocab_size: int, param: str = "logit
         return None
     out = {}
     for key, value in bias.items():
-        if not re.fullmatch(r"\d+", key) or int(key) >= vocab_size:
+        # the length first: int() refuses strings of more than 4,300 digits
+        if not re.fullmatch(r"\d+", key) or len(key) > len(str(vocab_size)) or int(key) >= vocab_size:
+            shown = key if len(key) <= 40 else f"{key[:40]}... ({len(key)} characters)"
             raise APIError(
                 400,
-                f"logit_bias key '{key}' is not a token id of this model (0 to {vocab_size - 1})",
+                f"logit_bias key '{shown}' is not a token id of this model (0 to {vocab_size - 1})",
                 param,
                 "invalid_value",
             )

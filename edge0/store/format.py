@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 from edge0.errors import Edge0Error
+from edge0.store.manifest_checks import check_manifest
 
 FORMAT = "edge0-store"
 VERSION = 2
@@ -44,25 +45,9 @@ def _regenerate(root: Path) -> str:
 def open_manifest(root, verify: bool = False) -> dict:
     """Read and check a store's manifest. Sizes are always checked; sha256 too with `verify`."""
     root = Path(root)
-    path = root / MANIFEST
-    if not root.is_dir():
-        raise Edge0Error(f"{root}: no such directory; pass the output directory of edge0 convert")
-    if not path.is_file():
-        raise Edge0Error(
-            f"{root} is not an edge0 store (no {MANIFEST}); "
-            f"create one with: edge0 convert --hf-path {root} -o <store dir>"
-        )
-    try:
-        manifest = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise Edge0Error(f"{path} is not valid JSON ({e}); {_regenerate(root)}") from None
-    if manifest.get("format") != FORMAT:
-        raise Edge0Error(f"{path}: format is {manifest.get('format')!r}, not {FORMAT!r}; {_regenerate(root)}")
-    if manifest.get("version") not in READS_VERSIONS:
-        raise Edge0Error(
-            f"{path}: store format version {manifest.get('version')} but this edge0 reads "
-            f"versions {' and '.join(map(str, READS_VERSIONS))}; {_regenerate(root)}"
-        )
+    path, manifest = read_manifest(root)
+    if "manifest_sha256" not in manifest and manifest["version"] >= 2:
+        raise Edge0Error(f"{path}: {_NO_CHECKSUM_V2}; check the store with: edge0 verify {root}; {_regenerate(root)}")
     if "manifest_sha256" in manifest and manifest["manifest_sha256"] != manifest_checksum(manifest):
         raise Edge0Error(
             f"{path} was changed after conversion (its checksum differs); check the store with: "
@@ -75,6 +60,39 @@ def open_manifest(root, verify: bool = False) -> dict:
     for entry in manifest["expert_layers"]:
         check_layout(path, root, entry)
     return manifest
+
+
+# Version 2 stores have carried their checksum from the start: one without it had it removed.
+_NO_CHECKSUM_V2 = "a version 2 manifest without its checksum (manifest_sha256), which every version 2 store carries"
+
+
+def read_manifest(root: Path) -> tuple[Path, dict]:
+    """(path, manifest) of the store at `root`: valid JSON, this format, a version this edge0 reads,
+    and every key the loader uses present, of its type, with its paths inside the store
+    (manifest_checks.py). An Edge0Error in one line otherwise."""
+    path = root / MANIFEST
+    if not root.is_dir():
+        raise Edge0Error(f"{root}: no such directory; pass the output directory of edge0 convert")
+    if not path.is_file():
+        raise Edge0Error(
+            f"{root} is not an edge0 store (no {MANIFEST}); "
+            f"create one with: edge0 convert --hf-path {root} -o <store dir>"
+        )
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        raise Edge0Error(f"{path} is not valid JSON ({type(e).__name__}: {e}); {_regenerate(root)}") from None
+    if not isinstance(manifest, dict):
+        raise Edge0Error(f"{path}: a JSON {type(manifest).__name__}, not an object; {_regenerate(root)}")
+    if manifest.get("format") != FORMAT:
+        raise Edge0Error(f"{path}: format is {manifest.get('format')!r}, not {FORMAT!r}; {_regenerate(root)}")
+    if manifest.get("version") not in READS_VERSIONS:
+        raise Edge0Error(
+            f"{path}: store format version {manifest.get('version')!r} but this edge0 reads "
+            f"versions {' and '.join(map(str, READS_VERSIONS))}; {_regenerate(root)}"
+        )
+    check_manifest(path, root, manifest)
+    return path, manifest
 
 
 def tensor_files(manifest: dict) -> list[str]:
@@ -100,33 +118,44 @@ def seal(manifest: dict) -> dict:
 
 
 def verify_store(root) -> tuple[dict, list[str]]:
-    """(manifest, problems): every file's size and sha256 and the manifest's own checksum, all of
-    them checked (not only up to the first problem), each problem on one line."""
+    """(manifest, problems): the manifest's own checksum, every file's size and sha256, and every
+    expert layer's layout against its file, all of them checked (not only up to the first problem),
+    each problem on one line. A manifest that cannot be read is an Edge0Error."""
     root = Path(root)
-    manifest = json.loads((root / MANIFEST).read_text()) if (root / MANIFEST).is_file() else None
-    if manifest is None or not isinstance(manifest, dict) or "files" not in manifest:
-        open_manifest(root)  # raises the one-line error for a missing or foreign manifest
+    path, manifest = read_manifest(root)
     problems = []
     if "manifest_sha256" not in manifest:
-        problems.append(
-            f"{root / MANIFEST}: has no checksum of its own (written before edge0 stores carried one); "
-            f"its offsets are not covered: {_regenerate(root)}"
+        why = (
+            _NO_CHECKSUM_V2
+            if manifest["version"] >= 2
+            else "has no checksum of its own (written before edge0 stores carried one); its offsets are not covered"
         )
+        problems.append(f"{path}: {why}: {_regenerate(root)}")
     elif manifest["manifest_sha256"] != manifest_checksum(manifest):
-        problems.append(f"{root / MANIFEST}: changed after conversion (its checksum differs); {_regenerate(root)}")
+        problems.append(f"{path}: changed after conversion (its checksum differs); {_regenerate(root)}")
     for rel, info in manifest["files"].items():
         try:
             check_file(root, rel, info, verify=True)
         except Edge0Error as e:
             note = " (a sidecar: replaced, or damaged)" if is_sidecar(rel) else ""
             problems.append(f"{e}{note}")
+    for entry in manifest["expert_layers"]:
+        try:
+            check_layout(path, root, entry)
+        except (Edge0Error, OSError) as e:  # a missing file is reported above
+            problems += [str(e)] if isinstance(e, Edge0Error) else []
     return manifest, problems
 
 
 def check_layout(path: Path, root: Path, entry: dict) -> None:
-    """An expert-major entry must describe rows that lie inside its 4 KiB-aligned file."""
+    """An expert-major entry must describe rows that lie inside its 4 KiB-aligned file; a
+    tensor-major one, tensors that lie inside theirs."""
     layout = entry.get("layout")
     if layout is None:  # tensor-major (version 1 layout)
+        size = (root / entry["file"]).stat().st_size
+        num = entry["num_experts"]
+        if any(t["offset"] + num * t["expert_nbytes"] > size for t in entry["tensors"].values()):
+            raise Edge0Error(f"{root / entry['file']}: tensors in the manifest end past the file; {_regenerate(root)}")
         return
     if layout != EXPERT_MAJOR:
         raise Edge0Error(f"{path}: layer {entry.get('layer')} has unknown layout {layout!r}; {_regenerate(root)}")

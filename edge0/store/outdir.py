@@ -6,6 +6,7 @@ Used by `edge0 convert` and `edge0 relayout`."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 import shutil
@@ -68,14 +69,30 @@ def output_lock(out: Path, wait: bool, quiet: bool):
         raise Edge0Error(
             f"-o {out}: cannot write in {out.parent} ({e.strerror}); choose a writable directory"
         ) from None
-    os.ftruncate(fd, 0)
-    os.write(fd, str(os.getpid()).encode())
     try:
-        yield
+        try:
+            os.ftruncate(fd, 0)
+            os.write(fd, str(os.getpid()).encode())
+            yield
+        except Exception as e:
+            if disk_full(e):  # the partial directory is gone by now (convert and relayout remove it)
+                raise Edge0Error(
+                    f"-o {out}: no space left on {out.parent} ({shutil.disk_usage(out.parent).free} bytes free; "
+                    f"{type(e).__name__}: {e}); free some space or choose another output directory"
+                ) from None
+            raise
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
         os.close(fd)
+
+
+def disk_full(e: BaseException) -> bool:
+    """A write refused for want of space (or quota): OSError's errno, or the message of a library
+    that reports it its own way (the tokenizers library raises a plain Exception)."""
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        return True
+    return any(text in str(e) for text in ("No space left on device", "Disk quota exceeded"))
 
 
 def _flock(fd: int, out: Path, wait: bool, quiet: bool) -> None:

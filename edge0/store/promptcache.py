@@ -7,6 +7,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -14,6 +15,9 @@ from pathlib import Path
 from edge0.backend import kvcache as bkv
 from edge0.errors import Edge0Error
 from edge0.store.headers import read_header
+
+# An entry's name: DIR/<identity prefix>/<token hash>.safetensors, as save() writes it.
+_ENTRY = re.compile(r"[0-9a-f]{32}/[0-9a-f]{32}\.safetensors")
 
 
 def _tokens_ok(value) -> bool:
@@ -58,8 +62,9 @@ class DiskPromptCaches:
             with self._locked() as index:
                 # Files are written only under the lock, so temporaries found holding it are
                 # left by a process that died mid-write.
-                for tmp in self.root.glob("*/.*.tmp*"):
+                for tmp in [*self.root.glob("*/.*.tmp*"), *self.root.glob(f".{self.INDEX}.*.tmp")]:
                     tmp.unlink(missing_ok=True)
+                self._adopt_orphans(index)
                 self._write(index)
         except OSError as e:
             raise Edge0Error(
@@ -82,6 +87,7 @@ class DiskPromptCaches:
             if (
                 data.get("version") != self.VERSION
                 or not isinstance(entries, dict)
+                or not all(_ENTRY.fullmatch(name) for name in entries)  # names it writes: none leaves DIR
                 or not all(
                     isinstance(e, dict)
                     and isinstance(e.get("identity"), str)
@@ -126,10 +132,38 @@ class DiskPromptCaches:
             self.note = why or f"{self.root / self.INDEX} was missing; rebuilt from {len(entries)} files"
         return entries
 
+    def _adopt_orphans(self, index: dict) -> None:
+        """Index the cache files the index lacks (a process stopped between renaming a file into
+        place and writing the index), then evict beyond the bound, so that it holds after a crash."""
+        names = {f"{f.parent.name}/{f.name}" for f in self.root.glob("*/*.safetensors") if not f.name.startswith(".")}
+        if not names - index.keys():
+            return
+        found = self._scan("")
+        orphans = {name: found[name] for name in names - index.keys() if name in found}
+        index.update(orphans)
+        self._evict(index)
+        self.note = f"{len(orphans)} cache files were missing from {self.root / self.INDEX}; indexed"
+
+    def _evict(self, index: dict, keep: str | None = None) -> int:
+        """Remove the least recently used entries (never `keep`) until the index fits the bound;
+        the bytes left."""
+        total = sum(e["bytes"] for e in index.values())
+        for old in sorted(index, key=lambda k: index[k]["used"]):
+            if total <= self.max_bytes:
+                break
+            if old != keep:
+                total -= index[old]["bytes"]
+                self._remove(index, old, "evicted")
+        return total
+
     def _write(self, entries: dict) -> None:
         tmp = self.root / f".{self.INDEX}.{os.getpid()}.tmp"
-        tmp.write_text(json.dumps({"version": self.VERSION, "entries": entries}))
-        os.replace(tmp, self.root / self.INDEX)
+        try:
+            tmp.write_text(json.dumps({"version": self.VERSION, "entries": entries}))
+            os.replace(tmp, self.root / self.INDEX)
+        except OSError:  # a full disk: the index stays as it was, without a temporary beside it
+            tmp.unlink(missing_ok=True)
+            raise
         self.bytes, self.entries = sum(e["bytes"] for e in entries.values()), len(entries)
 
     def _refuse(self, path: Path, error) -> None:
@@ -197,11 +231,12 @@ class DiskPromptCaches:
         name = f"{self.dir.name}/{hashlib.sha256(json.dumps(tokens).encode()).hexdigest()[:32]}.safetensors"
         path = self.root / name
         tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp.safetensors")
-        t0 = time.perf_counter()
+        t0, placed = time.perf_counter(), False
         try:
             with self._locked() as index:
                 bkv.save_prompt_cache(str(tmp), cache, {"identity": self.identity, "tokens": json.dumps(tokens)})
                 os.replace(tmp, path)
+                placed = True
                 index[name] = {
                     "identity": self.identity,
                     "tokens": tokens,
@@ -217,13 +252,7 @@ class DiskPromptCaches:
                             and tokens[: len(e["tokens"])] == e["tokens"]
                         ):
                             self._remove(index, other, "replaced")
-                total = sum(e["bytes"] for e in index.values())
-                for old in sorted(index, key=lambda k: index[k]["used"]):
-                    if total <= self.max_bytes:
-                        break
-                    if old != name:
-                        total -= index[old]["bytes"]
-                        self._remove(index, old, "evicted")
+                total = self._evict(index, keep=name)
                 stored = total <= self.max_bytes  # else the file alone (header included) is over the bound
                 if not stored:
                     self.note = f"{path}: {total} bytes, more than --prompt-cache-size ({self.max_bytes}); removed"
@@ -231,6 +260,8 @@ class DiskPromptCaches:
                 self._write(index)
         except Exception as e:  # noqa: BLE001 - a full disk, DIR removed, a cache mlx-lm cannot save: keep serving
             tmp.unlink(missing_ok=True)
+            if placed:  # renamed into place, but the index could not be written: it would be held unbounded
+                path.unlink(missing_ok=True)
             self.counts["failed"] += 1
             self.note = f"saving {path} failed: {e}"
             return False

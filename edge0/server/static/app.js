@@ -3,7 +3,7 @@
 // generation), and the live statistics panel beside it.
 
 import { ApiError, getJSON, setKey, streamChat } from "./api.js";
-import { renderMarkdown } from "./markdown.js";
+import { MarkdownView } from "./markdown.js";
 import { StatsPanel } from "./stats.js";
 import { loadConversations, loadSettings, newConversation, saveConversations, saveSettings } from "./store.js";
 
@@ -106,7 +106,7 @@ function messageNode(message) {
 }
 
 function fill(body, message) {
-  if (message.role === "assistant") body.replaceChildren(renderMarkdown(message.content));
+  if (message.role === "assistant") (body.markdown ??= new MarkdownView(body)).update(message.content);
   else body.textContent = message.content; // shown as typed
 }
 

@@ -42,7 +42,8 @@ def test_lookahead_staging_reads_ahead_with_no_drops_or_syncs(store_for):
     assert got.tokens == want.tokens  # the same routes, computed from the slots
     n_layers = len(e.store.layers)
     assert got.stats["dropped_experts"] == 0
-    assert got.stats["host_syncs"] == 2 * n_layers  # the exact prefill and the first step only
+    # the exact prefill (the last layer computes only its cache there) and the first step only
+    assert got.stats["host_syncs"] == 2 * n_layers - 1
     t = e.stats()["totals"]
     assert t["slot_rewrites"] > 0 and t["hits"] > 0
 

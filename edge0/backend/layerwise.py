@@ -53,6 +53,9 @@ class SpanPlan:
     heads: int = 32
     should_stop: Callable[[], bool] | None = None
     score_bytes: int = SCORE_BYTES
+    # the last layer computes its cache alone (SpanLayer); off while something watches every
+    # layer's routes (a trace), which must see the last layer's too
+    skip_last: bool = True
 
     def attention_chunk(self, keys: int) -> int:
         return max(16, min(self.moe_chunk, self.score_bytes // max(1, 4 * self.heads * keys)))
@@ -195,7 +198,7 @@ def prefill_layerwise(model, tokens: list[int], cache, plan: SpanPlan, found: lp
     then holds part of the span)."""
     owner, key, layers = lp.decoder_layers(model)
     whole = whole_span(found, cache)
-    last = len(layers) - 1
+    last = len(layers) - 1 if plan.skip_last else -1
     owner[key] = [
         SpanLayer(layer, call, plan, whole, i == last) for i, (layer, call) in enumerate(zip(layers, found.calls))
     ]

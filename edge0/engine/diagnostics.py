@@ -53,3 +53,4 @@ def observe_routes(engine, fn) -> None:
         )
     for layer, block in bas.moe_blocks(engine.model):
         block.use_observer(None if fn is None else (lambda i, s, layer=layer: fn(layer, i, s)))
+    engine.prefiller.skip_last = fn is None  # an observer sees every layer's routes, the last one's too

@@ -35,6 +35,7 @@ class Prefiller:
         self.span_tokens = span_tokens or default_span(self.hidden)
         self.layerwise = layerwise and self.probe.why_not is None
         self.moe_chunk, self.score_bytes = MOE_CHUNK, blw.SCORE_BYTES
+        self.skip_last = True  # the last layer computes its cache alone (backend/layerwise.py)
         self.spans = 0  # spans fed layer by layer
         self.chunked_spans = 0  # spans fed by the chunked forward (the model does not allow layers)
 
@@ -47,7 +48,7 @@ class Prefiller:
         if not self.layerwise:
             return self._chunked(tokens, cache, should_stop)
         span = min(self.span_tokens, CHUNK) if blw.whole_span(self.probe, cache) else self.span_tokens
-        plan = blw.SpanPlan(self.moe_chunk, self.heads, should_stop, self.score_bytes)
+        plan = blw.SpanPlan(self.moe_chunk, self.heads, should_stop, self.score_bytes, self.skip_last)
         for i in range(0, len(tokens), span):
             try:
                 blw.prefill_layerwise(self.model, tokens[i : i + span], cache, plan, self.probe)

@@ -102,6 +102,7 @@ print(json.dumps({"prefilled": prefilled, "pool": engine.kv.stats()["memory"]}))
 SESSION_LIMIT = 292 * 10**6
 
 
+@pytest.mark.slow  # 24 s: a 297 MB store's experts read through a memory limit six times
 def test_a_session_of_three_conversations_runs_inside_the_limit_with_the_defaults(big_bench_store):
     parent, why = MemoryCgroup.available()
     if parent is None:

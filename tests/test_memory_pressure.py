@@ -44,10 +44,11 @@ def test_resize_keeps_greedy_tokens_and_frees_the_slots(store_for, kw):
     info = engine.expert_cache()
     assert (info["slots_per_layer"], info["min_slots"], info["max_slots"]) == (8, 2, 8)
     want = engine.generate(PROMPT, max_tokens=24, ignore_eos=True).tokens
+    engine.resize_expert_cache(7)  # the first resize in a process also allocates ~38 KB MLX keeps
     before = B.active_memory()
     engine.resize_expert_cache(2)  # the floor: one route (top-k) per layer
     freed = before - B.active_memory()
-    assert freed >= 6 * info["slot_bytes"] * 0.9  # six slots per layer, as float32 scales widen a little
+    assert freed >= 5 * info["slot_bytes"] * 0.9  # five slots per layer, as float32 scales widen a little
     assert engine.expert_cache()["budget_bytes"] == 2 * info["slot_bytes"]
     small = engine.generate(PROMPT, max_tokens=24, ignore_eos=True)
     assert small.tokens == want and small.stats["expert_bytes_read"] > 0

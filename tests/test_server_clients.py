@@ -280,12 +280,7 @@ def _client_problem(client: str) -> str | None:
     return netns_problem()
 
 
-# opencode's run is the longest (12 s, mostly its start): under -m slow; its requests are replayed
-# from tests/fixtures/clients/opencode.json in the default run.
-ROUND_TRIPS = ["claude", "codex", pytest.param("opencode", marks=pytest.mark.slow)]
-
-
-@pytest.mark.parametrize("client", ROUND_TRIPS)
+@pytest.mark.parametrize("client", sorted(PACKAGES))
 def test_the_real_client_with_the_printed_setup_completes_a_tool_round_trip(client, tmp_path):
     if problem := _client_problem(client):
         pytest.skip(problem)

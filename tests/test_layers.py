@@ -164,3 +164,34 @@ def test_relative_imports_resolve(tmp_path, monkeypatch):
     f.write_text("from . import box\nfrom ..errors import Edge0Error\n")
     monkeypatch.setattr(sys.modules[__name__], "PKG", tmp_path / "edge0")
     assert imports(f) == {"edge0.shelf", "edge0.shelf.box", "edge0.errors"}
+
+
+# -- the decode step has one home -------------------------------------------------------------
+STEP_CALLS = ("before_step", "multi_token", "before_forward", "after_forward", "kept", "step_done", "end_step")
+
+
+def step_protocol_calls(root: Path) -> dict[str, list[str]]:
+    """module -> the step-protocol methods it calls on something other than `self.inner` (a hooks
+    wrapper passing a call on)."""
+    found = {}
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+                continue
+            target = node.func.value
+            passed_on = isinstance(target, ast.Attribute) and target.attr == "inner"
+            if node.func.attr in STEP_CALLS and not passed_on:
+                found.setdefault(str(path.relative_to(root)), []).append(node.func.attr)
+    return found
+
+
+def test_only_the_stepper_calls_the_step_hooks():
+    calls = step_protocol_calls(PKG)
+    assert list(calls) == ["engine/step.py"], calls
+    assert sorted(set(calls["engine/step.py"])) == sorted(STEP_CALLS)
+
+
+def test_the_step_check_catches_a_copy(tmp_path):
+    (tmp_path / "loop.py").write_text("def run(e, s):\n    e.hooks.before_forward(e, s)\n    e.streaming.end_step()\n")
+    (tmp_path / "wrap.py").write_text("def step_done(self, e, s):\n    self.inner.step_done(e, s)\n")
+    assert step_protocol_calls(tmp_path) == {"loop.py": ["before_forward", "end_step"]}

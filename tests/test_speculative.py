@@ -125,8 +125,10 @@ def test_verify_reads_each_expert_of_its_union_once(executor, store_for):
     routes = []  # every forward's route per layer; verifies are the 5-token ones
     e.observe_routes(lambda layer, inds, _: routes.append((layer, inds)))
     e.hooks = hooks = VerifyReads()
-    e.use_speculation(Speculator(Controlled(want, 1.0), num_draft=4, adaptive=False))
+    e.use_speculation(sp := Speculator(Controlled(want, 1.0), num_draft=4, adaptive=False))
     assert e.generate(prompt, max_tokens=12, ignore_eos=True).tokens == want
+    # handed the engine's stepper for each generation, the speculator keeps nothing of the engine
+    assert not [v for v in vars(sp).values() if v is e or v is e.stepper]
     verifies = [(l, i) for l, i in routes if i.shape[0] == 5]
     n_layers = len(e.store.layers)
     assert len(hooks.steps) * n_layers == len(verifies) >= 2 * n_layers

@@ -69,9 +69,12 @@ def forward_cost(engine, prompt: list[int], reference: list[int], tokens: int, r
     times = []
     for i in range(repeats):
         t0 = time.perf_counter()
-        with engine.streaming.decoding():
-            bsp.greedy_tokens(bfw.forward_all(engine.model, reference[i * tokens : (i + 1) * tokens], engine.kv.cache))
-        engine.streaming.end_step()
+        engine.stepper.run(
+            i,
+            tokens,
+            lambda i=i: bfw.forward_all(engine.model, reference[i * tokens : (i + 1) * tokens], engine.kv.cache),
+            lambda logprobs: (bsp.greedy_tokens(logprobs), tokens - 1 if tokens > 1 else None),  # all kept
+        )
         times.append(time.perf_counter() - t0)
     engine.hooks.finish(engine)
     engine.kv.reset()

@@ -325,32 +325,35 @@ class Pipeline:
         self.wait_s += received - t0
         self.forwards += 1
         engine.kv.sync(h[OFFSET])
-        if step > 0:
-            engine.hooks.before_step(engine, step)
-        if step >= 0:
-            engine.hooks.before_forward(engine, step)
-        preds = self._route_predictions(preds)
-        out = engine.model(x, cache=engine.kv.cache)
-        preds.update(self.outgoing())
-        if step >= 0:
-            engine.hooks.after_forward(engine, step, out)
+        routed = {}
+
+        def forward():
+            routed.update(self._route_predictions(preds))
+            out = engine.model(x, cache=engine.kv.cache)
+            routed.update(self.outgoing())
+            return out
+
+        def send(out):
+            if step >= 0:
+                self.compute_s += time.perf_counter() - received
+            self._send_header(
+                FORWARD,
+                tokens=t,
+                hidden=int(out.shape[-1]),
+                offset=h[OFFSET],
+                step=step,
+                n_pred=len(routed),
+                experts=int(next(iter(routed.values())).shape[-1]) if routed else 0,
+            )
+            self._send_predictions(routed)
+            self._send(out)
+
+        if step >= 0:  # the same step as rank 0's (edge0/engine/step.py)
+            engine.stepper.follow(step, t, forward, send)
+            return
+        out = forward()  # a prefill chunk: not a step, no hooks
         B.eval(out, [c.state for c in engine.kv.cache])
-        if step >= 0:
-            self.compute_s += time.perf_counter() - received
-        self._send_header(
-            FORWARD,
-            tokens=t,
-            hidden=int(out.shape[-1]),
-            offset=h[OFFSET],
-            step=step,
-            n_pred=len(preds),
-            experts=int(next(iter(preds.values())).shape[-1]) if preds else 0,
-        )
-        self._send_predictions(preds)
-        self._send(out)
-        if step >= 0:
-            engine.hooks.step_done(engine, step)
-            engine.streaming.end_step()
+        send(out)
 
 
 class LeaderHooks(StepHooks):

@@ -36,7 +36,7 @@ def decode_logits(engine, prompt):
     engine.hooks.start(engine)
     try:
         for i, t in enumerate(tokens):
-            engine.step([t], i, keep)
+            engine.stepper.decode([t], i, keep)
     finally:
         engine.hooks.finish(engine)
         engine.kv.reset()

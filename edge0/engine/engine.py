@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from edge0.backend import core as B
-from edge0.backend import forward as bfw
 from edge0.backend import io as bio
 from edge0.backend import modules as bmod
 from edge0.engine.diagnostics import decode_logits, logits, observe_routes, prerouted_logits
@@ -21,6 +20,7 @@ from edge0.engine.prefill import Prefiller
 from edge0.engine.sampler import RequestSampler
 from edge0.engine.speculative import check_speculation
 from edge0.engine.stats import call_stats, engine_stats
+from edge0.engine.step import Stepper
 from edge0.errors import Edge0Error
 from edge0.sampling import check_sampling
 from edge0.store.format import manifest_hash, sha256_file
@@ -74,6 +74,7 @@ class Engine:
         # one process: layer-major prefill spans; across ranks each stage runs chunks (distributed/)
         self.prefiller = Prefiller(model, compute_dtype, o.prefill_span, layerwise=stage is None)
         self.hooks = StepHooks()  # the pre-router's stager once attached, or a test's oracle
+        self.stepper = Stepper(self)  # every decode step runs there (step.py)
         # the pre-router, when attached (use_prerouter)
         self.prerouting = None
         self.heads_path: Path | None = None
@@ -235,19 +236,6 @@ class Engine:
         # the reply is out before the save; the server, which closes early, saves between requests.
         self.persist_prompt_cache()
 
-    def step(self, tokens: list[int], step: int, sampler) -> int:
-        """One forward of `tokens` (the prompt's last token or a generated one) and a sample."""
-        hooks = self.hooks
-        if step > 0:
-            hooks.before_step(self, step)
-        hooks.before_forward(self, step)
-        logprobs = bfw.forward(self.model, tokens, self.kv.cache)
-        hooks.after_forward(self, step, logprobs)
-        y = bfw.sample(sampler, logprobs)
-        hooks.step_done(self, step)
-        self.streaming.end_step()
-        return y
-
     def _prefill(self, tokens: list[int], reuse: bool, sampler, should_stop) -> tuple[int | None, int, dict | None]:
         """Feed the prompt (all but the part the KV cache already holds); returns (the first
         generated token, or None if `should_stop` said so during the prefill, tokens prefilled,
@@ -262,13 +250,13 @@ class Engine:
                 kv.keep(new[:fed])
                 return None, fed, None
             prefilled = self.streaming.stats.totals()
-            y = self.step(new[-1:], 0, sampler)
+            kv.advance(new[:-1])
+            y = self.stepper.decode(new[-1:], 0, sampler)
         except ValueError as e:  # mlx-lm's quantized cache needs key widths the group size divides
             if kv.kv_bits and "group size" in str(e):
                 kv.reset()
                 raise Edge0Error(KV_GROUP.format(group=kv.kv_group_size)) from None
             raise
-        kv.advance(new)
         kv.mark_prompt_end()
         return y, len(new), prefilled
 
@@ -277,15 +265,12 @@ class Engine:
         or speculative ones when a drafter is attached and the request samples plainly."""
         if self.speculation is not None:
             if sampler.plain:
-                yield from self.speculation.decode(self, prompt, generated, sampler, max_tokens, eos)
+                yield from self.speculation.decode(self.stepper, prompt, generated, sampler, max_tokens, eos)
                 return
             # a verify samples its rows without the request's processors, top-k or log-probs
             self.speculation.counts["unsupported_requests"] += 1
         while True:
-            self.kv.begin()
-            y = self.step(generated[-1:], len(generated), sampler)
-            self.kv.advance(generated[-1:])
-            yield y
+            yield self.stepper.decode(generated[-1:], len(generated), sampler)
 
     def _generate(self, tokens, max_tokens, sampler, eos, stop, reuse_cache, should_stop):
         before = self.streaming.stats.totals()

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import time
 
-from edge0.backend import forward as bfw
 from edge0.backend import kvcache as bkv
 from edge0.backend import speculative as bsp
 from edge0.engine.drafters import Drafter
@@ -120,10 +119,11 @@ class Speculator:
         return f"speculative decoding: {self.drafter.describe()}, {self.k} draft tokens, {switch}"
 
     # -- the decode loop -----------------------------------------------------------------------
-    def decode(self, engine, prompt, generated, sampler, max_tokens, eos=frozenset()):
-        """The tokens after `generated` (its last token not yet fed), one at a time; at each yield
-        the KV cache holds exactly `engine.kv.tokens`. `sampler`: a plain RequestSampler (temperature
-        and top-p only); `eos`: the end-of-sequence ids, where drafts are cut."""
+    def decode(self, stepper, prompt, generated, sampler, max_tokens, eos=frozenset()):
+        """The tokens after `generated` (its last token not yet fed), one at a time, through the
+        engine's `stepper` (step.py); at each yield the KV cache holds exactly the tokens fed.
+        `sampler`: a plain RequestSampler (temperature and top-p only); `eos`: the end-of-sequence
+        ids, where drafts are cut."""
         temp, top_p = sampler.temperature, sampler.top_p
         self.drafter.start(prompt)
         shadow = None  # (tokens, matched so far): a draft made while off, checked against the plain tokens
@@ -137,7 +137,7 @@ class Speculator:
                 draft = self.drafter.draft(context, k, temp, top_p).until(eos)
                 self.seconds["draft"] += time.perf_counter() - t0
                 if draft.tokens:
-                    out = self._verify(engine, generated, draft, temp, top_p)
+                    out = self._verify(stepper, generated, draft, temp, top_p)
                     self.estimates.observe_cycle(len(draft.tokens) + 1, time.perf_counter() - t0)
                     self.seconds["verify"] += time.perf_counter() - t0
                     self.off_steps, shadow = 0, None  # a pending shadow draft no longer lines up
@@ -151,9 +151,7 @@ class Speculator:
                 self.counts["shadow_drafted"] += len(tokens)
                 shadow = (tokens, 0) if tokens else None
             t0 = time.perf_counter()
-            engine.kv.begin()
-            y = engine.step([generated[-1]], len(generated), sampler)
-            engine.kv.advance(generated[-1:])
+            y = stepper.decode([generated[-1]], len(generated), sampler)
             dt = time.perf_counter() - t0
             self.estimates.observe_plain(dt)
             self.seconds["plain"] += dt
@@ -180,36 +178,21 @@ class Speculator:
             self.estimates.observe_acceptance(run, run + 1)
         return None
 
-    def _verify(self, engine, generated, draft, temp, top_p) -> list[int]:
+    def _verify(self, stepper, generated, draft, temp, top_p) -> list[int]:
         """One verify step of `generated[-1]` + the draft: the tokens it yields (the accepted draft
         tokens and one more)."""
-        kv, hooks, step = engine.kv, engine.hooks, len(generated)
-        inputs = [generated[-1]] + draft.tokens
-        point = bkv.rewind_point(kv.cache)
-        hooks.before_step(engine, step)
-        hooks.multi_token(engine, step, len(inputs))
-        hooks.before_forward(engine, step)
-        kv.begin()
-        with engine.streaming.decoding():
-            logprobs = bfw.forward_all(engine.model, inputs, kv.cache)
-        hooks.after_forward(engine, step, logprobs)
         k = len(draft.tokens)
-        if temp == 0:
-            best = bsp.greedy_tokens(logprobs)
-            n = next((i for i in range(k) if best[i] != draft.tokens[i]), k)
-            nxt = best[n]
-        else:
-            n, nxt = bsp.accept_reject(bsp.sampling_probs(logprobs, temp, top_p), draft.tokens, draft.probs)
-        keep = inputs[: n + 1]
-        if len(keep) < len(inputs) and bkv.rewind(kv.cache, len(inputs) - len(keep), len(inputs), point):
-            # recurrent layers cannot be trimmed: they went back to before the verify; feed the kept tokens again
-            with engine.streaming.decoding():
-                bfw.prefill(engine.model, keep, kv.cache)
-            self.counts["replays"] += 1
-        hooks.kept(engine, step, n)
-        hooks.step_done(engine, step)
-        engine.streaming.end_step()
-        kv.advance(keep)
+
+        def decide(logprobs):
+            if temp == 0:
+                best = bsp.greedy_tokens(logprobs)
+                n = next((i for i in range(k) if best[i] != draft.tokens[i]), k)
+                return n, best[n]
+            return bsp.accept_reject(bsp.sampling_probs(logprobs, temp, top_p), draft.tokens, draft.probs)
+
+        inputs = [generated[-1]] + draft.tokens
+        n, nxt, replayed = stepper.verify(len(generated), inputs, decide)
+        self.counts["replays"] += replayed
         c = self.counts
         c["verifies"] += 1
         c["verify_tokens"] += len(inputs)

@@ -1,0 +1,100 @@
+"""One decode step, in one place: T new tokens of a sequence through the model (T = 1 for a plain
+step, the last token and k drafts for a speculative verify), with the step hooks in their order
+and the KV cache's books. The engine's decode loop, the speculative verify, a pipeline follower
+and the bench's verify timing all run their steps here; nothing else calls the step hooks.
+
+Step n, in order (edge0/engine/hooks.py): before_step (n > 0: the previous step was evaluated
+whole), multi_token (T > 1), before_forward, the forward, after_forward (the graph is built),
+the caller's `finish` on the outputs (a sample, an accept/reject, a send to the next rank), kept
+(a verify that kept fewer than its T tokens), step_done, the executors' end of step; then the
+cache holds the kept tokens."""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import Callable
+
+from edge0.backend import core as B
+from edge0.backend import forward as bfw
+from edge0.backend import kvcache as bkv
+
+
+class Stepper:
+    """An engine's steps (the speculator and a follower are handed this, not the engine)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def run(self, step: int, n_tokens: int, forward: Callable, finish: Callable):
+        """The protocol above: `forward()` builds the outputs, `finish(outputs)` returns
+        (result, kept: the position up to which a multi-token step's inputs were kept, or None)."""
+        e = self.engine
+        hooks = e.hooks
+        if step > 0:
+            hooks.before_step(e, step)
+        if n_tokens > 1:
+            hooks.multi_token(e, step, n_tokens)
+        hooks.before_forward(e, step)
+        # T tokens of one sequence are one decode call: each MoE layer reads their union once
+        with e.streaming.decoding() if n_tokens > 1 else nullcontext():
+            out = forward()
+        hooks.after_forward(e, step, out)
+        result, kept = finish(out)
+        if kept is not None:
+            hooks.kept(e, step, kept)
+        hooks.step_done(e, step)
+        e.streaming.end_step()
+        return result
+
+    # -- the engine's steps ----------------------------------------------------------------------
+    def decode(self, tokens: list[int], step: int, sampler) -> int:
+        """A plain step: `tokens` (the prompt's last token or the last generated one) fed, one
+        token sampled with `sampler`; the cache then also holds `tokens`."""
+        e = self.engine
+        e.kv.begin()
+        y = self.run(
+            step,
+            1,
+            lambda: bfw.forward(e.model, tokens, e.kv.cache),
+            lambda logprobs: (bfw.sample(sampler, logprobs), None),
+        )
+        e.kv.advance(tokens)
+        return y
+
+    def verify(self, step: int, inputs: list[int], decide: Callable) -> tuple[int, int, bool]:
+        """A multi-token step of `inputs` (the last token and a draft): `decide(logprobs [T, V])`
+        returns (n, next) where the first n draft tokens are kept; the cache is taken back to
+        `inputs[: n + 1]`. Returns (n, next, whether the kept tokens were fed again: recurrent
+        layers cannot be trimmed, so they went back to before the step)."""
+        e = self.engine
+        kv = e.kv
+        point = bkv.rewind_point(kv.cache)
+        replayed = False
+
+        def finish(logprobs):
+            nonlocal replayed
+            n, nxt = decide(logprobs)
+            keep = inputs[: n + 1]
+            if len(keep) < len(inputs) and bkv.rewind(kv.cache, len(inputs) - len(keep), len(inputs), point):
+                with e.streaming.decoding():
+                    bfw.prefill(e.model, keep, kv.cache)
+                replayed = True
+            return (n, nxt), n
+
+        kv.begin()
+        n, nxt = self.run(step, len(inputs), lambda: bfw.forward_all(e.model, inputs, kv.cache), finish)
+        kv.advance(inputs[: n + 1])
+        return n, nxt, replayed
+
+    def follow(self, step: int, n_tokens: int, forward: Callable, send: Callable):
+        """A pipeline follower's step of `n_tokens` tokens: this stage's forward (`forward()`,
+        evaluated here with the cache) and `send(out)` to the next rank between after_forward
+        and step_done."""
+        e = self.engine
+
+        def finish(out):
+            B.eval(out, [c.state for c in e.kv.cache])
+            send(out)
+            return out, None
+
+        return self.run(step, n_tokens, forward, finish)

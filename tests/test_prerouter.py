@@ -141,8 +141,10 @@ def test_heads_in_store_are_used_by_default_and_can_be_disabled(store_for, heads
     store = tmp_path / "store"
     shutil.copytree(store_for("deepseek_v3"), store)
     shutil.copy(heads_file, store / "prerouter.safetensors")
-    assert edge0.load(store).prerouting is not None
+    assert (engine := edge0.load(store)).prerouting is not None
     assert edge0.load(store, prerouter=False).prerouting is None
+    with pytest.raises(Edge0Error, match="generate_batch: the pre-router predicts one sequence.*prerouter=False"):
+        engine.generate_batch(["a b c", "d e f"], max_tokens=2)
 
 
 def test_heads_for_another_model_are_rejected(store_for, heads_file):

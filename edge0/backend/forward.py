@@ -18,6 +18,13 @@ def forward(model, tokens: list[int], cache) -> mx.array:
     return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
 
+def forward_rows(model, tokens: list[int], cache) -> mx.array:
+    """One token of each sequence of a batch through the model (updating the merged `cache`);
+    returns each row's log-probs [B, V]."""
+    logits = model(mx.array(tokens)[:, None], cache=cache)[:, -1, :]
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
 def forward_all(model, tokens: list[int], cache) -> mx.array:
     """Run tokens through the model (updating `cache`); returns every position's log-probs [T, V]
     (a multi-token decode step: the speculative verify)."""

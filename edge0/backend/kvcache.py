@@ -38,6 +38,9 @@ __all__ = [
     "copy_cache",
     "KVFootprint",
     "kv_footprint",
+    "batch_problem",
+    "merge_caches",
+    "filter_cache",
 ]
 
 
@@ -101,6 +104,27 @@ def rewind_problem(cache) -> str | None:
     be trimmable (attention KV) or a recurrent state that `rewind_point` copies (ArraysCache)."""
     bad = sorted({type(c).__name__ for c in cache if not c.is_trimmable() and not isinstance(c, ArraysCache)})
     return f"its {', '.join(bad)} layers cannot be rewound" if bad else None
+
+
+def batch_problem(cache) -> str | None:
+    """Why sequences with caches like `cache` cannot decode in one batch (None if they can):
+    every layer's cache type needs mlx-lm's `merge` (KV, rotating window, recurrent state, lists
+    of them; not the quantized KV cache)."""
+    bad = sorted({type(c).__name__ for c in cache if "merge" not in vars(type(c))})
+    return f"its {', '.join(bad)} layers have no batched form in mlx-lm" if bad else None
+
+
+def merge_caches(caches: list[list]) -> list:
+    """One batched cache per layer from each sequence's own cache (mlx-lm left-pads the shorter
+    ones; the padding is masked and each row keeps its own positions)."""
+    return [type(layer[0]).merge(list(layer)) for layer in zip(*caches)]
+
+
+def filter_cache(cache: list, rows: list[int]) -> None:
+    """Keep only the batch rows `rows` of a merged cache (in place)."""
+    idx = mx.array(rows)
+    for c in cache:
+        c.filter(idx)
 
 
 def rewind_point(cache):

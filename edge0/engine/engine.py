@@ -13,6 +13,7 @@ from pathlib import Path
 from edge0.backend import core as B
 from edge0.backend import io as bio
 from edge0.backend import modules as bmod
+from edge0.engine.batch import check_batch, decode_batch
 from edge0.engine.diagnostics import decode_logits, logits, observe_routes, prerouted_logits
 from edge0.engine.hooks import StepHooks
 from edge0.engine.kv import PromptCache
@@ -341,6 +342,52 @@ class Engine:
             parts.append(last.text)
             tokens.append(last.token)
         return GenerationResult("".join(parts), tokens, last.finish_reason, last.stats)
+
+    def generate_batch(
+        self,
+        prompts: list,
+        max_tokens: int | list[int] = 256,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        ignore_eos: bool = False,
+    ) -> list[GenerationResult]:
+        """Generate for several prompts in one batch (batch.py): each prompt's greedy tokens are
+        those it gets alone; every result's stats hold the batch's (`batch`). `max_tokens`: one
+        limit for all, or one per prompt."""
+        self._leads()
+        tokens, limits = check_batch(self, prompts, max_tokens, temperature, top_p, top_k, seed)
+        samplers = [RequestSampler(temperature, top_p, top_k) for _ in tokens]
+        eos = set(self.tokenizer.eos_token_ids) if not ignore_eos else set()
+        self.generating = True
+        self.hooks.start(self)
+        try:
+            seqs, stats = decode_batch(self, tokens, limits, samplers, eos)
+        finally:
+            self.hooks.finish(self)
+            self.generating = False
+        return [
+            GenerationResult(
+                self._text(s.tokens, eos),
+                s.tokens,
+                s.finish,
+                {"prompt_tokens": len(s.prompt), "generated_tokens": len(s.tokens), "batch": stats},
+            )
+            for s in seqs
+        ]
+
+    def _text(self, tokens: list[int], eos: set[int]) -> str:
+        """The text of generated `tokens`, as stream_generate shows it (control tokens hidden,
+        nothing from an end-of-sequence token on)."""
+        detok = self.tokenizer.detokenizer  # a fresh copy
+        for t in tokens:
+            if t in eos:
+                break
+            if t not in self.control_ids:
+                detok.add_token(t)
+        detok.finalize()
+        return detok.text
 
     # -- the expert cache --------------------------------------------------------------------------
     def expert_cache(self) -> dict:

@@ -20,7 +20,8 @@ class StepHooks:
         """Step boundary: the previous step was evaluated whole."""
 
     def multi_token(self, engine, step: int, n_tokens: int) -> None:
-        """Step `step` feeds `n_tokens` > 1 tokens of one sequence (the last token and a draft)."""
+        """Step `step` feeds `n_tokens` > 1 tokens: of one sequence (the last token and a draft),
+        or one of each sequence of a batch (generate_batch; no `kept` follows)."""
 
     def kept(self, engine, step: int, position: int) -> None:
         """Multi-token step `step` kept its inputs up to `position` (the rest were rejected drafts);

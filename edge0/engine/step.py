@@ -1,5 +1,6 @@
 """One decode step, in one place: T new tokens of a sequence through the model (T = 1 for a plain
-step, the last token and k drafts for a speculative verify), with the step hooks in their order
+step, the last token and k drafts for a speculative verify), or one token of each of B sequences
+(a batch, batch.py), with the step hooks in their order
 and the KV cache's books. The engine's decode loop, the speculative verify, a pipeline follower
 and the bench's verify timing all run their steps here; nothing else calls the step hooks.
 
@@ -60,6 +61,17 @@ class Stepper:
         )
         e.kv.advance(tokens)
         return y
+
+    def decode_batch(self, tokens: list[int], step: int, samplers: list, cache) -> list[int]:
+        """A step of a batch (batch.py): one token of each sequence, fed through the merged
+        `cache`; one token sampled per row with that sequence's sampler."""
+        e = self.engine
+        return self.run(
+            step,
+            len(tokens),
+            lambda: bfw.forward_rows(e.model, tokens, cache),
+            lambda logprobs: ([bfw.sample(s, logprobs[i]) for i, s in enumerate(samplers)], None),
+        )
 
     def verify(self, step: int, inputs: list[int], decide: Callable) -> tuple[int, int, bool]:
         """A multi-token step of `inputs` (the last token and a draft): `decide(logprobs [T, V])`

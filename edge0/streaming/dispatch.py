@@ -65,7 +65,8 @@ def _no_room(b, k: int, n_layers: int, need: int) -> str:
 class LayerDispatch:
     """Stands behind one StreamingExperts module: picks the executor for each call. Calls with one
     token, and every call while `decoding` (a multi-token decode step: T tokens of one sequence,
-    a speculative verify), go to the decode executor; other calls are prefill chunks."""
+    a speculative verify, or one token of each of B sequences), go to the decode executor; other
+    calls are prefill chunks."""
 
     def __init__(self, prefill: dict, decode, min_tokens: int, k: int, num_experts: int, stats):
         self.prefill, self.decode, self.min_tokens = prefill, decode, min_tokens
@@ -94,7 +95,7 @@ class LayerDispatch:
 
     def __call__(self, indices, scores=None):
         """`scores`: the router's scores over all experts (lazy), for the expert cache."""
-        t = indices.shape[-2] if indices.ndim >= 2 else 1
+        t = indices.size // indices.shape[-1] if indices.ndim >= 2 else 1  # tokens: B sequences x T each
         if self.span is not None:
             ex = self.span
         elif t == 1 or self.decoding:
@@ -114,7 +115,7 @@ class LayerDispatch:
         ids = B.to_numpy(indices)
         s = self.stats
         s.multi_calls += 1
-        s.multi_tokens += ids.shape[-2]
+        s.multi_tokens += ids.size // ids.shape[-1]
         s.multi_routes += ids.size
         s.multi_union += len(np.unique(ids))
 

@@ -117,7 +117,7 @@ class StagedExecutor(ExactExecutor):
 
     def __call__(self, indices, scores=None):
         self.stats.calls += 1
-        multi = indices.ndim >= 2 and indices.shape[-2] > 1  # T tokens of one sequence (a verify)
+        multi = indices.size > indices.shape[-1]  # several tokens: a verify, or a batch of sequences
         if self.trusted and not multi:
             self.trusted = False
             self.step += 1

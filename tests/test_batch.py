@@ -1,0 +1,126 @@
+"""Several sequences decoded together (edge0/engine/batch.py): each sequence of a batch gets the
+greedy tokens it gets alone, in every family mlx-lm batches and with every executor; a batched
+step reads each expert of its union once; sequences leave the batch as they end; what cannot
+batch is refused with the reason."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import edge0
+from edge0.engine import StepHooks
+from edge0.errors import Edge0Error
+from tests.fixtures import ALL_FAMILIES
+from tests.fixtures.families import SPECD
+
+PROMPTS = [
+    "once upon a time",
+    "the quick brown fox jumps over the lazy dog and then",
+    "a tiny model that reads its experts from disk, token by token, layer by layer",
+]
+LIMITS = [8, 3, 6]  # the second sequence leaves first, the first one runs alone at the end
+# mlx-lm has no batched form of these caches (its BatchGenerator refuses them too)
+NOT_BATCHED = {"deepseek_v41": "LayerCache", "llama4": "ChunkedKVCache"}
+# mlx-lm's dbrx block runs its experts token by token: a batch's tokens reach the executor one at a time
+PER_TOKEN_MOE = {"dbrx"}
+
+
+def alone_and_batched(engine, results=False):
+    alone = [engine.generate(p, max_tokens=m, ignore_eos=True) for p, m in zip(PROMPTS, LIMITS)]
+    batched = engine.generate_batch(PROMPTS, max_tokens=LIMITS, ignore_eos=True)
+    return (alone if results else [r.tokens for r in alone]), batched
+
+
+@pytest.mark.parametrize(
+    "family",
+    [f for f in SPECD]
+    + [pytest.param(f, marks=pytest.mark.slow) for f in ALL_FAMILIES if f not in SPECD and f not in NOT_BATCHED],
+)
+def test_each_sequence_of_a_batch_gets_the_tokens_it_gets_alone(family, store_for):
+    engine = edge0.load(store_for(family), prerouter=False)
+    alone, batched = alone_and_batched(engine, results=True)
+    assert [r.tokens for r in batched] == [r.tokens for r in alone]
+    assert [r.text for r in batched] == [r.text for r in alone]  # control tokens hidden alike
+    assert [r.finish_reason for r in batched] == ["length"] * 3
+    b = batched[0].stats["batch"]
+    assert (b["batch_size"], b["batch_steps"], b["generated_tokens"]) == (3, 8, 17)
+    if family in PER_TOKEN_MOE:
+        assert b["multi_routes"] == 0
+    else:
+        assert b["multi_routes"] > 0 and 0 < b["union_per_routed"] <= 1
+
+
+@pytest.mark.parametrize("family,cache", sorted(NOT_BATCHED.items()))
+def test_a_family_mlx_lm_cannot_batch_is_refused_with_the_reason(family, cache, store_for):
+    engine = edge0.load(store_for(family), prerouter=False)
+    with pytest.raises(Edge0Error, match=f"generate_batch: {family}.*{cache} layers have no batched form"):
+        engine.generate_batch(PROMPTS, max_tokens=2)
+
+
+@pytest.mark.parametrize("executors", ["exact", "hot", "staged-small"])
+def test_every_executor_batches_token_identically(executors, store_for):
+    store = store_for("qwen3_moe")
+    kw = {"decode_executor": executors} if executors != "staged-small" else {}
+    if executors == "staged-small":  # top-k + 1 slots: a batch's union overflows them
+        probe = edge0.load(store, decode_executor="exact")
+        per_slot = sum(probe.store.expert_nbytes(l) for l in probe.store.layers)
+        kw = {"expert_cache": (probe.spec.top_k + 1) * per_slot}
+    engine = edge0.load(store, prerouter=False, **kw)
+    alone, batched = alone_and_batched(engine)
+    assert [r.tokens for r in batched] == alone
+    if executors == "staged-small":
+        assert engine.stats()["totals"]["fallbacks"] > 0
+
+
+class BatchReads(StepHooks):
+    """Per batched step: each layer's route (the observer's [B, K] indices) and the expert loads
+    and bytes it read during the step."""
+
+    def __init__(self):
+        self.steps, self.before, self.routes = [], None, {}
+
+    def observe(self, layer, inds, _scores):
+        if self.before is not None:
+            self.routes[layer] = inds
+
+    def multi_token(self, engine, step, n):
+        self.before = {l: (s.loads, s.bytes_read) for l, s in engine.streaming.stats.layers.items()}
+
+    def step_done(self, engine, step):
+        if self.before is not None:
+            now = engine.streaming.stats.layers
+            reads = {l: (now[l].loads - a, now[l].bytes_read - b) for l, (a, b) in self.before.items()}
+            self.steps.append((self.routes, reads))
+            self.before, self.routes = None, {}
+
+
+def test_a_batched_step_reads_each_expert_of_its_union_once(store_for):
+    engine = edge0.load(store_for("qwen3_moe"), prerouter=False, decode_executor="exact", prefill_executor="exact")
+    engine.hooks = hooks = BatchReads()
+    engine.observe_routes(hooks.observe)
+    engine.generate_batch(PROMPTS, max_tokens=4, ignore_eos=True)
+    assert len(hooks.steps) == 4
+    shared = 0
+    for routes, reads in hooks.steps:
+        assert sorted(routes) == sorted(reads) == sorted(engine.store.layers)
+        for layer, inds in routes.items():
+            assert inds.shape == (3, engine.spec.top_k)  # one token of each sequence
+            union = len(np.unique(inds))
+            shared += union < inds.size
+            assert reads[layer] == (union, union * engine.store.expert_nbytes(layer))
+    assert shared > 0  # some step's sequences shared an expert, read once for all of them
+
+
+def test_what_cannot_batch_is_refused_with_the_fix(store_for):
+    store = store_for("qwen3_moe")
+    engine = edge0.load(store, prerouter=False)
+    for prompts, limits, match in [
+        ([], 4, "no prompts"),
+        (PROMPTS, [4, 4], "2 max_tokens for 3 prompts"),
+        (PROMPTS, 0, "max_tokens must be integers >= 1"),
+    ]:
+        with pytest.raises(Edge0Error, match=match):
+            engine.generate_batch(prompts, max_tokens=limits)
+    with pytest.raises(Edge0Error, match="QuantizedKVCache.*drop --kv-bits"):
+        edge0.load(store, prerouter=False, kv_bits=8, kv_group_size=32).generate_batch(PROMPTS, max_tokens=2)

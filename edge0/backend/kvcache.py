@@ -116,8 +116,11 @@ def batch_problem(cache) -> str | None:
 
 def merge_caches(caches: list[list]) -> list:
     """One batched cache per layer from each sequence's own cache (mlx-lm left-pads the shorter
-    ones; the padding is masked and each row keeps its own positions)."""
-    return [type(layer[0]).merge(list(layer)) for layer in zip(*caches)]
+    ones; the padding is masked and each row keeps its own positions). Evaluated here, so the
+    sequences' own caches can go as soon as the caller drops them."""
+    merged = [type(layer[0]).merge(list(layer)) for layer in zip(*caches)]
+    mx.eval([x for c in merged for _, x in tree_flatten(c.state) if isinstance(x, mx.array)])
+    return merged
 
 
 def filter_cache(cache: list, rows: list[int]) -> None:

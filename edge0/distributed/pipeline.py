@@ -312,7 +312,7 @@ class Pipeline:
                 raise Edge0Error(f"rank {self.stage.rank}: unknown op {op} from rank {self.frm}; restart every rank")
 
     def _forward(self, h: list[int]) -> None:
-        """One FORWARD on a follower: the same hooks at the same points as Engine.step."""
+        """One FORWARD on a follower: the same step as rank 0's (edge0/engine/step.py)."""
         engine, step, t = self.engine, h[STEP], h[TOKENS]
         t0 = time.perf_counter()
         if self.stage.first:

@@ -55,7 +55,7 @@ def decode_batch(
         engine.prefiller(seq.prompt[:-1], cache, None)
         caches.append(cache)
     cache = bkv.merge_caches(caches)
-    del caches
+    del caches  # the sequences' own caches: for a moment both they and the merged one are held
     t_prefill = time.perf_counter() - t0
     prefilled = engine.streaming.stats.totals()
     running = list(range(len(seqs)))
@@ -103,7 +103,7 @@ def check_batch(engine, prompts, max_tokens, temperature, top_p, top_k, seed) ->
     the checks a batch needs (Edge0Error naming the problem)."""
     if problem := batch_problem(engine):
         raise Edge0Error(f"generate_batch: {problem}")
-    if not prompts:
+    if not isinstance(prompts, (list, tuple)) or not prompts:
         raise Edge0Error("generate_batch: no prompts (pass a list of strings or token-id lists)")
     limits = list(max_tokens) if isinstance(max_tokens, (list, tuple)) else [max_tokens] * len(prompts)
     if len(limits) != len(prompts):

@@ -361,8 +361,8 @@ class Engine:
         samplers = [RequestSampler(temperature, top_p, top_k) for _ in tokens]
         eos = set(self.tokenizer.eos_token_ids) if not ignore_eos else set()
         self.generating = True
-        self.hooks.start(self)
         try:
+            self.hooks.start(self)
             seqs, stats = decode_batch(self, tokens, limits, samplers, eos)
         finally:
             self.hooks.finish(self)

@@ -30,7 +30,7 @@ import numpy as np
 
 from edge0.backend import core as B
 from edge0.cache import substitute
-from edge0.streaming.exact import ExactExecutor, raw_nbytes, with_zero_row
+from edge0.streaming.exact import ExactExecutor, raw_nbytes
 from edge0.streaming.pool import SlotSet
 
 
@@ -149,8 +149,9 @@ class StagedExecutor(ExactExecutor):
     def _overflow(self, ids: np.ndarray, scores):
         """More distinct experts than slots: the cached ones stay, the misses in `admission_order`
         fill the rest of the slots, and the remaining misses are read for this call only (each
-        once) and computed as a second part. Each (token, k) pair is computed by one part and hits
-        the zero row in the other."""
+        once) and joined after the slots' tensors, so every (token, k) pair is computed once, in
+        one part (two parts, each computing every pair with zeros for the other's, cost a batch
+        of 4 at 25% of the experts 1.6 plain steps more per step: docs/benchmarks.md)."""
         order = admission_order(ids)
         cached = self.slots.slot_of
         hits = [e for e in order if e in cached]
@@ -170,10 +171,13 @@ class StagedExecutor(ExactExecutor):
         s.slot_scatters += self.slots.apply(evicted, loaded, slots, raw, in_place=True)
         s.slot_rewrites += len(loaded)
         later = np.isin(ids, rest)
-        local = np.where(later, self.slots.zero, self.slots.table_host[ids]).astype(np.uint32)
         params, _ = self.load(rest)
-        local_rest = np.where(later, np.searchsorted(rest, ids), len(rest)).astype(np.uint32)
-        return [(self.slots.params, B.array(local)), (with_zero_row(params), B.array(local_rest))]
+        after = self.slots.n_slots + 1  # the slots and their zero row, then this call's experts
+        local = np.where(later, after + np.searchsorted(rest, ids), self.slots.table_host[ids]).astype(np.uint32)
+        joined = {
+            p: {k: B.concatenate([v, params[p][k]]) for k, v in parts.items()} for p, parts in self.slots.params.items()
+        }
+        return [(joined, B.array(local))]
 
 
 def admission_order(ids: np.ndarray) -> list[int]:

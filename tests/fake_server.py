@@ -13,6 +13,7 @@ import socket
 import threading
 import time
 
+import httpx
 import uvicorn
 
 from edge0.server.app import create_app, run, uvicorn_config
@@ -38,6 +39,18 @@ def running_server(engine, config, host="127.0.0.1", **app_kwargs):
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+def wait_until_healthy(base: str, proc, timeout_s: float, poll_s: float = 0.2) -> None:
+    """Wait for the server process `proc` at `base` to answer /health with 200 (a test failure
+    if it exits or `timeout_s` passes first)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with contextlib.suppress(httpx.TransportError):
+            if httpx.get(base + "/health", timeout=1).status_code == 200:
+                return
+        assert time.monotonic() < deadline and proc.poll() is None, "the server did not start"
+        time.sleep(poll_s)
 
 
 def main(argv=None) -> None:

@@ -19,6 +19,7 @@ import httpx
 import pytest
 
 from tests.fake_engine import FakeEngine
+from tests.fake_server import wait_until_healthy
 from tests.fixtures.hostile import CHAT, COMPLETIONS, HOSTILE, MESSAGES, RESPONSES, anthropic, chat, responses, user
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,13 +39,7 @@ def server_process(*args):
         )
         try:
             base = f"http://127.0.0.1:{int(proc.stdout.readline().split()[1])}"
-            deadline = time.monotonic() + 30
-            while True:
-                with contextlib.suppress(httpx.TransportError):
-                    if httpx.get(base + "/health", timeout=1).status_code == 200:
-                        break
-                assert time.monotonic() < deadline and proc.poll() is None, "the server did not start"
-                time.sleep(0.05)
+            wait_until_healthy(base, proc, 30, 0.05)
             yield proc, base
         except BaseException:
             log.seek(0)
@@ -270,13 +265,7 @@ def test_real_bundled_model_refuses_a_4mb_prompt_cancels_prefill_and_stops_on_si
         )
         base, out = f"http://127.0.0.1:{port}", {}
         try:
-            deadline = time.monotonic() + 120
-            while True:
-                with contextlib.suppress(httpx.TransportError):
-                    if httpx.get(base + "/health", timeout=1).status_code == 200:
-                        break
-                assert time.monotonic() < deadline and proc.poll() is None, "the server did not start"
-                time.sleep(0.2)
+            wait_until_healthy(base, proc, 120, 0.2)
             model = httpx.get(base + "/v1/models").json()["data"][0]["id"]
             ask = {"model": model, "prompt": "The Python tutorial", "max_tokens": 8, "temperature": 0}
             assert httpx.post(base + COMPLETIONS, json=ask, timeout=120).status_code == 200

@@ -25,7 +25,7 @@ import pytest
 from edge0.server.config import ServerConfig
 from edge0.server.connections import RESERVED_FDS, AcceptErrors, raise_fd_limit
 from tests.fake_engine import FakeEngine
-from tests.fake_server import running_server
+from tests.fake_server import running_server, wait_until_healthy
 from tests.fixtures.hostile import CHAT, COUNT, MESSAGES, MODEL, anthropic, chat
 from tests.test_server_hostile import AUTH, KEY, check_error, rss_kib, send, server_process
 
@@ -388,13 +388,7 @@ def test_real_bundled_model_under_both_attacks(capsys):
             stderr=log,
         )
         stack.callback(lambda: proc.poll() is None and (proc.kill(), proc.wait(10)))
-        deadline = time.monotonic() + 300
-        while True:
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(base + "/health", timeout=1).status_code == 200:
-                    break
-            assert time.monotonic() < deadline and proc.poll() is None, "the server did not start"
-            time.sleep(0.2)
+        wait_until_healthy(base, proc, 300, 0.2)
         model = httpx.get(base + "/v1/models", headers=AUTH).json()["data"][0]["id"]
         words = " ".join(open(Path(__file__).resolve().parents[1] / "data" / "valid.txt").read().split())
         near = {"model": model, "messages": [{"role": "user", "content": (words * 20)[:150_000]}]}

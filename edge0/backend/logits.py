@@ -5,15 +5,39 @@ from __future__ import annotations
 
 import mlx.core as mx
 import numpy as np
+from mlx_lm.sample_utils import apply_top_k, apply_top_p
 
 from edge0.backend.forward import make_sampler
 
 __all__ = ["sampler", "apply_token_mask", "LogitBias", "token_logprobs", "only_token"]
 
 
-def sampler(temperature: float, top_p: float, top_k: int, vocab: int):
-    """mlx-lm's sampler; a `top_k` of 0 or at least the vocabulary keeps every token."""
-    return make_sampler(temp=temperature, top_p=top_p, top_k=top_k if 0 < top_k < vocab else 0)
+def sampler(temperature: float, top_p: float, top_k: int, vocab: int, seed: int | None = None):
+    """mlx-lm's sampler; a `top_k` of 0 or at least the vocabulary keeps every token. With a
+    `seed`, a sampler with its own random stream (KeyedSampler), so what else draws random
+    numbers (other rows of a batch) does not change its samples."""
+    top_k = top_k if 0 < top_k < vocab else 0
+    if seed is not None and temperature > 0:
+        return KeyedSampler(temperature, top_p, top_k, seed)
+    return make_sampler(temp=temperature, top_p=top_p, top_k=top_k)
+
+
+class KeyedSampler:
+    """mlx-lm's sampling chain (top-p, then top-k, then a categorical draw at the temperature) on
+    its own key: the draws are those of mlx-lm's sampler after `mx.random.seed(seed)` with nothing
+    else drawing (the global generator splits its key the same way), tested against it."""
+
+    def __init__(self, temperature: float, top_p: float, top_k: int, seed: int):
+        self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
+        self.key = mx.random.key(seed)
+
+    def __call__(self, logprobs: mx.array) -> mx.array:
+        if 0 < self.top_p < 1.0:
+            logprobs = apply_top_p(logprobs, self.top_p)
+        if self.top_k > 0:
+            logprobs = apply_top_k(logprobs, self.top_k)
+        self.key, draw = mx.random.split(self.key)
+        return mx.random.categorical(logprobs * (1.0 / self.temperature), key=draw)
 
 
 def apply_token_mask(logprobs: mx.array, bitmask: np.ndarray) -> mx.array:

@@ -18,6 +18,7 @@ from edge0.engine.diagnostics import decode_logits, logits, observe_routes, prer
 from edge0.engine.hooks import StepHooks
 from edge0.engine.kv import PromptCache
 from edge0.engine.prefill import Prefiller
+from edge0.engine.reply import Reply
 from edge0.engine.sampler import RequestSampler
 from edge0.engine.speculative import check_speculation
 from edge0.engine.stats import call_stats, engine_stats
@@ -26,7 +27,6 @@ from edge0.errors import Edge0Error
 from edge0.sampling import check_sampling
 from edge0.store.format import manifest_hash, sha256_file
 from edge0.store.promptcache import DiskPromptCaches
-from edge0.textstream import StopMatcher
 from edge0.units import format_size
 from edge0.version import __version__
 
@@ -35,17 +35,6 @@ KV_GROUP = (
     "--kv-group-size {group} does not divide this model's attention key width; use --kv-group-size 32 "
     "(or drop --kv-bits)"
 )
-
-
-@dataclass
-class Step:
-    token: int
-    text: str
-    finish_reason: str | None = None
-    stats: dict | None = None
-    stop: str | None = None  # the stop string that ended the generation (finish_reason "stop", not an EOS token)
-    logprob: float | None = None  # the model's log-prob of `token` (with stream_generate(logprobs=...))
-    top_logprobs: list[tuple[int, float]] | None = None  # the most likely (token, log-prob), highest first
 
 
 @dataclass
@@ -285,31 +274,14 @@ class Engine:
             return
         t_prefill = time.perf_counter() - t0
 
-        detok = self.tokenizer.detokenizer
-        detok.reset()
-        stopper = StopMatcher(stop or [])
-        generated: list[int] = []
+        reply = Reply(self.tokenizer, self.control_ids, eos, stop, max_tokens)
+        generated = reply.tokens
         source = None  # the decode steps, started after the first token
         t1 = time.perf_counter()
-        finish = None
         while True:
-            generated.append(y)
-            if y in eos:
-                finish = "stop"
-                detok.finalize()
-                text = stopper.flush(detok.last_segment)
-            else:
-                if y not in self.control_ids:
-                    detok.add_token(y)
-                text, hit = stopper.feed(detok.last_segment)
-                if hit:
-                    finish = "stop"
-                elif len(generated) >= max_tokens:
-                    finish = "length"
-                    detok.finalize()
-                    text += stopper.flush(detok.last_segment)
-            if finish:
-                stats = call_stats(
+            step = reply.add(y)
+            if step.finish_reason:
+                step.stats = call_stats(
                     before,
                     prefilled,
                     self.streaming.stats.totals(),
@@ -322,13 +294,14 @@ class Engine:
                     time.perf_counter() - t1,
                 )
                 if self.speculation is not None:
+                    stats = step.stats
                     decode_bytes = stats["expert_bytes_read"] - stats["prefill_expert_bytes_read"]
                     stats["speculation"] = self.speculation.call_stats(
                         spec_before, before, self.streaming.stats.totals(), len(generated), decode_bytes
                     )
-                yield Step(y, text, finish, stats, stopper.matched)
+                yield step
                 return
-            yield Step(y, text)
+            yield step
             if should_stop and should_stop():
                 return
             if source is None:

@@ -19,8 +19,18 @@ class RequestSampler:
     """Called by the engine as any sampler: logprobs [1, V] -> the token [1]. Without processors
     and log-probs it is mlx-lm's sampler, lazily evaluated as before."""
 
-    def __init__(self, temperature: float, top_p: float, top_k: int = 0, processors=None, logprobs: int | None = None):
-        self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
+    def __init__(
+        self,
+        temperature: float,
+        top_p: float,
+        top_k: int = 0,
+        processors=None,
+        logprobs: int | None = None,
+        seed: int | None = None,
+    ):
+        """`seed`: draw from this sampler's own random stream (a batch row's samples then do not
+        depend on the other rows); None: from the global one."""
+        self.temperature, self.top_p, self.top_k, self.seed = temperature, top_p, top_k, seed
         self.processors = list(processors or [])
         self.n_top = logprobs
         self.generated: list[int] = []
@@ -34,7 +44,7 @@ class RequestSampler:
 
     def __call__(self, logprobs):
         if self._sample is None:  # the vocabulary is known once a row arrives
-            self._sample = blog.sampler(self.temperature, self.top_p, self.top_k, logprobs.shape[-1])
+            self._sample = blog.sampler(self.temperature, self.top_p, self.top_k, logprobs.shape[-1], self.seed)
         if not self.processors and self.n_top is None:
             return self._sample(logprobs)
         row = logprobs

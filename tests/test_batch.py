@@ -131,11 +131,11 @@ def test_an_end_of_sequence_a_one_token_prompt_a_batch_of_one_and_sampling(store
     assert batched[1].finish_reason == "stop" and batched[1].tokens == free[:3]
     (one,) = engine.generate_batch([PROMPTS[2]], max_tokens=5, ignore_eos=True)
     assert one.tokens == engine.generate(PROMPTS[2], max_tokens=5, ignore_eos=True).tokens
-    runs = [
-        [r.tokens for r in engine.generate_batch(PROMPTS, max_tokens=6, temperature=1.0, seed=s, ignore_eos=True)]
-        for s in (7, 7, 8)
-    ]
-    assert runs[0] == runs[1] != runs[2]  # one seed for the batch: the same batch samples the same tokens
+    for seed in (7, 8):  # each row samples from its own stream: what it samples alone with that seed
+        batched = engine.generate_batch(PROMPTS, max_tokens=6, temperature=1.0, seed=seed, ignore_eos=True)
+        alone = [engine.generate(p, max_tokens=6, temperature=1.0, seed=seed, ignore_eos=True) for p in PROMPTS]
+        assert [r.tokens for r in batched] == [r.tokens for r in alone]
+    assert batched[0].tokens != engine.generate(PROMPTS[0], max_tokens=6, temperature=1.0, seed=7).tokens
 
 
 def test_what_cannot_batch_is_refused_with_the_fix(store_for):

@@ -41,6 +41,8 @@ __all__ = [
     "batch_problem",
     "merge_caches",
     "filter_cache",
+    "join_rows",
+    "extract_row",
 ]
 
 
@@ -128,6 +130,25 @@ def filter_cache(cache: list, rows: list[int]) -> None:
     idx = mx.array(rows)
     for c in cache:
         c.filter(idx)
+
+
+def join_rows(merged: list | None, cache: list) -> list:
+    """A sequence's own `cache` joins a batch's `merged` cache as its last row (None: the first
+    row of a new batch); mlx-lm pads the shorter side on the left. Evaluated, as merge_caches."""
+    if merged is None:
+        return merge_caches([cache])
+    for m, c in zip(merged, cache):
+        m.extend(type(c).merge([c]))
+    mx.eval([x for c in merged for _, x in tree_flatten(c.state) if isinstance(x, mx.array)])
+    return merged
+
+
+def extract_row(merged: list, row: int) -> list:
+    """A sequence's own cache, copied out of row `row` of a batch's `merged` cache (its padding
+    left out), e.g. to keep its conversation's KV for the next request."""
+    out = [c.extract(row) for c in merged]
+    mx.eval([x for c in out for _, x in tree_flatten(c.state) if isinstance(x, mx.array)])
+    return out
 
 
 def rewind_point(cache):

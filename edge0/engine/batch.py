@@ -1,11 +1,16 @@
-"""Several sequences decoded together. Each prompt is prefilled alone (span by span, as a single
-generation's is); their KV caches are then merged into mlx-lm's batched caches (left padding,
-masked, each row at its own positions), and every step feeds one token of each running sequence
-through one forward, so each MoE layer reads the union of the batch's experts once (hits from the
-expert cache, counted as `multi_union` against `multi_routes`). A sequence that ends leaves the
-batch; the others go on.
+"""Several sequences decoded together, joining between steps and leaving when they end (the
+server's continuous batching, and `Engine.generate_batch`).
 
-    # B running sequences, V vocabulary, E experts, K active per token
+A sequence that joins is prefilled alone into its own KV cache (a conversation's cached prefix
+first, from the prompt caches), one span per `advance`, so the running sequences keep decoding
+between its spans; the waiting sequence with the fewest prompt tokens left goes first, so a short
+request starts within about one span of a long one's prefill. Its cache then joins mlx-lm's
+batched cache as a new row (left padding, masked, each row at its own positions), and every step
+feeds one token of each row through one forward: each MoE layer reads the union of the batch's
+experts once (counted as `multi_union` against `multi_routes`). A sequence that ends leaves the
+batch (its cache goes back to the prompt caches when it asked for reuse); the others go on.
+
+    # B rows, V vocabulary
     step: tokens [B] -> forward [B, 1] -> log-probs [B, V] -> one sample per row (its own sampler)
 """
 
@@ -14,8 +19,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from edge0.backend import core as B
 from edge0.backend import kvcache as bkv
+from edge0.engine.reply import Reply, Step
 from edge0.engine.sampler import RequestSampler
 from edge0.errors import Edge0Error
 from edge0.sampling import check_sampling
@@ -23,12 +28,22 @@ from edge0.sampling import check_sampling
 
 @dataclass
 class Sequence:
-    """One sequence of a batch: its prompt, its sampler and what it generated."""
+    """One sequence of a batch: its prompt, sampler and reply, and where its prefill is."""
 
     prompt: list[int]
     sampler: RequestSampler
-    tokens: list[int] = field(default_factory=list)
+    reply: Reply
+    reuse: bool
+    cache: list | None = None  # its own cache while it waits (prefills); then it is a row of the batch's
+    fed: int = 0  # prompt tokens its own cache holds (reused or prefilled)
+    held: int = 0  # of those, the ones a cached prefix held when it joined
+    joined: float = field(default_factory=time.perf_counter)
+    first_token_s: float | None = None  # from joining to its first token
     finish: str | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.reply.tokens
 
 
 def batch_problem(engine) -> str | None:
@@ -41,51 +56,142 @@ def batch_problem(engine) -> str | None:
     return f"{engine.model_id}: {problem}" + (" (drop --kv-bits)" if engine.kv.kv_bits else "") if problem else None
 
 
-def decode_batch(
-    engine, prompts: list[list[int]], max_tokens: list[int], samplers: list[RequestSampler], eos: set[int]
-):
-    """Generate for every prompt in one batch (at most `max_tokens[i]` tokens for prompt i);
+class Batch:
+    """The running batch of an engine (Engine.batching): `join` sequences, `advance` (a prefill
+    span and a decode step) until each one's last Step, `leave` to drop one early."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.waiting: list[Sequence] = []  # prefilling, each in its own cache
+        self.rows: list[Sequence] = []  # row i of the merged cache is rows[i]
+        self.inputs: list[int] = []  # each row's next token to feed
+        self.cache = None
+        self.steps = 0
+        self.counts = {"joined": 0, "left": 0, "spans": 0, "steps": 0, "row_steps": 0, "most_rows": 0}
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.rows)
+
+    def __len__(self) -> int:
+        return len(self.waiting) + len(self.rows)
+
+    def join(self, prompt: list[int], sampler: RequestSampler, max_tokens: int, eos: set[int], stop=None, reuse=False):
+        """Queue a sequence (prefilled by the next `advance` calls); returns its Sequence."""
+        e = self.engine
+        reply = Reply(e.tokenizer, e.control_ids, eos, stop, max_tokens)
+        seq = Sequence(list(prompt), sampler, reply, reuse)
+        if reuse:
+            seq.cache, seq.held = e.kv.checkout(seq.prompt)
+        else:
+            seq.cache = e.kv.make()
+        seq.fed = seq.held
+        self.waiting.append(seq)
+        self.counts["joined"] += 1
+        return seq
+
+    def leave(self, seq: Sequence) -> None:
+        """Drop `seq` (its client is gone) wherever it is; its cache goes, not to the prompt caches."""
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        elif seq in self.rows:
+            self._drop_rows([self.rows.index(seq)], keep=False)
+        self.counts["left"] += 1
+
+    def advance(self, prefill: bool = True) -> list[tuple[Sequence, Step]]:
+        """One span of the waiting sequence with the fewest prompt tokens left (it joins the rows
+        once its prompt but the last token is in), then one decode step of the rows. Returns the
+        Steps made, each with its sequence; a sequence's last Step has its finish_reason and stats."""
+        if prefill and self.waiting:
+            self._prefill_span(min(self.waiting, key=lambda s: len(s.prompt) - s.fed))
+        return self._step() if self.rows else []
+
+    def prefill_all(self) -> None:
+        """Every waiting sequence prefilled and joined (no decode step in between)."""
+        while self.waiting:
+            self._prefill_span(self.waiting[0])
+
+    # -- inside ----------------------------------------------------------------------------------
+    def _prefill_span(self, seq: Sequence) -> None:
+        e = self.engine
+        todo = seq.prompt[seq.fed : -1]
+        if todo:
+            n = min(len(todo), e.prefiller.span_for(seq.cache))
+            seq.fed += e.prefiller(todo[:n], seq.cache)
+            self.counts["spans"] += 1
+        if seq.fed < len(seq.prompt) - 1:
+            return
+        self.waiting.remove(seq)
+        self.cache = bkv.join_rows(self.cache, seq.cache)
+        seq.cache = None  # a row of the batch's cache now
+        self.rows.append(seq)
+        self.inputs.append(seq.prompt[-1])
+        self.counts["most_rows"] = max(self.counts["most_rows"], len(self.rows))
+
+    def _step(self) -> list[tuple[Sequence, Step]]:
+        e = self.engine
+        rows = self.rows
+        out = e.stepper.decode_batch(self.inputs, self.steps, [s.sampler for s in rows], self.cache)
+        self.steps += 1
+        self.counts["steps"] += 1
+        self.counts["row_steps"] += len(rows)
+        made, done = [], []
+        for i, (seq, y) in enumerate(zip(rows, out)):
+            step = seq.reply.add(y)
+            if seq.first_token_s is None:
+                seq.first_token_s = time.perf_counter() - seq.joined
+            self.inputs[i] = y
+            if step.finish_reason:
+                seq.finish = step.finish_reason
+                step.stats = {
+                    "prompt_tokens": len(seq.prompt),
+                    "prefill_tokens": len(seq.prompt) - seq.held,
+                    "generated_tokens": len(seq.tokens),
+                    "first_token_s": seq.first_token_s,
+                }
+                done.append(i)
+            made.append((seq, step))
+        if done:
+            self._drop_rows(done, keep=True)
+        return made
+
+    def _drop_rows(self, done: list[int], keep: bool) -> None:
+        """Rows `done` leave; with `keep`, a row that asked for reuse gives its cache (its prompt
+        and reply but the last token, which was never fed) back to the prompt caches."""
+        for i in done if keep else ():
+            seq = self.rows[i]
+            if seq.reuse:
+                fed = seq.prompt + seq.tokens[:-1]
+                self.engine.kv.checkin(fed, bkv.extract_row(self.cache, i), len(seq.prompt))
+        stay = [i for i in range(len(self.rows)) if i not in done]
+        self.rows = [self.rows[i] for i in stay]
+        self.inputs = [self.inputs[i] for i in stay]
+        if stay:
+            bkv.filter_cache(self.cache, stay)
+        else:
+            self.cache = None
+
+
+def generate_batch(engine, prompts: list[list[int]], max_tokens: list[int], samplers: list, eos: set[int]):
+    """Every prompt in one batch, prefilled first (at most `max_tokens[i]` tokens for prompt i);
     returns (sequences, stats of the run)."""
     totals0, io0 = engine.streaming.stats.totals(), engine.store.io_stats()
     t0 = time.perf_counter()
-    seqs = [Sequence(p, s) for p, s in zip(prompts, samplers)]
-    caches = []
-    for seq in seqs:  # alone, as a single generation's prefill (layer-major spans)
-        cache = engine.kv.make()
-        engine.prefiller(seq.prompt[:-1], cache, None)
-        caches.append(cache)
-    cache = bkv.merge_caches(caches)
-    del caches  # the sequences' own caches: for a moment both they and the merged one are held
-    t_prefill = time.perf_counter() - t0
-    prefilled = engine.streaming.stats.totals()
-    running = list(range(len(seqs)))
-    inputs = [seq.prompt[-1] for seq in seqs]
-    step = 0
-    while running:
-        out = engine.stepper.decode_batch(inputs, step, [seqs[i].sampler for i in running], cache)
-        step += 1
-        left = []
-        for i, y in zip(running, out):
-            seq = seqs[i]
-            seq.tokens.append(y)
-            if y in eos:
-                seq.finish = "stop"
-            elif len(seq.tokens) >= max_tokens[i]:
-                seq.finish = "length"
-            else:
-                left.append(i)
-        if len(left) < len(running) and left:
-            bkv.filter_cache(cache, [running.index(i) for i in left])
-        running = left
-        inputs = [seqs[i].tokens[-1] for i in running]
+    with engine.batching() as batch:
+        seqs = [batch.join(p, s, m, eos) for p, s, m in zip(prompts, samplers, max_tokens)]
+        batch.prefill_all()
+        t_prefill = time.perf_counter() - t0
+        prefilled = engine.streaming.stats.totals()
+        while batch.busy:
+            batch.advance()
+        steps = batch.steps
     totals, io = engine.streaming.stats.totals(), engine.store.io_stats()
-    generated = sum(len(s.tokens) for s in seqs)
     routes = totals["multi_routes"] - totals0["multi_routes"]
     stats = {
         "batch_size": len(seqs),
-        "batch_steps": step,
+        "batch_steps": steps,
         "prompt_tokens": sum(len(p) for p in prompts),
-        "generated_tokens": generated,
+        "generated_tokens": sum(len(s.tokens) for s in seqs),
         "prefill_s": t_prefill,
         "decode_s": time.perf_counter() - t0 - t_prefill,
         "expert_bytes_read": totals["bytes_read"] - totals0["bytes_read"],
@@ -111,7 +217,5 @@ def check_batch(engine, prompts, max_tokens, temperature, top_p, top_k, seed) ->
     if any(isinstance(m, bool) or not isinstance(m, int) or m < 1 for m in limits):
         raise Edge0Error(f"max_tokens must be integers >= 1 (got {max_tokens!r})")
     check_sampling(temperature, top_p, seed, top_k=top_k)
-    if seed is not None:
-        B.seed(seed)  # one stream for the whole batch: a row's samples depend on the batch it is in
     tokens = [engine.encode(p) for p in prompts]
     return tokens, limits

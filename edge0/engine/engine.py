@@ -7,13 +7,14 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from edge0.backend import core as B
 from edge0.backend import io as bio
 from edge0.backend import modules as bmod
-from edge0.engine.batch import check_batch, decode_batch
+from edge0.engine.batch import Batch, batch_problem, check_batch, generate_batch
 from edge0.engine.diagnostics import decode_logits, logits, observe_routes, prerouted_logits
 from edge0.engine.hooks import StepHooks
 from edge0.engine.kv import PromptCache
@@ -331,15 +332,10 @@ class Engine:
         limit for all, or one per prompt."""
         self._leads()
         tokens, limits = check_batch(self, prompts, max_tokens, temperature, top_p, top_k, seed)
-        samplers = [RequestSampler(temperature, top_p, top_k) for _ in tokens]
+        # each row samples from its own stream: a seeded row gets what it gets alone
+        samplers = [RequestSampler(temperature, top_p, top_k, seed=seed) for _ in tokens]
         eos = set(self.tokenizer.eos_token_ids) if not ignore_eos else set()
-        self.generating = True
-        try:
-            self.hooks.start(self)
-            seqs, stats = decode_batch(self, tokens, limits, samplers, eos)
-        finally:
-            self.hooks.finish(self)
-            self.generating = False
+        seqs, stats = generate_batch(self, tokens, limits, samplers, eos)
         return [
             GenerationResult(
                 self._text(s.tokens, eos),
@@ -349,6 +345,25 @@ class Engine:
             )
             for s in seqs
         ]
+
+    def batch_problem(self) -> str | None:
+        """Why this engine cannot decode sequences together (None if it can)."""
+        return batch_problem(self)
+
+    @contextmanager
+    def batching(self):
+        """A Batch (batch.py) that sequences join and leave between steps; no other generation runs
+        until the block ends (resizing the expert cache waits for it, as for a generation)."""
+        self._leads()
+        if problem := batch_problem(self):
+            raise Edge0Error(f"batching: {problem}")
+        self.generating = True
+        try:
+            self.hooks.start(self)
+            yield Batch(self)
+        finally:
+            self.hooks.finish(self)
+            self.generating = False
 
     def _text(self, tokens: list[int], eos: set[int]) -> str:
         """The text of generated `tokens`, as stream_generate shows it (control tokens hidden,

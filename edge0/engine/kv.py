@@ -150,6 +150,21 @@ class PromptCache:
         self.on_disk = list(self.tokens) if entry.on_disk else []
         return n
 
+    def checkout(self, tokens: list[int]) -> tuple[list, int]:
+        """A cache for one sequence of a batch, holding the longest prefix of `tokens` found (as
+        `prepare` finds it: the working cache, the pool, the disk tier); the sequence owns it until
+        `checkin`. Returns (the cache, the tokens it holds)."""
+        held = self.prepare(tokens, True)
+        cache = self.cache
+        self.reset()  # the cache is the sequence's now: nothing else continues or parks it
+        return cache, held
+
+    def checkin(self, tokens: list[int], cache: list, prompt_end: int) -> None:
+        """A finished sequence's `cache` (holding exactly `tokens`, a prompt of `prompt_end` tokens
+        and the reply fed after it) becomes the working cache; the one before joins the pool."""
+        self._park()
+        self.cache, self.tokens, self.persistable, self.prompt_end = cache, list(tokens), True, prompt_end
+
     def sync(self, offset: int) -> None:
         """A follower stage: hold exactly `offset` tokens, as rank 0's cache does before a forward
         (a new cache at 0; trimmed where rank 0 trimmed, as its KV reuse does)."""

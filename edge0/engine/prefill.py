@@ -47,7 +47,7 @@ class Prefiller:
             return 0
         if not self.layerwise:
             return self._chunked(tokens, cache, should_stop)
-        span = min(self.span_tokens, CHUNK) if blw.whole_span(self.probe, cache) else self.span_tokens
+        span = self.span_for(cache)
         plan = blw.SpanPlan(self.moe_chunk, self.heads, should_stop, self.score_bytes, self.skip_last)
         for i in range(0, len(tokens), span):
             try:
@@ -56,6 +56,13 @@ class Prefiller:
                 return i
             self.spans += 1
         return len(tokens)
+
+    def span_for(self, cache) -> int:
+        """Tokens one span feeds into `cache` (a batch prefills a joining sequence span by span,
+        between decode steps)."""
+        if not self.layerwise:
+            return CANCELLABLE_CHUNK
+        return min(self.span_tokens, CHUNK) if blw.whole_span(self.probe, cache) else self.span_tokens
 
     def _chunked(self, tokens, cache, should_stop) -> int:
         chunk = CANCELLABLE_CHUNK if should_stop else CHUNK

@@ -10,6 +10,7 @@ import pytest
 
 import edge0
 from edge0.engine import StepHooks
+from edge0.engine.sampler import RequestSampler
 from edge0.errors import Edge0Error
 from tests.fixtures import ALL_FAMILIES
 from tests.fixtures.families import SPECD
@@ -151,3 +152,82 @@ def test_what_cannot_batch_is_refused_with_the_fix(store_for):
             engine.generate_batch(prompts, max_tokens=limits)
     with pytest.raises(Edge0Error, match="QuantizedKVCache.*drop --kv-bits"):
         edge0.load(store, prerouter=False, kv_bits=8, kv_group_size=32).generate_batch(PROMPTS, max_tokens=2)
+
+
+LONG = " ".join([PROMPTS[2]] * 2)  # 130 tokens: 16 spans of 8
+
+
+def run(batch, joins: dict[int, list], max_steps=200):
+    """Advance `batch`, joining joins[n] (lists of join kwargs) before advance n; returns the
+    Steps per sequence in order and the order of the first Steps."""
+    seqs, steps, firsts = {}, {}, []
+    for n in range(max_steps):
+        for kw in joins.get(n, []):
+            seq = batch.join(**kw)
+            seqs[kw.pop("name", None) or len(seqs)] = seq
+            steps[id(seq)] = []
+        if not batch.busy and n > max(joins):
+            break
+        for seq, step in batch.advance():
+            if not steps[id(seq)]:
+                firsts.append(seq)
+            steps[id(seq)].append(step)
+    return seqs, steps, firsts
+
+
+def test_sequences_that_join_between_steps_get_the_tokens_they_get_alone(store_for):
+    engine = edge0.load(store_for("qwen3_moe"), prerouter=False)
+    engine.prefiller.span_tokens = 8
+    eos = set()
+    prompts, limits = [PROMPTS[0], LONG, PROMPTS[1]], [40, 6, 20]
+    alone = [engine.generate(p, max_tokens=m, ignore_eos=True).tokens for p, m in zip(prompts, limits)]
+    tok = [engine.encode(p) for p in prompts]
+    with engine.batching() as batch:  # the first decodes while the others prefill, the short one first
+        joins = {
+            n: [dict(prompt=tok[i], sampler=RequestSampler(0.0, 1.0), max_tokens=limits[i], eos=eos)]
+            for i, n in enumerate([0, 2, 4])
+        }
+        seqs, steps, firsts = run(batch, joins)
+        assert batch.counts["most_rows"] == 3 and batch.counts["spans"] > len(tok[1]) // 8
+    assert [s.tokens for s in seqs.values()] == alone
+    # the short third prompt joined during the long one's prefill and started before it
+    assert firsts == [seqs[0], seqs[2], seqs[1]]
+    last = steps[id(seqs[1])][-1]
+    assert last.finish_reason == "length" and last.stats["prefill_tokens"] == len(tok[1])
+
+
+def test_a_sequence_that_leaves_early_changes_nothing_for_the_others(store_for):
+    engine = edge0.load(store_for("qwen3_moe"), prerouter=False)
+    alone = [engine.generate(p, max_tokens=6, ignore_eos=True).tokens for p in PROMPTS]
+    with engine.batching() as batch:
+        seqs = [batch.join(engine.encode(p), RequestSampler(0.0, 1.0), 6, set()) for p in PROMPTS]
+        batch.prefill_all()
+        batch.advance()
+        batch.advance()
+        batch.leave(seqs[1])  # the middle row
+        while batch.busy:
+            batch.advance()
+        waiting = batch.join(engine.encode(PROMPTS[0]), RequestSampler(0.0, 1.0), 6, set())
+        batch.leave(waiting)  # before its prefill
+        assert not batch.busy and batch.counts["left"] == 2
+    assert [seqs[0].tokens, seqs[2].tokens] == [alone[0], alone[2]] and len(seqs[1].tokens) == 2
+
+
+def test_a_conversation_continues_from_its_cached_prefix_in_a_batch(store_for):
+    engine = edge0.load(store_for("qwen3_moe"), prerouter=False, prompt_cache_memory=1 << 20)
+    first = engine.encode(LONG)
+    with engine.batching() as batch:
+        a = batch.join(first, RequestSampler(0.0, 1.0), 5, set(), reuse=True)
+        b = batch.join(engine.encode(PROMPTS[1]), RequestSampler(0.0, 1.0), 5, set(), reuse=True)
+        while batch.busy:
+            batch.advance()
+    follow = first + a.tokens + engine.encode(" and then")
+    expected = engine.generate(follow, max_tokens=5, ignore_eos=True).tokens
+    engine.reset_cache()  # that generation's working cache; the batch's two are in the pool
+    with engine.batching() as batch:
+        c = batch.join(follow, RequestSampler(0.0, 1.0), 5, set(), reuse=True)
+        while batch.busy:
+            made = batch.advance()
+    assert c.tokens == expected and b.tokens
+    assert c.held == len(first) + len(a.tokens) - 1  # its prompt and reply but the last token
+    assert made[-1][1].stats["prefill_tokens"] == len(follow) - c.held

@@ -214,13 +214,17 @@ def test_a_sequence_that_leaves_early_changes_nothing_for_the_others(store_for):
 
 
 def test_a_conversation_continues_from_its_cached_prefix_in_a_batch(store_for):
-    engine = edge0.load(store_for("qwen3_moe"), prerouter=False, prompt_cache_memory=1 << 20)
+    engine = edge0.load(store_for("qwen3_moe"), prerouter=False, prompt_cache_memory=5 << 20)
     first = engine.encode(LONG)
     with engine.batching() as batch:
         a = batch.join(first, RequestSampler(0.0, 1.0), 5, set(), reuse=True)
         b = batch.join(engine.encode(PROMPTS[1]), RequestSampler(0.0, 1.0), 5, set(), reuse=True)
+        # the second sequence's KV comes out of the prompt caches' share of memory while it runs
+        assert 0 < engine.kv.context_bytes < 5 << 20
+        assert engine.kv.pool.max_bytes == (5 << 20) - engine.kv.context_bytes
         while batch.busy:
             batch.advance()
+    assert engine.kv.pool.max_bytes == 5 << 20
     follow = first + a.tokens + engine.encode(" and then")
     expected = engine.generate(follow, max_tokens=5, ignore_eos=True).tokens
     engine.reset_cache()  # that generation's working cache; the batch's two are in the pool

@@ -68,6 +68,27 @@ class Batch:
         self.cache = None
         self.steps = 0
         self.counts = {"joined": 0, "left": 0, "spans": 0, "steps": 0, "row_steps": 0, "most_rows": 0}
+        pool = engine.kv.pool
+        self._pool_bound = pool.max_bytes if pool is not None else None
+
+    def close(self) -> None:
+        """The batch is over: what is left of it goes, and the prompt caches' memory bound is back."""
+        self.waiting, self.rows, self.inputs, self.cache = [], [], [], None
+        if self._pool_bound is not None:
+            self.engine.kv.pool.max_bytes = self._pool_bound
+
+    def _fit_pool(self) -> None:
+        """Each sequence beyond the first holds a context's KV (the memory budget counted one):
+        the prompt caches' pool gives up that much while it runs (what it pushes out waits for
+        the disk tier, as at any eviction)."""
+        kv = self.engine.kv
+        if self._pool_bound is None:
+            return
+        bound = max(0, self._pool_bound - max(0, len(self) - 1) * kv.context_bytes)
+        if bound < kv.pool.max_bytes:
+            kv.evicted += kv.pool.shrink(bound)
+        else:
+            kv.pool.max_bytes = bound
 
     @property
     def busy(self) -> bool:
@@ -88,6 +109,7 @@ class Batch:
         seq.fed = seq.held
         self.waiting.append(seq)
         self.counts["joined"] += 1
+        self._fit_pool()
         return seq
 
     def leave(self, seq: Sequence) -> None:
@@ -97,6 +119,7 @@ class Batch:
         elif seq in self.rows:
             self._drop_rows([self.rows.index(seq)], keep=False)
         self.counts["left"] += 1
+        self._fit_pool()
 
     def advance(self, prefill: bool = True) -> list[tuple[Sequence, Step]]:
         """One span of the waiting sequence with the fewest prompt tokens left (it joins the rows
@@ -138,6 +161,7 @@ class Batch:
         made, done = [], []
         for i, (seq, y) in enumerate(zip(rows, out)):
             step = seq.reply.add(y)
+            seq.sampler.annotate_step(step)
             if seq.first_token_s is None:
                 seq.first_token_s = time.perf_counter() - seq.joined
             self.inputs[i] = y
@@ -170,6 +194,7 @@ class Batch:
             bkv.filter_cache(self.cache, stay)
         else:
             self.cache = None
+        self._fit_pool()
 
 
 def generate_batch(engine, prompts: list[list[int]], max_tokens: list[int], samplers: list, eos: set[int]):

@@ -358,10 +358,12 @@ class Engine:
         if problem := batch_problem(self):
             raise Edge0Error(f"batching: {problem}")
         self.generating = True
+        batch = Batch(self)
         try:
             self.hooks.start(self)
-            yield Batch(self)
+            yield batch
         finally:
+            batch.close()
             self.hooks.finish(self)
             self.generating = False
 

@@ -29,6 +29,9 @@ class PromptCache:
         self.prompt_end = 0  # where the prompt of the request that filled the working cache ended
         self.snapshot = None  # (tokens, cache copy) at the end of that prompt, for caches that cannot be trimmed
         self.evicted: list = []  # pool entries pushed out of memory, for the disk tier between requests
+        # one sequence's KV at the context the memory budget was sized for (set at load); each
+        # sequence of a batch beyond the first takes this much from the pool's bound while it runs
+        self.context_bytes = 0
 
     def reset(self) -> None:
         self.cache, self.tokens, self.dirty, self.on_disk, self.persistable = None, [], False, [], False

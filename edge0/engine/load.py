@@ -80,6 +80,7 @@ def open_engine(root: Path, options, stage_for=None) -> Engine:
     # the other conversations' KV caches: the default budget's share, else what was given (or the default)
     pool = streaming.default.prompt_caches if streaming.default else prompt_cache_memory(reserve[0], reserve[3], None)
     engine.kv.use_pool(pool)
+    engine.kv.context_bytes = reserve[0]
     return engine
 
 

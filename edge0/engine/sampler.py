@@ -56,6 +56,11 @@ class RequestSampler:
         self.generated.append(int(token.item()))
         return token
 
+    def annotate_step(self, step) -> None:
+        """Give `step` (this sampler's next) its token's log-prob and the top ones, when asked."""
+        if self.n_top is not None:
+            step.logprob, step.top_logprobs = self._records.popleft()
+
     def annotate(self, steps):
         """Pass `steps` through, each with the log-prob of its token (and the top ones) when asked."""
         if self.n_top is None:

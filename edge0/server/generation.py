@@ -76,15 +76,65 @@ class Run:
     token_bytes: Callable[[int], bytes] | None = None  # for log-probs
 
 
+class Events:
+    """One generation's Steps turned into response events: log-probs, reasoning, content strings
+    and tool calls as they are decided, then one Finish (the single path below and the batch's,
+    batching.py)."""
+
+    def __init__(self, tokenizer, run: Run):
+        self.run = run
+        self.splitter = ToolCallSplitter(tokenizer, run.tools) if run.tools else None
+        self.thinking = ReasoningSplitter(*run.reasoning) if run.reasoning else None
+        self.eos = set(tokenizer.eos_token_ids)
+        self.n_tokens = self.n_reasoning = 0
+
+    def step(self, step) -> list[Union[Segment, Finish]]:
+        """The events of one Step; its last (a finish_reason) ends with the Finish."""
+        run, thinking = self.run, self.thinking
+        out: list = []
+        self.n_tokens += 1
+        self.n_reasoning += bool(thinking and thinking.inside)
+        # The end-of-sequence token is not part of the answer, nor of its log-probs.
+        if run.params.logprobs is not None and not (
+            step.finish_reason == "stop" and step.stop is None and step.token in self.eos
+        ):
+            out.append(Logprobs([_entry(step, run.token_bytes)]))
+        if step.text:
+            out += self._pieces(thinking.feed(step.text) if thinking else (step.text,))
+        if step.finish_reason:
+            out += self._finish(step)
+        return out
+
+    def _pieces(self, parts) -> list:
+        out = []
+        for part in parts:
+            if isinstance(part, Reasoning) or not self.splitter:
+                out.append(part)
+            else:
+                out += self.splitter.feed(part)
+        return out
+
+    def _finish(self, step) -> list:
+        out = self._pieces(self.thinking.finish()) if self.thinking else []
+        if self.splitter:
+            out += self.splitter.finish()
+        reason = step.finish_reason
+        if reason == "stop" and self.splitter and self.splitter.calls:
+            reason = "tool_calls"
+        prompt = self.run.prompt
+        stats = step.stats or {}
+        cached = len(prompt) - stats.get("prefill_tokens", len(prompt))
+        usage = Usage(len(prompt), self.n_tokens, max(cached, 0), self.n_reasoning)
+        return out + [Finish(reason, usage, step.stop)]
+
+
 def generation_events(engine, run: Run, cancelled: threading.Event) -> Generator[Union[Segment, Finish], None, None]:
-    """Yield log-probs, reasoning, content strings and tool calls as they are decided, then one Finish.
+    """Yield the events of one generation (Events), then one Finish.
 
     Returns without a Finish once `cancelled` is set; the engine checks it between prefill
     chunks, and closing this generator closes the engine's, so the engine stops at once.
     """
-    params, tools = run.params, run.tools
-    splitter = ToolCallSplitter(engine.tokenizer, tools) if tools else None
-    thinking = ReasoningSplitter(*run.reasoning) if run.reasoning else None
+    params = run.params
     # reuse_cache: the engine keeps the KV of the longest prefix shared with the previous request.
     steps = engine.stream_generate(
         run.prompt,
@@ -97,43 +147,16 @@ def generation_events(engine, run: Run, cancelled: threading.Event) -> Generator
         should_stop=cancelled.is_set,
         **_options(params, run),
     )
-
-    def pieces(parts):
-        for part in parts:
-            if isinstance(part, Reasoning):
-                yield part
-            else:
-                yield from splitter.feed(part) if splitter else (part,)
-
-    eos = set(engine.tokenizer.eos_token_ids)
-    n_tokens, n_reasoning, step = 0, 0, None
+    events = Events(engine.tokenizer, run)
     try:
         for step in steps:
-            n_tokens += 1
-            n_reasoning += bool(thinking and thinking.inside)
-            # The end-of-sequence token is not part of the answer, nor of its log-probs.
-            if params.logprobs is not None and not (
-                step.finish_reason == "stop" and step.stop is None and step.token in eos
-            ):
-                yield Logprobs([_entry(step, run.token_bytes)])
-            if step.text:
-                yield from pieces(thinking.feed(step.text) if thinking else (step.text,))
-            if step.finish_reason or cancelled.is_set():
-                break
+            if cancelled.is_set():
+                return
+            yield from events.step(step)
+            if step.finish_reason:
+                return
     finally:
         steps.close()
-    if cancelled.is_set():
-        return
-    if thinking:
-        yield from pieces(thinking.finish())
-    if splitter:
-        yield from splitter.finish()
-    reason = step.finish_reason
-    if reason == "stop" and splitter and splitter.calls:
-        reason = "tool_calls"
-    stats = step.stats or {}
-    cached = len(run.prompt) - stats.get("prefill_tokens", len(run.prompt))
-    yield Finish(reason, Usage(len(run.prompt), n_tokens, max(cached, 0), n_reasoning), step.stop)
 
 
 def _options(params: Params, run: Run) -> dict:

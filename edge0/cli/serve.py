@@ -123,7 +123,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-queue",
         type=_count(0),
         default=16,
-        help="requests that may wait behind the running one; more get 429 (default 16)",
+        help="requests that may wait behind the running ones; more get 429 (default 16)",
+    )
+    p.add_argument(
+        "--max-batch",
+        type=_count(1),
+        default=None,
+        help="requests decoded together, joining and leaving between steps (default: from memory, each one "
+        "beyond the first holding a context's KV out of --prompt-cache-memory, at most 8; 1 with the pre-router "
+        "or --draft, which follow one sequence)",
     )
     p.add_argument("--max-body-bytes", type=_count(1), default=4 << 20, help="request body limit (default 4 MiB)")
     p.add_argument(
@@ -250,6 +258,7 @@ def main(argv=None) -> int:
     config = ServerConfig(
         api_key=args.api_key,
         max_queue=args.max_queue,
+        max_batch=args.max_batch,
         max_body_bytes=args.max_body_bytes,
         max_tokens=args.max_tokens,
         default_max_tokens=args.default_max_tokens or min(DEFAULT_MAX_TOKENS, args.max_tokens or DEFAULT_MAX_TOKENS),

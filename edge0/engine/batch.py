@@ -113,11 +113,15 @@ class Batch:
         return seq
 
     def leave(self, seq: Sequence) -> None:
-        """Drop `seq` (its client is gone) wherever it is; its cache goes, not to the prompt caches."""
+        """Drop `seq` (its client is gone) wherever it is. With reuse, what it fed goes back to the
+        prompt caches, so a retry of the request resumes there (as a single generation's does)."""
         if seq in self.waiting:
             self.waiting.remove(seq)
+            if seq.reuse and seq.fed:
+                self.engine.kv.checkin(seq.prompt[: seq.fed], seq.cache, 0)
+            seq.cache = None
         elif seq in self.rows:
-            self._drop_rows([self.rows.index(seq)], keep=False)
+            self._drop_rows([self.rows.index(seq)])
         self.counts["left"] += 1
         self._fit_pool()
 
@@ -176,13 +180,13 @@ class Batch:
                 done.append(i)
             made.append((seq, step))
         if done:
-            self._drop_rows(done, keep=True)
+            self._drop_rows(done)
         return made
 
-    def _drop_rows(self, done: list[int], keep: bool) -> None:
-        """Rows `done` leave; with `keep`, a row that asked for reuse gives its cache (its prompt
-        and reply but the last token, which was never fed) back to the prompt caches."""
-        for i in done if keep else ():
+    def _drop_rows(self, done: list[int]) -> None:
+        """Rows `done` leave; a row that asked for reuse gives its cache (its prompt and reply but
+        the last token, which was never fed) back to the prompt caches."""
+        for i in done:
             seq = self.rows[i]
             if seq.reuse:
                 fed = seq.prompt + seq.tokens[:-1]

@@ -16,6 +16,7 @@ from fastapi import FastAPI
 from edge0.backend.memory import available as memory_available
 from edge0.server import anthropic, hosts, responses_api, ui
 from edge0.server.admission import Tokenizing
+from edge0.server.batching import make_scheduler
 from edge0.server.config import ServerConfig
 from edge0.server.connections import AcceptErrors, connection_protocol, raise_fd_limit
 from edge0.server.conversation import renders_mid_system
@@ -33,7 +34,8 @@ def create_app(engine, config: ServerConfig | None = None, read_memory=memory_av
     """The app serving `engine` (anything implementing docs/engine-api.md). `read_memory()` ->
     (bytes available, source) feeds the memory watcher when `config.memory_low` is set."""
     config = config or ServerConfig()
-    scheduler = Scheduler(config.max_queue)
+    scheduler, batching = make_scheduler(engine, config.max_queue, config.max_batch)
+    log.info("requests decoded together: %d (%s)", batching["max_batch"], batching["why"])
     # The KV cache of the finished request goes to disk (with a prompt-cache dir) once its
     # response is complete, before the next request starts.
     scheduler.between.append(engine.persist_prompt_cache)
@@ -70,6 +72,7 @@ def create_app(engine, config: ServerConfig | None = None, read_memory=memory_av
         redoc_url=None,
     )
     app.state.engine, app.state.config, app.state.scheduler, app.state.memory = engine, config, scheduler, watcher
+    app.state.batching = batching
     app.state.started = int(time.time())
     app.state.protocol = None  # the connection protocol, once run() serves the app
     # The longest vocabulary entry bounds the characters one token can hold (pipeline.respond).

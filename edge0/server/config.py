@@ -19,7 +19,8 @@ class ServerConfig:
     """Each limit is named after the flag that sets it, so error messages can cite the flag."""
 
     api_key: str | None = None  # --api-key: require the key (Bearer or x-api-key) on /v1/*
-    max_queue: int = 16  # --max-queue: requests that may wait behind the running one
+    max_queue: int = 16  # --max-queue: requests that may wait behind the running ones
+    max_batch: int | None = None  # --max-batch: requests decoded together (None: from memory, batching.py)
     max_body_bytes: int = 4 << 20  # --max-body-bytes
     # Generation limits: a request's max_tokens is clamped to --max-tokens and to what the context
     # (--context-length, the model's own by default) leaves after the prompt.

@@ -12,7 +12,6 @@ import asyncio
 import json
 import logging
 from dataclasses import dataclass, field, replace
-from functools import partial
 from typing import Iterable, Literal, Protocol
 
 from fastapi import Request
@@ -25,7 +24,7 @@ from edge0.server import reasoning
 from edge0.server.admission import rendered_chars
 from edge0.server.conversation import place_system_turns
 from edge0.server.errors import APIError
-from edge0.server.generation import Finish, Params, Run, Segment, generation_events
+from edge0.server.generation import Finish, Params, Run, Segment
 from edge0.server.grammar import Constraint, GrammarError
 from edge0.server.scheduler import Job
 
@@ -207,7 +206,7 @@ async def respond(request: Request, fmt: Format, prompt: Prompt, params: Params,
     tokens = await prompt_tokens(request, prompt, record=True)
     params = params.with_max_tokens(generation_limit(state.config, params.max_tokens, len(tokens), prompt.param))
     run = await _run(request, prompt, params, tokens)
-    job = state.scheduler.submit(partial(generation_events, state.engine, run))
+    job = state.scheduler.generate(state.engine, run)
     if stream:
         # The background task also covers a client that leaves before the stream starts.
         return StreamingResponse(

@@ -44,8 +44,8 @@ async def get_model(model_id: str, request: Request) -> dict:
 
 @router.get("/v1/stats")
 async def stats(request: Request) -> dict:
-    """Cumulative engine and expert-cache statistics, the server's request counters, and the
-    memory watcher's (None when --memory-low is off)."""
+    """Cumulative engine and expert-cache statistics, the server's request counters and batching
+    (batching.py), and the memory watcher's (None when --memory-low is off)."""
     state = request.app.state
     return {
         "model": served_id(request),
@@ -54,6 +54,7 @@ async def stats(request: Request) -> dict:
             "requests_in_flight": state.scheduler.admitted,
             **state.scheduler.counters,
             "between_errors": state.scheduler.between_errors,
+            "batching": {**state.batching, **(state.scheduler.stats() if hasattr(state.scheduler, "stats") else {})},
             "sampling": dict(state.grammars.stats),
             "adapted": dict(state.adapted),
             **state.tokenizing.stats(),

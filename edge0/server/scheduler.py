@@ -15,9 +15,11 @@ import asyncio
 import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import AsyncIterator, Callable, Generator
 
 from edge0.server.errors import APIError
+from edge0.server.generation import generation_events
 
 _END = object()
 log = logging.getLogger("edge0.server")
@@ -56,6 +58,8 @@ class Job:
 class Scheduler:
     """Runs jobs one at a time, FIFO; at most `max_queue` wait behind the running one."""
 
+    slots = 1  # generations running at once (a BatchScheduler's --max-batch)
+
     def __init__(self, max_queue: int):
         self.max_queue = max_queue
         self.loop: asyncio.AbstractEventLoop | None = None  # the server's, set when it starts
@@ -73,16 +77,26 @@ class Scheduler:
         """Requests waiting or running."""
         return len(self._jobs)
 
+    def generate(self, engine, run) -> Job:
+        """Queue the generation `run` (generation.Run) on `engine`; its events come from the Job."""
+        return self.submit(partial(generation_events, engine, run))
+
     def submit(self, produce: Callable[[threading.Event], Generator]) -> Job:
         """Queue `produce(cancelled)`, a generator of events run on the engine thread.
 
         Raises APIError 429 when `max_queue` requests are already waiting, 503 once stopping.
         """
+        job = self._admit()
+        self._executor.submit(self._run, job, produce)
+        return job
+
+    def _admit(self) -> Job:
+        """A Job for a new request, if the queue has room (APIError 429 or 503 if not)."""
         if self.stopping:
             raise APIError(503, "The server is shutting down", code="server_shutting_down")
         job = Job(asyncio.get_running_loop())
         with self._lock:
-            if len(self._jobs) > self.max_queue:
+            if len(self._jobs) >= self.max_queue + self.slots:
                 self.counters["rejected"] += 1
                 raise APIError(
                     429,
@@ -90,7 +104,6 @@ class Scheduler:
                     code="queue_full",
                 )
             self._jobs.add(job)
-        self._executor.submit(self._run, job, produce)
         return job
 
     def _run(self, job: Job, produce: Callable[[threading.Event], Generator]) -> None:

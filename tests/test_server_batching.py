@@ -1,0 +1,171 @@
+"""Continuous batching in the server (edge0/server/batching.py) on the real engine of a fixture
+store: requests sent together decode together and each gets what it gets alone (greedy, seeded,
+constrained by a grammar, with log-probs); a short request sent during a long prefill finishes
+first; a client that leaves drops out without disturbing the others; an engine or setting that
+cannot batch runs one generation at a time and says why."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+import edge0
+from edge0.engine.hooks import StepHooks
+from edge0.server.config import ServerConfig
+from tests.fake_engine import FakeEngine
+from tests.fake_server import running_server
+from tests.test_server import user
+
+TOPICS = ["the sea", "a red fox", "disks and reads", "four small experts", "a long day", "routes"]
+
+
+class SlowSteps(StepHooks):
+    """Each decode step takes at least `delay_s`, so requests sent together overlap."""
+
+    def __init__(self, delay_s: float):
+        self.delay_s = delay_s
+
+    def before_forward(self, engine, step):
+        time.sleep(self.delay_s)
+
+
+@pytest.fixture(scope="module")
+def engine(store_for):
+    return edge0.load(store_for("qwen3_moe"), prerouter=False)
+
+
+def together(fn, args: list) -> list:
+    """fn(arg) for every arg, each in its own thread, started at once; results in order."""
+    out, gate = [None] * len(args), threading.Barrier(len(args))
+
+    def one(i):
+        gate.wait()
+        out[i] = fn(args[i])
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(args))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    return out
+
+
+def stats(base: str) -> dict:
+    return httpx.get(base + "/v1/stats").json()["server"]
+
+
+def test_requests_sent_together_decode_together_and_get_what_they_get_alone(engine):
+    requests = [
+        dict(messages=user(f"tell me about {t}"), max_tokens=6 + 2 * i, temperature=0) for i, t in enumerate(TOPICS)
+    ]
+    requests[1].update(temperature=1.0, seed=11)  # its own random stream: the same tokens in any batch
+    requests[2].update(temperature=0.8, top_p=0.9, seed=5)
+    requests[3].update(logprobs=True, top_logprobs=2)
+    requests[4].update(stop=["e"])
+    with running_server(engine, ServerConfig(max_batch=1)) as base:
+        assert stats(base)["batching"] == {"max_batch": 1, "why": "--max-batch"}
+        client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
+        alone = [client.chat.completions.create(model="m", **r) for r in requests]
+    engine.hooks = SlowSteps(0.02)
+    try:
+        with running_server(engine, ServerConfig(max_batch=4)) as base:
+            client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=120)
+            batched = together(lambda r: client.chat.completions.create(model="m", **r), requests)
+            s = stats(base)
+    finally:
+        engine.hooks = StepHooks()
+    for a, b in zip(alone, batched):
+        assert b.choices[0].message.content == a.choices[0].message.content
+        assert b.choices[0].finish_reason == a.choices[0].finish_reason
+        assert b.usage.completion_tokens == a.usage.completion_tokens
+    lp_alone, lp_batched = alone[3].choices[0].logprobs.content, batched[3].choices[0].logprobs.content
+    assert [(t.token, t.top_logprobs[1].token) for t in lp_batched] == [
+        (t.token, t.top_logprobs[1].token) for t in lp_alone
+    ]
+    assert [t.logprob for t in lp_batched] == pytest.approx([t.logprob for t in lp_alone], abs=1e-4)
+    b = s["batching"]
+    assert b["max_batch"] == 4 and b["most_rows"] == 4 and b["mean_rows"] > 1
+    assert s["completed"] == len(requests) and s["requests_in_flight"] == 0
+
+
+def test_a_short_request_sent_during_a_long_prefill_finishes_first(engine):
+    span, engine.prefiller.span_tokens = engine.prefiller.span_tokens, 16
+    long_text = " ".join(f"word{i % 97}" for i in range(400))
+    try:
+        with running_server(engine, ServerConfig(max_batch=4)) as base:
+            client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=120)
+            times = {}
+
+            def long_one():
+                stream = client.chat.completions.create(
+                    model="m", messages=user(long_text), max_tokens=4, temperature=0, stream=True
+                )
+                for chunk in stream:
+                    if chunk.choices and chunk.choices[0].delta.content and "long" not in times:
+                        times["long"] = time.monotonic()
+
+            t = threading.Thread(target=long_one)
+            t.start()
+            deadline = time.monotonic() + 30
+            while stats(base)["batching"]["spans"] < 2:  # the long prompt is being prefilled
+                assert time.monotonic() < deadline
+                time.sleep(0.005)
+            short = client.chat.completions.create(model="m", messages=user("hi"), max_tokens=3, temperature=0)
+            times["short"] = time.monotonic()
+            t.join(120)
+            spans = stats(base)["batching"]["spans"]
+    finally:
+        engine.prefiller.span_tokens = span
+    assert short.usage.completion_tokens == 3
+    assert times["short"] < times["long"]  # it did not wait for the long prefill
+    assert spans > 30  # the long prompt went in 16-token spans between the short one's steps
+
+
+def test_a_client_that_leaves_drops_out_and_the_others_finish(engine):
+    engine.hooks = SlowSteps(0.02)
+    try:
+        with running_server(engine, ServerConfig(max_batch=4)) as base:
+            client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=120)
+
+            def leaver(_):
+                body = {"model": "m", "messages": user("go on"), "max_tokens": 200, "stream": True}
+                with httpx.stream("POST", base + "/v1/chat/completions", json=body) as r:
+                    for n, _ in enumerate(r.iter_lines()):
+                        if n == 3:
+                            return "left"
+
+            def stayer(topic):
+                return client.chat.completions.create(model="m", messages=user(topic), max_tokens=12, temperature=0)
+
+            left, *stayed = together(lambda a: leaver(a) if a is None else stayer(a), [None, *TOPICS[:2]])
+            deadline = time.monotonic() + 30
+            while stats(base)["requests_in_flight"]:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            s = stats(base)
+            again = [stayer(t) for t in TOPICS[:2]]
+    finally:
+        engine.hooks = StepHooks()
+    assert left == "left" and s["cancelled"] == 1 and s["completed"] == 2
+    assert [r.choices[0].message.content for r in stayed] == [r.choices[0].message.content for r in again]
+
+
+def test_what_cannot_batch_runs_one_at_a_time_and_says_why(engine):
+    with running_server(FakeEngine(), ServerConfig()) as base:
+        assert stats(base)["batching"] == {"max_batch": 1, "why": "this engine decodes one at a time"}
+    with running_server(engine, ServerConfig()) as base:  # the default, from memory
+        b = stats(base)["batching"]
+    kv = engine.kv
+    assert b["max_batch"] == min(8, 1 + kv.pool.max_bytes // kv.context_bytes)
+    assert "prompt caches' memory holds" in b["why"]
+    engine.prerouting = object()  # what batch_problem sees of an attached pre-router
+    try:
+        with running_server(engine, ServerConfig(max_batch=4)) as base:
+            b = stats(base)["batching"]
+    finally:
+        engine.prerouting = None
+    assert b["max_batch"] == 1 and "pre-router predicts one sequence's routes" in b["why"]

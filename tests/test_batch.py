@@ -235,3 +235,25 @@ def test_a_conversation_continues_from_its_cached_prefix_in_a_batch(store_for):
     assert c.tokens == expected and b.tokens
     assert c.held == len(first) + len(a.tokens) - 1  # its prompt and reply but the last token
     assert made[-1][1].stats["prefill_tokens"] == len(follow) - c.held
+
+
+def test_a_model_that_cannot_trim_its_cache_resumes_from_the_end_of_its_prompt_in_a_batch(store_for):
+    store = store_for("qwen3_5_moe")  # gated-delta linear attention: recurrent state
+    engine = edge0.load(store, dtype="float32", prerouter=False, prompt_cache_memory="64MB")
+    conv, other = engine.encode(LONG), engine.encode(PROMPTS[1] * 3)
+
+    def batch_of(*prompts):
+        with engine.batching() as batch:
+            seqs = [batch.join(p, RequestSampler(0.0, 1.0), 4, set(), reuse=True) for p in prompts]
+            while batch.busy:
+                batch.advance()
+        return seqs
+
+    first, _ = batch_of(conv, other)
+    # the client sends the reply back rendered its own way (one token differs), then a turn
+    follow = conv + [first.tokens[0] + 1] + first.tokens[1:] + engine.encode(" and then")
+    (again,) = batch_of(follow)
+    assert again.held == len(conv)  # from the copy made at the end of its prompt, not from zero
+    engine.kv.pool.clear()
+    engine.reset_cache()
+    assert again.tokens == engine.generate(follow, max_tokens=4, ignore_eos=True).tokens

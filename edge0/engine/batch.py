@@ -163,6 +163,7 @@ class Batch:
         self.counts["steps"] += 1
         self.counts["row_steps"] += len(rows)
         made, done = [], []
+        prompt_copies = e.kv.needs_prompt_copy(self.cache)
         for i, (seq, y) in enumerate(zip(rows, out)):
             step = seq.reply.add(y)
             seq.sampler.annotate_step(step)
@@ -178,6 +179,8 @@ class Batch:
                     "first_token_s": seq.first_token_s,
                 }
                 done.append(i)
+            elif prompt_copies and seq.reuse and len(seq.tokens) == 1:  # the step fed its prompt's last token
+                e.kv.keep_prompt(seq.prompt, bkv.extract_row(self.cache, i))
             made.append((seq, step))
         if done:
             self._drop_rows(done)

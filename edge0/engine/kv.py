@@ -168,6 +168,16 @@ class PromptCache:
         self._park()
         self.cache, self.tokens, self.persistable, self.prompt_end = cache, list(tokens), True, prompt_end
 
+    def needs_prompt_copy(self, cache) -> bool:
+        """Whether a sequence whose whole prompt is in `cache` should keep a copy of it there: the
+        cache cannot be trimmed back and a pool keeps other conversations (as mark_prompt_end)."""
+        return self.pool is not None and not bkv.can_trim_prompt_cache(cache)
+
+    def keep_prompt(self, tokens: list[int], cache) -> None:
+        """A copy of a batch sequence's cache holding exactly its prompt `tokens` joins the pool,
+        where the conversation's next request branches off (needs_prompt_copy)."""
+        self.evicted += self.pool.put(tokens, cache, prompt_end=len(tokens))
+
     def sync(self, offset: int) -> None:
         """A follower stage: hold exactly `offset` tokens, as rank 0's cache does before a forward
         (a new cache at 0; trimmed where rank 0 trimmed, as its KV reuse does)."""

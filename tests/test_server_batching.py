@@ -66,6 +66,7 @@ def test_requests_sent_together_decode_together_and_get_what_they_get_alone(engi
     requests[2].update(temperature=0.8, top_p=0.9, seed=5)
     requests[3].update(logprobs=True, top_logprobs=2)
     requests[4].update(stop=["e"])
+    requests[5].update(response_format={"type": "json_object"}, max_tokens=24, logit_bias={"40": 5})  # a grammar
     with running_server(engine, ServerConfig(max_batch=1)) as base:
         assert stats(base)["batching"] == {"max_batch": 1, "why": "--max-batch"}
         client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)

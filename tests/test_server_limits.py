@@ -186,7 +186,10 @@ def test_prompt_attacks_keep_health_answering_and_give_memory_back(capsys):
             f"slowest /health {health.slowest * 1000:.0f} ms; statuses {sorted(set(statuses))}, "
             f"tokenizing peak {stats['tokenizing_peak']}, refused {stats['tokenize_refused']}"
         )
-    assert set(statuses) <= {400, 429} and statuses.count(429) >= 40, statuses
+    # how many arrive while 6 are in (2 tokenizing, 4 waiting) depends on the machine's load: 58 on
+    # an idle one, 36 seen beside a parallel test suite; each 429 is one the bound refused
+    assert set(statuses) <= {400, 429} and statuses.count(429) >= 16, statuses
+    assert stats["tokenize_refused"] >= statuses.count(429)
     assert tool_statuses == [400] * 6
     assert stats["tokenizing_peak"] <= 2
     assert health.slowest < HEALTH_S and after <= idle * RSS_BACK

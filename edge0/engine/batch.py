@@ -67,7 +67,15 @@ class Batch:
         self.inputs: list[int] = []  # each row's next token to feed
         self.cache = None
         self.steps = 0
-        self.counts = {"joined": 0, "left": 0, "spans": 0, "steps": 0, "row_steps": 0, "most_rows": 0}
+        self.counts = {
+            "joined": 0,
+            "left": 0,
+            "spans": 0,
+            "steps": 0,
+            "row_steps": 0,
+            "most_rows": 0,
+            "most_kv_bytes": 0,
+        }
         pool = engine.kv.pool
         self._pool_bound = pool.max_bytes if pool is not None else None
 
@@ -78,17 +86,20 @@ class Batch:
             self.engine.kv.pool.max_bytes = self._pool_bound
 
     def _fit_pool(self) -> None:
-        """Each sequence beyond the first holds a context's KV (the memory budget counted one):
-        the prompt caches' pool gives up that much while it runs (what it pushes out waits for
-        the disk tier, as at any eviction)."""
-        kv = self.engine.kv
+        """The memory budget counts one sequence's KV at the context: what the batch holds beyond
+        that (its rows with their padding, and the waiting sequences' own caches) comes out of the
+        prompt caches' pool while it runs (what the pool pushes out waits for the disk tier, as at
+        any eviction)."""
         if self._pool_bound is None:
             return
-        bound = max(0, self._pool_bound - max(0, len(self) - 1) * kv.context_bytes)
+        kv = self.engine.kv
+        held = sum(bkv.prompt_cache_nbytes(c) for c in [self.cache] + [s.cache for s in self.waiting] if c)
+        bound = max(0, self._pool_bound - max(0, held - kv.context_bytes))
         if bound < kv.pool.max_bytes:
             kv.evicted += kv.pool.shrink(bound)
         else:
             kv.pool.max_bytes = bound
+        self.counts["most_kv_bytes"] = max(self.counts["most_kv_bytes"], held)
 
     @property
     def busy(self) -> bool:
@@ -147,6 +158,7 @@ class Batch:
             seq.fed += e.prefiller(todo[:n], seq.cache)
             self.counts["spans"] += 1
         if seq.fed < len(seq.prompt) - 1:
+            self._fit_pool()
             return
         self.waiting.remove(seq)
         self.cache = bkv.join_rows(self.cache, seq.cache)
@@ -184,6 +196,8 @@ class Batch:
             made.append((seq, step))
         if done:
             self._drop_rows(done)
+        else:
+            self._fit_pool()
         return made
 
     def _drop_rows(self, done: list[int]) -> None:

@@ -2,7 +2,7 @@
 `mlx_lm.server` (its own batching, --decode-concurrency) on the same weights, in one run
 (issue 34, docs/benchmarks.md "Serving several streams").
 
-Concurrency runs: for each C, C different prompts are sent at once to /v1/completions (greedy,
+Concurrency runs: for each C, C prompts not sent before (no prompt cache answers them) are sent at once to /v1/completions (greedy,
 the same token limit); per server and C: aggregate tok/s (every generated token over the wall
 time from the first request to the last answer), mean per-stream tok/s, and mean time to first
 token. With --long-prompt N, a request of N prompt tokens is sent, and once its prefill is under
@@ -166,13 +166,13 @@ def long_and_short(base: str, model: str, long_prompt: str, short_prompt: str, a
 
 def prompts_from(model: Path, n: int, tokens: int) -> list[str]:
     """n different prompts of `tokens` tokens (as the model's tokenizer counts them): the bench
-    text rotated by a few words each."""
+    text rotated by a word each."""
     from edge0.backend.io import load_tokenizer
     from edge0.bench.child import PROMPT_TEXT
 
     tok = load_tokenizer(model / "store")
     words = PROMPT_TEXT.split()
-    texts = [" ".join((words[3 * i :] + words[: 3 * i]) * (1 + tokens // len(words))) for i in range(n)]
+    texts = [" ".join((words[i:] + words[:i]) * (1 + tokens // len(words))) for i in range(n)]
     return [tok.decode(tok.encode(t)[:tokens]) for t in texts]
 
 
@@ -195,7 +195,8 @@ def main(argv=None) -> None:
     ap.add_argument("--mlx-dtype", choices=["float32", "checkpoint"], default="float32", help="mlx-lm's weights")
     args = ap.parse_args(argv)
     args.mlx_model = float32_copy(args.model / "mlx") if args.mlx_dtype == "float32" else args.model / "mlx"
-    prompts = prompts_from(args.model, max(args.concurrency), args.prompt_tokens)
+    # every request of the run its own prompt: neither server's prompt cache answers any of them
+    prompts = prompts_from(args.model, 1 + sum(args.concurrency), args.prompt_tokens)
     results = {}
     for kind in args.servers.split(","):
         port = free_port()
@@ -206,15 +207,16 @@ def main(argv=None) -> None:
             # mlx_lm.server serves its --model under that path (its /v1/models lists the hub cache)
             model = httpx.get(base + "/v1/models").json()["data"][0]["id"] if kind == "edge0" else str(args.mlx_model)
             complete(base, model, prompts[0], 4)  # first-call costs out of the way
-            rows = []
+            rows, used = [], 1
             for c in args.concurrency:
-                rows.append(concurrency_row(base, model, prompts, c, args.tokens))
+                rows.append(concurrency_row(base, model, prompts[used : used + c], c, args.tokens))
+                used += c
                 row = {k: v for k, v in rows[-1].items() if k != "texts"}
                 print(kind, json.dumps(row), file=sys.stderr, flush=True)
             out = {"rows": rows}
             if args.long_prompt:
                 out["long_and_short"] = long_and_short(
-                    base, model, long_text(args.long_prompt), prompts[1], args.after_s
+                    base, model, long_text(args.long_prompt), prompts[1][::-1], args.after_s
                 )
                 print(kind, json.dumps(out["long_and_short"]), file=sys.stderr, flush=True)
             if kind == "edge0":

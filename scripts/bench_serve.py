@@ -2,11 +2,12 @@
 `mlx_lm.server` (its own batching, --decode-concurrency) on the same weights, in one run
 (issue 34, docs/benchmarks.md "Serving several streams").
 
-Concurrency runs: for each C, C prompts not sent before (no prompt cache answers them) are sent at once to /v1/completions (greedy,
-the same token limit); per server and C: aggregate tok/s (every generated token over the wall
-time from the first request to the last answer), mean per-stream tok/s, and mean time to first
-token. With --long-prompt N, a request of N prompt tokens is sent, and once its prefill is under
-way a short one: the short one's time to first token against the long one's (and the span).
+Concurrency runs: for each C, C prompts not sent before (no prompt cache answers them) are sent
+at once to /v1/completions (greedy, the same token limit); per server and C: aggregate tok/s
+(every generated token over the wall time from the first request to the last answer), mean
+per-stream tok/s, and mean time to first token. With --long-prompt N, a request of N prompt
+tokens is sent, and once its prefill is under way a short one: the short one's time to first
+token against the long one's (and the span).
 Each server runs in its own process, one after the other; the machine is otherwise idle.
 
     python scripts/bench_serve.py /work/bench-quick --concurrency 1,4,8 --tokens 32 --out out.json

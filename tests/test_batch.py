@@ -261,3 +261,30 @@ def test_a_model_that_cannot_trim_its_cache_resumes_from_the_end_of_its_prompt_i
     engine.kv.pool.clear()
     engine.reset_cache()
     assert again.tokens == engine.generate(follow, max_tokens=4, ignore_eos=True).tokens
+
+
+def test_a_long_span_alone_gives_way_to_a_newcomer_and_the_tokens_stay_the_same(store_for, monkeypatch):
+    from edge0.engine import batch as batch_module
+
+    monkeypatch.setattr(batch_module, "INTERLEAVE_SPAN", 16)  # spans with others in the batch
+    engine = edge0.load(store_for("qwen3_moe"), prerouter=False)
+    engine.prefiller.span_tokens = 1000  # alone: the whole prompt in one span
+    prompts = [LONG, PROMPTS[0]]
+    alone = [engine.generate(p, max_tokens=5, ignore_eos=True).tokens for p in prompts]
+    checks = []
+    with engine.batching() as batch:
+        batch.interrupt = lambda: checks.append(1) or len(checks) == 3  # a newcomer, during the span
+        long = batch.join(engine.encode(LONG), RequestSampler(0.0, 1.0), 5, set())
+        assert batch.advance() == [] and long.fed == 0  # the span was dropped
+        assert batch.counts["spans_dropped"] == 1 and not bkv_offset(long.cache)
+        short = batch.join(engine.encode(PROMPTS[0]), RequestSampler(0.0, 1.0), 5, set())
+        firsts = []
+        while batch.busy:
+            firsts += [s for s, _ in batch.advance() if s not in firsts]
+        assert firsts == [short, long]  # the newcomer went first
+        assert batch.counts["spans"] > 2  # the long one in 16-token spans while the short one ran
+    assert [long.tokens, short.tokens] == alone
+
+
+def bkv_offset(cache) -> int:
+    return max(c.offset for c in cache)

@@ -25,6 +25,10 @@ from edge0.engine.sampler import RequestSampler
 from edge0.errors import Edge0Error
 from edge0.sampling import check_sampling
 
+# The longest prefill span while other sequences run or wait: they wait at most one span between
+# their steps (mlx-lm's server prefills in chunks of this size too).
+INTERLEAVE_SPAN = 2048
+
 
 @dataclass
 class Sequence:
@@ -75,7 +79,9 @@ class Batch:
             "row_steps": 0,
             "most_rows": 0,
             "most_kv_bytes": 0,
+            "spans_dropped": 0,
         }
+        self.interrupt = None  # () -> bool: a request waits to join (the server's arrivals)
         pool = engine.kv.pool
         self._pool_bound = pool.max_bytes if pool is not None else None
 
@@ -139,24 +145,41 @@ class Batch:
     def advance(self, prefill: bool = True) -> list[tuple[Sequence, Step]]:
         """One span of the waiting sequence with the fewest prompt tokens left (it joins the rows
         once its prompt but the last token is in), then one decode step of the rows. Returns the
-        Steps made, each with its sequence; a sequence's last Step has its finish_reason and stats."""
+        Steps made, each with its sequence; a sequence's last Step has its finish_reason and stats.
+
+        With other sequences in the batch a span is at most INTERLEAVE_SPAN tokens, so they wait
+        at most that long; alone, a sequence takes its whole span (each span reads the experts
+        again), and `interrupt()`, if set, is checked between its layers: when it says a request
+        is waiting to join, the span is dropped (the cache cut back to the spans before it) and
+        goes again in shorter spans once the newcomer has joined."""
         if prefill and self.waiting:
-            self._prefill_span(min(self.waiting, key=lambda s: len(s.prompt) - s.fed))
+            self._prefill_span(min(self.waiting, key=lambda s: len(s.prompt) - s.fed), interleave=True)
         return self._step() if self.rows else []
 
     def prefill_all(self) -> None:
-        """Every waiting sequence prefilled and joined (no decode step in between)."""
+        """Every waiting sequence prefilled and joined (whole spans, no decode step in between)."""
         while self.waiting:
-            self._prefill_span(self.waiting[0])
+            self._prefill_span(self.waiting[0], interleave=False)
 
     # -- inside ----------------------------------------------------------------------------------
-    def _prefill_span(self, seq: Sequence) -> None:
+    def _prefill_span(self, seq: Sequence, interleave: bool) -> None:
         e = self.engine
         todo = seq.prompt[seq.fed : -1]
         if todo:
             n = min(len(todo), e.prefiller.span_for(seq.cache))
-            seq.fed += e.prefiller(todo[:n], seq.cache)
-            self.counts["spans"] += 1
+            stop = None
+            if interleave and n > INTERLEAVE_SPAN:
+                if len(self) > 1 or not bkv.can_trim_prompt_cache(seq.cache):
+                    n = INTERLEAVE_SPAN  # others wait at most this; or a span could not be dropped
+                else:
+                    stop = self.interrupt
+            fed = e.prefiller(todo[:n], seq.cache, stop)
+            if fed < n:  # a newcomer is waiting: the span's first layers go back to where it began
+                bkv.trim_to(seq.cache, seq.fed + fed)
+                self.counts["spans_dropped"] += 1
+            else:
+                self.counts["spans"] += 1
+            seq.fed += fed
         if seq.fed < len(seq.prompt) - 1:
             self._fit_pool()
             return

@@ -43,15 +43,24 @@ class BatchScheduler(Scheduler):
         self._arrivals: deque[_Request] = deque()
         self._coordinating = False
         self._batch = None  # the engine's Batch while one runs
-        self._done = {"batches": 0, "steps": 0, "row_steps": 0, "spans": 0, "most_rows": 0, "failed_batches": 0}
+        self._done = {
+            "batches": 0,
+            "steps": 0,
+            "row_steps": 0,
+            "spans": 0,
+            "spans_dropped": 0,
+            "most_rows": 0,
+            "failed_batches": 0,
+        }
 
     def stats(self) -> dict:
         """Batches run, decode steps, rows fed (row_steps / steps: the mean batch), prefill spans
-        interleaved with them and the most rows at once, the running batch included."""
+        interleaved with them (and spans dropped for a newcomer) and the most rows at once, the
+        running batch included."""
         out = dict(self._done, max_batch=self.slots)
         if (batch := self._batch) is not None:
             c = batch.counts
-            out.update({k: out[k] + c[k] for k in ("steps", "row_steps", "spans")})
+            out.update({k: out[k] + c[k] for k in ("steps", "row_steps", "spans", "spans_dropped")})
             out["most_rows"] = max(out["most_rows"], c["most_rows"])
         out["mean_rows"] = out["row_steps"] / out["steps"] if out["steps"] else None
         return out
@@ -73,6 +82,10 @@ class BatchScheduler(Scheduler):
             with engine.batching() as batch:
                 self._batch = batch
                 self._done["batches"] += 1
+                # a long span alone gives way to a request that can join, or to its client leaving
+                batch.interrupt = lambda: (
+                    (bool(self._arrivals) and len(batch) < self.slots) or any(r.job.cancelled.is_set() for r in live)
+                )
                 while self._admit_arrivals(engine, batch, live):
                     for r in [r for r in live if r.job.cancelled.is_set()]:
                         batch.leave(r.seq)
@@ -137,6 +150,7 @@ class BatchScheduler(Scheduler):
         s["steps"] += c["steps"]
         s["row_steps"] += c["row_steps"]
         s["spans"] += c["spans"]
+        s["spans_dropped"] += c["spans_dropped"]
         s["most_rows"] = max(s["most_rows"], c["most_rows"])
 
 

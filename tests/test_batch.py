@@ -151,11 +151,74 @@ def test_what_cannot_batch_is_refused_with_the_fix(store_for):
     ]:
         with pytest.raises(Edge0Error, match=match):
             engine.generate_batch(prompts, max_tokens=limits)
-    with pytest.raises(Edge0Error, match="QuantizedKVCache.*drop --kv-bits"):
-        edge0.load(store, prerouter=False, kv_bits=8, kv_group_size=32).generate_batch(PROMPTS, max_tokens=2)
 
 
 LONG = " ".join([PROMPTS[2]] * 2)  # 130 tokens: 16 spans of 8
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_rows_over_quantized_kv_join_leave_and_resume_as_they_do_alone(bits, store_for):
+    """--kv-bits: the rows' quantized caches batch (our BatchQuantizedKVCache; mlx-lm has none),
+    each row holding exactly what its own cache would, so it decodes what it decodes alone."""
+    engine = edge0.load(store_for("qwen3_moe"), prerouter=False, kv_bits=bits, kv_group_size=32)
+    alone, batched = alone_and_batched(engine)  # merged at once, rows leaving one by one
+    assert [r.tokens for r in batched] == alone
+    engine.prefiller.span_tokens = 8
+    prompts, limits = [PROMPTS[0], LONG, PROMPTS[1]], [40, 6, 20]
+    alone = [engine.generate(p, max_tokens=m, ignore_eos=True).tokens for p, m in zip(prompts, limits)]
+    tok = [engine.encode(p) for p in prompts]
+    with engine.batching() as batch:
+        batch.join(tok[0], RequestSampler(0.0, 1.0), 2, set())
+        batch.advance()
+        assert {type(c).__name__ for c in batch.cache} == {"BatchQuantizedKVCache"}
+    with engine.batching() as batch:  # rows of other lengths join between steps (extend)
+        joins = {
+            n: [dict(prompt=tok[i], sampler=RequestSampler(0.0, 1.0), max_tokens=limits[i], eos=set(), reuse=True)]
+            for i, n in enumerate([0, 2, 4])
+        }
+        seqs, _, _ = run(batch, joins)
+        assert batch.counts["most_rows"] == 3
+    assert [s.tokens for s in seqs.values()] == alone
+    # each row went back to the prompt caches quantized (extract): a next turn resumes from it
+    follow = tok[1] + seqs[1].tokens + engine.encode(" and then")
+    with engine.batching() as batch:
+        again = batch.join(follow, RequestSampler(0.0, 1.0), 5, set(), reuse=True)
+        while batch.busy:
+            batch.advance()
+    assert again.held == len(tok[1]) + len(seqs[1].tokens) - 1
+    engine.kv.pool.clear()
+    engine.reset_cache()
+    assert again.tokens == engine.generate(follow, max_tokens=5, ignore_eos=True).tokens
+
+
+def test_the_batched_quantized_cache_holds_exactly_what_each_rows_own_cache_holds():
+    import mlx.core as mx
+    from mlx_lm.models.cache import QuantizedKVCache
+
+    from edge0.backend.quantized_batch import BatchQuantizedKVCache
+
+    mx.random.seed(0)
+    H, D = 2, 64
+    own = [QuantizedKVCache(group_size=32, bits=4) for _ in range(3)]
+    for c, n in zip(own, [5, 9, 2]):
+        c.update_and_fetch(mx.random.normal((1, H, n, D)), mx.random.normal((1, H, n, D)))
+    batch = BatchQuantizedKVCache.merge(
+        own[:2],
+    )
+    batch.extend(BatchQuantizedKVCache.merge([own[2]]))  # a shorter row joins: padded on the left
+    for _ in range(260):  # past one 256-slot step: the batch grows
+        k, v = mx.random.normal((3, H, 1, D)), mx.random.normal((3, H, 1, D))
+        batch.update_and_fetch(k, v)
+        for i, c in enumerate(own):
+            c.update_and_fetch(k[i : i + 1], v[i : i + 1])
+        mx.eval(batch.keys, batch.values, [(c.keys, c.values) for c in own])
+    assert batch.left_padding.tolist() == [4, 0, 7]
+    batch.filter(mx.array([0, 2]))  # the longest row leaves: the padding both others have goes
+    assert batch.left_padding.tolist() == [0, 3] and batch.size() == 265
+    for row, c in [(0, own[0]), (1, own[2])]:
+        got = batch.extract(row)
+        want = [x[..., : c.offset, :] for x in c.keys + c.values]
+        assert got.offset == c.offset and all(mx.array_equal(a, b).item() for a, b in zip(got.keys + got.values, want))
 
 
 def run(batch, joins: dict[int, list], max_steps=200):

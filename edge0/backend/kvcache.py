@@ -10,6 +10,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models.cache import (
     ArraysCache,
     KVCache,
+    QuantizedKVCache,
     can_trim_prompt_cache,
     load_prompt_cache,
     make_prompt_cache,
@@ -19,6 +20,7 @@ from mlx_lm.models.cache import (
 from mlx_lm.utils import common_prefix_len
 
 from edge0.backend import layer_probe as lp
+from edge0.backend.quantized_batch import BatchQuantizedKVCache
 
 __all__ = [
     "make_prompt_cache",
@@ -108,11 +110,21 @@ def rewind_problem(cache) -> str | None:
     return f"its {', '.join(bad)} layers cannot be rewound" if bad else None
 
 
+# Cache types whose batched form is ours, not mlx-lm's (which has none for them).
+_BATCHED = {QuantizedKVCache: BatchQuantizedKVCache}
+
+
+def _merge(caches: list):
+    """One layer's batched cache from sequences' own caches of that layer."""
+    kind = type(caches[0])
+    return _BATCHED.get(kind, kind).merge(caches)
+
+
 def batch_problem(cache) -> str | None:
     """Why sequences with caches like `cache` cannot decode in one batch (None if they can):
-    every layer's cache type needs mlx-lm's `merge` (KV, rotating window, recurrent state, lists
-    of them; not the quantized KV cache)."""
-    bad = sorted({type(c).__name__ for c in cache if "merge" not in vars(type(c))})
+    every layer's cache type needs a batched form, mlx-lm's `merge` (KV, rotating window,
+    recurrent state, lists of them) or ours (the quantized KV cache of --kv-bits)."""
+    bad = sorted({type(c).__name__ for c in cache if "merge" not in vars(type(c)) and type(c) not in _BATCHED})
     return f"its {', '.join(bad)} layers have no batched form in mlx-lm" if bad else None
 
 
@@ -120,7 +132,7 @@ def merge_caches(caches: list[list]) -> list:
     """One batched cache per layer from each sequence's own cache (mlx-lm left-pads the shorter
     ones; the padding is masked and each row keeps its own positions). Evaluated here, so the
     sequences' own caches can go as soon as the caller drops them."""
-    merged = [type(layer[0]).merge(list(layer)) for layer in zip(*caches)]
+    merged = [_merge(list(layer)) for layer in zip(*caches)]
     mx.eval([x for c in merged for _, x in tree_flatten(c.state) if isinstance(x, mx.array)])
     return merged
 
@@ -138,7 +150,7 @@ def join_rows(merged: list | None, cache: list) -> list:
     if merged is None:
         return merge_caches([cache])
     for m, c in zip(merged, cache):
-        m.extend(type(c).merge([c]))
+        m.extend(_merge([c]))
     mx.eval([x for c in merged for _, x in tree_flatten(c.state) if isinstance(x, mx.array)])
     return merged
 

@@ -57,7 +57,7 @@ def batch_problem(engine) -> str | None:
     if engine.prerouting is not None:
         return "the pre-router predicts one sequence's routes; load with prerouter=False (--no-prerouter) to batch"
     problem = bkv.batch_problem(engine.kv.make())
-    return f"{engine.model_id}: {problem}" + (" (drop --kv-bits)" if engine.kv.kv_bits else "") if problem else None
+    return f"{engine.model_id}: {problem}" if problem else None
 
 
 class Batch:

@@ -77,3 +77,28 @@ def test_verify_cost_walks_the_true_continuation_and_leaves_generation_unchanged
     assert e.generate(prompt, max_tokens=9, ignore_eos=True).tokens == want
     with pytest.raises(ValueError, match="no step of 10"):
         forward_cost(e, prompt, want, 10, repeats=1)
+
+
+def test_each_row_of_a_batch_routes_as_its_own_text(store_for):
+    """--routing qwen3-like under --concurrency: row r of a batch takes text r's routes (the same
+    popular experts, its own token-by-token process), the routes one-after-another runs give
+    generation r with first_text = r."""
+    e = load(store_for("qwen3_moe"), decode_executor="exact")
+    routes = use_synthetic_routing(e, seed=4)
+    seen = []
+    e.observe_routes(lambda layer, inds, scores: layer == routes.layers[0] and seen.append(inds))
+    prompts = [e.encode("hello world"), e.encode("once upon a time there was")]
+    e.generate_batch(prompts, max_tokens=4, ignore_eos=True)
+    steps = np.stack(seen[-4:])  # the batch's 4 decode steps (2 rows each), after the prompts' prefills: [4, 2, K]
+
+    def first_layer(text, n):  # the first MoE layer's routes of `n` tokens of text `text`
+        return generate(e.spec.num_experts, e.k, len(routes.layers), n, seed=4, text_seed=text)[0][0]
+
+    prefilled = sum(len(p) - 1 for p in prompts)  # both prompts prefilled alone, on row 0's stream
+    np.testing.assert_array_equal(steps[:, 0], first_layer(None, prefilled + 4)[prefilled:])
+    np.testing.assert_array_equal(steps[:, 1], first_layer(1, 4))
+    assert not np.array_equal(steps[:, 0], steps[:, 1])
+    routes.first_text = 1  # generation by generation, as one after another: text 1 alone
+    seen.clear()
+    e.generate(prompts[1], max_tokens=4, ignore_eos=True)
+    np.testing.assert_array_equal(np.concatenate(seen), first_layer(1, len(prompts[1]) + 3))

@@ -19,50 +19,70 @@ from edge0.errors import Edge0Error
 
 
 class SyntheticRoutes:
-    """The route of every MoE layer, token by token, from a seeded RouteSource. The first MoE
-    layer of a forward pass of T tokens takes the next T tokens' routes; the others share them."""
+    """The route of every MoE layer, token by token, from seeded RouteSources. The first MoE
+    layer of a forward pass of B rows x T tokens takes each row's next T tokens' routes; the other
+    layers share them. Row r draws text `first_text + r` through the same model (the same popular
+    experts, its own token-by-token process; text 0 is the seed's own stream): B sequences of a
+    batch route as B different texts do. A batch's row index is its stream (a row that moves up
+    when another leaves continues the stream of its new index), which keeps each stream's
+    statistics; `first_text` gives one-after-another runs the same texts, generation by generation."""
 
     def __init__(self, layers: list[int], num_experts: int, k: int, seed: int):
         self.layers = sorted(layers)
         self.row = {l: i for i, l in enumerate(self.layers)}
         self.num_experts, self.k, self.seed = num_experts, k, seed
+        self.first_text = 0
+        self.routes_rows = True  # a batch may decode with these routes (not with a one-row stager)
         self.restart()
 
     def restart(self) -> None:
-        """Start the route sequence over: every generation sees the same routes, token by token."""
-        self.source = RouteSource(self.num_experts, self.k, len(self.layers), self.seed)
-        self.ahead: deque = deque()  # generated tokens not yet used: (routes [L, K], weights [L, K])
-        self.current = None  # this pass's (routes [L, T, K], weights [L, T, K])
+        """Start the route sequences over: every generation sees the same routes, token by token."""
+        self.sources: list[RouteSource] = []
+        self.ahead: list[deque] = []  # per row, generated tokens not yet used: (routes [L, K], weights [L, K])
+        self.current = None  # this pass's (routes [L, B, T, K], weights [L, B, T, K])
+
+    def _stream(self, row: int) -> tuple[RouteSource, deque]:
+        while len(self.sources) <= row:
+            text = self.first_text + len(self.sources)
+            self.sources.append(
+                RouteSource(self.num_experts, self.k, len(self.layers), self.seed, text_seed=text or None)
+            )
+            self.ahead.append(deque())
+        return self.sources[row], self.ahead[row]
 
     def keep(self, position: int) -> None:
-        """A speculative verify kept its tokens up to `position`: the routes of the rejected
-        positions go back to the front, for the tokens that take those positions next."""
+        """A speculative verify (one sequence) kept its tokens up to `position`: the routes of the
+        rejected positions go back to the front, for the tokens that take those positions next."""
         routes, weights = self.current
-        for j in range(routes.shape[1] - 1, position, -1):
-            self.ahead.appendleft((routes[:, j], weights[:, j]))
+        _, ahead = self._stream(0)
+        for j in range(routes.shape[2] - 1, position, -1):
+            ahead.appendleft((routes[:, 0, j], weights[:, 0, j]))
 
-    def peek(self):
-        """The next token's routes and weights, without using them (the stager reads ahead)."""
-        if not self.ahead:
-            routes, scores = self.source.step()
+    def peek(self, row: int = 0):
+        """Row `row`'s next token's routes and weights, without using them (the stager reads ahead)."""
+        source, ahead = self._stream(row)
+        if not ahead:
+            routes, scores = source.step()
             weights = np.take_along_axis(scores, routes, axis=1)
-            self.ahead.append((routes.astype(np.uint32), weights / weights.sum(axis=1, keepdims=True)))
-        return self.ahead[0]
+            ahead.append((routes.astype(np.uint32), weights / weights.sum(axis=1, keepdims=True)))
+        return ahead[0]
 
-    def _take(self, t: int):
-        rows = []
+    def _take(self, row: int, t: int):
+        took = []
         for _ in range(t):
-            rows.append(self.peek())
-            self.ahead.popleft()
-        return np.stack([r for r, _ in rows], axis=1), np.stack([w for _, w in rows], axis=1)
+            took.append(self.peek(row))
+            self.ahead[row].popleft()
+        return np.stack([r for r, _ in took], axis=1), np.stack([w for _, w in took], axis=1)
 
     # -- the MoE block's hooks (see SpecMoEBlock) ---------------------------------------------
     def predicted(self, block, x):
+        # x: [B, T, hidden] (B rows of a batch, or one sequence)
         if block.layer == self.layers[0]:
-            self.current = self._take(x.shape[-2])
+            rows = [self._take(r, x.shape[-2]) for r in range(x.shape[0])]
+            self.current = tuple(np.stack(parts, axis=1) for parts in zip(*rows))
         routes, weights = self.current
         i = self.row[block.layer]
-        return B.array(routes[i][None]), B.array(weights[i][None]).astype(x.dtype)
+        return B.array(routes[i]), B.array(weights[i]).astype(x.dtype)
 
     def teacher_forced(self, layer: int, inds, scores):
         return inds, scores
@@ -124,5 +144,6 @@ def use_synthetic_routing(engine, seed: int = 0, lookahead: bool = False) -> Syn
     for _, block in blocks:
         block.use_prerouting(routes)
     hooks = LookaheadStager(routes, engine.streaming.staged()) if lookahead else SyntheticHooks(routes)
+    routes.routes_rows = not lookahead
     engine.use_prerouter(routes, hooks, None, {"routing": "qwen3-like", "seed": seed, "lookahead": lookahead})
     return routes

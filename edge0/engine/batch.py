@@ -54,7 +54,7 @@ def batch_problem(engine) -> str | None:
     """Why `engine` cannot decode a batch (None if it can)."""
     if engine.pipeline is not None:
         return "a batch decodes in one process, not across ranks under mlx.launch"
-    if engine.prerouting is not None:
+    if engine.prerouting is not None and not getattr(engine.prerouting, "routes_rows", False):
         return "the pre-router predicts one sequence's routes; load with prerouter=False (--no-prerouter) to batch"
     problem = bkv.batch_problem(engine.kv.make())
     return f"{engine.model_id}: {problem}" if problem else None

@@ -181,6 +181,34 @@ def test_prompt_curve(tiny_model, tmp_path):
     assert not list(tmp_path.glob(".*tmp*"))  # the JSON was written whole
 
 
+def test_concurrency_table_and_servers_side_by_side(tiny_model, tmp_path):
+    """--concurrency: per B, the batch against one after another with the same tokens, its ceiling
+    from a B-token step's measured cost, reads per token and the union; then edge0 serve and
+    mlx_lm.server at the same concurrency with the same texts."""
+    out = tmp_path / "conc.json"
+    argv = ["--model", str(tiny_model), "--concurrency", "1,2", "--no-cap", "--decode-tokens", "4", "--out", str(out)]
+    with contextlib.redirect_stdout(io.StringIO()) as table, contextlib.redirect_stderr(io.StringIO()):
+        assert main(argv) == 0
+    r = json.loads(out.read_text())
+    (warm,) = r["concurrency"]
+    assert warm["setting"] == "warm" and warm["status"] == "ok", warm.get("reason")
+    assert r["settings"]["skipped"] == {"capped": "--no-cap"}
+    one, two = warm["rows"]
+    assert (one["batch"], two["batch"]) == (1, 2) and one["tokens_identical"] and two["tokens_identical"]
+    assert one["step_cost"] == 1.0 and two["step_cost"] > 0
+    for row in (one, two):
+        assert row["speedup"] == pytest.approx(row["batch_decode_tps"] / row["serial_decode_tps"])
+        assert row["of_ceiling"] == pytest.approx(row["speedup"] * row["step_cost"] / row["batch"])
+        assert row["serial_bytes_per_token"] > 0 and row["batch_bytes_per_token"] >= 0
+    assert 0 < two["union_per_routed"] <= 1 and one["union_per_routed"] is None
+    servers = r["servers"]
+    assert [row["concurrency"] for row in servers["rows"]] == [1, 2] and servers["texts_identical"] == [True, True]
+    for row in servers["rows"]:
+        assert row["edge0"]["generated_tokens"] == row["mlx-lm"]["generated_tokens"] == 4 * row["concurrency"]
+    assert servers["edge0"]["batching"]["max_batch"] == 2  # --max-batch set to the widest B
+    assert "| warm | 2 |" in table.getvalue() and "| 2 |" in table.getvalue().split("mlx_lm.server")[1]
+
+
 @pytest.mark.parametrize(
     "argv, field",
     [
@@ -190,6 +218,10 @@ def test_prompt_curve(tiny_model, tmp_path):
         (["--prompt-lengths", "512,x"], "--prompt-lengths"),
         (["--prompt-lengths", "512", "--arms", "staged-warm"], "--prompt-lengths"),
         (["--expert-cache", "150%", "--arms", "staged-warm", "--no-plot"], "--expert-cache"),
+        (["--concurrency", "0,2"], "--concurrency"),
+        (["--concurrency", "two"], "--concurrency"),
+        (["--concurrency", "2", "--arms", "staged-warm"], "--concurrency runs its own settings"),
+        (["--long-prompt", "512"], "go with --concurrency"),
     ],
 )
 def test_usage_errors(tiny_model, tmp_path, argv, field):

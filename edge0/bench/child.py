@@ -273,6 +273,10 @@ def run(spec: dict) -> dict:
         out = run_resident(spec)
     elif kind == "baseline":
         out = run_baseline(spec)
+    elif kind == "concurrency":
+        from edge0.bench.concurrency import measure
+
+        out = measure(spec)
     else:
         raise ValueError(f"unknown runtime {kind!r}")
     trace = out.pop("trace", None)

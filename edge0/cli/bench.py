@@ -14,6 +14,7 @@ from pathlib import Path
 
 from edge0.bench.arms import SIZES, select_arms
 from edge0.bench.cgroup import read_limit_refusal
+from edge0.bench.concurrency import concurrency_markdown, parse_batches, run_concurrency
 from edge0.bench.curve import CURVE_ARMS, curve_markdown, run_curve
 from edge0.bench.model import resolve_model
 from edge0.bench.report import SCHEMA, append_docs, git_commit, machine_info, markdown, package_versions, plot, summary
@@ -67,6 +68,27 @@ def parse_args(argv):
         help="time to first token against prompt length instead of the arm table: for each length, "
         "mlx-lm resident, staged warm (as the CLI and as the server call it) and staged capped (and with "
         "--read-limit, capped with reads limited), two tokens each (docs/long-prompts.md)",
+    )
+    g.add_argument(
+        "--concurrency",
+        metavar="B,B,...",
+        help="several sequences at once instead of the arm table: for each B, B prompts decoded together "
+        "against one after another (warm, capped, and capped with --read-limit), then edge0 serve against "
+        "mlx_lm.server at that many concurrent streams (docs/bench-suite.md#concurrency)",
+    )
+    g.add_argument("--no-servers", action="store_true", help="--concurrency: skip the servers' side-by-side run")
+    g.add_argument(
+        "--long-prompt",
+        type=int,
+        metavar="N",
+        help="--concurrency: also send a short request during an N-token prefill, to both servers",
+    )
+    g.add_argument(
+        "--edge0-arg",
+        action="append",
+        default=[],
+        metavar="FLAG",
+        help="--concurrency: an extra `edge0 serve` flag, e.g. --edge0-arg=--prefill-span=512 (repeatable)",
     )
     g.add_argument(
         "--routing",
@@ -141,6 +163,13 @@ def parse_args(argv):
     args.prompt_lengths = parse_lengths(args.prompt_lengths) if args.prompt_lengths is not None else None
     if args.prompt_lengths and (args.arms or args.trace_arm):
         raise Edge0Error("--prompt-lengths runs its own arms; drop --arms and --trace-arm")
+    args.concurrency = parse_batches(args.concurrency) if args.concurrency is not None else None
+    if args.concurrency and (args.arms or args.trace_arm or args.prompt_lengths):
+        raise Edge0Error("--concurrency runs its own settings; drop --arms, --trace-arm and --prompt-lengths")
+    if not args.concurrency and (args.no_servers or args.long_prompt or args.edge0_arg):
+        raise Edge0Error("--no-servers, --long-prompt and --edge0-arg go with --concurrency")
+    if args.long_prompt is not None and args.long_prompt < 2:
+        raise Edge0Error(f"--long-prompt {args.long_prompt}: give a prompt length of at least 2 tokens")
     if args.read_limit is not None and args.no_cap:
         raise Edge0Error("--read-limit applies to the capped arms, which --no-cap skips; drop one of them")
     return args
@@ -178,14 +207,14 @@ def main(argv=None) -> int:
         )
     if args.prompt_lengths:
         arms = list(CURVE_ARMS)
-    if args.read_limit is not None and not any(a.storage == "capped" for a in arms):
+    if args.read_limit is not None and not args.concurrency and not any(a.storage == "capped" for a in arms):
         raise Edge0Error(
             f"--read-limit applies to the capped arms; --arms {args.arms} selects none (add e.g. exact-capped)"
         )
     model = resolve_model(args)
     if args.read_limit is not None and (why := read_limit_refusal(model.store, args.read_limit)):
         raise Edge0Error(f"--read-limit {args.read_limit / 1e6:g}MB/s: cannot limit reads here: {why}")
-    default = "prompt-curve" if args.prompt_lengths else "bench"
+    default = "prompt-curve" if args.prompt_lengths else "concurrency" if args.concurrency else "bench"
     out = Path(args.out or f"docs/benchmarks/{default}{'-quick' if args.quick else ''}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     started = datetime.datetime.now().astimezone()
@@ -210,6 +239,10 @@ def main(argv=None) -> int:
     try:
         if args.prompt_lengths:
             result.update(run_curve(args, model, args.prompt_lengths))
+        elif args.concurrency:
+            edge0_args = [f"--max-batch={max(args.concurrency)}", *args.edge0_arg]
+            args.edge0_arg = edge0_args
+            result.update(run_concurrency(args, model, args.concurrency))
         else:
             result.update(run_suite(args, model, arms))
     finally:
@@ -220,6 +253,11 @@ def main(argv=None) -> int:
         result["git_at_end"] = end
         print(f"edge0 bench: warning: the git tree changed during the run ({end})", file=sys.stderr)
     result["elapsed_s"] = (datetime.datetime.now().astimezone() - started).total_seconds()
+    if args.concurrency:
+        _write_json(out, result)
+        print(concurrency_markdown(result))
+        print(f"wrote {out}", file=sys.stderr)
+        return 0
     if args.prompt_lengths:
         for point in result["prompt_curve"]:
             _check_numbers(point)

@@ -1,0 +1,227 @@
+"""`edge0 bench --concurrency B,B,...`: several sequences decoded together against the same
+requests one after another, per setting (docs/bench-suite.md#concurrency).
+
+Each setting runs in its own process: warm (the store in the page cache, the expert cache at
+--expert-cache), capped (a memory cgroup, the page cache emptied first) and, with --read-limit,
+capped with the store's disk reads limited. For each B the process generates B different prompts
+one after another (`generate`), then together (`generate_batch`), and measures the cost of a
+B-token step against a 1-token step of one sequence in the same engine (a verify's forward, the
+tokens of a true continuation): B / that cost is the setting's ceiling, what a batch would gain
+if B rows cost what B tokens of one sequence cost. Per B: aggregate decode tok/s of both, the
+speedup, the ceiling and the speedup's share of it, expert bytes read per generated token both
+ways, and the batch's union of experts per routed (token, expert) pair. With --routing qwen3-like
+row r of a batch (and generation r one after another) routes as its own text through the same
+model (bench/routing.py)."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from edge0.bench.child import PROMPT_TEXT
+from edge0.bench.report import _f
+
+RUNTIME = "concurrency"
+
+
+def parse_batches(text: str) -> list[int]:
+    """'1,2,4,8' -> [1, 2, 4, 8] (an Edge0Error naming --concurrency)."""
+    from edge0.errors import Edge0Error
+
+    try:
+        batches = [int(t) for t in str(text).split(",") if t.strip()]
+    except ValueError:
+        raise Edge0Error(f"--concurrency {text!r}: not a list of batch sizes; use e.g. 1,2,4,8") from None
+    if not batches or min(batches) < 1 or max(batches) > 64:
+        raise Edge0Error(f"--concurrency {text!r}: give batch sizes from 1 to 64, e.g. 1,2,4,8")
+    return batches
+
+
+def prompts_for(encode, n: int, tokens: int) -> list[list[int]]:
+    """n different prompts of `tokens` tokens: the bench text rotated by three words each."""
+    words = PROMPT_TEXT.split()
+    texts = [" ".join((words[3 * i :] + words[: 3 * i]) * (1 + tokens // len(words))) for i in range(n)]
+    return [encode(t)[:tokens] for t in texts]
+
+
+def measure(spec: dict) -> dict:
+    """The child's measurement (one setting); see the module docstring."""
+    import edge0
+    from edge0.bench.speculative import forward_cost
+
+    engine = edge0.load(spec["store"], prerouter=False, lora=False, **spec["load"])
+    routes = None
+    if spec["routing"] != "uniform":
+        from edge0.bench.routing import use_synthetic_routing
+
+        routes = use_synthetic_routing(engine, seed=0)
+    batches, n = spec["batches"], spec["decode_tokens"]
+    prompts = prompts_for(engine.encode, max(batches), spec["prompt_tokens"])
+    # the true continuation of the first prompt, long enough for steps of the widest B
+    reference = engine.generate(prompts[0], max_tokens=max(n, 3 * max(batches)), ignore_eos=True).tokens
+    one_token = forward_cost(engine, prompts[0], reference, 1, len(reference))
+    rows = []
+    for b in batches:
+        serial_s = serial_bytes = 0.0
+        serial_tokens = []
+        for i, p in enumerate(prompts[:b]):
+            if routes is not None:
+                routes.first_text = i  # generation i routes as row i of the batch does
+            s = engine.generate(p, max_tokens=n, ignore_eos=True)
+            serial_s += (s.stats["generation_tokens"] - 1) / s.stats["decode_tps"]
+            serial_bytes += s.stats["expert_bytes_read"] - s.stats["prefill_expert_bytes_read"]
+            serial_tokens.append(s.tokens)
+        if routes is not None:
+            routes.first_text = 0
+        batched = engine.generate_batch(prompts[:b], max_tokens=n, ignore_eos=True)
+        st = batched[0].stats["batch"]
+        cost = forward_cost(engine, prompts[0], reference, b, 3) / one_token if b > 1 else 1.0
+        serial_tps = b * (n - 1) / serial_s
+        batch_tps = b * n / st["decode_s"]  # a batch's first step makes every row's first token
+        speedup = batch_tps / serial_tps
+        rows.append(
+            {
+                "batch": b,
+                "serial_decode_tps": serial_tps,
+                "batch_decode_tps": batch_tps,
+                "per_stream_decode_tps": batch_tps / b,
+                "speedup": speedup,
+                "step_cost": cost,
+                "ceiling": b / cost,
+                "of_ceiling": speedup / (b / cost),
+                "serial_bytes_per_token": serial_bytes / (b * n),
+                "batch_bytes_per_token": (st["expert_bytes_read"] - st["prefill_expert_bytes_read"]) / (b * n),
+                "union_per_routed": st["union_per_routed"],
+                "tokens_identical": ([r.tokens for r in batched] == serial_tokens) if routes is None else None,
+            }
+        )
+    fallbacks = engine.stats()["totals"].get("fallbacks")
+    return {"status": "ok", "rows": rows, "one_token_step_s": one_token, "fallbacks": fallbacks}
+
+
+def _row_line(r: dict) -> str:
+    return (
+        f"{r['serial_decode_tps']:.2f} -> {r['batch_decode_tps']:.2f} tok/s ({r['speedup']:.2f}x, "
+        f"ceiling {r['ceiling']:.2f}x), {r['serial_bytes_per_token'] / 1e6:.2f} -> "
+        f"{r['batch_bytes_per_token'] / 1e6:.2f} MB read / token"
+    )
+
+
+def run_concurrency(args, model, batches: list[int]) -> dict:
+    """Each setting in its own process (warm; capped; capped with --read-limit), then the servers
+    side by side (bench/serving.py) unless --no-servers."""
+    from edge0.bench.cgroup import MemoryCgroup, read_limited
+    from edge0.bench.model import expert_budget, store_sizes
+    from edge0.bench.runner import prewarm, run_child
+    from edge0.units import parse_size
+
+    sizes = store_sizes(model.store)
+    budget = expert_budget(args.expert_cache, sizes)
+    files = [str(f) for f in sorted(model.store.rglob("*.safetensors"))]
+    parent, reason = MemoryCgroup.available()
+    settings = [("warm", None, None)]
+    skipped = {}
+    cap = None
+    if args.no_cap:
+        skipped["capped"] = "--no-cap"
+    elif parent is None:
+        skipped["capped"] = reason
+    else:
+        if args.cap:
+            cap = parse_size(args.cap, "--cap")
+        else:
+            base = run_child({"runtime": "baseline", "store": str(model.store)}, args.arm_timeout)
+            cap = int(base.get("peak_rss_bytes", 0) + args.cap_fraction * sizes["store_bytes"])
+        settings.append(("capped", cap, None))
+        if args.read_limit is not None:
+            settings.append(("capped+read-limit", cap, args.read_limit))
+    out = []
+    for name, limit, rate in settings:
+        spec = {
+            "runtime": RUNTIME,
+            "store": str(model.store),
+            "load": {"expert_cache": budget, "dtype": args.dtype},
+            "batches": batches,
+            "prompt_tokens": args.prompt_tokens,
+            "decode_tokens": args.decode_tokens,
+            "routing": args.routing,
+        }
+        if limit is None:
+            prewarm(files)
+        else:
+            spec["evict"] = files
+        print(f"edge0 bench: --concurrency, {name} ...", flush=True, file=sys.stderr)
+        cg = MemoryCgroup.create(parent, limit) if limit is not None else None
+        try:
+            with read_limited(model.store, rate) as lim:
+                t0 = time.perf_counter()
+                res = run_child(spec, args.arm_timeout, cg, lim)
+                res["wall_s"] = time.perf_counter() - t0
+                if lim is not None:
+                    res["device_bytes_read"] = lim.bytes_read()
+        finally:
+            if cg is not None:
+                res["cgroup"] = cg.report()
+                cg.remove()
+        res.update(setting=name, cap_bytes=limit, read_limit_bytes_per_s=rate)
+        out.append(res)
+        for r in res.get("rows", []):
+            print(f"edge0 bench: {name}, B={r['batch']}: {_row_line(r)}", flush=True, file=sys.stderr)
+        if res.get("status") != "ok":
+            print(f"edge0 bench: {name}: {res.get('status')}: {res.get('reason')}", flush=True, file=sys.stderr)
+    result = {
+        "concurrency": out,
+        "settings": {
+            "batches": batches,
+            "prompt_tokens": args.prompt_tokens,
+            "decode_tokens": args.decode_tokens,
+            "expert_cache": args.expert_cache,
+            "expert_cache_bytes": budget,
+            "routing": args.routing,
+            "skipped": skipped,
+            **sizes,
+        },
+    }
+    if not args.no_servers:
+        from edge0.bench.serving import serve_side_by_side
+
+        if model.mlx is None:
+            result["servers"] = {"skipped": model.mlx_missing_reason}
+        else:
+            result["servers"] = serve_side_by_side(
+                model, batches, args.decode_tokens, args.prompt_tokens, args.long_prompt, args.edge0_arg
+            )
+    return result
+
+
+def concurrency_markdown(result: dict) -> str:
+    """The tables: per setting and B, then the servers' (when run)."""
+    lines = [
+        "| setting | B | one after another, tok/s | batched, tok/s | per stream | speedup | B-token step cost "
+        "| ceiling | of ceiling | MB read / token, one after another | batched | union / routed | same tokens |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for s in result["concurrency"]:
+        if s.get("status") != "ok":
+            lines.append(f"| {s['setting']} | {s.get('status')}: {s.get('reason')} |" + " |" * 11)
+            continue
+        for r in s["rows"]:
+            same = {True: "yes", False: "**no**", None: "-"}[r["tokens_identical"]]
+            lines.append(
+                f"| {s['setting']} | {r['batch']} | {_f(r['serial_decode_tps'])} | {_f(r['batch_decode_tps'])} "
+                f"| {_f(r['per_stream_decode_tps'])} | {_f(r['speedup'], '{:.2f}x')} | {_f(r['step_cost'])} "
+                f"| {_f(r['ceiling'], '{:.2f}x')} | {_f(r['of_ceiling'], '{:.2f}')} "
+                f"| {_f(r['serial_bytes_per_token'] / 1e6)} | {_f(r['batch_bytes_per_token'] / 1e6)} "
+                f"| {_f(r['union_per_routed'])} | {same} |"
+            )
+    skipped = result["settings"].get("skipped") or {}
+    for name, why in skipped.items():
+        lines.append(f"| {name} | skipped: {why} |" + " |" * 11)
+    servers = result.get("servers")
+    if servers and "rows" in servers:
+        from edge0.bench.serving import servers_markdown
+
+        lines += ["", servers_markdown(servers)]
+    elif servers:
+        lines += ["", f"Servers side by side: skipped ({servers['skipped']})."]
+    return "\n".join(lines)

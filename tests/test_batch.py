@@ -191,6 +191,50 @@ def test_rows_over_quantized_kv_join_leave_and_resume_as_they_do_alone(bits, sto
     assert again.tokens == engine.generate(follow, max_tokens=5, ignore_eos=True).tokens
 
 
+@pytest.mark.parametrize("bits", [None, 8])
+def test_rows_that_draft_get_the_tokens_they_get_alone(bits, store_for):
+    """A speculating engine's batch: greedy rows draft (each its own drafter), one step verifies
+    every row's draft and each row drops its rejected tokens on its own; a seeded sampled row and a
+    row with a stop string ride along. Every row gets what it gets alone, plain."""
+    from edge0.engine.drafters import ModelDrafter
+    from edge0.engine.speculative import Speculator
+    from tests.fixtures.make import reference_dir
+
+    kw = {"kv_bits": bits, "kv_group_size": 32} if bits else {}
+    engine = edge0.load(store_for("qwen3_moe"), prerouter=False, prompt_cache_memory=5 << 20, **kw)
+    prompts = [engine.encode(p) for p in [LONG, PROMPTS[1], PROMPTS[2]]]
+    stopped = engine.generate(prompts[0], max_tokens=14, stop=[" worl"], ignore_eos=True)
+    assert stopped.finish_reason == "stop" and len(stopped.tokens) < 14  # a stop string mid-way
+    seeded = engine.generate(prompts[1], max_tokens=7, temperature=1.0, seed=3, ignore_eos=True).tokens
+    greedy = engine.generate(prompts[2], max_tokens=10, ignore_eos=True).tokens
+    drafter = ModelDrafter(reference_dir("qwen3_moe"), engine.tokenizer, "qwen3_moe")
+    engine.use_speculation(Speculator(drafter, num_draft=3, adaptive=False))
+    engine.kv.pool.clear()
+    eos = set()
+    with engine.batching() as batch:
+        rows = [
+            batch.join(prompts[0], RequestSampler(0.0, 1.0), 14, eos, stop=[" worl"], reuse=True),
+            batch.join(prompts[1], RequestSampler(1.0, 1.0, seed=3), 7, eos),
+            batch.join(prompts[2], RequestSampler(0.0, 1.0), 10, eos, reuse=True),
+        ]
+        while batch.busy:
+            batch.advance()
+    assert [r.tokens for r in rows] == [stopped.tokens, seeded, greedy]
+    assert rows[0].finish == "stop"
+    sp = engine.stats()["batch_speculation"]
+    assert sp["verifies"] > 0 and 0 < sp["accepted"] <= sp["drafted"] and sp["unsupported_requests"] == 1
+    # the rows went back to the prompt caches as they fed them: the next turn resumes exactly
+    follow = prompts[0] + stopped.tokens + engine.encode(" and then")
+    engine.use_speculation(None)
+    want = engine.generate(follow, max_tokens=4, ignore_eos=True).tokens
+    engine.reset_cache()
+    with engine.batching() as batch:
+        again = batch.join(follow, RequestSampler(0.0, 1.0), 4, eos, reuse=True)
+        while batch.busy:
+            batch.advance()
+    assert again.held == len(prompts[0]) + len(stopped.tokens) - 1 and again.tokens == want
+
+
 def test_the_batched_quantized_cache_holds_exactly_what_each_rows_own_cache_holds():
     import mlx.core as mx
     from mlx_lm.models.cache import QuantizedKVCache

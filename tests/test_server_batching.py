@@ -58,7 +58,8 @@ def stats(base: str) -> dict:
     return httpx.get(base + "/v1/stats").json()["server"]
 
 
-def test_requests_sent_together_decode_together_and_get_what_they_get_alone(engine):
+@pytest.mark.parametrize("drafts", [False, True])
+def test_requests_sent_together_decode_together_and_get_what_they_get_alone(engine, drafts):
     requests = [
         dict(messages=user(f"tell me about {t}"), max_tokens=6 + 2 * i, temperature=0) for i, t in enumerate(TOPICS)
     ]
@@ -72,13 +73,24 @@ def test_requests_sent_together_decode_together_and_get_what_they_get_alone(engi
         client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
         alone = [client.chat.completions.create(model="m", **r) for r in requests]
     engine.hooks = SlowSteps(0.02)
+    if drafts:  # speculative decoding (--draft): the greedy plain rows draft, the others ride along
+        from edge0.engine.drafters import ModelDrafter
+        from edge0.engine.speculative import Speculator
+        from tests.fixtures.make import reference_dir
+
+        drafter = ModelDrafter(reference_dir("qwen3_moe"), engine.tokenizer, "qwen3_moe")
+        engine.use_speculation(Speculator(drafter, num_draft=3, adaptive=False))
     try:
         with running_server(engine, ServerConfig(max_batch=4)) as base:
             client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=120)
             batched = together(lambda r: client.chat.completions.create(model="m", **r), requests)
             s = stats(base)
+            spec = engine.stats()["batch_speculation"] if drafts else None
     finally:
         engine.hooks = StepHooks()
+        engine.use_speculation(None)
+    if drafts:
+        assert spec["verifies"] > 0 and spec["accepted"] > 0 and spec["unsupported_requests"] == 4
     for a, b in zip(alone, batched):
         assert b.choices[0].message.content == a.choices[0].message.content
         assert b.choices[0].finish_reason == a.choices[0].finish_reason

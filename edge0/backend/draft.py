@@ -23,6 +23,13 @@ class DraftModel:
         self.trimmable = can_trim_prompt_cache(self.cache)
         self.tokens: list[int] = []  # what the cache holds
 
+    def fork(self) -> DraftModel:
+        """The same model (weights shared) with its own cache, for another sequence."""
+        twin = object.__new__(DraftModel)
+        twin.model, twin.tokenizer, twin.dtype, twin.nbytes = self.model, self.tokenizer, self.dtype, self.nbytes
+        twin.cache, twin.trimmable, twin.tokens = make_prompt_cache(self.model), self.trimmable, []
+        return twin
+
     def vocab(self) -> dict:
         """The tokenizer's token -> id map."""
         return self.tokenizer.get_vocab()

@@ -9,7 +9,17 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.sample_utils import make_sampler
 
-__all__ = ["forward", "forward_all", "prefill", "sample", "make_sampler", "full_logits", "resident_logits_fn"]
+__all__ = [
+    "forward",
+    "forward_rows",
+    "forward_rows_all",
+    "forward_all",
+    "prefill",
+    "sample",
+    "make_sampler",
+    "full_logits",
+    "resident_logits_fn",
+]
 
 
 def forward(model, tokens: list[int], cache) -> mx.array:
@@ -22,6 +32,13 @@ def forward_rows(model, tokens: list[int], cache) -> mx.array:
     """One token of each sequence of a batch through the model (updating the merged `cache`);
     returns each row's log-probs [B, V]."""
     logits = model(mx.array(tokens)[:, None], cache=cache)[:, -1, :]
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
+def forward_rows_all(model, rows: list[list[int]], cache) -> mx.array:
+    """T tokens of each sequence of a batch (rows of equal length) through the model (updating the
+    merged `cache`); returns every position's log-probs [B, T, V] (a batched verify)."""
+    logits = model(mx.array(rows), cache=cache)
     return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
 

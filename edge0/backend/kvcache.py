@@ -45,6 +45,8 @@ __all__ = [
     "filter_cache",
     "join_rows",
     "extract_row",
+    "rows_can_drop_tails",
+    "drop_row_tails",
 ]
 
 
@@ -161,6 +163,23 @@ def extract_row(merged: list, row: int) -> list:
     out = [c.extract(row) for c in merged]
     mx.eval([x for c in out for _, x in tree_flatten(c.state) if isinstance(x, mx.array)])
     return out
+
+
+def rows_can_drop_tails(cache) -> bool:
+    """Whether a batch of sequences with caches like `cache` can drop each row's last tokens on its
+    own (a batched verify's rejected drafts): every layer batches as a plain or quantized KV cache."""
+    return all(type(c) in (KVCache, QuantizedKVCache) for c in cache)
+
+
+def drop_row_tails(merged: list, drops: list[int]) -> None:
+    """Row i of a batch's `merged` cache drops its last `drops[i]` tokens: they are rolled to the
+    front of the row and become left padding (mlx-lm's right padding, finalized), each row's
+    positions going on from its kept tokens."""
+    if not any(drops):
+        return
+    for c in merged:
+        c.prepare(right_padding=drops)
+        c.finalize()
 
 
 def rewind_point(cache):

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 from mlx.utils import tree_map, tree_reduce
-from mlx_lm.models.cache import BatchKVCache, QuantizedKVCache
+from mlx_lm.models.cache import BatchKVCache, QuantizedKVCache, dynamic_roll
 
 
 def _empty(shape: tuple, dim: int, dtype, group_size: int, bits: int) -> tuple:
@@ -72,8 +72,15 @@ class BatchQuantizedKVCache(BatchKVCache):
     def state(self, v):
         self.keys, self.values, self.offset, self.left_padding, self._idx, self.group_size, self.bits = v
 
-    def prepare(self, **kwargs):
-        raise NotImplementedError("BatchQuantizedKVCache rows join through merge/extend, not prepare")
+    def finalize(self):
+        """Rows given right padding (`prepare(right_padding=...)`: a verify's rejected drafts) roll
+        it to the front, where it is left padding (masked), as BatchKVCache.finalize does."""
+        if self._right_padding is not None:
+            pad = self._right_padding
+            self.keys, self.values = tree_map(lambda x: dynamic_roll(x, pad[:, None], axis=2), (self.keys, self.values))
+            self.offset = self.offset - pad
+            self.left_padding += pad
+            self._right_padding = None
 
     def filter(self, batch_indices):
         """Keep only rows `batch_indices` (in place), dropping the padding every kept row has."""

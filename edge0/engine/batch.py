@@ -19,7 +19,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from edge0.backend import forward as bfw
 from edge0.backend import kvcache as bkv
+from edge0.backend import speculative as bsp
 from edge0.engine.reply import Reply, Step
 from edge0.engine.sampler import RequestSampler
 from edge0.errors import Edge0Error
@@ -41,6 +43,7 @@ class Sequence:
     cache: list | None = None  # its own cache while it waits (prefills); then it is a row of the batch's
     fed: int = 0  # prompt tokens its own cache holds (reused or prefilled)
     held: int = 0  # of those, the ones a cached prefix held when it joined
+    drafter: object | None = None  # its own drafter (a greedy plain request while the engine speculates)
     joined: float = field(default_factory=time.perf_counter)
     first_token_s: float | None = None  # from joining to its first token
     finish: str | None = None
@@ -82,6 +85,10 @@ class Batch:
             "spans_dropped": 0,
         }
         self.interrupt = None  # () -> bool: a request waits to join (the server's arrivals)
+        # rows draft (and a step verifies them) when the engine speculates and each row's cache
+        # can drop its rejected drafts on its own
+        spec = engine.batch_speculation
+        self.spec = spec if spec is not None and bkv.rows_can_drop_tails(engine.kv.make()) else None
         pool = engine.kv.pool
         self._pool_bound = pool.max_bytes if pool is not None else None
 
@@ -124,6 +131,12 @@ class Batch:
         else:
             seq.cache = e.kv.make()
         seq.fed = seq.held
+        if self.spec is not None and sampler.plain and sampler.temperature == 0:
+            # greedy only: an accepted draft token is the argmax, so a seeded row's stream is untouched
+            seq.drafter = self.spec.drafter.fork()
+            seq.drafter.start(seq.prompt)
+        elif e.batch_speculation is not None:  # a sampled or processed row, or caches rows cannot cut
+            e.batch_speculation.counts["unsupported_requests"] += 1
         self.waiting.append(seq)
         self.counts["joined"] += 1
         self._fit_pool()
@@ -193,35 +206,112 @@ class Batch:
     def _step(self) -> list[tuple[Sequence, Step]]:
         e = self.engine
         rows = self.rows
-        out = e.stepper.decode_batch(self.inputs, self.steps, [s.sampler for s in rows], self.cache)
+        drafts = self._drafts()
+        t0 = time.perf_counter()
+        if drafts is None:
+            samplers = [s.sampler for s in rows]
+            out = [[y] for y in e.stepper.decode_batch(self.inputs, self.steps, samplers, self.cache)]
+        else:
+            out = self._verify(drafts)
+        if self.spec is not None:
+            self._observe(drafts, out, time.perf_counter() - t0)
         self.steps += 1
         self.counts["steps"] += 1
         self.counts["row_steps"] += len(rows)
         made, done = [], []
         prompt_copies = e.kv.needs_prompt_copy(self.cache)
-        for i, (seq, y) in enumerate(zip(rows, out)):
-            step = seq.reply.add(y)
-            seq.sampler.annotate_step(step)
-            if seq.first_token_s is None:
-                seq.first_token_s = time.perf_counter() - seq.joined
-            self.inputs[i] = y
-            if step.finish_reason:
-                seq.finish = step.finish_reason
-                step.stats = {
-                    "prompt_tokens": len(seq.prompt),
-                    "prefill_tokens": len(seq.prompt) - seq.held,
-                    "generated_tokens": len(seq.tokens),
-                    "first_token_s": seq.first_token_s,
-                }
-                done.append(i)
-            elif prompt_copies and seq.reuse and len(seq.tokens) == 1:  # the step fed its prompt's last token
-                e.kv.keep_prompt(seq.prompt, bkv.extract_row(self.cache, i))
-            made.append((seq, step))
+        for i, (seq, ys) in enumerate(zip(rows, out)):
+            for y in ys:
+                step = seq.reply.add(y)
+                seq.sampler.annotate_step(step)
+                if seq.first_token_s is None:
+                    seq.first_token_s = time.perf_counter() - seq.joined
+                made.append((seq, step))
+                if step.finish_reason:
+                    seq.finish = step.finish_reason
+                    step.stats = {
+                        "prompt_tokens": len(seq.prompt),
+                        "prefill_tokens": len(seq.prompt) - seq.held,
+                        "generated_tokens": len(seq.tokens),
+                        "first_token_s": seq.first_token_s,
+                    }
+                    done.append(i)
+                    break
+                if prompt_copies and seq.reuse and len(seq.tokens) == 1:  # the step fed its prompt's last token
+                    e.kv.keep_prompt(seq.prompt, bkv.extract_row(self.cache, i))
+            self.inputs[i] = ys[-1]
         if done:
             self._drop_rows(done)
         else:
             self._fit_pool()
         return made
+
+    # -- speculation ---------------------------------------------------------------------------
+    def _drafts(self) -> list[list[int]] | None:
+        """Each row's draft for this step (empty for a row that does not draft), or None for a
+        plain step: no row drafts, or the switch is off (engine/speculative.py)."""
+        spec = self.spec
+        if spec is None or not any(s.drafter for s in self.rows):
+            return None
+        explore = not spec.on and spec._explore()
+        if not (spec.on or explore):
+            spec.off_steps += 1
+            return None
+        drafts = []
+        for seq in self.rows:
+            k = min(spec.k, seq.reply.max_tokens - len(seq.tokens) - 1)
+            if seq.drafter is None or k < 1:
+                drafts.append([])
+                continue
+            t0 = time.perf_counter()
+            drafts.append(seq.drafter.draft(seq.prompt + seq.tokens, k).until(seq.reply.eos).tokens)
+            spec.seconds["draft"] += time.perf_counter() - t0
+        if explore and any(drafts):
+            spec._explored()
+        return drafts if any(drafts) else None
+
+    def _verify(self, drafts: list[list[int]]) -> list[list[int]]:
+        """One step feeding each row its last token and its draft (rows without one: the last
+        token alone); each row keeps its draft up to the first token that is not the argmax, then
+        one more token (its own sampler's, for a row that did not draft). Returns each row's tokens."""
+        rows = self.rows
+
+        def decide(logprobs):
+            out, kept = [], []
+            for i, (seq, draft) in enumerate(zip(rows, drafts)):
+                if not draft:
+                    out.append([bfw.sample(seq.sampler, logprobs[i, 0])])
+                    kept.append(1)
+                    continue
+                best = bsp.greedy_tokens(logprobs[i, : len(draft) + 1])
+                n = next((j for j in range(len(draft)) if best[j] != draft[j]), len(draft))
+                out.append(draft[:n] + [best[n]])
+                kept.append(n + 1)
+            return out, kept
+
+        inputs = [[y] + d for y, d in zip(self.inputs, drafts)]
+        return self.engine.stepper.verify_batch(inputs, self.steps, decide, self.cache)
+
+    def _observe(self, drafts, out, seconds: float) -> None:
+        """The switch's estimates and the counts, after a step of the batch."""
+        spec, c = self.spec, self.spec.counts
+        if drafts is None:
+            spec.estimates.observe_plain(seconds)
+            spec.seconds["plain"] += seconds
+            c["plain_steps"] += 1
+        else:
+            width = 1 + max(len(d) for d in drafts)
+            spec.estimates.observe_cycle(width, seconds)
+            spec.seconds["verify"] += seconds
+            c["verifies"] += 1
+            c["verify_tokens"] += width * len(drafts)
+            for d, ys in zip(drafts, out):
+                if d:
+                    spec.estimates.observe_acceptance(len(ys) - 1, len(d))
+                    c["drafted"] += len(d)
+                    c["accepted"] += len(ys) - 1
+                    c["yielded"] += len(ys)
+        spec._decide(spec.k)
 
     def _drop_rows(self, done: list[int]) -> None:
         """Rows `done` leave; a row that asked for reuse gives its cache (its prompt and reply but
@@ -230,7 +320,9 @@ class Batch:
             seq = self.rows[i]
             if seq.reuse:
                 fed = seq.prompt + seq.tokens[:-1]
-                self.engine.kv.checkin(fed, bkv.extract_row(self.cache, i), len(seq.prompt))
+                row = bkv.extract_row(self.cache, i)
+                bkv.trim_to(row, len(fed))  # a verify fed drafts past a stop its tokens ended on
+                self.engine.kv.checkin(fed, row, len(seq.prompt))
         stay = [i for i in range(len(self.rows)) if i not in done]
         self.rows = [self.rows[i] for i in stay]
         self.inputs = [self.inputs[i] for i in stay]

@@ -10,6 +10,7 @@ sequence, which the engine verifies in one multi-token forward (speculative.py).
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,6 +47,11 @@ class Drafter:
         """A generation begins with `prompt`."""
 
     def draft(self, context: list[int], k: int, temp: float = 0.0, top_p: float = 1.0) -> Draft:
+        raise NotImplementedError
+
+    def fork(self) -> Drafter:
+        """A drafter for another sequence, decoded beside this one (a batch's row): its own state,
+        what is heavy (a draft model's weights) shared."""
         raise NotImplementedError
 
     def describe(self) -> str:
@@ -88,6 +94,9 @@ class PromptLookup(Drafter):
                 return Draft(ctx[start : start + k].tolist())
         return Draft([])
 
+    def fork(self) -> PromptLookup:
+        return PromptLookup(self.max_n)
+
     def describe(self) -> str:
         return f"prompt lookup (n-gram <= {self.max_n})"
 
@@ -117,6 +126,11 @@ class ModelDrafter(Drafter):
     def draft(self, context: list[int], k: int, temp: float = 0.0, top_p: float = 1.0) -> Draft:
         tokens, probs = self.model.draft(context, k, temp, top_p, self.vocab_size)
         return Draft(tokens, probs)
+
+    def fork(self) -> ModelDrafter:
+        twin = copy.copy(self)
+        twin.model = self.model.fork()
+        return twin
 
     def describe(self) -> str:
         return f"draft model {self.path} ({self.model.dtype}, {self.model.nbytes / 2**20:.0f} MiB resident)"

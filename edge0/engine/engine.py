@@ -75,6 +75,7 @@ class Engine:
         self.lora_meta: dict | None = None
         self.lora_note = ""
         self.speculation = None  # speculative decoding, when a drafter is attached (use_speculation)
+        self.batch_speculation = None  # the same drafter for a batch's rows, its own switch
         self.generating = False  # a stream_generate is running (resizing the expert cache waits for its end)
         # across ranks (edge0.distributed): this rank's stage, and its end of the stage exchange
         self.stage = stage
@@ -93,6 +94,7 @@ class Engine:
         if speculator is not None:
             check_speculation(self)
         self.speculation = speculator
+        self.batch_speculation = speculator.for_batches() if speculator is not None else None
 
     def use_lora(self, path: Path, meta: dict) -> None:
         """Record the adapter whose LoRALinear layers now wrap the model's targets."""

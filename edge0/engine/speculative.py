@@ -114,6 +114,11 @@ class Speculator:
         self.counts = dict.fromkeys(COUNTERS, 0)
         self.seconds = {"draft": 0.0, "verify": 0.0, "plain": 0.0}
 
+    def for_batches(self) -> Speculator:
+        """The speculator a batch's rows draft through (batch.py): the same drafter and k, with its
+        own switch and estimates, as a batch's verify and plain steps cost what its rows cost."""
+        return Speculator(self.drafter, self.k, self.adaptive)
+
     def describe(self) -> str:
         switch = "adaptive" if self.adaptive else "always on"
         return f"speculative decoding: {self.drafter.describe()}, {self.k} draft tokens, {switch}"

@@ -69,12 +69,14 @@ def engine_stats(engine) -> dict:
         "io": engine.store.io_stats(),
         "prerouter": None,
         "speculation": None,
+        "batch_speculation": None,
         "prompt_cache": engine.kv.stats(),
         **engine.prefiller.stats(),
     }
     out.update(engine.hooks.stats())
     if engine.speculation is not None:
         out.update(engine.speculation.stats())
+        out["batch_speculation"] = engine.batch_speculation.stats()["speculation"]
     if engine.pipeline is not None and engine.pipeline.leads:
         out = engine.pipeline.merge_stats(out)
     return out

@@ -73,6 +73,22 @@ class Stepper:
             lambda logprobs: ([bfw.sample(s, logprobs[i]) for i, s in enumerate(samplers)], None),
         )
 
+    def verify_batch(self, rows: list[list[int]], step: int, decide: Callable, cache):
+        """A multi-token step of a batch: row i feeds `rows[i]` (its last token and a draft, or its
+        last token alone; shorter rows are padded with their last token, positions nothing reads).
+        `decide(logprobs [B, T, V])` returns (result, kept: how many of its inputs each row keeps);
+        each row's cache then drops the rest."""
+        e = self.engine
+        width = max(len(r) for r in rows)
+        padded = [r + [r[-1]] * (width - len(r)) for r in rows]
+
+        def finish(logprobs):
+            result, kept = decide(logprobs)
+            bkv.drop_row_tails(cache, [width - k for k in kept])
+            return result, None
+
+        return self.run(step, len(rows) * width, lambda: bfw.forward_rows_all(e.model, padded, cache), finish)
+
     def verify(self, step: int, inputs: list[int], decide: Callable) -> tuple[int, int, bool]:
         """A multi-token step of `inputs` (the last token and a draft): `decide(logprobs [T, V])`
         returns (n, next) where the first n draft tokens are kept; the cache is taken back to

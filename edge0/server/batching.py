@@ -184,8 +184,6 @@ def make_scheduler(engine, max_queue: int, max_batch: int | None) -> tuple[Sched
     why_not = engine.batch_problem() if hasattr(engine, "batch_problem") else "this engine decodes one at a time"
     if max_batch is None:
         max_batch, why = default_max_batch(engine) if why_not is None else (1, why_not)
-        if max_batch > 1 and getattr(engine, "speculation", None) is not None:
-            max_batch, why = 1, "--draft speculates one sequence at a time (--max-batch N batches plain steps)"
     else:
         why = "--max-batch" if why_not is None or max_batch == 1 else why_not
         max_batch = max_batch if why_not is None else 1

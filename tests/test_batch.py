@@ -9,9 +9,12 @@ import numpy as np
 import pytest
 
 import edge0
+from edge0.backend import kvcache as bkv
 from edge0.backend.kvcache import prompt_cache_nbytes
 from edge0.engine import StepHooks
+from edge0.engine.drafters import Draft, Drafter
 from edge0.engine.sampler import RequestSampler
+from edge0.engine.speculative import Speculator
 from edge0.errors import Edge0Error
 from tests.fixtures import ALL_FAMILIES
 from tests.fixtures.families import SPECD
@@ -27,6 +30,24 @@ LIMITS = [3, 6, 8]
 NOT_BATCHED = {"deepseek_v41": "LayerCache", "llama4": "ChunkedKVCache"}
 # mlx-lm's dbrx block runs its experts token by token: a batch's tokens reach the executor one at a time
 PER_TOKEN_MOE = {"dbrx"}
+
+
+class Oracle(Drafter):
+    """Drafts each prompt's known greedy continuation, every third token wrong (so drafts are both
+    kept and rejected); its forks share the continuations."""
+
+    def __init__(self, continuations: dict):
+        self.continuations, self.n0, self.ref = continuations, 0, []
+
+    def start(self, prompt):
+        self.n0, self.ref = len(prompt), self.continuations[tuple(prompt)]
+
+    def draft(self, context, k, temp=0.0, top_p=1.0):
+        i = len(context) - self.n0
+        return Draft([t + (j % 3 == 2) for j, t in enumerate(self.ref[i : i + k])])
+
+    def fork(self):
+        return Oracle(self.continuations)
 
 
 def alone_and_batched(engine, results=False):
@@ -52,6 +73,16 @@ def test_each_sequence_of_a_batch_gets_the_tokens_it_gets_alone(family, store_fo
         assert b["multi_routes"] == 0
     else:  # 3 steps of 3 rows, 3 of 2; the last 2 steps have one row (not a batched call)
         assert b["multi_routes"] > 0 and b["multi_routes"] % 15 == 0 and b["multi_union"] <= b["multi_routes"]
+    # speculating: rows draft and one step verifies them all (where every layer's rows can drop tokens)
+    oracle = Oracle({tuple(engine.encode(p)): r.tokens for p, r in zip(PROMPTS, alone)})
+    engine.use_speculation(Speculator(oracle, num_draft=3, adaptive=False))
+    drafted = engine.generate_batch(PROMPTS, max_tokens=LIMITS, ignore_eos=True)
+    assert [r.tokens for r in drafted] == [r.tokens for r in alone]
+    spec = engine.stats()["batch_speculation"]
+    if bkv.rows_can_drop_tails(engine.kv.make()):
+        assert spec["verifies"] > 0 and 0 < spec["accepted"] < spec["drafted"]
+    else:
+        assert spec["verifies"] == 0 and spec["unsupported_requests"] == 3
 
 
 @pytest.mark.parametrize("family,cache", sorted(NOT_BATCHED.items()))
@@ -197,7 +228,6 @@ def test_rows_that_draft_get_the_tokens_they_get_alone(bits, store_for):
     every row's draft and each row drops its rejected tokens on its own; a seeded sampled row and a
     row with a stop string ride along. Every row gets what it gets alone, plain."""
     from edge0.engine.drafters import ModelDrafter
-    from edge0.engine.speculative import Speculator
     from tests.fixtures.make import reference_dir
 
     kw = {"kv_bits": bits, "kv_group_size": 32} if bits else {}

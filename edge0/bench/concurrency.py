@@ -222,6 +222,12 @@ def concurrency_markdown(result: dict) -> str:
         from edge0.bench.serving import servers_markdown
 
         lines += ["", servers_markdown(servers)]
+        cache, experts = servers["edge0"].get("expert_cache_bytes"), result["settings"]["expert_bytes"]
+        if cache is not None:
+            lines.append(
+                f"\nedge0 serve's expert cache: {cache / 1e6:.0f} MB for {experts / 1e6:.0f} MB of experts"
+                + (" (every expert fits: resident-equivalent)." if cache >= experts else ".")
+            )
     elif servers:
         lines += ["", f"Servers side by side: skipped ({servers['skipped']})."]
     return "\n".join(lines)

@@ -189,7 +189,9 @@ def serve_side_by_side(model, batches, max_tokens, prompt_tokens, long_prompt=No
                 long_text = " ".join(f"w{i % 997}" for i in range(long_prompt // 3))
                 out["long_and_short"] = long_and_short(base, name, long_text, prompts[1][::-1], 2.0)
             if kind == "edge0":
-                out["batching"] = _get(base + "/v1/stats")["server"]["batching"]
+                st = _get(base + "/v1/stats")
+                out["batching"] = st["server"]["batching"]
+                out["expert_cache_bytes"] = st["engine"]["expert_cache_bytes"]
             results[kind] = out
         finally:
             proc.terminate()

@@ -28,6 +28,22 @@ PROMPTS = [
 LIMITS = [3, 6, 8]
 # mlx-lm has no batched form of these caches (its BatchGenerator refuses them too)
 NOT_BATCHED = {"deepseek_v41": "LayerCache", "llama4": "ChunkedKVCache"}
+# mlx-lm's attention in these takes no QuantizedKVCache (latent attention, attention sinks, ...):
+# --kv-bits is refused at load
+NO_QUANTIZED_KV = {
+    "bailing_hybrid",
+    "bailing_moe_v3",
+    "deepseek_v3",
+    "glm4_moe_lite",
+    "gpt_oss",
+    "kimi_k25",
+    "kimi_k3",
+    "kimi_linear",
+    "kimi_vl",
+    "mistral3",
+    "mistral4",
+    "phixtral",
+}
 # mlx-lm's dbrx block runs its experts token by token: a batch's tokens reach the executor one at a time
 PER_TOKEN_MOE = {"dbrx"}
 
@@ -83,6 +99,14 @@ def test_each_sequence_of_a_batch_gets_the_tokens_it_gets_alone(family, store_fo
         assert spec["verifies"] > 0 and 0 < spec["accepted"] < spec["drafted"]
     else:
         assert spec["verifies"] == 0 and spec["unsupported_requests"] == 3
+    # --kv-bits: the quantized layers' rows batch as our BatchQuantizedKVCache
+    if family in NO_QUANTIZED_KV:
+        with pytest.raises(Edge0Error, match=f"--kv-bits: {family}'s attention in mlx-lm does not take a quantized"):
+            edge0.load(store_for(family), prerouter=False, kv_bits=8, kv_group_size=32)
+        return
+    quantized = edge0.load(store_for(family), prerouter=False, kv_bits=8, kv_group_size=32)
+    alone_q, batched_q = alone_and_batched(quantized)
+    assert [r.tokens for r in batched_q] == alone_q
 
 
 @pytest.mark.parametrize("family,cache", sorted(NOT_BATCHED.items()))

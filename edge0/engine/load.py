@@ -109,9 +109,14 @@ def _reserve(built, config: dict, compute: str, options) -> tuple[int, int, int,
     span = min(context, options.prefill_span or default_span(hidden))
     try:
         kv = bkv.kv_footprint(built, options.kv_bits, options.kv_group_size, compute).bytes_at(context)
-    except ValueError as e:  # mlx-lm's quantized cache needs key widths the group size divides
-        if options.kv_bits and "group size" in str(e):
+    except (ValueError, TypeError, AttributeError) as e:
+        if options.kv_bits and "group size" in str(e):  # mlx-lm's quantized cache needs key widths it divides
             raise Edge0Error(KV_GROUP.format(group=options.kv_group_size)) from None
+        if options.kv_bits:  # latent attention, attention sinks: mlx-lm's attention takes no quantized cache
+            raise Edge0Error(
+                f"--kv-bits: {config.get('model_type')}'s attention in mlx-lm does not take a quantized KV cache "
+                f"({type(e).__name__}: {e}); run it without --kv-bits"
+            ) from None
         raise
     pool = None if options.prompt_cache_memory is None else parse_size(options.prompt_cache_memory)
     return kv, context, 6 * span * hidden * 4, pool

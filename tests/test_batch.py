@@ -319,6 +319,45 @@ def test_the_batched_quantized_cache_holds_exactly_what_each_rows_own_cache_hold
         assert got.offset == c.offset and all(mx.array_equal(a, b).item() for a, b in zip(got.keys + got.values, want))
 
 
+@pytest.mark.parametrize("bits", [None, 4])
+def test_each_row_drops_its_own_tail_and_holds_what_its_trimmed_cache_holds(bits):
+    """A batched verify's rejected drafts: row i drops its last drops[i] tokens (rolled into its
+    left padding); each row then holds exactly what its own cache trimmed by as much holds, and
+    the tokens fed next land after its kept ones."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+
+    mx.random.seed(1)
+    H, D = 2, 64
+
+    def own_cache():
+        return KVCache() if bits is None else KVCache().to_quantized(group_size=32, bits=bits)
+
+    own = [own_cache() for _ in range(3)]
+    for c, n in zip(own, [6, 3, 9]):
+        c.update_and_fetch(mx.random.normal((1, H, n, D)), mx.random.normal((1, H, n, D)))
+    merged = bkv.merge_caches([[c] for c in own])
+    k, v = mx.random.normal((3, H, 4, D)), mx.random.normal((3, H, 4, D))  # a verify of 4 tokens a row
+    merged[0].update_and_fetch(k, v)
+    for i, c in enumerate(own):
+        c.update_and_fetch(k[i : i + 1], v[i : i + 1])
+    drops = [3, 0, 1]
+    bkv.drop_row_tails(merged, drops)
+    for c, d in zip(own, drops):
+        c.trim(d)
+    k, v = mx.random.normal((3, H, 1, D)), mx.random.normal((3, H, 1, D))  # the next step
+    merged[0].update_and_fetch(k, v)
+    for i, c in enumerate(own):
+        c.update_and_fetch(k[i : i + 1], v[i : i + 1])
+    assert merged[0].offset.tolist() == [c.offset for c in own] == [8, 8, 13]
+    for i, c in enumerate(own):
+        (row,) = bkv.extract_row(merged, i)
+        got = row.keys + row.values if bits else (row.keys, row.values)
+        want = c.keys + c.values if bits else (c.keys, c.values)
+        assert row.offset == c.offset
+        assert all(mx.array_equal(a, b[..., : c.offset, :]).item() for a, b in zip(got, want))
+
+
 def run(batch, joins: dict[int, list], max_steps=200):
     """Advance `batch`, joining joins[n] (lists of join kwargs) before advance n; returns the
     Steps per sequence in order and the order of the first Steps."""

@@ -38,6 +38,13 @@ def prompt_ids(tokenizer, n: int) -> list[int]:
     return out[:n]
 
 
+def prompts_for(encode, n: int, tokens: int) -> list[list[int]]:
+    """n different prompts of `tokens` tokens (--concurrency): the text rotated by three words each."""
+    words = PROMPT_TEXT.split()
+    texts = [" ".join((words[3 * i :] + words[: 3 * i]) * (1 + tokens // len(words))) for i in range(n)]
+    return [encode(t)[:tokens] for t in texts]
+
+
 def ids_digest(ids) -> str:
     return hashlib.sha256(json.dumps([int(i) for i in ids]).encode()).hexdigest()[:16]
 
@@ -273,10 +280,6 @@ def run(spec: dict) -> dict:
         out = run_resident(spec)
     elif kind == "baseline":
         out = run_baseline(spec)
-    elif kind == "concurrency":
-        from edge0.bench.concurrency import measure
-
-        out = measure(spec)
     else:
         raise ValueError(f"unknown runtime {kind!r}")
     trace = out.pop("trace", None)

@@ -15,13 +15,12 @@ model (bench/routing.py)."""
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 
-from edge0.bench.child import PROMPT_TEXT
+from edge0.bench.child import RESULT_PREFIX, prompts_for
 from edge0.bench.report import _f
-
-RUNTIME = "concurrency"
 
 
 def parse_batches(text: str) -> list[int]:
@@ -35,13 +34,6 @@ def parse_batches(text: str) -> list[int]:
     if not batches or min(batches) < 1 or max(batches) > 64:
         raise Edge0Error(f"--concurrency {text!r}: give batch sizes from 1 to 64, e.g. 1,2,4,8")
     return batches
-
-
-def prompts_for(encode, n: int, tokens: int) -> list[list[int]]:
-    """n different prompts of `tokens` tokens: the bench text rotated by three words each."""
-    words = PROMPT_TEXT.split()
-    texts = [" ".join((words[3 * i :] + words[: 3 * i]) * (1 + tokens // len(words))) for i in range(n)]
-    return [encode(t)[:tokens] for t in texts]
 
 
 def measure(spec: dict) -> dict:
@@ -138,7 +130,6 @@ def run_concurrency(args, model, batches: list[int]) -> dict:
     out = []
     for name, limit, rate in settings:
         spec = {
-            "runtime": RUNTIME,
             "store": str(model.store),
             "load": {"expert_cache": budget, "dtype": args.dtype},
             "batches": batches,
@@ -155,7 +146,7 @@ def run_concurrency(args, model, batches: list[int]) -> dict:
         try:
             with read_limited(model.store, rate) as lim:
                 t0 = time.perf_counter()
-                res = run_child(spec, args.arm_timeout, cg, lim)
+                res = run_child(spec, args.arm_timeout, cg, lim, module=__name__)
                 res["wall_s"] = time.perf_counter() - t0
                 if lim is not None:
                     res["device_bytes_read"] = lim.bytes_read()
@@ -231,3 +222,23 @@ def concurrency_markdown(result: dict) -> str:
     elif servers:
         lines += ["", f"Servers side by side: skipped ({servers['skipped']})."]
     return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    """One setting in its own process (`python -m edge0.bench.concurrency '<json spec>'`): the page
+    cache emptied first when the spec says so, the result printed as one RESULT_PREFIX line."""
+    spec = json.loads((sys.argv[1:] if argv is None else argv)[0])
+    if spec.get("evict"):
+        from edge0.store.pagecache import evict
+
+        evict(spec["evict"])
+    out = measure(spec)
+    from edge0.backend.core import peak_rss  # imported with mlx by now
+
+    out["peak_rss_bytes"] = peak_rss()
+    print(RESULT_PREFIX + json.dumps(out), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -27,11 +27,12 @@ def prewarm(paths) -> None:
                 pass
 
 
-def run_child(spec: dict, timeout: float, *cgroups) -> dict:
-    """Run one arm's process, moved into `cgroups` (memory cap, read limit; None entries skipped)."""
+def run_child(spec: dict, timeout: float, *cgroups, module: str = "edge0.bench.child") -> dict:
+    """Run one arm's process (`python -m module SPEC`), moved into `cgroups` (memory cap, read
+    limit; None entries skipped)."""
     from edge0.bench.child import RESULT_PREFIX
 
-    cmd = [sys.executable, "-m", "edge0.bench.child", json.dumps(spec)]
+    cmd = [sys.executable, "-m", module, json.dumps(spec)]
     t0 = time.perf_counter()
     try:
         r = subprocess.run(

@@ -150,7 +150,7 @@ def long_and_short(base: str, model: str, long_prompt: str, short_prompt: str, a
 def prompts_from(store: Path, n: int, tokens: int) -> list[str]:
     """n different prompts of `tokens` tokens (as the model's tokenizer counts them)."""
     from edge0.backend.io import load_tokenizer
-    from edge0.bench.concurrency import prompts_for
+    from edge0.bench.child import prompts_for
 
     tok = load_tokenizer(store)
     return [tok.decode(ids) for ids in prompts_for(tok.encode, n, tokens)]

@@ -179,8 +179,11 @@ def run_concurrency(args, model, batches: list[int]) -> dict:
         if model.mlx is None:
             result["servers"] = {"skipped": model.mlx_missing_reason}
         else:
+            # as many rows as the widest C (two for --long-prompt's pair), then the user's flags
+            widest = max(batches + ([2] if args.long_prompt else []))
+            flags = [f"--max-batch={widest}", *args.edge0_arg]
             result["servers"] = serve_side_by_side(
-                model, batches, args.decode_tokens, args.prompt_tokens, args.long_prompt, args.edge0_arg
+                model, batches, args.decode_tokens, args.prompt_tokens, args.long_prompt, flags
             )
     return result
 

@@ -240,10 +240,6 @@ def main(argv=None) -> int:
         if args.prompt_lengths:
             result.update(run_curve(args, model, args.prompt_lengths))
         elif args.concurrency:
-            # as many rows as the widest C (two for --long-prompt's pair), then the user's flags
-            widest = max(args.concurrency + ([2] if args.long_prompt else []))
-            edge0_args = [f"--max-batch={widest}", *args.edge0_arg]
-            args.edge0_arg = edge0_args
             result.update(run_concurrency(args, model, args.concurrency))
         else:
             result.update(run_suite(args, model, arms))

@@ -209,6 +209,16 @@ def test_concurrency_table_and_servers_side_by_side(tiny_model, tmp_path):
     assert "| warm | 2 |" in table.getvalue() and "| 2 |" in table.getvalue().split("mlx_lm.server")[1]
 
 
+def test_a_killed_child_keeps_what_it_reported_before():
+    """--concurrency's child reports its rows after each B: killed later (the memory cap's OOM
+    killer), the rows measured before stay in the result, beside the reason."""
+    from edge0.bench.runner import run_child
+
+    out = run_child({"rows": [{"batch": 1}]}, 60, module="tests.dying_child")
+    assert out["status"] == "killed" and "SIGKILL" in out["reason"]
+    assert out["partial"] == {"status": "partial", "rows": [{"batch": 1}]}
+
+
 @pytest.mark.parametrize(
     "argv, field",
     [

@@ -36,8 +36,9 @@ def parse_batches(text: str) -> list[int]:
     return batches
 
 
-def measure(spec: dict) -> dict:
-    """The child's measurement (one setting); see the module docstring."""
+def measure(spec: dict, report=None) -> dict:
+    """The child's measurement (one setting); see the module docstring. `report(rows)` is called
+    after each B, so a process killed later (the memory cap) keeps the rows measured before."""
     import edge0
     from edge0.bench.speculative import forward_cost
 
@@ -87,6 +88,8 @@ def measure(spec: dict) -> dict:
                 "tokens_identical": ([r.tokens for r in batched] == serial_tokens) if routes is None else None,
             }
         )
+        if report is not None:
+            report(rows)
     fallbacks = engine.stats()["totals"].get("fallbacks")
     return {"status": "ok", "rows": rows, "one_token_step_s": one_token, "fallbacks": fallbacks}
 
@@ -154,6 +157,8 @@ def run_concurrency(args, model, batches: list[int]) -> dict:
             if cg is not None:
                 res["cgroup"] = cg.report()
                 cg.remove()
+        if res.get("status") != "ok" and "partial" in res:  # the rows measured before it stopped
+            res["rows"] = res.pop("partial")["rows"]
         res.update(setting=name, cap_bytes=limit, read_limit_bytes_per_s=rate)
         out.append(res)
         for r in res.get("rows", []):
@@ -196,10 +201,7 @@ def concurrency_markdown(result: dict) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for s in result["concurrency"]:
-        if s.get("status") != "ok":
-            lines.append(f"| {s['setting']} | {s.get('status')}: {s.get('reason')} |" + " |" * 11)
-            continue
-        for r in s["rows"]:
+        for r in s.get("rows", []):
             same = {True: "yes", False: "**no**", None: "-"}[r["tokens_identical"]]
             lines.append(
                 f"| {s['setting']} | {r['batch']} | {_f(r['serial_decode_tps'])} | {_f(r['batch_decode_tps'])} "
@@ -208,6 +210,8 @@ def concurrency_markdown(result: dict) -> str:
                 f"| {_f(r['serial_bytes_per_token'] / 1e6)} | {_f(r['batch_bytes_per_token'] / 1e6)} "
                 f"| {_f(r['union_per_routed'])} | {same} |"
             )
+        if s.get("status") != "ok":  # after the rows it measured, if any
+            lines.append(f"| {s['setting']} | {s.get('status')}: {s.get('reason')} |" + " |" * 11)
     skipped = result["settings"].get("skipped") or {}
     for name, why in skipped.items():
         lines.append(f"| {name} | skipped: {why} |" + " |" * 11)
@@ -235,7 +239,11 @@ def main(argv=None) -> int:
         from edge0.store.pagecache import evict
 
         evict(spec["evict"])
-    out = measure(spec)
+
+    def report(rows):
+        print(RESULT_PREFIX + json.dumps({"status": "partial", "rows": rows}), flush=True)
+
+    out = measure(spec, report)
     from edge0.backend.core import peak_rss  # imported with mlx by now
 
     out["peak_rss_bytes"] = peak_rss()

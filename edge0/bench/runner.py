@@ -49,11 +49,13 @@ def run_child(spec: dict, timeout: float, *cgroups, module: str = "edge0.bench.c
     lines = [l for l in r.stdout.splitlines() if l.startswith(RESULT_PREFIX)]
     if r.returncode == 0 and lines:
         return json.loads(lines[-1][len(RESULT_PREFIX) :])
+    # a child that reports as it goes (--concurrency) keeps what it measured before it died
+    partial = {"partial": json.loads(lines[-1][len(RESULT_PREFIX) :])} if lines else {}
     if r.returncode < 0:
         sig = signal.Signals(-r.returncode).name
-        return {"status": "killed", "reason": f"killed by {sig} after {wall:.1f} s", "signal": sig}
+        return {"status": "killed", "reason": f"killed by {sig} after {wall:.1f} s", "signal": sig, **partial}
     tail = (r.stderr or r.stdout).strip().splitlines()[-12:]
-    return {"status": "failed", "reason": f"exit {r.returncode}: " + " | ".join(tail)[-1500:]}
+    return {"status": "failed", "reason": f"exit {r.returncode}: " + " | ".join(tail)[-1500:], **partial}
 
 
 def median_metrics(runs: list[dict]) -> dict:

@@ -214,18 +214,18 @@ def test_adaptive_switch_turns_off_and_on_from_the_estimates():
     est.observe_plain(0.10)
     est.observe_acceptance(4, 4)
     assert est.cycle_cost(5) == pytest.approx(0.10 * 3)  # no verify timed yet: the prior slope 0.5
-    sp._decide(4)
+    sp.decide(4)
     assert sp.on and sp.counts["switched_on"] == 1
     est.observe_cycle(5, 0.30)  # a 5-token verify costs 3 plain steps
     for _ in range(30):
         est.observe_acceptance(1, 4)  # acceptance 0.5: 1 + .5 + .25 + .125 + .0625 = 1.94 tokens per verify
     assert est.gain(4) == pytest.approx(1.9375 / 3, rel=0.02)  # the first observation has decayed away, nearly
-    sp._decide(4)
+    sp.decide(4)
     assert not sp.on and sp.counts["switched_off"] == 1
     for _ in range(30):  # shadow drafts all accepted while off
         est.observe_acceptance(4, 4)
     assert est.gain(4) > 1.05
-    sp._decide(4)
+    sp.decide(4)
     assert sp.on and sp.counts["switched_on"] == 2
     assert est.cycle_cost(3) == pytest.approx(0.10 + 2 * (0.30 - 0.10) / 4)  # on the line through the measured ones
 
@@ -245,24 +245,24 @@ def test_a_stale_slow_verify_timing_is_timed_again_while_it_could_pay():
     for _ in range(30):
         est.observe_acceptance(4, 4)  # every draft kept: 5 tokens per verify
     est.observe_cycle(5, 0.60)  # one slow verify (a cold cache): 6 plain steps, gain 5/6
-    sp._decide(4)
+    sp.decide(4)
     assert not sp.on
     sp.off_steps = esp.EXPLORE_EVERY - 1
-    assert not sp._explore()
+    assert not sp.should_explore()
     sp.off_steps = esp.EXPLORE_EVERY
-    assert sp._explore()  # gain 0.83 >= RETIME_GAIN
-    sp._explored()
-    assert sp.retime_every == 2 * esp.EXPLORE_EVERY and not sp._explore()  # stayed off: waits twice as long
+    assert sp.should_explore()  # gain 0.83 >= RETIME_GAIN
+    sp.explored()
+    assert sp.retime_every == 2 * esp.EXPLORE_EVERY and not sp.should_explore()  # stayed off: waits twice as long
     est.observe_cycle(5, 0.20)  # timed again: 2 plain steps
     assert est.cycle_cost(5) == pytest.approx(0.40)  # the mean of both timings, not 0.9 x the stale one
-    sp._decide(4)
+    sp.decide(4)
     assert sp.on and sp.retime_every == esp.EXPLORE_EVERY  # gain 5 x 0.1 / 0.4 = 1.25
     far = Speculator(PromptLookup(), num_draft=4)  # far from paying: never timed again
     far.estimates.observe_plain(0.10)
     far.estimates.observe_cycle(5, 0.60)
     far.estimates.observe_acceptance(0, 4)
     far.off_steps = 10**6
-    assert not far._explore()
+    assert not far.should_explore()
 
 
 def test_adaptive_speculation_retimes_a_stale_verify_and_switches_on(store_for, ticking_clock):

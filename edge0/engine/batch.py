@@ -253,7 +253,7 @@ class Batch:
         spec = self.spec
         if spec is None or not any(s.drafter for s in self.rows):
             return None
-        explore = not spec.on and spec._explore()
+        explore = not spec.on and spec.should_explore()
         if not (spec.on or explore):
             spec.off_steps += 1
             return None
@@ -267,7 +267,7 @@ class Batch:
             drafts.append(seq.drafter.draft(seq.prompt + seq.tokens, k).until(seq.reply.eos).tokens)
             spec.seconds["draft"] += time.perf_counter() - t0
         if explore and any(drafts):
-            spec._explored()
+            spec.explored()
         return drafts if any(drafts) else None
 
     def _verify(self, drafts: list[list[int]]) -> list[list[int]]:
@@ -311,7 +311,7 @@ class Batch:
                     c["drafted"] += len(d)
                     c["accepted"] += len(ys) - 1
                     c["yielded"] += len(ys)
-        spec._decide(spec.k)
+        spec.decide(spec.k)
 
     def _drop_rows(self, done: list[int]) -> None:
         """Rows `done` leave; a row that asked for reuse gives its cache (its prompt and reply but

@@ -136,7 +136,7 @@ class Speculator:
         while True:
             k = min(self.k, max_tokens - len(generated) - 1)
             context = prompt + generated
-            explore = not self.on and self._explore()
+            explore = not self.on and self.should_explore()
             if k > 0 and (self.on or not self.adaptive or explore):
                 t0 = time.perf_counter()
                 draft = self.drafter.draft(context, k, temp, top_p).until(eos)
@@ -146,9 +146,9 @@ class Speculator:
                     self.estimates.observe_cycle(len(draft.tokens) + 1, time.perf_counter() - t0)
                     self.seconds["verify"] += time.perf_counter() - t0
                     self.off_steps, shadow = 0, None  # a pending shadow draft no longer lines up
-                    self._decide(self.k)
+                    self.decide(self.k)
                     if explore:
-                        self._explored()
+                        self.explored()
                     yield from out
                     continue
             if k > 0 and not self.on and shadow is None and (self.drafter.cheap or since_probe >= PROBE_EVERY):
@@ -166,7 +166,7 @@ class Speculator:
             if shadow:
                 shadow = self._check_shadow(shadow, y)
             if k > 0:
-                self._decide(self.k)
+                self.decide(self.k)
             yield y
 
     def _check_shadow(self, shadow: tuple, y: int) -> tuple | None:
@@ -207,7 +207,7 @@ class Speculator:
         self.estimates.observe_acceptance(n, k)
         return draft.tokens[:n] + [nxt]
 
-    def _explore(self) -> bool:
+    def should_explore(self) -> bool:
         """While off: time a verify now? Once when none was timed yet, and again while the estimated
         gain is within reach of paying (a stale slow timing would otherwise decide forever)."""
         if not self.estimates.cycle:
@@ -215,12 +215,12 @@ class Speculator:
         gain = self.estimates.gain(self.k)
         return self.off_steps >= self.retime_every and gain is not None and gain >= RETIME_GAIN
 
-    def _explored(self) -> None:
+    def explored(self) -> None:
         """A verify was timed while off; if the switch stayed off, wait twice as long before the next."""
         if not self.on:
             self.retime_every = min(2 * self.retime_every, RETIME_MAX)
 
-    def _decide(self, k: int) -> None:
+    def decide(self, k: int) -> None:
         """The adaptive switch: off when verifying k drafts (the configured k: the few last tokens
         of a generation draft fewer, but must not set the state the next one starts with) is
         estimated slower than plain steps, on again when it is estimated SWITCH_ON times faster."""

@@ -143,7 +143,7 @@ class BatchReads(StepHooks):
         if self.before is not None:
             self.routes[layer] = inds
 
-    def multi_token(self, engine, step, n):
+    def rows(self, engine, step, previous):
         self.before = {l: (s.loads, s.bytes_read) for l, s in engine.streaming.stats.layers.items()}
 
     def step_done(self, engine, step):
@@ -488,3 +488,31 @@ def test_a_long_span_alone_gives_way_to_a_newcomer_and_the_tokens_stay_the_same(
 
 def bkv_offset(cache) -> int:
     return max(c.offset for c in cache)
+
+
+def test_a_staged_union_beyond_the_slots_is_read_ahead_and_each_row_computes_its_own_experts(store_for):
+    """A batch's staged routes (the pre-router's, for every row) whose union outgrows the slots:
+    the cached experts stay, misses fill the slots, the rest is read ahead too; the step's call
+    then maps every (row, k) to exactly its routed expert's weights, from slots or the read ahead."""
+    from edge0.backend import core as B
+    from edge0.streaming.exact import to_device
+
+    engine = edge0.load(store_for("qwen3_moe"), prerouter=False, expert_cache="31KB", decode_executor="staged")
+    layer, ex = sorted(engine.streaming.staged().items())[0]
+    n, k = ex.slots.n_slots, engine.k
+    experts = int(engine.store.layers[layer]["num_experts"])
+    rows = np.array([[(r * k + j) % experts for j in range(k)] for r in range(3)])  # B = 3 rows x K
+    union = np.unique(rows)
+    assert len(union) > n
+    ex.stage(rows)
+    ex.swap()
+    [(params, local)] = ex(B.array(rows[:, None, :].astype(np.uint32)))
+    local = B.to_numpy(local).reshape(rows.shape)
+    for (r, j), e in np.ndenumerate(rows):
+        want = to_device(engine.store.read(layer, [int(e)]), 1, engine.compute_dtype)
+        for proj, parts in want.items():
+            for part, a in parts.items():
+                assert np.array_equal(B.to_numpy(params[proj][part][int(local[r, j])]), B.to_numpy(a[0]))
+    s = ex.stats
+    assert s.beyond_ahead == s.beyond_ahead_used == len(union) - n  # all of the rest came from the read ahead
+    assert s.loads == len(union)  # each expert of the union read once

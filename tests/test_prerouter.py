@@ -143,8 +143,7 @@ def test_heads_in_store_are_used_by_default_and_can_be_disabled(store_for, heads
     shutil.copy(heads_file, store / "prerouter.safetensors")
     assert (engine := edge0.load(store)).prerouting is not None
     assert edge0.load(store, prerouter=False).prerouting is None
-    with pytest.raises(Edge0Error, match="generate_batch: the pre-router predicts one sequence.*prerouter=False"):
-        engine.generate_batch(["a b c", "d e f"], max_tokens=2)
+    assert engine.batch_problem() is None  # a batch routes each row with its own predictions
 
 
 def test_heads_for_another_model_are_rejected(store_for, heads_file):
@@ -215,3 +214,41 @@ def test_speculation_with_heads_gives_the_plain_prerouted_tokens(store_for, head
     sp = res.stats["speculation"]
     assert sp["verifies"] >= 3 and 0 < sp["accepted"] < sp["drafted"]
     assert res.stats["dropped_experts"] == 0  # the kept position's prediction was staged for the next step
+
+
+BATCH_PROMPTS = [PROMPT, "the quick brown fox jumps over the lazy dog", "a tiny model that reads experts"]
+
+
+@pytest.mark.parametrize("executor", ["staged", "hot"])
+def test_a_batch_with_heads_gives_each_sequence_its_prerouted_tokens(store_for, heads_file, executor):
+    """Each row of a batch routes with its own predictions (its first step, the prompt's last
+    token, with the gate, as alone), whether rows start together or one joins mid-batch (a
+    two-token prompt: its one-token prefill predicts nothing); the staged executors read the rows'
+    predicted union ahead, and nothing routed goes unread."""
+    from edge0.engine.sampler import RequestSampler
+
+    e = edge0.load(store_for("deepseek_v3"), prerouter=heads_file, expert_cache="64KB", decode_executor=executor)
+    prompts = [e.encode(p) for p in BATCH_PROMPTS]
+    prompts[2] = prompts[2][:2]
+    limits = [6, 9, 12]
+    alone = [e.generate(p, max_tokens=m, ignore_eos=True).tokens for p, m in zip(prompts, limits)]
+    gate = edge0.load(store_for("deepseek_v3"), prerouter=False)
+    assert [gate.generate(p, max_tokens=m, ignore_eos=True).tokens for p, m in zip(prompts, limits)] != alone
+    by_head = sum(e.stats()["prerouter"]["routed_by_head"].values())
+    batched = e.generate_batch(prompts, max_tokens=limits, ignore_eos=True)
+    assert [r.tokens for r in batched] == alone
+    assert sum(e.stats()["prerouter"]["routed_by_head"].values()) > by_head
+    totals = e.stats()["totals"]
+    assert totals["dropped"] == 0
+    if executor == "staged":  # three rows' union outgrew the slots: what did not fit was read ahead too
+        assert 0 < totals["beyond_ahead_used"] <= totals["beyond_ahead"]
+
+    # the third sequence joins after five steps of the first two (which keep their predictions)
+    with e.batching() as batch:
+        seqs = [batch.join(prompts[i], RequestSampler(0.0, 1.0), limits[i], set()) for i in range(2)]
+        for _ in range(5):
+            batch.advance()
+        seqs.append(batch.join(prompts[2], RequestSampler(0.0, 1.0), limits[2], set()))
+        while batch.busy:
+            batch.advance()
+    assert [s.tokens for s in seqs] == alone

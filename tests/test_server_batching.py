@@ -175,10 +175,10 @@ def test_what_cannot_batch_runs_one_at_a_time_and_says_why(engine):
     kv = engine.kv
     assert b["max_batch"] == min(8, 1 + kv.pool.max_bytes // kv.context_bytes)
     assert "prompt caches' memory holds" in b["why"]
-    engine.prerouting = object()  # what batch_problem sees of an attached pre-router
+    engine.batch_problem = lambda: "the reason it cannot"  # e.g. a pipeline across ranks (mlx.launch)
     try:
         with running_server(engine, ServerConfig(max_batch=4)) as base:
             b = stats(base)["batching"]
     finally:
-        engine.prerouting = None
-    assert b["max_batch"] == 1 and "pre-router predicts one sequence's routes" in b["why"]
+        del engine.batch_problem
+    assert b == {"max_batch": 1, "why": "the reason it cannot"}

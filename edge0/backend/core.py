@@ -39,6 +39,7 @@ argmax = mx.argmax
 concatenate = mx.concatenate
 stack = mx.stack
 take = mx.take
+where = mx.where
 zeros = mx.zeros
 zeros_like = mx.zeros_like
 # Ops used by the features' losses and samplers (edge0/lora, edge0/prerouter).

@@ -11,7 +11,8 @@ if B rows cost what B tokens of one sequence cost. Per B: aggregate decode tok/s
 speedup, the ceiling and the speedup's share of it, expert bytes read per generated token both
 ways, and the batch's union of experts per routed (token, expert) pair. With --routing qwen3-like
 row r of a batch (and generation r one after another) routes as its own text through the same
-model (bench/routing.py)."""
+model (bench/routing.py); with --read-ahead each step's routes (every row's) are staged while the
+step before computes, as the pre-router does."""
 
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ def measure(spec: dict, report=None) -> dict:
     """The child's measurement (one setting); see the module docstring. `report(rows)` is called
     after each B, so a process killed later (the memory cap) keeps the rows measured before."""
     import edge0
+    from edge0.bench.env import storage_bytes_read
     from edge0.bench.speculative import forward_cost
 
     engine = edge0.load(spec["store"], prerouter=False, lora=False, **spec["load"])
@@ -47,7 +49,7 @@ def measure(spec: dict, report=None) -> dict:
     if spec["routing"] != "uniform":
         from edge0.bench.routing import use_synthetic_routing
 
-        routes = use_synthetic_routing(engine, seed=0)
+        routes = use_synthetic_routing(engine, seed=0, lookahead=spec.get("read_ahead", False))
     batches, n = spec["batches"], spec["decode_tokens"]
     prompts = prompts_for(engine.encode, max(batches), spec["prompt_tokens"])
     # the true continuation of the first prompt, long enough for steps of the widest B
@@ -57,6 +59,7 @@ def measure(spec: dict, report=None) -> dict:
     for b in batches:
         serial_s = serial_bytes = 0.0
         serial_tokens = []
+        disk0 = storage_bytes_read()
         for i, p in enumerate(prompts[:b]):
             if routes is not None:
                 routes.first_text = i  # generation i routes as row i of the batch does
@@ -66,7 +69,9 @@ def measure(spec: dict, report=None) -> dict:
             serial_tokens.append(s.tokens)
         if routes is not None:
             routes.first_text = 0
+        disk1 = storage_bytes_read()
         batched = engine.generate_batch(prompts[:b], max_tokens=n, ignore_eos=True)
+        disk2 = storage_bytes_read()
         st = batched[0].stats["batch"]
         cost = forward_cost(engine, prompts[0], reference, b, 3) / one_token if b > 1 else 1.0
         serial_tps = b * (n - 1) / serial_s
@@ -84,6 +89,9 @@ def measure(spec: dict, report=None) -> dict:
                 "of_ceiling": speedup / (b / cost),
                 "serial_bytes_per_token": serial_bytes / (b * n),
                 "batch_bytes_per_token": (st["expert_bytes_read"] - st["prefill_expert_bytes_read"]) / (b * n),
+                # prefills included: what reached storage past the page cache, both ways
+                "serial_storage_bytes_per_token": None if disk0 is None else (disk1 - disk0) / (b * n),
+                "batch_storage_bytes_per_token": None if disk0 is None else (disk2 - disk1) / (b * n),
                 "union_per_routed": st["union_per_routed"],
                 "tokens_identical": ([r.tokens for r in batched] == serial_tokens) if routes is None else None,
             }
@@ -139,6 +147,7 @@ def run_concurrency(args, model, batches: list[int]) -> dict:
             "prompt_tokens": args.prompt_tokens,
             "decode_tokens": args.decode_tokens,
             "routing": args.routing,
+            "read_ahead": args.read_ahead,
         }
         if limit is None:
             prewarm(files)
@@ -174,6 +183,7 @@ def run_concurrency(args, model, batches: list[int]) -> dict:
             "expert_cache": args.expert_cache,
             "expert_cache_bytes": budget,
             "routing": args.routing,
+            "read_ahead": args.read_ahead,
             "skipped": skipped,
             **sizes,
         },
@@ -215,6 +225,8 @@ def concurrency_markdown(result: dict) -> str:
     skipped = result["settings"].get("skipped") or {}
     for name, why in skipped.items():
         lines.append(f"| {name} | skipped: {why} |" + " |" * 11)
+    if result["settings"].get("read_ahead"):
+        lines.append("\nEach step's routes (every row's) staged while the step before computed (`--read-ahead`).")
     servers = result.get("servers")
     if servers and "rows" in servers:
         from edge0.bench.serving import servers_markdown

@@ -32,7 +32,6 @@ class SyntheticRoutes:
         self.row = {l: i for i, l in enumerate(self.layers)}
         self.num_experts, self.k, self.seed = num_experts, k, seed
         self.first_text = 0
-        self.routes_rows = True  # a batch may decode with these routes (not with a one-row stager)
         self.restart()
 
     def restart(self) -> None:
@@ -115,9 +114,12 @@ class LookaheadStager(SyntheticHooks):
 
     def after_forward(self, engine, step: int, launched) -> None:
         B.async_eval(launched)
-        nxt, _ = self.routes.peek()
+        routes = self.routes
+        rows = routes.current[0].shape[1]  # this pass's rows: each one's next token is staged
+        nxt = np.stack([routes.peek(r)[0] for r in range(rows)], axis=1)  # [L, B, K]
         for layer, ex in self.staged.items():
-            ex.stage(nxt[self.routes.row[layer]])
+            i = routes.row[layer]
+            ex.stage(nxt[i, 0] if rows == 1 else nxt[i])
 
     def before_step(self, engine, step: int) -> None:
         for ex in self.staged.values():
@@ -144,6 +146,5 @@ def use_synthetic_routing(engine, seed: int = 0, lookahead: bool = False) -> Syn
     for _, block in blocks:
         block.use_prerouting(routes)
     hooks = LookaheadStager(routes, engine.streaming.staged()) if lookahead else SyntheticHooks(routes)
-    routes.routes_rows = not lookahead
     engine.use_prerouter(routes, hooks, None, {"routing": "qwen3-like", "seed": seed, "lookahead": lookahead})
     return routes

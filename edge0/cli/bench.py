@@ -78,6 +78,12 @@ def parse_args(argv):
     )
     g.add_argument("--no-servers", action="store_true", help="--concurrency: skip the servers' side-by-side run")
     g.add_argument(
+        "--read-ahead",
+        action="store_true",
+        help="--concurrency with --routing qwen3-like: stage each step's routes one step ahead, as the pre-router "
+        "does (one after another and batched alike)",
+    )
+    g.add_argument(
         "--long-prompt",
         type=int,
         metavar="N",
@@ -166,8 +172,10 @@ def parse_args(argv):
     args.concurrency = parse_batches(args.concurrency) if args.concurrency is not None else None
     if args.concurrency and (args.arms or args.trace_arm or args.prompt_lengths):
         raise Edge0Error("--concurrency runs its own settings; drop --arms, --trace-arm and --prompt-lengths")
-    if not args.concurrency and (args.no_servers or args.long_prompt or args.edge0_arg):
-        raise Edge0Error("--no-servers, --long-prompt and --edge0-arg go with --concurrency")
+    if not args.concurrency and (args.no_servers or args.long_prompt or args.edge0_arg or args.read_ahead):
+        raise Edge0Error("--no-servers, --long-prompt, --edge0-arg and --read-ahead go with --concurrency")
+    if args.read_ahead and args.routing != "qwen3-like":
+        raise Edge0Error("--read-ahead stages synthetic routes ahead: add --routing qwen3-like")
     if args.long_prompt is not None and args.long_prompt < 2:
         raise Edge0Error(f"--long-prompt {args.long_prompt}: give a prompt length of at least 2 tokens")
     if args.read_limit is not None and args.no_cap:

@@ -9,6 +9,8 @@ batched cache as a new row (left padding, masked, each row at its own positions)
 feeds one token of each row through one forward: each MoE layer reads the union of the batch's
 experts once (counted as `multi_union` against `multi_routes`). A sequence that ends leaves the
 batch (its cache goes back to the prompt caches when it asked for reuse); the others go on.
+Each step tells the step hooks which row every row was at the step before (`StepHooks.rows`):
+a pre-router's predictions are by row, and a row that joined since has none.
 
     # B rows, V vocabulary
     step: tokens [B] -> forward [B, 1] -> log-probs [B, V] -> one sample per row (its own sampler)
@@ -57,8 +59,6 @@ def batch_problem(engine) -> str | None:
     """Why `engine` cannot decode a batch (None if it can)."""
     if engine.pipeline is not None:
         return "a batch decodes in one process, not across ranks under mlx.launch"
-    if engine.prerouting is not None and not getattr(engine.prerouting, "routes_rows", False):
-        return "the pre-router predicts one sequence's routes; load with prerouter=False (--no-prerouter) to batch"
     problem = bkv.batch_problem(engine.kv.make())
     return f"{engine.model_id}: {problem}" if problem else None
 
@@ -71,6 +71,7 @@ class Batch:
         self.engine = engine
         self.waiting: list[Sequence] = []  # prefilling, each in its own cache
         self.rows: list[Sequence] = []  # row i of the merged cache is rows[i]
+        self.last_rows: list[Sequence] = []  # the rows of the last step (a pre-router's predictions are by row)
         self.inputs: list[int] = []  # each row's next token to feed
         self.cache = None
         self.steps = 0
@@ -86,15 +87,17 @@ class Batch:
         }
         self.interrupt = None  # () -> bool: a request waits to join (the server's arrivals)
         # rows draft (and a step verifies them) when the engine speculates and each row's cache
-        # can drop its rejected drafts on its own
+        # can drop its rejected drafts on its own; not under a pre-router, whose verify routes
+        # one sequence's tokens
         spec = engine.batch_speculation
-        self.spec = spec if spec is not None and bkv.rows_can_drop_tails(engine.kv.make()) else None
+        rows_draft = engine.prerouting is None and bkv.rows_can_drop_tails(engine.kv.make())
+        self.spec = spec if spec is not None and rows_draft else None
         pool = engine.kv.pool
         self._pool_bound = pool.max_bytes if pool is not None else None
 
     def close(self) -> None:
         """The batch is over: what is left of it goes, and the prompt caches' memory bound is back."""
-        self.waiting, self.rows, self.inputs, self.cache = [], [], [], None
+        self.waiting, self.rows, self.last_rows, self.inputs, self.cache = [], [], [], [], None
         if self._pool_bound is not None:
             self.engine.kv.pool.max_bytes = self._pool_bound
 
@@ -207,12 +210,15 @@ class Batch:
         e = self.engine
         rows = self.rows
         drafts = self._drafts()
+        at = {id(s): i for i, s in enumerate(self.last_rows)}
+        previous = [at.get(id(s)) for s in rows]
+        self.last_rows = list(rows)
         t0 = time.perf_counter()
         if drafts is None:
             samplers = [s.sampler for s in rows]
-            out = [[y] for y in e.stepper.decode_batch(self.inputs, self.steps, samplers, self.cache)]
+            out = [[y] for y in e.stepper.decode_batch(self.inputs, self.steps, samplers, self.cache, previous)]
         else:
-            out = self._verify(drafts)
+            out = self._verify(drafts, previous)
         if self.spec is not None:
             self._observe(drafts, out, time.perf_counter() - t0)
         self.steps += 1
@@ -270,7 +276,7 @@ class Batch:
             spec.explored()
         return drafts if any(drafts) else None
 
-    def _verify(self, drafts: list[list[int]]) -> list[list[int]]:
+    def _verify(self, drafts: list[list[int]], previous: list) -> list[list[int]]:
         """One step feeding each row its last token and its draft (rows without one: the last
         token alone); each row keeps its draft up to the first token that is not the argmax, then
         one more token (its own sampler's, for a row that did not draft). Returns each row's tokens."""
@@ -290,7 +296,7 @@ class Batch:
             return out, kept
 
         inputs = [[y] + d for y, d in zip(self.inputs, drafts)]
-        return self.engine.stepper.verify_batch(inputs, self.steps, decide, self.cache)
+        return self.engine.stepper.verify_batch(inputs, self.steps, decide, self.cache, previous)
 
     def _observe(self, drafts, out, seconds: float) -> None:
         """The switch's estimates and the counts, after a step of the batch."""

@@ -11,7 +11,8 @@ class StepHooks:
     """Hooks called by Engine, in this order for one generation: start; per step: before_step
     (at the boundary, from step 1 on), before_forward, after_forward (the step's graph is built),
     step_done (its token was sampled); then finish. A multi-token step (a speculative verify)
-    also calls multi_token after before_step, and kept before step_done."""
+    also calls multi_token after before_step, and kept before step_done; a step of a batch calls
+    rows after before_step (and multi_token when its rows verify drafts)."""
 
     def start(self, engine) -> None:
         """A generation or a teacher-forced pass begins: forget per-sequence state."""
@@ -20,8 +21,12 @@ class StepHooks:
         """Step boundary: the previous step was evaluated whole."""
 
     def multi_token(self, engine, step: int, n_tokens: int) -> None:
-        """Step `step` feeds `n_tokens` > 1 tokens: of one sequence (the last token and a draft),
-        or one of each sequence of a batch (generate_batch; no `kept` follows)."""
+        """Step `step` feeds `n_tokens` > 1 tokens of a sequence (the last token and a draft; in a
+        batch, each row's: no `kept` follows there)."""
+
+    def rows(self, engine, step: int, previous: list) -> None:
+        """Step `step` is a batch's: row i was row `previous[i]` of the batch's last step, or
+        None when it joined since (rows leave and join between steps)."""
 
     def kept(self, engine, step: int, position: int) -> None:
         """Multi-token step `step` kept its inputs up to `position` (the rest were rejected drafts);

@@ -26,15 +26,18 @@ class Stepper:
     def __init__(self, engine):
         self.engine = engine
 
-    def run(self, step: int, n_tokens: int, forward: Callable, finish: Callable):
+    def run(self, step: int, n_tokens: int, forward: Callable, finish: Callable, per_row: int = 0, previous=None):
         """The protocol above: `forward()` builds the outputs, `finish(outputs)` returns
-        (result, kept: the position up to which a multi-token step's inputs were kept, or None)."""
+        (result, kept: the position up to which a multi-token step's inputs were kept, or None).
+        A batch's step passes its tokens per row (`per_row`) and each row's `previous` index."""
         e = self.engine
         hooks = e.hooks
         if step > 0:
             hooks.before_step(e, step)
-        if n_tokens > 1:
+        if (per_row or n_tokens) > 1:
             hooks.multi_token(e, step, n_tokens)
+        if previous is not None:
+            hooks.rows(e, step, previous)
         hooks.before_forward(e, step)
         # T tokens of one sequence are one decode call: each MoE layer reads their union once
         with e.streaming.decoding() if n_tokens > 1 else nullcontext():
@@ -62,18 +65,21 @@ class Stepper:
         e.kv.advance(tokens)
         return y
 
-    def decode_batch(self, tokens: list[int], step: int, samplers: list, cache) -> list[int]:
+    def decode_batch(self, tokens: list[int], step: int, samplers: list, cache, previous: list) -> list[int]:
         """A step of a batch (batch.py): one token of each sequence, fed through the merged
-        `cache`; one token sampled per row with that sequence's sampler."""
+        `cache`; one token sampled per row with that sequence's sampler. Row i was row
+        `previous[i]` of the last step (None: it joined since)."""
         e = self.engine
         return self.run(
             step,
             len(tokens),
             lambda: bfw.forward_rows(e.model, tokens, cache),
             lambda logprobs: ([bfw.sample(s, logprobs[i]) for i, s in enumerate(samplers)], None),
+            per_row=1,
+            previous=previous,
         )
 
-    def verify_batch(self, rows: list[list[int]], step: int, decide: Callable, cache):
+    def verify_batch(self, rows: list[list[int]], step: int, decide: Callable, cache, previous: list):
         """A multi-token step of a batch: row i feeds `rows[i]` (its last token and a draft, or its
         last token alone; shorter rows are padded with their last token, positions nothing reads).
         `decide(logprobs [B, T, V])` returns (result, kept: how many of its inputs each row keeps);
@@ -87,7 +93,14 @@ class Stepper:
             bkv.drop_row_tails(cache, [width - k for k in kept])
             return result, None
 
-        return self.run(step, len(rows) * width, lambda: bfw.forward_rows_all(e.model, padded, cache), finish)
+        return self.run(
+            step,
+            len(rows) * width,
+            lambda: bfw.forward_rows_all(e.model, padded, cache),
+            finish,
+            per_row=width,
+            previous=previous,
+        )
 
     def verify(self, step: int, inputs: list[int], decide: Callable) -> tuple[int, int, bool]:
         """A multi-token step of `inputs` (the last token and a draft): `decide(logprobs [T, V])`

@@ -48,6 +48,8 @@ def student_generate(model, prerouting, prompts, n: int, temperature: float, see
         if x.shape[1] > 1:
             model(x[:, :-1], cache=cache)
             B.eval([c.state for c in cache])
+        if prerouting is not None:
+            prerouting.stepping = True  # decode steps from here: the heads predict
         logits = model(x[:, -1:], cache=cache)[:, -1, :].astype(B.float32)
         out = [x]
         for i in range(n):

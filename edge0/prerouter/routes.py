@@ -35,6 +35,8 @@ class PreRouting:
         self.spec, self.k, self.diagnostics = spec, k, diagnostics
         self.parallel = False  # full-sequence forward routed as decoding would (training, eval)
         self.verifying = False  # a multi-token decode step (speculative verify): routed as decoding would
+        self.stepping = False  # inside a decode step (the stager says): a prefill span's one token is not one
+        self.gate_rows = None  # a batch's step: [B] True for the rows with no prediction (they joined since)
         self.pending: dict = {}
         self.next: dict = {}
         self.next_scores: dict = {}  # consumer layer -> the head's scores over all experts (lazy)
@@ -45,7 +47,8 @@ class PreRouting:
 
     def reset(self) -> None:
         self.pending, self.next, self.next_scores, self.outgoing, self.overlaps = {}, {}, {}, {}, {}
-        self.verifying = False
+        self.verifying = self.stepping = False
+        self.gate_rows = None
 
     @contextmanager
     def teacher_forcing(self):
@@ -66,8 +69,13 @@ class PreRouting:
         t > 0 the one this step's head predicted at t - 1: the routes plain decoding would use."""
         if x.shape[-2] != 1:
             return self._verify_route(block, x) if self.verifying else None
+        if not self.stepping:  # a one-token prefill span (a sequence joining a batch)
+            return None
         r = self.pending.pop(block.layer, None)
         (self.routed_by_gate if r is None else self.routed_by_head)[block.layer] += 1
+        if r is not None and self.gate_rows is not None:  # rows that joined since route with the gate
+            gate = block.gate_route(x)[:2]
+            r = tuple(B.where(self.gate_rows[:, None, None], g, p) for g, p in zip(gate, r))
         if r is not None and self.diagnostics:
             self.compare(block.layer, r[0], block.gate_route(x)[0])
         return r
@@ -96,7 +104,7 @@ class PreRouting:
 
     def predict(self, layer: int, x) -> None:
         """Owner layer hook: predict the consumer's route for the next token."""
-        if layer not in self.heads or (x.shape[-2] != 1 and not (self.parallel or self.verifying)):
+        if layer not in self.heads or not (self.parallel or (self.stepping and (x.shape[-2] == 1 or self.verifying))):
             return
         c = self.consumer[layer]
         logits = self.heads[layer](x.astype(B.float32))
@@ -132,9 +140,22 @@ class PreRouting:
         self.next = {c: (at(i), at(w)) for c, (i, w) in self.next.items()}
         self.next_scores = {c: at(s) for c, s in self.next_scores.items()}
 
+    def select_rows(self, previous: list) -> None:
+        """A batch's step: row i continues row `previous[i]` of the last step, whose predictions
+        it takes; a row that joined since (None) routes this step with the gate, as a sequence's
+        first step (the prompt's last token) does alone."""
+        if all(p is None for p in previous):
+            self.pending, self.gate_rows = {}, None
+            return
+        take = B.array([0 if p is None else p for p in previous])
+        self.pending = {c: tuple(a[take] for a in r) for c, r in self.pending.items()}
+        joined = [p is None for p in previous]
+        self.gate_rows = B.array(joined) if any(joined) else None
+
     def advance(self) -> None:
         """The predictions made during this step become the next step's routes."""
         self.pending, self.next, self.next_scores = self.next, {}, {}
+        self.gate_rows = None
 
     def next_indices(self) -> dict:
         return {c: inds for c, (inds, _) in self.next.items()}

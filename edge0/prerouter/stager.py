@@ -12,6 +12,12 @@ from edge0.backend import core as B
 from edge0.engine.hooks import StepHooks
 
 
+def one_row(ids):
+    """Host routes [.., 1, K] -> [K] (one sequence) or [B, K] (a batch's rows)."""
+    ids = ids.reshape(-1, ids.shape[-1])
+    return ids[0] if len(ids) == 1 else ids
+
+
 class PreRouterStager(StepHooks):
     def __init__(self, prerouting, staged: dict, heads_path: Path | None = None):
         # no per-step history: a server runs this for millions of steps (tests wrap the methods instead)
@@ -24,6 +30,17 @@ class PreRouterStager(StepHooks):
     def multi_token(self, engine, step: int, n_tokens: int) -> None:
         """A verify: pre-routed layers route each position as plain decoding would."""
         self.pr.verifying = True
+
+    def rows(self, engine, step: int, previous: list) -> None:
+        """A batch's step: each row takes its own row's predictions; a row that joined since has
+        none (it routes with the gate), so no layer may trust the staged route without a sync."""
+        self.pr.select_rows(previous)
+        if any(p is None for p in previous):
+            for ex in self.staged.values():
+                ex.trusted = False
+
+    def before_forward(self, engine, step: int) -> None:
+        self.pr.stepping = True
 
     def after_forward(self, engine, step: int, launched) -> None:
         """Step `step`'s graph is built and `launched` (its outputs) is being evaluated: issue the
@@ -45,11 +62,12 @@ class PreRouterStager(StepHooks):
                 if ex.wants_scores:  # the head's scores come with its route, in the same sync
                     scores = self.pr.next_scores[layer]
                     B.eval(inds, scores)
-                    ex.stage(B.to_numpy(inds).ravel(), B.to_numpy(scores).ravel())
+                    ex.stage(one_row(B.to_numpy(inds)), B.to_numpy(scores).reshape(-1, scores.shape[-1]).mean(axis=0))
                 else:
-                    ex.stage(B.to_numpy(inds).ravel())
+                    ex.stage(one_row(B.to_numpy(inds)))
 
     def step_done(self, engine, step: int) -> None:
+        self.pr.stepping = False
         self._collect_recall()
 
     def before_step(self, engine, step: int) -> None:

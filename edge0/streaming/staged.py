@@ -30,7 +30,7 @@ import numpy as np
 
 from edge0.backend import core as B
 from edge0.cache import substitute
-from edge0.streaming.exact import ExactExecutor, raw_nbytes
+from edge0.streaming.exact import ExactExecutor, raw_nbytes, to_device
 from edge0.streaming.pool import SlotSet
 
 
@@ -48,6 +48,7 @@ class StagedExecutor(ExactExecutor):
         self.step = 0
         self.trusted = False  # this step's route was staged ahead: no host sync
         self._pending: tuple | None = None  # (evicted, loaded, slots, read Future, alias)
+        self._beyond: tuple | None = None  # a batch's staged union beyond the slots: (ids, read Future)
         self._dropped = []  # device scalars, read after the step by collect_dropped
 
     def route_experts(self, ids: np.ndarray, scores) -> tuple[list[int], dict[int, int]]:
@@ -62,14 +63,30 @@ class StagedExecutor(ExactExecutor):
 
     # -- the double buffer -------------------------------------------------------------------
     def stage(self, ids, scores=None) -> None:
-        """Start reading the experts of the *next* step (host ids of one token's route; its router
-        scores [E] when `wants_scores`) in the background."""
-        experts, alias = self.route_experts(np.asarray(ids), scores)
+        """Start reading the experts of the *next* step (host ids of one token's route [K], or of a
+        batch's rows [B, K]; router scores [E] when `wants_scores`) in the background. A batch's
+        union beyond the slots keeps the cached experts and stages the misses most rows route first
+        into the rest (as the step's own overflow does: staging others would evict experts the step
+        then reads again); the step reads the rest. A batch's step routes on the host and counts
+        its hits and misses there; here only the reads count (at the swap)."""
+        ids = np.asarray(ids)
+        if ids.ndim == 1:
+            experts, alias = self.route_experts(ids, scores)
+        else:  # the step's own host route substitutes, if at all
+            order = admission_order(ids)
+            cached = self.slots.slot_of
+            fill = [e for e in order if e in cached] + [e for e in order if e not in cached]
+            experts, alias = sorted(fill[: self.slots.n_slots]), {}
+            beyond = sorted(fill[self.slots.n_slots :])  # read ahead too, for the step's overflow
+            if beyond:
+                self._beyond = (np.array(beyond), self.reader.submit(self.store.read, self.layer, beyond))
+                self.stats.beyond_ahead += len(beyond)
         hits, loaded, evicted, slots = self.slots.plan(self.step + 1, experts, scores)
-        self.stats.hits += len(hits)
-        self.stats.misses += len(loaded)
-        self.stats.bytes_used += len(experts) * self.expert_nbytes
-        self.stats.distinct_experts.update(experts)
+        if ids.ndim == 1:
+            self.stats.hits += len(hits)
+            self.stats.misses += len(loaded)
+            self.stats.bytes_used += len(experts) * self.expert_nbytes
+            self.stats.distinct_experts.update(experts)
         future = self.reader.submit(self.store.read, self.layer, loaded) if loaded else None
         self._pending = (evicted, loaded, slots, future, alias)
 
@@ -94,11 +111,48 @@ class StagedExecutor(ExactExecutor):
         gate mode; called when a generation ends."""
         if self._pending is not None:
             self.swap()
+        self._take_beyond()
         self.trusted = False
+
+    def _take_beyond(self) -> tuple[np.ndarray, dict] | None:
+        """The experts read ahead beyond the slots, once their read is done (counted as read
+        whether the step uses them or not), or None."""
+        if self._beyond is None:
+            return None
+        ids, future = self._beyond
+        self._beyond = None
+        t0 = time.perf_counter()
+        raw = future.result()
+        s = self.stats
+        s.stall_s += time.perf_counter() - t0
+        s.loads += len(ids)
+        s.bytes_read += raw_nbytes(raw)
+        return ids, raw
+
+    def _read(self, want) -> dict | None:
+        """Store bytes of experts `want` (in that order; None if none): from the read ahead
+        beyond the slots where it has them, the others read now."""
+        ahead = self._take_beyond()
+        if not len(want):
+            return None
+        if ahead is None:
+            return self.read(want)
+        ids, raw = ahead
+        want = np.asarray(want)
+        found = np.isin(want, ids)
+        self.stats.beyond_ahead_used += int(found.sum())
+        missing = want[~found]
+        if len(missing):
+            more = self.read(missing)
+            ids = np.concatenate([ids, missing])
+            raw = {n: (np.concatenate([b, more[n][0]]), d, shape) for n, (b, d, shape) in raw.items()}
+        at = {int(e): i for i, e in enumerate(ids)}
+        pick = np.array([at[int(e)] for e in want])
+        return {n: (b[pick], d, shape) for n, (b, d, shape) in raw.items()}
 
     def resize(self, n_slots: int) -> None:
         """Between generations (nothing staged): `n_slots` slots, the policy choosing who stays."""
-        if self._pending is not None:
+        if self._pending is not None or self._beyond is not None:
             raise RuntimeError(f"layer {self.layer}: a staged step is pending; settle() it before resizing")
         self.slots.resize(n_slots)
         self.trusted = False
@@ -141,7 +195,7 @@ class StagedExecutor(ExactExecutor):
         s.distinct_experts.update(experts)
         # this layer's slots are read by no launched computation: the route's sync evaluated
         # everything before it, and the previous step was evaluated whole
-        raw = self.read(loaded) if loaded else None
+        raw = self._read(loaded)
         s.slot_scatters += self.slots.apply(evicted, loaded, slots, raw, alias, in_place=True)
         s.slot_rewrites += len(loaded)
         return [(self.slots.params, self.slots.local(indices))]
@@ -167,11 +221,15 @@ class StagedExecutor(ExactExecutor):
         s.misses += len(misses)
         s.bytes_used += len(order) * self.expert_nbytes
         s.distinct_experts.update(order)
-        raw = self.read(loaded) if loaded else None
+        both = self._read(list(loaded) + rest.tolist())  # one read (or the read ahead) for both parts
+        n = len(loaded)
+        raw = {k: (b[:n], d, shape) for k, (b, d, shape) in both.items()} if loaded else None
         s.slot_scatters += self.slots.apply(evicted, loaded, slots, raw, in_place=True)
         s.slot_rewrites += len(loaded)
         later = np.isin(ids, rest)
-        params, _ = self.load(rest)
+        t0 = time.perf_counter()
+        params = to_device({k: (b[n:], d, shape) for k, (b, d, shape) in both.items()}, len(rest), self.dtype)
+        s.stall_s += time.perf_counter() - t0
         after = self.slots.n_slots + 1  # the slots and their zero row, then this call's experts
         local = np.where(later, after + np.searchsorted(rest, ids), self.slots.table_host[ids]).astype(np.uint32)
         joined = {

@@ -24,6 +24,8 @@ COUNTERS = (
     "multi_union",
     "span_whole",
     "span_union",
+    "beyond_ahead",
+    "beyond_ahead_used",
 )
 
 
@@ -49,6 +51,8 @@ class LayerStats:
     multi_union: int = 0
     span_whole: int = 0  # layer-major prefill spans that read this layer whole
     span_union: int = 0  # ... that read only the union of their routes
+    beyond_ahead: int = 0  # experts of a batch's staged union beyond the slots, read ahead too
+    beyond_ahead_used: int = 0  # ... that its step then routed (the others were read for nothing)
     stall_s: float = 0.0  # time blocked waiting for expert data
     distinct_experts: set = field(default_factory=set)
 

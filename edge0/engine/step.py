@@ -5,7 +5,7 @@ and the KV cache's books. The engine's decode loop, the speculative verify, a pi
 and the bench's verify timing all run their steps here; nothing else calls the step hooks.
 
 Step n, in order (edge0/engine/hooks.py): before_step (n > 0: the previous step was evaluated
-whole), multi_token (T > 1), before_forward, the forward, after_forward (the graph is built),
+whole), multi_token (T > 1), rows (a batch's step: which row each row was), before_forward, the forward, after_forward (the graph is built),
 the caller's `finish` on the outputs (a sample, an accept/reject, a send to the next rank), kept
 (a verify: how many of its T tokens it kept), step_done, the executors' end of step; then the
 cache holds the kept tokens."""
@@ -34,7 +34,7 @@ class Stepper:
         hooks = e.hooks
         if step > 0:
             hooks.before_step(e, step)
-        if (per_row or n_tokens) > 1:
+        if (per_row or n_tokens) > 1:  # T > 1 tokens of a sequence (a verify), not one token per row
             hooks.multi_token(e, step, n_tokens)
         if previous is not None:
             hooks.rows(e, step, previous)

@@ -5,10 +5,10 @@ and the KV cache's books. The engine's decode loop, the speculative verify, a pi
 and the bench's verify timing all run their steps here; nothing else calls the step hooks.
 
 Step n, in order (edge0/engine/hooks.py): before_step (n > 0: the previous step was evaluated
-whole), multi_token (T > 1), rows (a batch's step: which row each row was), before_forward, the forward, after_forward (the graph is built),
-the caller's `finish` on the outputs (a sample, an accept/reject, a send to the next rank), kept
-(a verify: how many of its T tokens it kept), step_done, the executors' end of step; then the
-cache holds the kept tokens."""
+whole), multi_token (T > 1), rows (a batch's step: which row each row was), before_forward, the
+forward, after_forward (the graph is built), the caller's `finish` on the outputs (a sample, an
+accept/reject, a send to the next rank), kept (a verify: how many of its T tokens it kept),
+step_done, the executors' end of step; then the cache holds the kept tokens."""
 
 from __future__ import annotations
 

@@ -222,33 +222,41 @@ BATCH_PROMPTS = [PROMPT, "the quick brown fox jumps over the lazy dog", "a tiny 
 @pytest.mark.parametrize("executor", ["staged", "hot"])
 def test_a_batch_with_heads_gives_each_sequence_its_prerouted_tokens(store_for, heads_file, executor):
     """Each row of a batch routes with its own predictions (its first step, the prompt's last
-    token, with the gate, as alone), whether rows start together or one joins mid-batch (a
-    two-token prompt: its one-token prefill predicts nothing); the staged executors read the rows'
-    predicted union ahead, and nothing routed goes unread."""
+    token, with the gate, as alone): rows starting together, the last or the first one left alone
+    at the end (it routes on the host: the staged union was every row's), and one joining
+    mid-batch with a two-token prompt (its one-token prefill predicts nothing, and with chunk-by-
+    chunk prefill it reaches the decode executors between a stage and its swap). Nothing routed
+    goes unread."""
     from edge0.engine.sampler import RequestSampler
 
     e = edge0.load(store_for("deepseek_v3"), prerouter=heads_file, expert_cache="64KB", decode_executor=executor)
     prompts = [e.encode(p) for p in BATCH_PROMPTS]
     prompts[2] = prompts[2][:2]
-    limits = [6, 9, 12]
-    alone = [e.generate(p, max_tokens=m, ignore_eos=True).tokens for p, m in zip(prompts, limits)]
+
+    def alone(limits):
+        return [e.generate(p, max_tokens=m, ignore_eos=True).tokens for p, m in zip(prompts, limits)]
+
     gate = edge0.load(store_for("deepseek_v3"), prerouter=False)
-    assert [gate.generate(p, max_tokens=m, ignore_eos=True).tokens for p, m in zip(prompts, limits)] != alone
+    assert [gate.generate(p, max_tokens=12, ignore_eos=True).tokens for p in prompts] != alone([12] * 3)
     by_head = sum(e.stats()["prerouter"]["routed_by_head"].values())
-    batched = e.generate_batch(prompts, max_tokens=limits, ignore_eos=True)
-    assert [r.tokens for r in batched] == alone
+    for limits in ([6, 9, 12], [12, 9, 6]):
+        batched = e.generate_batch(prompts, max_tokens=limits, ignore_eos=True)
+        assert [r.tokens for r in batched] == alone(limits)
     assert sum(e.stats()["prerouter"]["routed_by_head"].values()) > by_head
     totals = e.stats()["totals"]
-    assert totals["dropped"] == 0
     if executor == "staged":  # three rows' union outgrew the slots: what did not fit was read ahead too
         assert 0 < totals["beyond_ahead_used"] <= totals["beyond_ahead"]
 
-    # the third sequence joins after five steps of the first two (which keep their predictions)
-    with e.batching() as batch:
-        seqs = [batch.join(prompts[i], RequestSampler(0.0, 1.0), limits[i], set()) for i in range(2)]
-        for _ in range(5):
-            batch.advance()
-        seqs.append(batch.join(prompts[2], RequestSampler(0.0, 1.0), limits[2], set()))
-        while batch.busy:
-            batch.advance()
-    assert [s.tokens for s in seqs] == alone
+    limits = [6, 9, 12]
+    for layerwise in (True, False):
+        e.prefiller.layerwise = layerwise
+        want = alone(limits)
+        with e.batching() as batch:  # the third sequence joins after five steps of the first two
+            seqs = [batch.join(prompts[i], RequestSampler(0.0, 1.0), limits[i], set()) for i in range(2)]
+            for _ in range(5):
+                batch.advance()
+            seqs.append(batch.join(prompts[2], RequestSampler(0.0, 1.0), limits[2], set()))
+            while batch.busy:
+                batch.advance()
+        assert [s.tokens for s in seqs] == want
+    assert e.stats()["totals"]["dropped"] == 0

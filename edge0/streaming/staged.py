@@ -47,7 +47,7 @@ class StagedExecutor(ExactExecutor):
         self.wants_scores = slots.cache.policy.needs_scores or alpha > 0
         self.step = 0
         self.trusted = False  # this step's route was staged ahead: no host sync
-        self._pending: tuple | None = None  # (evicted, loaded, slots, read Future, alias)
+        self._pending: tuple | None = None  # (evicted, loaded, slots, read Future, alias, one row)
         self._beyond: tuple | None = None  # a batch's staged union beyond the slots: (ids, read Future)
         self._dropped = []  # device scalars, read after the step by collect_dropped
 
@@ -88,12 +88,12 @@ class StagedExecutor(ExactExecutor):
             self.stats.bytes_used += len(experts) * self.expert_nbytes
             self.stats.distinct_experts.update(experts)
         future = self.reader.submit(self.store.read, self.layer, loaded) if loaded else None
-        self._pending = (evicted, loaded, slots, future, alias)
+        self._pending = (evicted, loaded, slots, future, alias, ids.ndim == 1)
 
     def swap(self) -> None:
         """Step boundary (the previous step is evaluated, so nothing in flight reads the slots):
         wait for the staged reads and write them into their slots in place."""
-        evicted, loaded, slots, future, alias = self._pending
+        evicted, loaded, slots, future, alias, one_row = self._pending
         self._pending = None
         raw = None
         if future is not None:
@@ -104,7 +104,8 @@ class StagedExecutor(ExactExecutor):
             self.stats.bytes_read += raw_nbytes(raw)
             self.stats.slot_rewrites += len(loaded)
         self.stats.slot_scatters += self.slots.apply(evicted, loaded, slots, raw, alias, in_place=True)
-        self.trusted = True
+        # a batch's stage is the union of its rows: the step routes on the host, even if one row is left
+        self.trusted = one_row
 
     def settle(self) -> None:
         """Finish a pending stage (so cache membership and slot contents agree) and return to
@@ -170,6 +171,8 @@ class StagedExecutor(ExactExecutor):
         return B.to_numpy(indices), B.to_numpy(scores)
 
     def __call__(self, indices, scores=None):
+        if self._pending is not None:  # between a stage and its swap: a prefill's one token (a sequence
+            return super().__call__(indices, scores)  # joining a batch), not a step: the slots wait for the swap
         self.stats.calls += 1
         multi = indices.size > indices.shape[-1]  # several tokens: a verify, or a batch of sequences
         if self.trusted and not multi:

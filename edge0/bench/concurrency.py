@@ -74,8 +74,10 @@ def measure(spec: dict, report=None) -> dict:
         disk2 = storage_bytes_read()
         st = batched[0].stats["batch"]
         cost = forward_cost(engine, prompts[0], reference, b, 3) / one_token if b > 1 else 1.0
+        # both count the steps after the first: alone, the step that feeds the prompt's last token
+        # (and makes the first token) belongs to the prefill; a batch's first step does that for every row
         serial_tps = b * (n - 1) / serial_s
-        batch_tps = b * n / st["decode_s"]  # a batch's first step makes every row's first token
+        batch_tps = b * (n - 1) / (st["decode_s"] - st["first_step_s"])
         speedup = batch_tps / serial_tps
         rows.append(
             {

@@ -349,8 +349,11 @@ def generate_batch(engine, prompts: list[list[int]], max_tokens: list[int], samp
         batch.prefill_all()
         t_prefill = time.perf_counter() - t0
         prefilled = engine.streaming.stats.totals()
+        t_first = None
         while batch.busy:
             batch.advance()
+            if t_first is None:
+                t_first = time.perf_counter() - t0 - t_prefill
         steps = batch.steps
     totals, io = engine.streaming.stats.totals(), engine.store.io_stats()
     routes = totals["multi_routes"] - totals0["multi_routes"]
@@ -361,6 +364,7 @@ def generate_batch(engine, prompts: list[list[int]], max_tokens: list[int], samp
         "generated_tokens": sum(len(s.tokens) for s in seqs),
         "prefill_s": t_prefill,
         "decode_s": time.perf_counter() - t0 - t_prefill,
+        "first_step_s": t_first,  # feeds every prompt's last token: alone, the prefill's last step
         "expert_bytes_read": totals["bytes_read"] - totals0["bytes_read"],
         "prefill_expert_bytes_read": prefilled["bytes_read"] - totals0["bytes_read"],
         "store_bytes_read": io["bytes_read"] - io0["bytes_read"],

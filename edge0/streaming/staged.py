@@ -73,9 +73,8 @@ class StagedExecutor(ExactExecutor):
         if ids.ndim == 1:
             experts, alias = self.route_experts(ids, scores)
         else:  # the step's own host route substitutes, if at all
-            order = admission_order(ids)
-            cached = self.slots.slot_of
-            fill = [e for e in order if e in cached] + [e for e in order if e not in cached]
+            kept, misses = split_cached(admission_order(ids), self.slots.slot_of)
+            fill = kept + misses
             experts, alias = sorted(fill[: self.slots.n_slots]), {}
             beyond = sorted(fill[self.slots.n_slots :])  # read ahead too, for the step's overflow
             if beyond:
@@ -210,9 +209,7 @@ class StagedExecutor(ExactExecutor):
         one part (two parts, each computing every pair with zeros for the other's, cost a batch
         of 4 at 25% of the experts 1.6 plain steps more per step: docs/benchmarks.md)."""
         order = admission_order(ids)
-        cached = self.slots.slot_of
-        hits = [e for e in order if e in cached]
-        misses = [e for e in order if e not in cached]
+        hits, misses = split_cached(order, self.slots.slot_of)
         admit, rest = (
             misses[: self.slots.n_slots - len(hits)],
             np.array(sorted(misses[self.slots.n_slots - len(hits) :])),
@@ -250,6 +247,11 @@ def admission_order(ids: np.ndarray) -> list[int]:
     counts = Counter(rows.reshape(-1).tolist())
     latest_first = dict.fromkeys(rows[::-1].reshape(-1).tolist())
     return sorted(latest_first, key=lambda e: -counts[e])  # stable: latest first among equal counts
+
+
+def split_cached(order: list[int], cached) -> tuple[list[int], list[int]]:
+    """Experts `order` -> (those in `cached`, the others), each in their order."""
+    return [e for e in order if e in cached], [e for e in order if e not in cached]
 
 
 def collect_dropped(executors) -> int:

@@ -16,7 +16,7 @@ from edge0.engine.speculative import DEFAULT_NUM_DRAFT
 from edge0.errors import Edge0Error
 from edge0.store.readers import STRATEGIES
 from edge0.streaming.dispatch import DECODE_EXECUTORS, PREFILL_EXECUTORS, TRAIN_WEIGHTS
-from edge0.units import parse_size
+from edge0.units import parse_rate, parse_size
 
 COMPUTE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEFAULT_PROMPT_CACHE_SIZE = "2GB"
@@ -156,6 +156,13 @@ class LoadOptions:
     cold_reads: bool = _opt(
         False, "drop every expert read from the OS page cache again (benchmarks of cold storage)", "flag"
     )
+    pace_reads: str | None = _opt(
+        None,
+        "read experts as from a disk of RATE, e.g. 20MB/s: each read's bytes from storage (page-cache hits "
+        "excluded) queue behind the ones before and arrive at RATE (benchmarks of storage slower than this one)",
+        "size",
+        metavar="RATE",
+    )
     prompt_cache_dir: str | None = _opt(
         None,
         "keep the KV caches of finished conversations (chat, serve) in DIR, so a "
@@ -193,6 +200,8 @@ class LoadOptions:
             self.dtype = "auto"
         _choice("dtype", self.dtype)
         _choice("io", self.io)
+        if self.pace_reads is not None:
+            self.pace_reads = parse_rate(self.pace_reads, "--pace-reads")
         if self.top_k is not None and self.top_k < 1:
             raise Edge0Error(f"--top-k {self.top_k}: must be >= 1 (the number of experts per token)")
         if self.context_tokens is not None and self.context_tokens < 1:

@@ -35,6 +35,19 @@ def parse_size(text, field: str = "--expert-cache") -> int:
     return int(float(m.group(1)) * _UNITS[unit])
 
 
+def parse_rate(text, field: str = "--read-limit") -> int:
+    """'200MB/s' (or '200MB', or bytes/s as a number) -> bytes per second, at least 1 MB/s (reads
+    slower than that never finish a step); an Edge0Error naming `field`."""
+    t = str(text).strip()
+    try:
+        rate = parse_size(t[:-2] if t.lower().endswith("/s") else t, field)
+    except Edge0Error:
+        raise Edge0Error(f"{field} {text!r}: not a rate; use e.g. 200MB/s") from None
+    if rate < 10**6:
+        raise Edge0Error(f"{field} {text}: at least 1MB/s (reads slower than that never finish a step)")
+    return rate
+
+
 def format_size(n: int) -> str:
     """Bytes as a short decimal size: '2.25 GB'."""
     for unit, f in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):

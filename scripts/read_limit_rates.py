@@ -1,15 +1,16 @@
 """How fast the bench's read limit (a cgroup block-I/O throttle) serves reads, by pattern, and
 where a batch's decode time goes under it (docs/benchmarks.md, "Several sequences at once").
 
-    python scripts/read_limit_rates.py patterns STORE [RATE]     # MB/s inside reads, per pattern
-    python scripts/read_limit_rates.py decode STORE CAP RATE B   # qwen3-like, B one after another, then batched
+    python scripts/read_limit_rates.py patterns STORE RATE [paced]    # MB/s inside reads, per pattern
+    python scripts/read_limit_rates.py decode STORE CAP RATE B [paced]  # qwen3-like, B one after another, then batched
 
 `patterns` reads the store's expert files (page cache emptied first) inside a read-limited cgroup:
 back to back and with pauses between reads, buffered and O_DIRECT. `decode` runs B 16-token
 generations one after another and then as one batch (qwen3-like routes, 64-token prompts, the
 expert cache at 20%) under a memory cap and the read limit, and reports for each decode (the
 prefills left out): bytes the process read from storage (/proc/self/io), seconds inside expert
-reads (the executors' stall) and wall seconds. Needs root (cgroups)."""
+reads (the executors' stall) and wall seconds. Needs root (cgroups). With `paced`, reads go
+through edge0's paced disk (store/pacing.py, `--pace-reads`) instead of the cgroup throttle."""
 
 import json
 import mmap
@@ -22,7 +23,8 @@ from pathlib import Path
 RESULT = "READ-LIMIT-RESULT "
 
 
-def patterns(files: list[str]) -> dict:
+def patterns(files: list[str], pace: int | None) -> dict:
+    from edge0.store.pacing import StoragePacer
     from edge0.store.pagecache import evict
 
     out = {}
@@ -35,9 +37,15 @@ def patterns(files: list[str]) -> dict:
                 buf = mmap.mmap(-1, chunk)  # page-aligned, as O_DIRECT needs
                 done = inside = 0.0
                 i = 0
+                pacer = StoragePacer(pace) if pace else None
                 while done < 12e6 and (i // len(fds) + 1) * chunk <= size:
                     t0 = time.perf_counter()
-                    done += os.preadv(fds[i % len(fds)], [buf], (i // len(fds)) * chunk)
+                    fd, at = fds[i % len(fds)], (i // len(fds)) * chunk
+                    if pacer is None:
+                        os.preadv(fd, [buf], at)
+                    else:
+                        pacer.read(lambda: os.preadv(fd, [buf], at), chunk)
+                    done += chunk
                     inside += time.perf_counter() - t0
                     i += 1
                     time.sleep(pause)
@@ -48,7 +56,7 @@ def patterns(files: list[str]) -> dict:
     return out
 
 
-def decode(store: str, b: int) -> dict:
+def decode(store: str, b: int, pace: int | None) -> dict:
     import edge0
     from edge0.bench.child import prompts_for
     from edge0.bench.env import storage_bytes_read
@@ -58,7 +66,7 @@ def decode(store: str, b: int) -> dict:
 
     evict([str(f) for f in Path(store).rglob("*.safetensors")])
     budget = expert_budget("20%", store_sizes(Path(store)))
-    e = edge0.load(store, prerouter=False, lora=False, expert_cache=budget)
+    e = edge0.load(store, prerouter=False, lora=False, expert_cache=budget, pace_reads=pace)
     routes = use_synthetic_routing(e, seed=0)
     real = e.prefiller
     mark = {}
@@ -98,7 +106,9 @@ def decode(store: str, b: int) -> dict:
 def main() -> int:
     mode, store = sys.argv[1], sys.argv[2]
     if mode.startswith("child-"):
-        res = patterns(json.loads(sys.argv[3])) if mode == "child-patterns" else decode(store, int(sys.argv[3]))
+        pace = json.loads(sys.argv[4])
+        arg = sys.argv[3]
+        res = patterns(json.loads(arg), pace) if mode == "child-patterns" else decode(store, int(arg), pace)
         print(RESULT + json.dumps(res), flush=True)
         return 0
     from edge0.bench.cgroup import MemoryCgroup, enter_all, read_limited
@@ -109,12 +119,13 @@ def main() -> int:
         rate, cap, arg = parse_size(sys.argv[3] if len(sys.argv) > 3 else "20MB"), None, json.dumps(files)
     else:
         cap, rate, arg = parse_size(sys.argv[3]), parse_size(sys.argv[4]), sys.argv[5]
+    paced = sys.argv[-1] == "paced"
     parent, reason = MemoryCgroup.available()
     cg = MemoryCgroup.create(parent, cap) if cap else None
     try:
-        with read_limited(Path(store), rate) as lim:
+        with read_limited(Path(store), None if paced else rate) as lim:
             r = subprocess.run(
-                [sys.executable, __file__, "child-" + mode, store, arg],
+                [sys.executable, __file__, "child-" + mode, store, arg, json.dumps(rate if paced else None)],
                 capture_output=True,
                 text=True,
                 preexec_fn=enter_all(lim, cg),
@@ -126,7 +137,8 @@ def main() -> int:
     if not lines:
         print(r.stderr[-3000:], file=sys.stderr)
         return 1
-    print(json.dumps({"rate_bytes_per_s": rate, "cap_bytes": cap, **json.loads(lines[-1][len(RESULT) :])}, indent=1))
+    how = {"paced_bytes_per_s" if paced else "rate_bytes_per_s": rate, "cap_bytes": cap}
+    print(json.dumps({**how, **json.loads(lines[-1][len(RESULT) :])}, indent=1))
     return 0
 
 

@@ -2,17 +2,19 @@
 requests one after another, per setting (docs/bench-suite.md#concurrency).
 
 Each setting runs in its own process: warm (the store in the page cache, the expert cache at
---expert-cache), capped (a memory cgroup, the page cache emptied first) and, with --read-limit,
-capped with the store's disk reads limited. For each B the process generates B different prompts
-one after another (`generate`), then together (`generate_batch`), and measures the cost of a
-B-token step against a 1-token step of one sequence in the same engine (a verify's forward, the
-tokens of a true continuation): B / that cost is the setting's ceiling, what a batch would gain
-if B rows cost what B tokens of one sequence cost. Per B: aggregate decode tok/s of both, the
-speedup, the ceiling and the speedup's share of it, expert bytes read per generated token both
-ways, and the batch's union of experts per routed (token, expert) pair. With --routing qwen3-like
-row r of a batch (and generation r one after another) routes as its own text through the same
-model (bench/routing.py); with --read-ahead each step's routes (every row's) are staged while the
-step before computes, as the pre-router does."""
+--expert-cache), capped (a memory cgroup, the page cache emptied first), with --read-limit
+capped with the store's disk reads throttled (a cgroup), and with --pace-reads capped with the
+expert reads paced as from a disk of that rate (store/pacing.py: no credit for idle time). For
+each B the process generates B different prompts one after another (`generate`), then together
+(`generate_batch`), and measures the cost of a B-token step against a 1-token step of one
+sequence in the same engine (a verify's forward, the tokens of a true continuation): B / that
+cost is the setting's ceiling, what a batch would gain if B rows cost what B tokens of one
+sequence cost. Per B: aggregate decode tok/s of both, the speedup, the ceiling and the speedup's
+share of it, expert bytes read per generated token both ways, and the batch's union of experts
+per routed (token, expert) pair. With --routing qwen3-like row r of a batch (and generation r
+one after another) routes as its own text through the same model (bench/routing.py); with
+--read-ahead each step's routes (every row's) are staged while the step before computes, as the
+pre-router does."""
 
 from __future__ import annotations
 
@@ -101,7 +103,8 @@ def measure(spec: dict, report=None) -> dict:
         if report is not None:
             report(rows)
     fallbacks = engine.stats()["totals"].get("fallbacks")
-    return {"status": "ok", "rows": rows, "one_token_step_s": one_token, "fallbacks": fallbacks}
+    paced = engine.store.io_stats()["paced"]  # the paced disk's reads, bytes and waits (--pace-reads)
+    return {"status": "ok", "rows": rows, "one_token_step_s": one_token, "fallbacks": fallbacks, "paced": paced}
 
 
 def _row_line(r: dict) -> str:
@@ -124,7 +127,7 @@ def run_concurrency(args, model, batches: list[int]) -> dict:
     budget = expert_budget(args.expert_cache, sizes)
     files = [str(f) for f in sorted(model.store.rglob("*.safetensors"))]
     parent, reason = MemoryCgroup.available()
-    settings = [("warm", None, None)]
+    settings = [("warm", None, None, None)]  # (name, memory cap, read throttle, read pacing)
     skipped = {}
     cap = None
     if args.no_cap:
@@ -137,14 +140,16 @@ def run_concurrency(args, model, batches: list[int]) -> dict:
         else:
             base = run_child({"runtime": "baseline", "store": str(model.store)}, args.arm_timeout)
             cap = int(base.get("peak_rss_bytes", 0) + args.cap_fraction * sizes["store_bytes"])
-        settings.append(("capped", cap, None))
+        settings.append(("capped", cap, None, None))
         if args.read_limit is not None:
-            settings.append(("capped+read-limit", cap, args.read_limit))
+            settings.append(("capped+read-limit", cap, args.read_limit, None))
+        if args.pace_reads is not None:
+            settings.append(("capped+paced", cap, None, args.pace_reads))
     out = []
-    for name, limit, rate in settings:
+    for name, limit, rate, pace in settings:
         spec = {
             "store": str(model.store),
-            "load": {"expert_cache": budget, "dtype": args.dtype},
+            "load": {"expert_cache": budget, "dtype": args.dtype, "pace_reads": pace},
             "batches": batches,
             "prompt_tokens": args.prompt_tokens,
             "decode_tokens": args.decode_tokens,
@@ -170,7 +175,7 @@ def run_concurrency(args, model, batches: list[int]) -> dict:
                 cg.remove()
         if res.get("status") != "ok" and "partial" in res:  # the rows measured before it stopped
             res["rows"] = res.pop("partial")["rows"]
-        res.update(setting=name, cap_bytes=limit, read_limit_bytes_per_s=rate)
+        res.update(setting=name, cap_bytes=limit, read_limit_bytes_per_s=rate, paced_bytes_per_s=pace)
         out.append(res)
         for r in res.get("rows", []):
             print(f"edge0 bench: {name}, B={r['batch']}: {_row_line(r)}", flush=True, file=sys.stderr)
@@ -186,6 +191,7 @@ def run_concurrency(args, model, batches: list[int]) -> dict:
             "expert_cache_bytes": budget,
             "routing": args.routing,
             "read_ahead": args.read_ahead,
+            "pace_reads": args.pace_reads,
             "skipped": skipped,
             **sizes,
         },

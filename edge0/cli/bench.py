@@ -22,7 +22,7 @@ from edge0.bench.runner import run_suite
 from edge0.cache.synthetic import ROUTINGS
 from edge0.cli.common import OneLineParser
 from edge0.errors import Edge0Error
-from edge0.units import parse_size
+from edge0.units import parse_rate
 
 USAGE = """`edge0 bench`: Edge0 against resident mlx-lm, warm and cold storage, under a memory cap.
 
@@ -131,6 +131,13 @@ def parse_args(argv):
         "(e.g. 200MB/s): storage slower than compute, as on the machines Edge0 is for (cgroup v1 blkio "
         "or v2 io; root or a delegated cgroup)",
     )
+    g.add_argument(
+        "--pace-reads",
+        metavar="RATE",
+        help="--concurrency: also a capped setting whose expert reads arrive as from a disk of RATE (e.g. "
+        "20MB/s; edge0's --pace-reads): the cgroup throttle of --read-limit lets reads after a pause pass "
+        "faster than its rate, a disk does not (docs/bench-suite.md#concurrency)",
+    )
     g = p.add_argument_group("output")
     g.add_argument(
         "--out",
@@ -166,20 +173,27 @@ def parse_args(argv):
     if args.store and args.model:
         raise Edge0Error("--store: use either --model or --store (with --mlx-model), not both")
     args.read_limit = parse_rate(args.read_limit) if args.read_limit is not None else None
+    args.pace_reads = parse_rate(args.pace_reads, "--pace-reads") if args.pace_reads is not None else None
     args.prompt_lengths = parse_lengths(args.prompt_lengths) if args.prompt_lengths is not None else None
     if args.prompt_lengths and (args.arms or args.trace_arm):
         raise Edge0Error("--prompt-lengths runs its own arms; drop --arms and --trace-arm")
     args.concurrency = parse_batches(args.concurrency) if args.concurrency is not None else None
     if args.concurrency and (args.arms or args.trace_arm or args.prompt_lengths):
         raise Edge0Error("--concurrency runs its own settings; drop --arms, --trace-arm and --prompt-lengths")
-    if not args.concurrency and (args.no_servers or args.long_prompt or args.edge0_arg or args.read_ahead):
-        raise Edge0Error("--no-servers, --long-prompt, --edge0-arg and --read-ahead go with --concurrency")
+    if not args.concurrency and (
+        args.no_servers or args.long_prompt or args.edge0_arg or args.read_ahead or args.pace_reads
+    ):
+        raise Edge0Error(
+            "--no-servers, --long-prompt, --edge0-arg, --read-ahead and --pace-reads go with --concurrency"
+        )
     if args.read_ahead and args.routing != "qwen3-like":
         raise Edge0Error("--read-ahead stages synthetic routes ahead: add --routing qwen3-like")
     if args.long_prompt is not None and args.long_prompt < 2:
         raise Edge0Error(f"--long-prompt {args.long_prompt}: give a prompt length of at least 2 tokens")
     if args.read_limit is not None and args.no_cap:
         raise Edge0Error("--read-limit applies to the capped arms, which --no-cap skips; drop one of them")
+    if args.pace_reads is not None and args.no_cap:
+        raise Edge0Error("--pace-reads adds a capped setting, which --no-cap skips; drop one of them")
     return args
 
 
@@ -192,18 +206,6 @@ def parse_lengths(text: str) -> list[int]:
     if not lengths or min(lengths) < 2:
         raise Edge0Error(f"--prompt-lengths {text!r}: give one or more lengths of at least 2 tokens")
     return lengths
-
-
-def parse_rate(text: str) -> int:
-    """'200MB/s' (or '200MB') -> bytes per second, at least 1 MB/s (an Edge0Error naming --read-limit)."""
-    t = str(text).strip()
-    try:
-        rate = parse_size(t[:-2] if t.lower().endswith("/s") else t, "--read-limit")
-    except Edge0Error:
-        raise Edge0Error(f"--read-limit {text!r}: not a rate; use e.g. 200MB/s") from None
-    if rate < 10**6:
-        raise Edge0Error(f"--read-limit {text}: at least 1MB/s (reads slower than that never finish a step)")
-    return rate
 
 
 def main(argv=None) -> int:

@@ -46,7 +46,14 @@ def open_engine(root: Path, options, stage_for=None) -> Engine:
     compute = B.pick_compute_dtype(options.dtype, B.ST_DTYPES.get(ckpt_dtype, "float32"))
     stage = stage_for(root, manifest, config) if stage_for else None
     local = stage.restrict(manifest) if stage else manifest
-    store = ExpertStore(root, local, cold_reads=options.cold_reads, io=options.io, check_experts=options.check_experts)
+    store = ExpertStore(
+        root,
+        local,
+        cold_reads=options.cold_reads,
+        io=options.io,
+        check_experts=options.check_experts,
+        pace_reads=options.pace_reads,
+    )
     # hashed on a thread while the backend loads it (--verify has hashed every file already)
     check = check_resident(root, manifest) if options.check_experts and not options.verify else None
     try:

@@ -16,6 +16,7 @@ import numpy as np
 
 from edge0.errors import Edge0Error
 from edge0.store.format import ALIGN, EXPERT_MAJOR, RELAYOUT
+from edge0.store.pacing import StoragePacer
 from edge0.store.readers import CHUNK, DEFAULT_QUEUE_DEPTH, IOV_MAX, aligned_empty, choose_io, make_reader, split
 
 
@@ -39,7 +40,8 @@ class ExpertStore:
     storage: a benchmark knob that simulates a model much larger than RAM on a machine where it
     would otherwise stay cached. `check_experts`: the first read of each expert in this process
     is checked against its crc32 in the manifest (expert-major layers), so damage is caught
-    where it is read, not as garbage output."""
+    where it is read, not as garbage output. `pace_reads` (bytes/s): every read completes as from
+    a disk of that bandwidth (store/pacing.py), a benchmark knob for storage slower than this one."""
 
     def __init__(
         self,
@@ -49,6 +51,7 @@ class ExpertStore:
         io: str = "auto",
         queue_depth: int = DEFAULT_QUEUE_DEPTH,
         check_experts: bool = True,
+        pace_reads: int | None = None,
     ):
         self.root = Path(root)
         self.layers = {int(l["layer"]): l for l in manifest["expert_layers"]}
@@ -65,7 +68,8 @@ class ExpertStore:
         if io == "auto":
             files = manifest.get("files", {})
             io, self.reason = choose_io(sum(files.get(l["file"], {}).get("size", 0) for l in self.layers.values()))
-        self._reader = make_reader(io, self.root, queue_depth, cold_reads)
+        pacer = StoragePacer(pace_reads) if pace_reads else None
+        self._reader = make_reader(io, self.root, queue_depth, cold_reads, pacer)
         self._lock = threading.Lock()
         self.bytes_read = 0
 
@@ -203,6 +207,8 @@ class ExpertStore:
             )
         else:
             line += "; expert-major layout: 1 read per expert"
+        if s["paced"]:
+            line += f"; paced as a {s['paced']['rate_bytes_per_s'] / 1e6:g} MB/s disk"
         line += "; experts checked (crc32) when first read" if s["expert_checks"] else "; experts not checked when read"
         if self.resident_checked:
             line += f", resident weights ({self.resident_checked}) at load"

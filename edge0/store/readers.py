@@ -75,10 +75,11 @@ class RangeReader:
 
     name = ""
 
-    def __init__(self, root, queue_depth: int = DEFAULT_QUEUE_DEPTH, cold_reads: bool = False):
+    def __init__(self, root, queue_depth: int = DEFAULT_QUEUE_DEPTH, cold_reads: bool = False, pacer=None):
         self.root = Path(root)
         self.queue_depth = max(1, int(queue_depth))
         self.cold_reads = cold_reads
+        self.pacer = pacer  # a StoragePacer: reads as from a slower disk (benchmarks of slow storage)
         self._lock = threading.Lock()
         self._fds: dict[str, int] = {}
         self._pool: ThreadPoolExecutor | None = None
@@ -122,7 +123,10 @@ class RangeReader:
             self.in_flight += 1
             self.max_in_flight = max(self.max_in_flight, self.in_flight)
         try:
-            self._read(rel, offset, n, segments, aligned)
+            if self.pacer is None:
+                self._read(rel, offset, n, segments, aligned)
+            else:
+                self.pacer.read(lambda: self._read(rel, offset, n, segments, aligned), n)
         finally:
             with self._lock:
                 self.in_flight -= 1
@@ -141,6 +145,7 @@ class RangeReader:
                 "max_queue_depth": self.max_in_flight,
                 "direct_fallbacks": self.fallbacks,
                 "direct_fallback_reasons": list(self.fallback_reasons),
+                "paced": self.pacer.stats() if self.pacer is not None else None,
             }
 
     def _fd(self, rel: str) -> int:
@@ -332,8 +337,9 @@ def choose_io(store_bytes: int, available: tuple[int, str] | None = None) -> tup
     )
 
 
-def make_reader(strategy: str, root, queue_depth: int, cold_reads: bool) -> RangeReader:
-    """The reader for `strategy` ("mmap", "pread" or "direct") over the files under `root`."""
+def make_reader(strategy: str, root, queue_depth: int, cold_reads: bool, pacer=None) -> RangeReader:
+    """The reader for `strategy` ("mmap", "pread" or "direct") over the files under `root`,
+    paced by `pacer` (a StoragePacer) if given."""
     if strategy not in READERS:
         raise Edge0Error(f"expert reader io={strategy!r}: choose one of auto, {', '.join(STRATEGIES)}")
-    return READERS[strategy](root, queue_depth, cold_reads)
+    return READERS[strategy](root, queue_depth, cold_reads, pacer)

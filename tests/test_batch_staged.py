@@ -67,26 +67,3 @@ def test_a_prefill_token_between_a_stage_and_its_swap_leaves_the_slots_alone(sto
     assert each_pair_computes_its_expert(engine, layer, ex, np.array([[2, 4]]))
     ex.swap()
     assert each_pair_computes_its_expert(engine, layer, ex, rows)
-
-
-def test_an_overflow_keeps_its_likeliest_misses_for_the_next_call(store_for):
-    """A batch's union beyond the slots is read for its step; the executor keeps up to half a slot
-    set of those experts (the misses most rows routed first) so the next call, or the next stage,
-    does not read them again, and every (row, k) still computes with its own expert's weights."""
-    engine, layer, ex = staged_layer(store_for)  # 2 slots: keeps at most 1 expert
-    s = ex.stats
-    # admission order 1 (two rows), then the latest rows' first: 4, 2, 3, 0 -> slots {1, 4}, kept {2}
-    assert each_pair_computes_its_expert(engine, layer, ex, np.array([[0, 1], [2, 3], [4, 1]]))
-    assert (s.loads, s.held_used, ex._held[0].tolist()) == (5, 0, [2])
-    # union {0, 1, 2, 3}: 1 is cached, 3 takes a slot, 0 is read for this call, 2 comes from the kept
-    assert each_pair_computes_its_expert(engine, layer, ex, np.array([[2, 0], [3, 1]]))
-    assert (s.loads, s.held_used, ex._held[0].tolist()) == (7, 1, [2])
-    # a stage of every row's next routes reads neither the kept expert nor, at the step, again
-    rows = np.array([[2, 5], [6, 7]])
-    ex.stage(rows)  # 6 and 7 into the slots, 5 read ahead beyond them, 2 kept
-    ex.swap()
-    assert s.beyond_ahead == 1
-    assert each_pair_computes_its_expert(engine, layer, ex, rows)
-    assert (s.loads, s.held_used, s.beyond_ahead_used) == (10, 2, 1)
-    ex.settle()
-    assert ex._held is None

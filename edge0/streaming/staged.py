@@ -13,11 +13,6 @@ Slots are rewritten in place (SlotSet.apply(in_place=True)), which relies on one
 the engine: a step's graph is built only after the previous step was evaluated, so when a layer
 rewrites its slots (at the boundary, or after its own route's sync) nothing launched reads them.
 
-A batch's step whose union of experts outgrows the slots reads the rest for that step only; the
-executor keeps up to half a slot set of them (host bytes, the misses most rows routed) until the
-next one, whose rows route many of the same experts again (counted `held_used`; on qwen3-like
-routes this read 18% fewer bytes a token at B = 4 in simulation, docs/benchmarks.md).
-
 Router scores (over all experts) reach the cache when its policy needs them (smoe) or substitution
 is on; they travel with the route, so they add no host sync: the gate path copies them in the
 sync it already does, the staged path gets the pre-router's scores with its predicted route.
@@ -38,8 +33,6 @@ from edge0.cache import substitute
 from edge0.streaming.exact import ExactExecutor, raw_nbytes, to_device
 from edge0.streaming.pool import SlotSet
 
-HOLD_SHARE = 2  # a batch's overflow keeps at most n_slots // HOLD_SHARE experts for the next call
-
 
 class StagedExecutor(ExactExecutor):
     name = "staged"
@@ -56,7 +49,6 @@ class StagedExecutor(ExactExecutor):
         self.trusted = False  # this step's route was staged ahead: no host sync
         self._pending: tuple | None = None  # (evicted, loaded, slots, read Future, alias, one row)
         self._beyond: tuple | None = None  # a batch's staged union beyond the slots: (ids, read Future)
-        self._held: tuple | None = None  # the last overflow's experts kept beyond the slots: (ids, store bytes)
         self._dropped = []  # device scalars, read after the step by collect_dropped
 
     def route_experts(self, ids: np.ndarray, scores) -> tuple[list[int], dict[int, int]]:
@@ -84,8 +76,7 @@ class StagedExecutor(ExactExecutor):
             kept, misses = split_cached(admission_order(ids), self.slots.slot_of)
             fill = kept + misses
             experts, alias = sorted(fill[: self.slots.n_slots]), {}
-            # read ahead too, for the step's overflow (what the last overflow kept is not read again)
-            beyond = sorted(e for e in fill[self.slots.n_slots :] if e not in self._held_ids())
+            beyond = sorted(fill[self.slots.n_slots :])  # read ahead too, for the step's overflow
             if beyond:
                 self._beyond = (np.array(beyond), self.reader.submit(self.store.read, self.layer, beyond))
                 self.stats.beyond_ahead += len(beyond)
@@ -95,26 +86,21 @@ class StagedExecutor(ExactExecutor):
             self.stats.misses += len(loaded)
             self.stats.bytes_used += len(experts) * self.expert_nbytes
             self.stats.distinct_experts.update(experts)
-        held = self._held
-        to_read = [e for e in loaded if e not in self._held_ids()]
-        future = self.reader.submit(self.store.read, self.layer, to_read) if to_read else None
-        self._pending = (evicted, loaded, slots, (to_read, future, held), alias, ids.ndim == 1)
+        future = self.reader.submit(self.store.read, self.layer, loaded) if loaded else None
+        self._pending = (evicted, loaded, slots, future, alias, ids.ndim == 1)
 
     def swap(self) -> None:
         """Step boundary (the previous step is evaluated, so nothing in flight reads the slots):
         wait for the staged reads and write them into their slots in place."""
-        evicted, loaded, slots, (to_read, future, held), alias, one_row = self._pending
+        evicted, loaded, slots, future, alias, one_row = self._pending
         self._pending = None
         raw = None
         if future is not None:
             t0 = time.perf_counter()
             raw = future.result()
             self.stats.stall_s += time.perf_counter() - t0
-            self.stats.loads += len(to_read)
+            self.stats.loads += len(loaded)
             self.stats.bytes_read += raw_nbytes(raw)
-        if len(to_read) < len(loaded):  # some were kept from the last overflow
-            raw = self._gather(loaded, [held] + ([(np.array(to_read), raw)] if raw is not None else []))
-        if loaded:
             self.stats.slot_rewrites += len(loaded)
         self.stats.slot_scatters += self.slots.apply(evicted, loaded, slots, raw, alias, in_place=True)
         # a batch's stage is the union of its rows: the step routes on the host, even if one row is left
@@ -126,7 +112,6 @@ class StagedExecutor(ExactExecutor):
         if self._pending is not None:
             self.swap()
         self._take_beyond()
-        self._held = None
         self.trusted = False
 
     def _take_beyond(self) -> tuple[np.ndarray, dict] | None:
@@ -144,56 +129,31 @@ class StagedExecutor(ExactExecutor):
         s.bytes_read += raw_nbytes(raw)
         return ids, raw
 
-    def _held_ids(self) -> set[int]:
-        return set(self._held[0].tolist()) if self._held is not None else set()
-
     def _read(self, want) -> dict | None:
         """Store bytes of experts `want` (in that order; None if none): from the read ahead
-        beyond the slots and the last overflow's kept experts where they have them, the others
-        read now."""
+        beyond the slots where it has them, the others read now."""
         ahead = self._take_beyond()
         if not len(want):
             return None
-        want = [int(e) for e in want]
-        ahead_ids = set(ahead[0].tolist()) if ahead is not None else set()
-        held_ids = self._held_ids() - ahead_ids
-        self.stats.beyond_ahead_used += sum(e in ahead_ids for e in want)
-        self.stats.held_used += sum(e in held_ids for e in want)
-        missing = [e for e in want if e not in ahead_ids and e not in held_ids]
-        if len(missing) == len(want):
+        if ahead is None:
             return self.read(want)
-        sources = [s for s in (ahead, self._held) if s is not None]
-        if missing:
-            sources.append((np.array(missing), self.read(missing)))
-        return self._gather(want, sources)
-
-    @staticmethod
-    def _gather(want, sources: list) -> dict:
-        """Store bytes of experts `want`, in that order, from `sources` [(ids, store bytes)], each
-        expert from the first source that has it."""
-        rows = {}
-        for ids, raw in sources:
-            for i, e in enumerate(np.asarray(ids).tolist()):
-                rows.setdefault(e, (raw, i))
-        template = sources[0][1]
-        return {
-            n: (np.stack([rows[int(e)][0][n][0][rows[int(e)][1]] for e in want]), d, shape)
-            for n, (_, d, shape) in template.items()
-        }
-
-    def _hold(self, ids: list[int], raw: dict, at: list[int]) -> None:
-        """Keep experts `ids` (rows `at` of `raw`) for the next call."""
-        if not ids:
-            self._held = None
-            return
-        pick = np.array(at)
-        self._held = (np.array(ids), {n: (b[pick], d, shape) for n, (b, d, shape) in raw.items()})
+        ids, raw = ahead
+        want = np.asarray(want)
+        found = np.isin(want, ids)
+        self.stats.beyond_ahead_used += int(found.sum())
+        missing = want[~found]
+        if len(missing):
+            more = self.read(missing)
+            ids = np.concatenate([ids, missing])
+            raw = {n: (np.concatenate([b, more[n][0]]), d, shape) for n, (b, d, shape) in raw.items()}
+        at = {int(e): i for i, e in enumerate(ids)}
+        pick = np.array([at[int(e)] for e in want])
+        return {n: (b[pick], d, shape) for n, (b, d, shape) in raw.items()}
 
     def resize(self, n_slots: int) -> None:
         """Between generations (nothing staged): `n_slots` slots, the policy choosing who stays."""
         if self._pending is not None or self._beyond is not None:
             raise RuntimeError(f"layer {self.layer}: a staged step is pending; settle() it before resizing")
-        self._held = None
         self.slots.resize(n_slots)
         self.trusted = False
 
@@ -250,8 +210,10 @@ class StagedExecutor(ExactExecutor):
         of 4 at 25% of the experts 1.6 plain steps more per step: docs/benchmarks.md)."""
         order = admission_order(ids)
         hits, misses = split_cached(order, self.slots.slot_of)
-        beyond = misses[self.slots.n_slots - len(hits) :]  # in admission order: the likeliest again first
-        admit, rest = misses[: self.slots.n_slots - len(hits)], np.array(sorted(beyond))
+        admit, rest = (
+            misses[: self.slots.n_slots - len(hits)],
+            np.array(sorted(misses[self.slots.n_slots - len(hits) :])),
+        )
         _, loaded, evicted, slots = self.slots.plan(self.step, hits + admit, scores)
         s = self.stats
         s.fallbacks += 1
@@ -261,8 +223,6 @@ class StagedExecutor(ExactExecutor):
         s.distinct_experts.update(order)
         both = self._read(list(loaded) + rest.tolist())  # one read (or the read ahead) for both parts
         n = len(loaded)
-        keep = beyond[: self.slots.n_slots // HOLD_SHARE]
-        self._hold(keep, both, [n + int(np.searchsorted(rest, e)) for e in keep])
         raw = {k: (b[:n], d, shape) for k, (b, d, shape) in both.items()} if loaded else None
         s.slot_scatters += self.slots.apply(evicted, loaded, slots, raw, in_place=True)
         s.slot_rewrites += len(loaded)

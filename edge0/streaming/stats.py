@@ -26,7 +26,6 @@ COUNTERS = (
     "span_union",
     "beyond_ahead",
     "beyond_ahead_used",
-    "held_used",
 )
 
 
@@ -36,7 +35,7 @@ class LayerStats:
     host_syncs: int = 0  # routing indices copied to the host
     loads: int = 0  # experts read from storage
     hits: int = 0  # routed experts already resident (slot or hot set)
-    misses: int = 0  # routed experts not in the cache (read, or kept from the last overflow: held_used)
+    misses: int = 0  # routed experts that had to be read
     bytes_read: int = 0
     bytes_used: int = 0  # bytes of the distinct experts each call actually used
     slot_rewrites: int = 0
@@ -54,7 +53,6 @@ class LayerStats:
     span_union: int = 0  # ... that read only the union of their routes
     beyond_ahead: int = 0  # experts of a batch's staged union beyond the slots, read ahead too
     beyond_ahead_used: int = 0  # ... that its step then routed (the others were read for nothing)
-    held_used: int = 0  # misses served from the experts the last overflow kept (not read again)
     stall_s: float = 0.0  # time blocked waiting for expert data
     distinct_experts: set = field(default_factory=set)
 

@@ -246,6 +246,9 @@ def test_usage_errors(tiny_model, tmp_path, argv, field):
         (["--read-limit", "100KB/s"], "at least 1MB/s"),
         (["--read-limit", "200MB/s", "--no-cap"], "--no-cap"),
         (["--read-limit", "200MB/s", "--arms", "staged-warm"], "selects none"),
+        (["--pace-reads", "20MB/s"], "--pace-reads go with --concurrency"),
+        (["--concurrency", "1", "--pace-reads", "slow"], "--pace-reads 'slow': not a rate"),
+        (["--concurrency", "1", "--pace-reads", "20MB/s", "--no-cap"], "--pace-reads adds a capped setting"),
     ],
 )
 def test_read_limit_usage_errors(tiny_model, tmp_path, argv, needle):

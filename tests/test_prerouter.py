@@ -90,6 +90,33 @@ def test_reads_for_next_step_issued_before_step_finishes(store_for, heads_file):
     assert not hasattr(hooks, "events")  # the stager keeps no per-step history
 
 
+def test_the_last_step_reads_nothing_ahead(store_for, heads_file):
+    """A step that makes every sequence's last token (their token limits) stages no next step:
+    its reads would be wasted, and waited for at the end. A sequence that joins the same batch
+    afterwards starts with nothing staged and gets its tokens as alone."""
+    from edge0.engine.sampler import RequestSampler
+
+    e = edge0.load(store_for("deepseek_v3"), prerouter=heads_file, expert_cache="64KB")
+    staged = []
+    for layer, ex in e.hooks.staged.items():
+        ex.stage = lambda *a, layer=layer, orig=ex.stage: (staged.append(layer), orig(*a))[1]
+    consumers = len(e.hooks.staged)
+    alone = [e.generate(p, max_tokens=8, ignore_eos=True).tokens for p in (PROMPT, BATCH_PROMPTS[1])]
+    assert len(staged) == 2 * 7 * consumers  # steps 0-6 stage the next; step 7 makes the eighth token
+    staged.clear()
+    assert [r.tokens for r in e.generate_batch([PROMPT, BATCH_PROMPTS[1]], max_tokens=8, ignore_eos=True)] == alone
+    assert len(staged) == 7 * consumers
+    with e.batching() as batch:  # the first sequence ends; the second joins the same batch after
+        first = batch.join(e.encode(PROMPT), RequestSampler(0.0, 1.0), 8, set())
+        while batch.busy:
+            batch.advance()
+        second = batch.join(e.encode(BATCH_PROMPTS[1]), RequestSampler(0.0, 1.0), 8, set())
+        while batch.busy:
+            batch.advance()
+    assert [first.tokens, second.tokens] == alone
+    assert e.stats()["totals"]["dropped"] == 0
+
+
 class OracleHead:
     """Returns the consumer gate's true logits for the next token (recorded from an exact run)."""
 

@@ -112,8 +112,18 @@ class LookaheadStager(SyntheticHooks):
         super().__init__(routes)
         self.staged = staged
 
+    def start(self, engine) -> None:
+        super().start(engine)
+        self.last = False
+
+    def last_step(self, engine, step: int) -> None:
+        self.last = True  # no step follows: nothing to stage
+
     def after_forward(self, engine, step: int, launched) -> None:
         B.async_eval(launched)
+        if self.last:
+            self.last = False
+            return
         routes = self.routes
         rows = routes.current[0].shape[1]  # this pass's rows: each one's next token is staged
         nxt = np.stack([routes.peek(r)[0] for r in range(rows)], axis=1)  # [L, B, K]

@@ -370,6 +370,9 @@ class LeaderHooks(StepHooks):
     def before_step(self, engine, step: int) -> None:
         self.inner.before_step(engine, step)
 
+    def last_step(self, engine, step: int) -> None:
+        self.inner.last_step(engine, step)
+
     def before_forward(self, engine, step: int) -> None:
         self.pipeline.step = step
         self.inner.before_forward(engine, step)

@@ -262,8 +262,8 @@ class Engine:
                 return
             # a verify samples its rows without the request's processors, top-k or log-probs
             self.speculation.counts["unsupported_requests"] += 1
-        while True:
-            yield self.stepper.decode(generated[-1:], len(generated), sampler)
+        while True:  # the step makes token len(generated) + 1
+            yield self.stepper.decode(generated[-1:], len(generated), sampler, len(generated) + 1 >= max_tokens)
 
     def _generate(self, tokens, max_tokens, sampler, eos, stop, reuse_cache, should_stop):
         before = self.streaming.stats.totals()

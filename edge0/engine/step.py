@@ -26,10 +26,20 @@ class Stepper:
     def __init__(self, engine):
         self.engine = engine
 
-    def run(self, step: int, n_tokens: int, forward: Callable, finish: Callable, per_row: int = 0, previous=None):
+    def run(
+        self,
+        step: int,
+        n_tokens: int,
+        forward: Callable,
+        finish: Callable,
+        per_row: int = 0,
+        previous=None,
+        last: bool = False,
+    ):
         """The protocol above: `forward()` builds the outputs, `finish(outputs)` returns
         (result, kept: the position up to which a multi-token step's inputs were kept, or None).
-        A batch's step passes its tokens per row (`per_row`) and each row's `previous` index."""
+        A batch's step passes its tokens per row (`per_row`) and each row's `previous` index;
+        `last`: the step makes every sequence's last token."""
         e = self.engine
         hooks = e.hooks
         if step > 0:
@@ -38,6 +48,8 @@ class Stepper:
             hooks.multi_token(e, step, n_tokens)
         if previous is not None:
             hooks.rows(e, step, previous)
+        if last:
+            hooks.last_step(e, step)
         hooks.before_forward(e, step)
         # T tokens of one sequence are one decode call: each MoE layer reads their union once
         with e.streaming.decoding() if n_tokens > 1 else nullcontext():
@@ -51,9 +63,10 @@ class Stepper:
         return result
 
     # -- the engine's steps ----------------------------------------------------------------------
-    def decode(self, tokens: list[int], step: int, sampler) -> int:
+    def decode(self, tokens: list[int], step: int, sampler, last: bool = False) -> int:
         """A plain step: `tokens` (the prompt's last token or the last generated one) fed, one
-        token sampled with `sampler`; the cache then also holds `tokens`."""
+        token sampled with `sampler`; the cache then also holds `tokens`. `last`: the sequence's
+        token limit is reached with this token."""
         e = self.engine
         e.kv.begin()
         y = self.run(
@@ -61,14 +74,18 @@ class Stepper:
             1,
             lambda: bfw.forward(e.model, tokens, e.kv.cache),
             lambda logprobs: (bfw.sample(sampler, logprobs), None),
+            last=last,
         )
         e.kv.advance(tokens)
         return y
 
-    def decode_batch(self, tokens: list[int], step: int, samplers: list, cache, previous: list) -> list[int]:
+    def decode_batch(
+        self, tokens: list[int], step: int, samplers: list, cache, previous: list, last: bool = False
+    ) -> list[int]:
         """A step of a batch (batch.py): one token of each sequence, fed through the merged
         `cache`; one token sampled per row with that sequence's sampler. Row i was row
-        `previous[i]` of the last step (None: it joined since)."""
+        `previous[i]` of the last step (None: it joined since); `last`: every row's token limit
+        is reached with this step."""
         e = self.engine
         return self.run(
             step,
@@ -77,6 +94,7 @@ class Stepper:
             lambda logprobs: ([bfw.sample(s, logprobs[i]) for i, s in enumerate(samplers)], None),
             per_row=1,
             previous=previous,
+            last=last,
         )
 
     def verify_batch(self, rows: list[list[int]], step: int, decide: Callable, cache, previous: list):

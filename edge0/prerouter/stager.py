@@ -23,9 +23,15 @@ class PreRouterStager(StepHooks):
         # no per-step history: a server runs this for millions of steps (tests wrap the methods instead)
         self.pr, self.staged, self.heads_path = prerouting, staged, heads_path
         self.recall: dict[int, list[int]] = {}  # diagnostic mode: layer -> [agreeing, predicted]
+        self.last = False  # this step makes every sequence's last token: stage nothing
 
     def start(self, engine) -> None:
         self.pr.reset()
+        self.last = False
+
+    def last_step(self, engine, step: int) -> None:
+        """No step follows: its experts would be read for nothing (and waited for at the end)."""
+        self.last = True
 
     def multi_token(self, engine, step: int, n_tokens: int) -> None:
         """A verify: pre-routed layers route each position as plain decoding would."""
@@ -46,7 +52,7 @@ class PreRouterStager(StepHooks):
         """Step `step`'s graph is built and `launched` (its outputs) is being evaluated: issue the
         reads for step + 1 now (after a multi-token step: once it is known which position is kept)."""
         B.async_eval(launched)
-        if not self.pr.verifying:
+        if not self.pr.verifying and not self.last:
             self._stage(step)
 
     def kept(self, engine, step: int, position: int) -> None:
@@ -68,6 +74,7 @@ class PreRouterStager(StepHooks):
 
     def step_done(self, engine, step: int) -> None:
         self.pr.stepping = False
+        self.last = False
         self._collect_recall()
 
     def before_step(self, engine, step: int) -> None:

@@ -91,7 +91,11 @@ class StagedExecutor(ExactExecutor):
 
     def swap(self) -> None:
         """Step boundary (the previous step is evaluated, so nothing in flight reads the slots):
-        wait for the staged reads and write them into their slots in place."""
+        wait for the staged reads and write them into their slots in place. Nothing staged (the
+        last step of the sequences before it staged nothing): the step routes on the host."""
+        if self._pending is None:
+            self.trusted = False
+            return
         evicted, loaded, slots, future, alias, one_row = self._pending
         self._pending = None
         raw = None

@@ -16,27 +16,21 @@ that file is missing (macOS), every byte a read asks for counts, and `stats()` s
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 
 _IO = "/proc/thread-self/io"
-_local = threading.local()
 
 
 def thread_storage_bytes() -> int | None:
     """Bytes the calling thread has read from storage (Linux `read_bytes`), or None where the
-    kernel does not say."""
-    fd = getattr(_local, "fd", None)
-    if fd is None:
-        try:
-            fd = _local.fd = os.open(_IO, os.O_RDONLY)
-        except OSError:
-            _local.fd = -1
-            return None
-    if fd < 0:
+    kernel does not say. Opened per call: a descriptor kept per thread would outlive pool threads."""
+    try:
+        with open(_IO, "rb") as f:
+            text = f.read()
+    except OSError:
         return None
-    for line in os.pread(fd, 4096, 0).split(b"\n"):
+    for line in text.split(b"\n"):
         if line.startswith(b"read_bytes:"):
             return int(line.split()[1])
     return None

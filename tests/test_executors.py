@@ -154,6 +154,8 @@ def test_budget_too_small_is_a_clear_error(store_for):
 
 def test_memory_budget_bounds_mlx_peak(big_store):
     budget = 8 * 2**20
+    gc.collect()  # MLX's peak counts every live array of the process: other tests' engines too
+    others = mx.get_active_memory()
     e = edge0.load(big_store, expert_cache=budget, prefill_executor="exact", decode_executor="staged")
     total_experts = e.streaming.total_expert_bytes
     assert total_experts > 10 * budget
@@ -161,8 +163,9 @@ def test_memory_budget_bounds_mlx_peak(big_store):
     assert e.stats()["totals"]["misses"] > 0
     kv = 64 * 2**10 * 2  # 2 layers x (k + v) x 40 tokens x 128 floats x 4 B, rounded up
     constant = 24 * 2**20  # exact prefill of <= T*K experts per layer, MLX temporaries
-    assert res.stats["peak_memory_bytes"] <= e.resident_bytes + budget + kv + constant
-    assert res.stats["peak_memory_bytes"] < e.resident_bytes + total_experts
+    peak = res.stats["peak_memory_bytes"] - others
+    assert peak <= e.resident_bytes + budget + kv + constant
+    assert peak < e.resident_bytes + total_experts
 
 
 class OracleStager(StepHooks):

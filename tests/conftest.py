@@ -6,9 +6,26 @@ import os
 import shutil
 import tempfile
 
+import httpx
+import httpx._transports.default
 import pytest
 
 from tests.fixtures.make import fixture_dir, reference_dir
+
+# httpx builds a new SSL context for every top-level httpx.get/post (loading certifi's CA bundle:
+# 62 ms on the CI VM, 18 of the hostile battery's 25 s); the tests speak plain HTTP to loopback,
+# so one default context serves them all.
+_SHARED_SSL = httpx.create_ssl_context()
+_create_ssl_context = httpx._transports.default.create_ssl_context
+
+
+def _shared_ssl_context(verify=True, cert=None, trust_env=True):
+    if verify is True and cert is None and trust_env:
+        return _SHARED_SSL
+    return _create_ssl_context(verify=verify, cert=cert, trust_env=trust_env)
+
+
+httpx._transports.default.create_ssl_context = _shared_ssl_context
 
 
 def pytest_configure(config):
@@ -78,13 +95,16 @@ BIG = {
 
 
 @pytest.fixture(scope="session")
-def big_store(tmp_path_factory):
-    """A store whose routed experts are far larger than its other weights (and than test budgets)."""
+def big_store():
+    """A store whose routed experts are far larger than its other weights (and than test budgets);
+    built once for all the workers (8 s on the CI VM). Read-only."""
     from edge0.store.convert import convert
-    from tests.fixtures.make import make_memory_fixture, routed_expert_bytes
+    from tests.fixtures.make import cached_dir, make_memory_fixture, routed_expert_bytes
 
-    root = tmp_path_factory.mktemp("big")
-    hf, ratio = make_memory_fixture(root / "hf", **BIG)
-    routed, other = routed_expert_bytes(hf)
-    assert ratio >= 10 and routed >= 10 * other
-    return convert(str(hf), root / "store", quiet=True)
+    def build(root):
+        hf, ratio = make_memory_fixture(root / "hf", **BIG)
+        routed, other = routed_expert_bytes(hf)
+        assert ratio >= 10 and routed >= 10 * other
+        convert(str(hf), root / "store", quiet=True)
+
+    return cached_dir("big-store", "qwen3_moe", build, **BIG) / "store"

@@ -136,6 +136,14 @@ def test_sigterm_ends_open_streams_with_an_error_event_and_exits():
     assert queued["r"].json()["error"]["code"] == "server_shutting_down"
 
 
+def drained(base: str) -> None:
+    """Wait (up to 10 s) until the server has no request in flight."""
+    deadline = time.monotonic() + 10
+    while httpx.get(base + "/health", timeout=5).json()["requests_in_flight"]:
+        assert time.monotonic() < deadline, "requests still in flight"
+        time.sleep(0.05)
+
+
 def _stream_and_leave(base: str, path: str, body: dict, after_lines: int) -> None:
     with httpx.stream("POST", base + path, json=body, headers=AUTH, timeout=10) as r:
         assert r.status_code == 200
@@ -203,6 +211,7 @@ def test_hostile_battery_leaves_the_server_answering_and_its_memory_back(capsys)
             with ThreadPoolExecutor(30) as pool:
                 statuses = list(pool.map(burst_one, range(30)))
             assert set(statuses) == {200, 429} and statuses.count(200) >= 5, statuses
+            drained(base)  # the burst's refused requests may still be leaving the queue
 
             long_prompt = "p" * 1500  # 0.75 s of prefill
             for path, body in [
@@ -211,20 +220,19 @@ def test_hostile_battery_leaves_the_server_answering_and_its_memory_back(capsys)
                 (RESPONSES, responses(long_prompt, stream=True)),
             ] * 2:
                 _stream_and_leave(base, path, body, 1)  # during prefill
+                drained(base)  # the server notices the client left, and its slot frees
             for path, body in [
                 (CHAT, chat("count 500", stream=True, max_tokens=1000)),
                 (MESSAGES, anthropic("count 500", stream=True, max_tokens=1000)),
                 (RESPONSES, responses("count 500", stream=True)),
             ] * 2:
                 _stream_and_leave(base, path, body, 8)  # during decode
+                drained(base)
             for path, body in [(CHAT, chat(long_prompt)), (MESSAGES, anthropic("count 500", max_tokens=1000))]:
                 with pytest.raises(httpx.ReadTimeout):  # non-streamed, the client gives up
                     send(base, path, body, timeout=0.3)
 
-            deadline = time.monotonic() + 10
-            while httpx.get(base + "/health", timeout=5).json()["requests_in_flight"]:
-                assert time.monotonic() < deadline, "requests still in flight"
-                time.sleep(0.05)
+            drained(base)
             for path, body in ok:  # everything still answers, quickly
                 started = time.monotonic()
                 assert send(base, path, body).status_code == 200

@@ -236,7 +236,12 @@ def test_idle_connections_cannot_lock_clients_out(capsys):
         time.sleep(0.3)
         idle_rss, idle_fds = rss_kib(proc.pid), fd_count(proc.pid)
         with many_sockets(base, 1000) as socks, Health(base) as health:
-            time.sleep(0.5)
+            # until the server has accepted them all (under load that takes longer than 0.5 s)
+            deadline = time.monotonic() + 20
+            while httpx.get(base + "/v1/stats", timeout=5).json()["server"]["connections_evicted"] < 1000 - cap:
+                assert time.monotonic() < deadline, "the server did not accept the 1,000 connections in 20 s"
+                time.sleep(0.1)
+            time.sleep(0.2)  # an evicted connection's descriptor closes on the event loop's next turn
             held_fds = fd_count(proc.pid)
             started = time.monotonic()
             assert send(base, CHAT, chat("hi")).status_code == 200

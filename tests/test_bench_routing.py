@@ -75,7 +75,7 @@ def test_verify_cost_walks_the_true_continuation_and_leaves_generation_unchanged
     moe_layers = len(e.store.layers)
     assert e.stats()["totals"]["calls"] - before == moe_layers * (1 + 3)  # the prefill, then 9 // 3 steps of 3
     assert e.generate(prompt, max_tokens=9, ignore_eos=True).tokens == want
-    with pytest.raises(ValueError, match="no step of 10"):
+    with pytest.raises(ValueError, match="no timed step of 10"):
         forward_cost(e, prompt, want, 10, repeats=1)
 
 
@@ -102,3 +102,28 @@ def test_each_row_of_a_batch_routes_as_its_own_text(store_for):
     seen.clear()
     e.generate(prompts[1], max_tokens=4, ignore_eos=True)
     np.testing.assert_array_equal(np.concatenate(seen), first_layer(1, len(prompts[1]) + 3))
+
+
+def test_a_step_of_tokens_as_rows_routes_each_token_as_its_own_text(store_for):
+    """The concurrency bench's B-token step (`route_tokens_as_rows`): token j of one sequence's
+    step takes row j's text's routes, as row j of a batch would, so the step reads a batch's union."""
+    from edge0.bench.speculative import forward_cost
+
+    e = load(store_for("qwen3_moe"), decode_executor="staged")
+    routes = use_synthetic_routing(e, seed=5)
+    prompt = e.encode("hello world, once upon a time")
+    want = e.generate(prompt, max_tokens=8, ignore_eos=True).tokens
+    seen = []
+    e.observe_routes(lambda layer, inds, scores: layer == routes.layers[0] and seen.append(np.array(inds)))
+    assert forward_cost(e, prompt, want, 3, repeats=1, warmup=1, before_steps=routes.route_tokens_as_rows) > 0
+    steps = np.stack([s.reshape(-1, e.k) for s in seen[-2:]])  # the warm-up and the timed step: [2, 3, K]
+
+    def first_layer(text, n):
+        return generate(e.spec.num_experts, e.k, len(routes.layers), n, seed=5, text_seed=text)[0][0]
+
+    n = len(prompt)  # the prompt is prefilled on text 0's stream
+    np.testing.assert_array_equal(steps[:, 0], first_layer(None, n + 2)[n:])
+    np.testing.assert_array_equal(steps[:, 1], first_layer(1, 2))
+    np.testing.assert_array_equal(steps[:, 2], first_layer(2, 2))
+    assert e.generate(prompt, max_tokens=8, ignore_eos=True).tokens == want  # the next generation: as before
+    assert not routes.tokens_as_rows

@@ -9,9 +9,12 @@ each B the process generates B different prompts one after another (`generate`),
 (`generate_batch`), and measures the cost of a B-token step against a 1-token step of one
 sequence in the same engine (a verify's forward, the tokens of a true continuation): B / that
 cost is the setting's ceiling, what a batch would gain if B rows cost what B tokens of one
-sequence cost. Per B: aggregate decode tok/s of both, the speedup, the ceiling and the speedup's
-share of it, expert bytes read per generated token both ways, and the batch's union of experts
-per routed (token, expert) pair. With --routing qwen3-like row r of a batch (and generation r
+sequence cost. Under --routing qwen3-like the B tokens of that step route as the batch's B rows
+do (token j as row j's text, after one untimed step), so it reads the union a batch step reads;
+one sequence's own B tokens, which share far more experts, give `step_cost_one_sequence`. Per
+B: aggregate decode tok/s of both, the speedup, the ceiling and the speedup's share of it,
+expert bytes read per generated token both ways, and the batch's union of experts per routed
+(token, expert) pair. With --routing qwen3-like row r of a batch (and generation r
 one after another) routes as its own text through the same model (bench/routing.py); with
 --read-ahead each step's routes (every row's) are staged while the step before computes, as the
 pre-router does."""
@@ -55,7 +58,7 @@ def measure(spec: dict, report=None) -> dict:
     batches, n = spec["batches"], spec["decode_tokens"]
     prompts = prompts_for(engine.encode, max(batches), spec["prompt_tokens"])
     # the true continuation of the first prompt, long enough for steps of the widest B
-    reference = engine.generate(prompts[0], max_tokens=max(n, 3 * max(batches)), ignore_eos=True).tokens
+    reference = engine.generate(prompts[0], max_tokens=max(n, 4 * max(batches)), ignore_eos=True).tokens
     one_token = forward_cost(engine, prompts[0], reference, 1, len(reference))
     rows = []
     for b in batches:
@@ -75,7 +78,12 @@ def measure(spec: dict, report=None) -> dict:
         batched = engine.generate_batch(prompts[:b], max_tokens=n, ignore_eos=True)
         disk2 = storage_bytes_read()
         st = batched[0].stats["batch"]
-        cost = forward_cost(engine, prompts[0], reference, b, 3) / one_token if b > 1 else 1.0
+        one_sequence = forward_cost(engine, prompts[0], reference, b, 3) / one_token if b > 1 else 1.0
+        cost = one_sequence
+        if routes is not None and b > 1:
+            # the B tokens route as the batch's B rows do (token j as row j's text), so the step
+            # reads what a batch step reads: one sequence's B tokens share far more experts
+            cost = forward_cost(engine, prompts[0], reference, b, 3, 1, routes.route_tokens_as_rows) / one_token
         # both count the steps after the first: alone, the step that feeds the prompt's last token
         # (and makes the first token) belongs to the prefill; a batch's first step does that for every row
         serial_tps = b * (n - 1) / serial_s
@@ -89,6 +97,7 @@ def measure(spec: dict, report=None) -> dict:
                 "per_stream_decode_tps": batch_tps / b,
                 "speedup": speedup,
                 "step_cost": cost,
+                "step_cost_one_sequence": one_sequence,
                 "ceiling": b / cost,
                 "of_ceiling": speedup / (b / cost),
                 "serial_bytes_per_token": serial_bytes / (b * n),

@@ -25,7 +25,10 @@ class SyntheticRoutes:
     experts, its own token-by-token process; text 0 is the seed's own stream): B sequences of a
     batch route as B different texts do. A batch's row index is its stream (a row that moves up
     when another leaves continues the stream of its new index), which keeps each stream's
-    statistics; `first_text` gives one-after-another runs the same texts, generation by generation."""
+    statistics; `first_text` gives one-after-another runs the same texts, generation by generation.
+    With `tokens_as_rows` (the concurrency bench's B-token step) a pass of one row x T tokens takes
+    token j's route from stream j, where it stands, as a batch's row j does (a batch's prompts are
+    prefilled on stream 0), so the step reads what a batch of T rows' step reads."""
 
     def __init__(self, layers: list[int], num_experts: int, k: int, seed: int):
         self.layers = sorted(layers)
@@ -39,6 +42,7 @@ class SyntheticRoutes:
         self.sources: list[RouteSource] = []
         self.ahead: list[deque] = []  # per row, generated tokens not yet used: (routes [L, K], weights [L, K])
         self.current = None  # this pass's (routes [L, B, T, K], weights [L, B, T, K])
+        self.tokens_as_rows = False
 
     def _stream(self, row: int) -> tuple[RouteSource, deque]:
         while len(self.sources) <= row:
@@ -48,6 +52,16 @@ class SyntheticRoutes:
             )
             self.ahead.append(deque())
         return self.sources[row], self.ahead[row]
+
+    def route_tokens_as_rows(self) -> None:
+        """From the next pass on, one sequence's T tokens route as T rows of a batch (token j from
+        stream j); `restart` ends it."""
+        self.tokens_as_rows = True
+
+    def staged_rows(self) -> int:
+        """The rows whose next token a read-ahead stages after this pass."""
+        routes = self.current[0]  # [L, B, T, K]
+        return routes.shape[2] if self.tokens_as_rows else routes.shape[1]
 
     def keep(self, position: int) -> None:
         """A speculative verify (one sequence) kept its tokens up to `position`: the routes of the
@@ -73,12 +87,20 @@ class SyntheticRoutes:
             self.ahead[row].popleft()
         return np.stack([r for r, _ in took], axis=1), np.stack([w for _, w in took], axis=1)
 
+    def _tokens_as_rows(self, t: int):
+        """One row of `t` tokens, token j routed by stream j's next token."""
+        tokens = [self._take(j, 1) for j in range(t)]  # each ([L, 1, K], [L, 1, K])
+        return tuple(np.concatenate(parts, axis=1)[:, None] for parts in zip(*tokens))
+
     # -- the MoE block's hooks (see SpecMoEBlock) ---------------------------------------------
     def predicted(self, block, x):
         # x: [B, T, hidden] (B rows of a batch, or one sequence)
         if block.layer == self.layers[0]:
-            rows = [self._take(r, x.shape[-2]) for r in range(x.shape[0])]
-            self.current = tuple(np.stack(parts, axis=1) for parts in zip(*rows))
+            if self.tokens_as_rows and x.shape[0] == 1:
+                self.current = self._tokens_as_rows(x.shape[-2])
+            else:
+                rows = [self._take(r, x.shape[-2]) for r in range(x.shape[0])]
+                self.current = tuple(np.stack(parts, axis=1) for parts in zip(*rows))
         routes, weights = self.current
         i = self.row[block.layer]
         return B.array(routes[i]), B.array(weights[i]).astype(x.dtype)
@@ -125,7 +147,7 @@ class LookaheadStager(SyntheticHooks):
             self.last = False
             return
         routes = self.routes
-        rows = routes.current[0].shape[1]  # this pass's rows: each one's next token is staged
+        rows = routes.staged_rows()  # this pass's rows: each one's next token is staged
         nxt = np.stack([routes.peek(r)[0] for r in range(rows)], axis=1)  # [L, B, K]
         for layer, ex in self.staged.items():
             i = routes.row[layer]

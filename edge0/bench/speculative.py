@@ -54,20 +54,28 @@ def staged_engine(model, cache_share: str | None = None, io: str | None = None):
     return edge0.load(store, **opts)
 
 
-def forward_cost(engine, prompt: list[int], reference: list[int], tokens: int, repeats: int) -> float:
+def forward_cost(
+    engine, prompt: list[int], reference: list[int], tokens: int, repeats: int, warmup: int = 0, before_steps=None
+) -> float:
     """Median seconds of one decode step of `tokens` tokens after `prompt`, as the engine runs it
     (the forward through the decode executors, the greedy token of every position, the step's
     end): a plain step for 1 token, the verify's work for more. The steps walk the true
     continuation `reference` `tokens` at a time, as verifies whose drafts are all kept do, so
-    their routes and expert-cache hits are a real continuation's (random tokens route apart)."""
-    repeats = min(repeats, len(reference) // tokens)
+    their routes and expert-cache hits are a real continuation's (random tokens route apart). The
+    first `warmup` steps are run and not timed; `before_steps()` is called after the prompt's
+    prefill (the concurrency bench switches its synthetic routes there)."""
+    repeats = min(repeats, len(reference) // tokens - warmup)
     if repeats < 1:
-        raise ValueError(f"forward_cost: a reference of {len(reference)} tokens has no step of {tokens}")
+        raise ValueError(
+            f"forward_cost: a reference of {len(reference)} tokens has no timed step of {tokens} after {warmup}"
+        )
     engine.kv.prepare(prompt + [0], reuse=False)
     engine.hooks.start(engine)  # synthetic routes start over: step i routes as a generation's step i
     bfw.prefill(engine.model, prompt, engine.kv.cache)
+    if before_steps is not None:
+        before_steps()
     times = []
-    for i in range(repeats):
+    for i in range(warmup + repeats):
         t0 = time.perf_counter()
         engine.stepper.run(
             i,
@@ -75,7 +83,8 @@ def forward_cost(engine, prompt: list[int], reference: list[int], tokens: int, r
             lambda i=i: bfw.forward_all(engine.model, reference[i * tokens : (i + 1) * tokens], engine.kv.cache),
             lambda logprobs: (bsp.greedy_tokens(logprobs), tokens - 1 if tokens > 1 else None),  # all kept
         )
-        times.append(time.perf_counter() - t0)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
     engine.hooks.finish(engine)
     engine.kv.reset()
     return statistics.median(times)

@@ -117,6 +117,36 @@ def test_the_last_step_reads_nothing_ahead(store_for, heads_file):
     assert e.stats()["totals"]["dropped"] == 0
 
 
+def test_a_row_that_ends_is_not_read_ahead_for(store_for, heads_file):
+    """In a batch whose rows end at different steps, the step that makes one row's last token
+    stages the next routes of the other rows only."""
+    from edge0.engine.sampler import RequestSampler
+
+    e = edge0.load(store_for("deepseek_v3"), prerouter=heads_file, expert_cache="64KB")
+    rows_staged = []
+    for layer, ex in e.hooks.staged.items():
+        ex.stage = lambda ids, *a, orig=ex.stage: (rows_staged.append(np.shape(ids)), orig(ids, *a))[1]
+    consumers = len(e.hooks.staged)
+    alone = [e.generate(PROMPT, max_tokens=8, ignore_eos=True).tokens]
+    alone.append(e.generate(BATCH_PROMPTS[1], max_tokens=4, ignore_eos=True).tokens)
+    rows_staged.clear()
+    with e.batching() as batch:
+        seqs = [
+            batch.join(e.encode(PROMPT), RequestSampler(0.0, 1.0), 8, set()),
+            batch.join(e.encode(BATCH_PROMPTS[1]), RequestSampler(0.0, 1.0), 4, set()),
+        ]
+        while batch.busy:
+            batch.advance()
+    assert [s.tokens for s in seqs] == alone
+    k = e.k
+    # the step of the second row's fourth token stages the first row's next route alone, as a
+    # batch's ([1, K]); the steps before staged both rows', the steps after one sequence's ([K])
+    assert rows_staged.count((1, k)) == consumers
+    assert rows_staged.count((2, k)) > 0 and rows_staged.count((k,)) > 0
+    assert len(rows_staged) == 7 * consumers  # the first row's 8 tokens: every step but the last stages
+    assert e.stats()["totals"]["dropped"] == 0
+
+
 class OracleHead:
     """Returns the consumer gate's true logits for the next token (recorded from an exact run)."""
 

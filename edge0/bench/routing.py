@@ -136,19 +136,23 @@ class LookaheadStager(SyntheticHooks):
 
     def start(self, engine) -> None:
         super().start(engine)
-        self.last = False
+        self.last, self.ending = False, []
 
-    def last_step(self, engine, step: int) -> None:
-        self.last = True  # no step follows: nothing to stage
+    def last_step(self, engine, step: int, rows: list[int] | None = None) -> None:
+        if rows is None:
+            self.last = True  # no step follows: nothing to stage
+        else:
+            self.ending = rows  # these rows' last token: their next routes are not staged
 
     def after_forward(self, engine, step: int, launched) -> None:
         B.async_eval(launched)
+        ending, self.ending = self.ending, []
         if self.last:
             self.last = False
             return
         routes = self.routes
         rows = routes.staged_rows()  # this pass's rows: each one's next token is staged
-        nxt = np.stack([routes.peek(r)[0] for r in range(rows)], axis=1)  # [L, B, K]
+        nxt = np.stack([routes.peek(r)[0] for r in range(rows) if r not in ending], axis=1)  # [L, B, K]
         for layer, ex in self.staged.items():
             i = routes.row[layer]
             ex.stage(nxt[i, 0] if rows == 1 else nxt[i])

@@ -370,8 +370,8 @@ class LeaderHooks(StepHooks):
     def before_step(self, engine, step: int) -> None:
         self.inner.before_step(engine, step)
 
-    def last_step(self, engine, step: int) -> None:
-        self.inner.last_step(engine, step)
+    def last_step(self, engine, step: int, rows: list[int] | None = None) -> None:
+        self.inner.last_step(engine, step, rows)
 
     def before_forward(self, engine, step: int) -> None:
         self.pipeline.step = step

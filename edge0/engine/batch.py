@@ -216,8 +216,8 @@ class Batch:
         t0 = time.perf_counter()
         if drafts is None:
             samplers = [s.sampler for s in rows]
-            last = all(len(s.tokens) + 1 >= s.reply.max_tokens for s in rows)
-            out = [[y] for y in e.stepper.decode_batch(self.inputs, self.steps, samplers, self.cache, previous, last)]
+            ending = [i for i, s in enumerate(rows) if len(s.tokens) + 1 >= s.reply.max_tokens]
+            out = [[y] for y in e.stepper.decode_batch(self.inputs, self.steps, samplers, self.cache, previous, ending)]
         else:
             out = self._verify(drafts, previous)
         if self.spec is not None:

@@ -13,7 +13,7 @@ class StepHooks:
     step_done (its token was sampled); then finish. A multi-token step (a speculative verify)
     also calls multi_token after before_step, and kept before step_done; a step of a batch calls
     rows after before_step (and multi_token when its rows verify drafts); a plain step that
-    makes every sequence's last token (their token limits) calls last_step before before_forward."""
+    makes the last token of a sequence (its token limit) calls last_step before before_forward."""
 
     def start(self, engine) -> None:
         """A generation or a teacher-forced pass begins: forget per-sequence state."""
@@ -29,9 +29,10 @@ class StepHooks:
         """Step `step` is a batch's: row i was row `previous[i]` of the batch's last step, or
         None when it joined since (rows leave and join between steps)."""
 
-    def last_step(self, engine, step: int) -> None:
-        """Step `step` makes the last token of every sequence in it (each reaches its token
-        limit): no step of theirs follows, so nothing needs reading ahead for one."""
+    def last_step(self, engine, step: int, rows: list[int] | None = None) -> None:
+        """Step `step` makes the last token (the token limit) of the batch's rows `rows`, or of
+        every sequence in it (None): no step of theirs follows, so nothing needs reading ahead for
+        them."""
 
     def kept(self, engine, step: int, position: int) -> None:
         """Multi-token step `step` kept its inputs up to `position` (the rest were rejected drafts);

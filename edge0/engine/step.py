@@ -35,11 +35,13 @@ class Stepper:
         per_row: int = 0,
         previous=None,
         last: bool = False,
+        ending: list[int] = (),
     ):
         """The protocol above: `forward()` builds the outputs, `finish(outputs)` returns
         (result, kept: the position up to which a multi-token step's inputs were kept, or None).
         A batch's step passes its tokens per row (`per_row`) and each row's `previous` index;
-        `last`: the step makes every sequence's last token."""
+        `last`: the step makes every sequence's last token; `ending`: the rows whose last token it
+        makes (some of a batch's)."""
         e = self.engine
         hooks = e.hooks
         if step > 0:
@@ -50,6 +52,8 @@ class Stepper:
             hooks.rows(e, step, previous)
         if last:
             hooks.last_step(e, step)
+        elif ending:
+            hooks.last_step(e, step, list(ending))
         hooks.before_forward(e, step)
         # T tokens of one sequence are one decode call: each MoE layer reads their union once
         with e.streaming.decoding() if n_tokens > 1 else nullcontext():
@@ -80,12 +84,12 @@ class Stepper:
         return y
 
     def decode_batch(
-        self, tokens: list[int], step: int, samplers: list, cache, previous: list, last: bool = False
+        self, tokens: list[int], step: int, samplers: list, cache, previous: list, ending: list[int] = ()
     ) -> list[int]:
         """A step of a batch (batch.py): one token of each sequence, fed through the merged
         `cache`; one token sampled per row with that sequence's sampler. Row i was row
-        `previous[i]` of the last step (None: it joined since); `last`: every row's token limit
-        is reached with this step."""
+        `previous[i]` of the last step (None: it joined since); `ending`: the rows whose token
+        limit is reached with this step."""
         e = self.engine
         return self.run(
             step,
@@ -94,7 +98,8 @@ class Stepper:
             lambda logprobs: ([bfw.sample(s, logprobs[i]) for i, s in enumerate(samplers)], None),
             per_row=1,
             previous=previous,
-            last=last,
+            last=len(ending) == len(tokens),
+            ending=ending,
         )
 
     def verify_batch(self, rows: list[list[int]], step: int, decide: Callable, cache, previous: list):

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+
 from edge0.backend import core as B
 from edge0.engine.hooks import StepHooks
 
@@ -24,14 +26,19 @@ class PreRouterStager(StepHooks):
         self.pr, self.staged, self.heads_path = prerouting, staged, heads_path
         self.recall: dict[int, list[int]] = {}  # diagnostic mode: layer -> [agreeing, predicted]
         self.last = False  # this step makes every sequence's last token: stage nothing
+        self.ending: list[int] = []  # the batch's rows whose last token this step makes: not staged
 
     def start(self, engine) -> None:
         self.pr.reset()
-        self.last = False
+        self.last, self.ending = False, []
 
-    def last_step(self, engine, step: int) -> None:
-        """No step follows: its experts would be read for nothing (and waited for at the end)."""
-        self.last = True
+    def last_step(self, engine, step: int, rows: list[int] | None = None) -> None:
+        """No step follows (for `rows`, or for every sequence): their experts would be read for
+        nothing (and waited for at the end)."""
+        if rows is None:
+            self.last = True
+        else:
+            self.ending = rows
 
     def multi_token(self, engine, step: int, n_tokens: int) -> None:
         """A verify: pre-routed layers route each position as plain decoding would."""
@@ -68,13 +75,19 @@ class PreRouterStager(StepHooks):
                 if ex.wants_scores:  # the head's scores come with its route, in the same sync
                     scores = self.pr.next_scores[layer]
                     B.eval(inds, scores)
-                    ex.stage(one_row(B.to_numpy(inds)), B.to_numpy(scores).reshape(-1, scores.shape[-1]).mean(axis=0))
+                    rows = self._continuing(B.to_numpy(scores).reshape(-1, scores.shape[-1]))
+                    ex.stage(self._continuing(one_row(B.to_numpy(inds))), rows.mean(axis=0))
                 else:
-                    ex.stage(one_row(B.to_numpy(inds)))
+                    ex.stage(self._continuing(one_row(B.to_numpy(inds))))
+
+    def _continuing(self, per_row):
+        """A batch's per-row array [B, ...] without the rows that end with this step (a batch
+        stays a batch, [rows left, ...], even with one row left); one sequence's as it is."""
+        return np.delete(per_row, self.ending, axis=0) if self.ending and per_row.ndim == 2 else per_row
 
     def step_done(self, engine, step: int) -> None:
         self.pr.stepping = False
-        self.last = False
+        self.last, self.ending = False, []
         self._collect_recall()
 
     def before_step(self, engine, step: int) -> None:

@@ -11,8 +11,7 @@ import math
 from dataclasses import dataclass, field, fields
 
 from edge0.cache import LIVE_POLICIES
-from edge0.engine.drafters import DEFAULT_NGRAM
-from edge0.engine.speculative import DEFAULT_NUM_DRAFT
+from edge0.engine.drafters import DEFAULT_NGRAM, DEFAULT_NUM_DRAFT
 from edge0.errors import Edge0Error
 from edge0.store.readers import STRATEGIES
 from edge0.streaming.dispatch import DECODE_EXECUTORS, PREFILL_EXECUTORS, TRAIN_WEIGHTS

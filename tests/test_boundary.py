@@ -30,3 +30,24 @@ def test_boundary_check_catches_an_import(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("import os\nfrom mlx_lm.models import cache\n")
     assert "mlx_lm.models" in list(_imports(bad))
+
+
+def test_the_command_line_and_its_help_do_not_import_mlx_lm():
+    """`edge0 --help`, a usage error and the option tables import no model code: mlx-lm brings
+    transformers (1.8 s of `edge0 --help` before the engine package was made lazy)."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys, edge0.cli, edge0.options; print(sorted(m for m in ('mlx_lm', 'transformers') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "[]"
+    out = subprocess.run(
+        [sys.executable, "-c", "import edge0.engine, sys; edge0.engine.Engine; print('mlx_lm' in sys.modules)"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert out.stdout.strip() == "True"  # the engine is still there when asked for

@@ -2,9 +2,21 @@
 reusable KV cache (kv.py), the hooks features attach through (hooks.py), statistics (stats.py)
 and the passes used for checks and traces (diagnostics.py)."""
 
-from edge0.engine.engine import Engine, GenerationResult
-from edge0.engine.hooks import StepHooks
-from edge0.engine.load import open_engine
-from edge0.engine.reply import Step
+from importlib import import_module
 
-__all__ = ["Engine", "GenerationResult", "Step", "StepHooks", "open_engine"]
+# Imported on first use: the engine imports the backend (mlx-lm, transformers: 2 s), which the
+# command line's option tables (edge0.options reads the drafters' defaults) do not need.
+_EXPORTS = {
+    "Engine": "edge0.engine.engine",
+    "GenerationResult": "edge0.engine.engine",
+    "Step": "edge0.engine.reply",
+    "StepHooks": "edge0.engine.hooks",
+    "open_engine": "edge0.engine.load",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'edge0.engine' has no attribute {name!r}")
+    return getattr(import_module(_EXPORTS[name]), name)

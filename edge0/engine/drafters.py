@@ -19,6 +19,7 @@ import numpy as np
 from edge0.errors import Edge0Error
 
 DEFAULT_NGRAM = 3
+DEFAULT_NUM_DRAFT = 4  # tokens drafted per verify step
 
 
 @dataclass

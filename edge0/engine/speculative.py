@@ -14,10 +14,9 @@ import time
 
 from edge0.backend import kvcache as bkv
 from edge0.backend import speculative as bsp
-from edge0.engine.drafters import Drafter
+from edge0.engine.drafters import DEFAULT_NUM_DRAFT, Drafter
 from edge0.errors import Edge0Error
 
-DEFAULT_NUM_DRAFT = 4
 DECAY = 0.9  # weight of the past in the running acceptance and cost estimates, per observation
 SWITCH_ON = 1.05  # speculation resumes when it is estimated this much faster than plain steps
 PROBE_EVERY = 16  # while off, an expensive drafter drafts (to measure acceptance) every this many tokens

@@ -9,8 +9,8 @@ from pathlib import Path
 
 from edge0.distributed.setup import connect, join, ready, stage_planner
 from edge0.engine import Engine, open_engine
-from edge0.engine.drafters import make_drafter
-from edge0.engine.speculative import DEFAULT_NUM_DRAFT, Speculator
+from edge0.engine.drafters import DEFAULT_NUM_DRAFT, make_drafter
+from edge0.engine.speculative import Speculator
 from edge0.lora.attach import attach_lora, store_adapter
 from edge0.options import LoadOptions
 from edge0.prerouter.attach import attach_prerouter, heads_path

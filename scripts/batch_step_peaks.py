@@ -1,0 +1,46 @@
+"""Peak memory of the concurrency bench's pieces at one B, each in its own process (qwen3-like
+routes, a 20% expert cache, warm): one text's B-token step, the B-token step routed as a batch's
+rows (the ceiling's), or the batch of B itself. Prints MLX's peak and the process's maximum RSS.
+
+    python scripts/batch_step_peaks.py BENCH_MODEL_DIR one|rows|batch [B]
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+import edge0
+from edge0.bench.child import prompts_for
+from edge0.bench.model import expert_budget, store_sizes
+from edge0.bench.routing import use_synthetic_routing
+from edge0.bench.speculative import forward_cost
+
+
+def main(model: str, which: str, b: int = 8) -> None:
+    store = Path(model) / "store"
+    e = edge0.load(store, prerouter=False, lora=False, expert_cache=expert_budget("20%", store_sizes(store)))
+    routes = use_synthetic_routing(e, seed=0)
+    prompts = prompts_for(e.encode, b, 64)
+    reference = e.generate(prompts[0], max_tokens=4 * b, ignore_eos=True).tokens
+    run = {
+        "one": lambda: forward_cost(e, prompts[0], reference, b, 3),
+        "rows": lambda: forward_cost(e, prompts[0], reference, b, 3, 1, routes.route_tokens_as_rows),
+        "batch": lambda: e.generate_batch(prompts, max_tokens=16, ignore_eos=True),
+    }[which]
+    mx.reset_peak_memory()
+    t0 = time.perf_counter()
+    run()
+    seconds = time.perf_counter() - t0
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    print(f"{which} B={b}: MLX peak {mx.get_peak_memory() / 2**20:.1f} MiB, max RSS {rss:.0f} MiB, {seconds:.1f} s")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) not in (3, 4) or sys.argv[2] not in ("one", "rows", "batch"):
+        sys.exit(__doc__)
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]) if len(sys.argv) == 4 else 8)

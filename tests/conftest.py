@@ -1,16 +1,20 @@
 """Shared fixtures: tiny checkpoints (built once per session) converted into edge0 stores."""
 
 import contextlib
+import hashlib
 import io
 import os
 import shutil
 import tempfile
+from pathlib import Path
 
 import httpx
 import httpx._transports.default
 import pytest
 
 from tests.fixtures.make import fixture_dir, reference_dir
+
+STORE_CODE = Path(__file__).resolve().parents[1] / "edge0" / "store"
 
 # httpx builds a new SSL context for every top-level httpx.get/post (loading certifi's CA bundle:
 # 62 ms on the CI VM, 18 of the hostile battery's 25 s); the tests speak plain HTTP to loopback,
@@ -130,4 +134,6 @@ def big_store():
         assert ratio >= 10 and routed >= 10 * other
         convert(str(hf), root / "store", quiet=True)
 
-    return cached_dir("big-store", "qwen3_moe", build, **BIG) / "store"
+    # a converted store: a persistent $EDGE0_FIXTURE_CACHE must not serve one an older converter wrote
+    converter = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(STORE_CODE.glob("*.py")))).hexdigest()[:12]
+    return cached_dir("big-store", "qwen3_moe", build, converter=converter, **BIG) / "store"

@@ -127,3 +127,23 @@ def test_a_step_of_tokens_as_rows_routes_each_token_as_its_own_text(store_for):
     np.testing.assert_array_equal(steps[:, 2], first_layer(2, 2))
     assert e.generate(prompt, max_tokens=8, ignore_eos=True).tokens == want  # the next generation: as before
     assert not routes.tokens_as_rows
+
+
+def test_the_read_ahead_stages_the_next_steps_rows_when_a_row_ends(store_for):
+    """Rows ending at different steps: after the step that ends row 0, the rows behind it move up
+    and route as their new index; the read-ahead stages exactly the routes the next step takes."""
+    store = store_for("qwen3_moe")
+    e = load(store, decode_executor="staged")
+    routes = use_synthetic_routing(e, seed=6, lookahead=True)
+    layer = sorted(e.hooks.staged)[0]
+    events = []
+    ex = e.hooks.staged[layer]
+    ex.stage = lambda ids, *a, orig=ex.stage: (events.append(("stage", np.array(ids))), orig(ids, *a))[1]
+    e.observe_routes(lambda l, inds, scores: l == layer and events.append(("route", np.array(inds))))
+    prompts = [e.encode(t) for t in ("hello world", "once upon a time", "the quick brown fox")]
+    e.generate_batch(prompts, max_tokens=[2, 5, 5], ignore_eos=True)
+    pairs = [(a[1], b[1]) for a, b in zip(events, events[1:]) if a[0] == "stage" and b[0] == "route"]
+    assert len(pairs) == 4  # 5 steps (the longest rows), every one but the last stages the next
+    for staged, routed in pairs:
+        assert set(staged.reshape(-1).tolist()) == set(routed.reshape(-1).tolist())
+    assert routes.staged_rows() == 2

@@ -12,7 +12,7 @@ CONSTANT = 64 * 2**20
 PROBE = r"""
 import json, sys
 from edge0.backend import core as B
-import edge0, edge0.engine, mlx_lm, transformers  # imports are not the model's memory
+import edge0, edge0.engine.engine, edge0.runtime, mlx_lm, transformers  # imports are not the model's memory
 before = B.peak_rss()
 engine = edge0.load(sys.argv[1], decode_executor="exact")  # no cache: only touched experts
 res = engine.generate("hello world once upon a time", max_tokens=8, ignore_eos=True)

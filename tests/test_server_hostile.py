@@ -136,6 +136,10 @@ def test_sigterm_ends_open_streams_with_an_error_event_and_exits():
     assert queued["r"].json()["error"]["code"] == "server_shutting_down"
 
 
+def server_counters(base: str) -> dict:
+    return httpx.get(base + "/v1/stats", headers=AUTH, timeout=5).json()["server"]
+
+
 def drained(base: str) -> None:
     """Wait (up to 10 s) until the server has no request in flight."""
     deadline = time.monotonic() + 10
@@ -213,6 +217,7 @@ def test_hostile_battery_leaves_the_server_answering_and_its_memory_back(capsys)
             assert set(statuses) == {200, 429} and statuses.count(200) >= 5, statuses
             drained(base)  # the burst's refused requests may still be leaving the queue
 
+            cancelled = server_counters(base)["cancelled"]
             long_prompt = "p" * 1500  # 0.75 s of prefill
             for path, body in [
                 (CHAT, chat(long_prompt, stream=True)),
@@ -233,6 +238,8 @@ def test_hostile_battery_leaves_the_server_answering_and_its_memory_back(capsys)
                     send(base, path, body, timeout=0.3)
 
             drained(base)
+            # every request whose client left was cancelled, none run to its end
+            assert server_counters(base)["cancelled"] - cancelled == 6 + 6 + 2
             for path, body in ok:  # everything still answers, quickly
                 started = time.monotonic()
                 assert send(base, path, body).status_code == 200

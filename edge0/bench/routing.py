@@ -61,7 +61,7 @@ class SyntheticRoutes:
     def staged_rows(self) -> int:
         """The rows whose next token a read-ahead stages after this pass."""
         routes = self.current[0]  # [L, B, T, K]
-        return routes.shape[2] if self.tokens_as_rows else routes.shape[1]
+        return routes.shape[2] if self.tokens_as_rows and routes.shape[1] == 1 else routes.shape[1]
 
     def keep(self, position: int) -> None:
         """A speculative verify (one sequence) kept its tokens up to `position`: the routes of the
@@ -152,7 +152,8 @@ class LookaheadStager(SyntheticHooks):
             return
         routes = self.routes
         rows = routes.staged_rows()  # this pass's rows: each one's next token is staged
-        nxt = np.stack([routes.peek(r)[0] for r in range(rows) if r not in ending], axis=1)  # [L, B, K]
+        # the rows after an ending one move up and continue the stream of their new index
+        nxt = np.stack([routes.peek(r)[0] for r in range(rows - len(ending))], axis=1)  # [L, B, K]
         for layer, ex in self.staged.items():
             i = routes.row[layer]
             ex.stage(nxt[i, 0] if rows == 1 else nxt[i])

@@ -371,7 +371,10 @@ class LeaderHooks(StepHooks):
         self.inner.before_step(engine, step)
 
     def last_step(self, engine, step: int, rows: list[int] | None = None) -> None:
-        self.inner.last_step(engine, step, rows)
+        if rows is None:
+            self.inner.last_step(engine, step)
+        else:
+            self.inner.last_step(engine, step, rows)
 
     def before_forward(self, engine, step: int) -> None:
         self.pipeline.step = step

@@ -75,8 +75,8 @@ class PreRouterStager(StepHooks):
                 if ex.wants_scores:  # the head's scores come with its route, in the same sync
                     scores = self.pr.next_scores[layer]
                     B.eval(inds, scores)
-                    rows = self._continuing(B.to_numpy(scores).reshape(-1, scores.shape[-1]))
-                    ex.stage(self._continuing(one_row(B.to_numpy(inds))), rows.mean(axis=0))
+                    per_row = self._continuing(B.to_numpy(scores).reshape(-1, scores.shape[-1]))
+                    ex.stage(self._continuing(one_row(B.to_numpy(inds))), per_row.mean(axis=0))
                 else:
                     ex.stage(self._continuing(one_row(B.to_numpy(inds))))
 

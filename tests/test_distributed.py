@@ -115,7 +115,7 @@ def single(store, **options):
     return res.tokens, engine.stats()
 
 
-# deepseek_v3 behind -m slow: its dense first layer and head split run in the three-rank test
+# deepseek_v3 behind -m slow, with the three-rank test that runs its dense first layer too
 @pytest.mark.parametrize("family", [f if f == "qwen3_moe" else pytest.param(f, marks=pytest.mark.slow) for f in SPLITS])
 def test_two_ranks_give_the_single_process_tokens_reading_only_their_layers(family, store_for, heads, tmp_path):
     store = store_for(family)
@@ -164,6 +164,7 @@ def test_two_ranks_give_the_single_process_tokens_reading_only_their_layers(fami
     assert out[0][1]["layer_stats"][boundary]["dropped"] == 0
 
 
+@pytest.mark.slow  # 7-11 s of launches: behind -m slow to keep the suite under 5 minutes on 2 cores
 def test_three_ranks_pass_the_hidden_state_through_a_middle_stage(store_for, heads, tmp_path):
     # deepseek_v3: rank 2 runs the dense layer 0 (no experts at all), rank 1 the head's owner
     # (MoE layer 1), rank 0 its consumer (MoE layer 2)
@@ -182,6 +183,7 @@ def test_three_ranks_pass_the_hidden_state_through_a_middle_stage(store_for, hea
     assert out[0]["tokens"] == single(store, prerouter=options["prerouter"])[0]
 
 
+@pytest.mark.slow  # 7-11 s of launches: behind -m slow to keep the suite under 5 minutes on 2 cores
 def test_generate_under_mlx_launch_prints_the_single_process_text(store_for, tmp_path):
     launcher = Path(sys.executable).parent / "mlx.launch"  # installed with mlx
     if not launcher.is_file():

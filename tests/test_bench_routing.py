@@ -147,3 +147,20 @@ def test_the_read_ahead_stages_the_next_steps_rows_when_a_row_ends(store_for):
     for staged, routed in pairs:
         assert set(staged.reshape(-1).tolist()) == set(routed.reshape(-1).tolist())
     assert routes.staged_rows() == 2
+
+
+def test_a_batch_steps_read_ahead_starts_in_each_layer_once_it_has_routed(store_for):
+    """A batch's layers route on the host; each one's next-step reads start right after its own
+    route, while the later layers compute (as the pre-router's stager does)."""
+    e = load(store_for("qwen3_moe"), decode_executor="staged")
+    use_synthetic_routing(e, seed=6, lookahead=True)
+    ev = []
+    for layer, ex in e.hooks.staged.items():
+        ex.stage = lambda *a, layer=layer, orig=ex.stage: (ev.append(("stage", layer)), orig(*a))[1]
+        ex.host_ids = lambda ind, layer=layer, orig=ex.host_ids: (ev.append(("route", layer)), orig(ind))[1]
+    prompts = [e.encode(t) for t in ("hello world", "once upon a time", "the quick brown fox")]
+    e.generate_batch(prompts, max_tokens=5, ignore_eos=True)
+    stages = [i for i, x in enumerate(ev) if x[0] == "stage"]
+    assert len(stages) == 4 * len(e.hooks.staged)  # 5 steps, every one but the last stages the next
+    assert all(ev[i - 1] == ("route", ev[i][1]) for i in stages), ev
+    assert e.stats()["totals"]["dropped"] == 0

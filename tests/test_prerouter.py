@@ -117,6 +117,28 @@ def test_the_last_step_reads_nothing_ahead(store_for, heads_file):
     assert e.stats()["totals"]["dropped"] == 0
 
 
+def test_a_batch_step_reads_each_layers_next_experts_once_that_layer_has_routed(store_for, heads_file):
+    """A batch's step copies every layer's route to the host; by then the prediction for that
+    layer's next step is computed too (its owner runs earlier in the forward), so the layer's
+    reads start there, while the later layers compute, not once the whole forward is built."""
+    e = edge0.load(store_for("deepseek_v3"), prerouter=heads_file, expert_cache="64KB")
+    ev = []
+    for layer, ex in e.hooks.staged.items():
+        ex.stage = lambda *a, layer=layer, orig=ex.stage: (ev.append(("stage", layer)), orig(*a))[1]
+        ex.host_ids = lambda ind, layer=layer, orig=ex.host_ids: (ev.append(("route", layer)), orig(ind))[1]
+    hooks = e.hooks
+    hooks.after_forward = lambda *a, orig=hooks.after_forward: (ev.append(("built",)), orig(*a))[1]
+    alone = [e.generate(p, max_tokens=8, ignore_eos=True).tokens for p in (PROMPT, BATCH_PROMPTS[1])]
+    ev.clear()
+    assert [r.tokens for r in e.generate_batch([PROMPT, BATCH_PROMPTS[1]], max_tokens=8, ignore_eos=True)] == alone
+    stages = [i for i, x in enumerate(ev) if x[0] == "stage"]
+    assert len(stages) == 7 * len(e.hooks.staged)  # every step but the last stages the next
+    # right after the layer's own route, before the step's graph is built ("built" comes between otherwise)
+    assert all(ev[i - 1] == ("route", ev[i][1]) for i in stages), ev
+    assert ev.count(("built",)) == 8
+    assert e.stats()["totals"]["dropped"] == 0
+
+
 def test_a_row_that_ends_is_not_read_ahead_for(store_for, heads_file):
     """In a batch whose rows end at different steps, the step that makes one row's last token
     stages the next routes of the other rows only."""

@@ -137,6 +137,7 @@ class LookaheadStager(SyntheticHooks):
     def start(self, engine) -> None:
         super().start(engine)
         self.last, self.ending = False, []
+        self.early, self.nxt = set(), None  # layers staged during the forward; the next routes [L, B, K]
 
     def last_step(self, engine, step: int, rows: list[int] | None = None) -> None:
         if rows is None:
@@ -144,19 +145,36 @@ class LookaheadStager(SyntheticHooks):
         else:
             self.ending = rows  # these rows' last token: their next routes are not staged
 
-    def after_forward(self, engine, step: int, launched) -> None:
-        B.async_eval(launched)
-        ending, self.ending = self.ending, []
-        if self.last:
-            self.last = False
-            return
+    def before_forward(self, engine, step: int) -> None:
+        self.early, self.nxt = set(), None
+        if not self.last:
+            for ex in self.staged.values():
+                ex.after_route = self._stage_early
+
+    def _stage_early(self, layer: int) -> None:
+        """A layer routed on the host during the forward (a batch's rows): its next step's reads
+        start now, as the pre-router's stager does."""
+        self._stage_layer(layer)
+        self.early.add(layer)
+
+    def _stage_layer(self, layer: int) -> None:
         routes = self.routes
         rows = routes.staged_rows()  # this pass's rows: each one's next token is staged
-        # the rows after an ending one move up and continue the stream of their new index
-        nxt = np.stack([routes.peek(r)[0] for r in range(rows - len(ending))], axis=1)  # [L, B, K]
-        for layer, ex in self.staged.items():
-            i = routes.row[layer]
-            ex.stage(nxt[i, 0] if rows == 1 else nxt[i])
+        if self.nxt is None:
+            # the rows after an ending one move up and continue the stream of their new index
+            self.nxt = np.stack([routes.peek(r)[0] for r in range(rows - len(self.ending))], axis=1)  # [L, B, K]
+        i = routes.row[layer]
+        self.staged[layer].stage(self.nxt[i, 0] if rows == 1 else self.nxt[i])
+
+    def after_forward(self, engine, step: int, launched) -> None:
+        B.async_eval(launched)
+        for ex in self.staged.values():
+            ex.after_route = None
+        if not self.last:
+            for layer in self.staged:
+                if layer not in self.early:
+                    self._stage_layer(layer)
+        self.last, self.ending = False, []
 
     def before_step(self, engine, step: int) -> None:
         for ex in self.staged.values():
@@ -164,6 +182,7 @@ class LookaheadStager(SyntheticHooks):
 
     def finish(self, engine) -> None:
         for ex in self.staged.values():
+            ex.after_route = None  # a forward that raised never reached after_forward
             ex.settle()
 
 

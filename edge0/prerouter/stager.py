@@ -27,6 +27,7 @@ class PreRouterStager(StepHooks):
         self.recall: dict[int, list[int]] = {}  # diagnostic mode: layer -> [agreeing, predicted]
         self.last = False  # this step makes every sequence's last token: stage nothing
         self.ending: list[int] = []  # the batch's rows whose last token this step makes: not staged
+        self.early: set[int] = set()  # layers whose next step was staged during this step's forward
 
     def start(self, engine) -> None:
         self.pr.reset()
@@ -54,11 +55,26 @@ class PreRouterStager(StepHooks):
 
     def before_forward(self, engine, step: int) -> None:
         self.pr.stepping = True
+        self.early = set()
+        if not self.pr.verifying and not self.last:
+            for ex in self.staged.values():
+                ex.after_route = self._stage_early
+
+    def _stage_early(self, layer: int) -> None:
+        """Layer `layer` routed this step on the host (a batch's rows, or no prediction): the
+        prediction for its next step is computed by then (its owner runs earlier in the forward),
+        so its reads start now, while the rest of the forward computes, not after it."""
+        if layer in self.pr.next:
+            self._stage_layer(layer, self.pr.next[layer][0])
+            self.early.add(layer)
 
     def after_forward(self, engine, step: int, launched) -> None:
         """Step `step`'s graph is built and `launched` (its outputs) is being evaluated: issue the
-        reads for step + 1 now (after a multi-token step: once it is known which position is kept)."""
+        reads for step + 1 now (after a multi-token step: once it is known which position is kept),
+        in the layers that did not start them during the forward."""
         B.async_eval(launched)
+        for ex in self.staged.values():
+            ex.after_route = None
         if not self.pr.verifying and not self.last:
             self._stage(step)
 
@@ -70,15 +86,20 @@ class PreRouterStager(StepHooks):
 
     def _stage(self, step: int) -> None:
         for layer, inds in sorted(self.pr.next_indices().items()):
-            if layer in self.staged:
-                ex = self.staged[layer]
-                if ex.wants_scores:  # the head's scores come with its route, in the same sync
-                    scores = self.pr.next_scores[layer]
-                    B.eval(inds, scores)
-                    per_row = self._continuing(B.to_numpy(scores).reshape(-1, scores.shape[-1]))
-                    ex.stage(self._continuing(one_row(B.to_numpy(inds))), per_row.mean(axis=0))
-                else:
-                    ex.stage(self._continuing(one_row(B.to_numpy(inds))))
+            if layer not in self.early:
+                self._stage_layer(layer, inds)
+
+    def _stage_layer(self, layer: int, inds) -> None:
+        ex = self.staged.get(layer)
+        if ex is None:
+            return
+        if ex.wants_scores:  # the head's scores come with its route, in the same sync
+            scores = self.pr.next_scores[layer]
+            B.eval(inds, scores)
+            per_row = self._continuing(B.to_numpy(scores).reshape(-1, scores.shape[-1]))
+            ex.stage(self._continuing(one_row(B.to_numpy(inds))), per_row.mean(axis=0))
+        else:
+            ex.stage(self._continuing(one_row(B.to_numpy(inds))))
 
     def _continuing(self, per_row):
         """A batch's per-row array [B, ...] without the rows that end with this step (a batch
@@ -100,6 +121,7 @@ class PreRouterStager(StepHooks):
     def finish(self, engine) -> None:
         """End of a generation: complete any reads in flight and forget predictions."""
         for ex in self.staged.values():
+            ex.after_route = None  # a forward that raised never reached after_forward
             ex.settle()
         self.pr.reset()
 

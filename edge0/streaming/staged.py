@@ -50,6 +50,9 @@ class StagedExecutor(ExactExecutor):
         self._pending: tuple | None = None  # (evicted, loaded, slots, read Future, alias, one row)
         self._beyond: tuple | None = None  # a batch's staged union beyond the slots: (ids, read Future)
         self._dropped = []  # device scalars, read after the step by collect_dropped
+        # fn(layer), set by a stager: called after a call that routed on the host, when this
+        # step's slots are planned, so the next step's reads can start before the forward ends
+        self.after_route = None
 
     def route_experts(self, ids: np.ndarray, scores) -> tuple[list[int], dict[int, int]]:
         """One token's route (host ids [K], scores [E]) -> (the experts to use, {routed:
@@ -204,7 +207,13 @@ class StagedExecutor(ExactExecutor):
         raw = self._read(loaded)
         s.slot_scatters += self.slots.apply(evicted, loaded, slots, raw, alias, in_place=True)
         s.slot_rewrites += len(loaded)
-        return [(self.slots.params, self.slots.local(indices))]
+        parts = [(self.slots.params, self.slots.local(indices))]
+        self._routed()
+        return parts
+
+    def _routed(self) -> None:
+        if self.after_route is not None:
+            self.after_route(self.layer)
 
     def _overflow(self, ids: np.ndarray, scores):
         """More distinct experts than slots: the cached ones stay, the misses in `admission_order`
@@ -239,6 +248,7 @@ class StagedExecutor(ExactExecutor):
         joined = {
             p: {k: B.concatenate([v, params[p][k]]) for k, v in parts.items()} for p, parts in self.slots.params.items()
         }
+        self._routed()
         return [(joined, B.array(local))]
 
 

@@ -39,7 +39,9 @@ def main(model: str, which: str, b: int = 8, read_ahead: bool = False) -> None:
     run()
     seconds = time.perf_counter() - t0
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
-    print(f"{which} B={b}{' read-ahead' if read_ahead else ''}: MLX peak {mx.get_peak_memory() / 2**20:.1f} MiB, max RSS {rss:.0f} MiB, {seconds:.1f} s")
+    mode = " read-ahead" if read_ahead else ""
+    peak = mx.get_peak_memory() / 2**20
+    print(f"{which} B={b}{mode}: MLX peak {peak:.1f} MiB, max RSS {rss:.0f} MiB, {seconds:.1f} s")
 
 
 if __name__ == "__main__":

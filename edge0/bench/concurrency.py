@@ -57,9 +57,13 @@ def measure(spec: dict, report=None) -> dict:
         routes = use_synthetic_routing(engine, seed=0, lookahead=spec.get("read_ahead", False))
     batches, n = spec["batches"], spec["decode_tokens"]
     prompts = prompts_for(engine.encode, max(batches), spec["prompt_tokens"])
-    # the true continuation of the first prompt, long enough for steps of the widest B
-    reference = engine.generate(prompts[0], max_tokens=max(n, 4 * max(batches)), ignore_eos=True).tokens
-    one_token = forward_cost(engine, prompts[0], reference, 1, len(reference))
+    # B-token steps are timed over as many steps as the batch decodes (after one untimed step):
+    # the few steps after an idle moment ride a read throttle's burst allowance, which the batch's
+    # steady state does not get
+    steps = max(1, n - 1)
+    # the true continuation of the first prompt, long enough for those steps at the widest B
+    reference = engine.generate(prompts[0], max_tokens=max(batches) * (steps + 1), ignore_eos=True).tokens
+    one_token = forward_cost(engine, prompts[0], reference, 1, max(n, 4 * max(batches)))
     rows = []
     for b in batches:
         serial_s = serial_bytes = 0.0
@@ -78,12 +82,12 @@ def measure(spec: dict, report=None) -> dict:
         batched = engine.generate_batch(prompts[:b], max_tokens=n, ignore_eos=True)
         disk2 = storage_bytes_read()
         st = batched[0].stats["batch"]
-        one_sequence = forward_cost(engine, prompts[0], reference, b, 3) / one_token if b > 1 else 1.0
+        one_sequence = forward_cost(engine, prompts[0], reference, b, steps) / one_token if b > 1 else 1.0
         cost = one_sequence
         if routes is not None and b > 1:
             # the B tokens route as the batch's B rows do (token j as row j's text), so the step
             # reads what a batch step reads: one sequence's B tokens share far more experts
-            cost = forward_cost(engine, prompts[0], reference, b, 3, 1, routes.route_tokens_as_rows) / one_token
+            cost = forward_cost(engine, prompts[0], reference, b, steps, 1, routes.route_tokens_as_rows) / one_token
         # both count the steps after the first: alone, the step that feeds the prompt's last token
         # (and makes the first token) belongs to the prefill; a batch's first step does that for every row
         serial_tps = b * (n - 1) / serial_s

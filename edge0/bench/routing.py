@@ -16,6 +16,7 @@ from edge0.backend import core as B
 from edge0.cache.synthetic import RouteSource
 from edge0.engine.hooks import StepHooks
 from edge0.errors import Edge0Error
+from edge0.streaming.staged import follow_routes
 
 
 class SyntheticRoutes:
@@ -148,8 +149,7 @@ class LookaheadStager(SyntheticHooks):
     def before_forward(self, engine, step: int) -> None:
         self.early, self.nxt = set(), None
         if not self.last:
-            for ex in self.staged.values():
-                ex.after_route = self._stage_early
+            follow_routes(self.staged.values(), self._stage_early)
 
     def _stage_early(self, layer: int) -> None:
         """A layer routed on the host during the forward (a batch's rows): its next step's reads
@@ -168,8 +168,7 @@ class LookaheadStager(SyntheticHooks):
 
     def after_forward(self, engine, step: int, launched) -> None:
         B.async_eval(launched)
-        for ex in self.staged.values():
-            ex.after_route = None
+        follow_routes(self.staged.values(), None)
         if not self.last:
             for layer in self.staged:
                 if layer not in self.early:
@@ -181,8 +180,8 @@ class LookaheadStager(SyntheticHooks):
             ex.swap()
 
     def finish(self, engine) -> None:
+        follow_routes(self.staged.values(), None)  # a forward that raised never reached after_forward
         for ex in self.staged.values():
-            ex.after_route = None  # a forward that raised never reached after_forward
             ex.settle()
 
 

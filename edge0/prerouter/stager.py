@@ -12,6 +12,7 @@ import numpy as np
 
 from edge0.backend import core as B
 from edge0.engine.hooks import StepHooks
+from edge0.streaming.staged import follow_routes
 
 
 def one_row(ids):
@@ -57,8 +58,7 @@ class PreRouterStager(StepHooks):
         self.pr.stepping = True
         self.early = set()
         if not self.pr.verifying and not self.last:
-            for ex in self.staged.values():
-                ex.after_route = self._stage_early
+            follow_routes(self.staged.values(), self._stage_early)
 
     def _stage_early(self, layer: int) -> None:
         """Layer `layer` routed this step on the host (a batch's rows, or no prediction): the
@@ -73,8 +73,7 @@ class PreRouterStager(StepHooks):
         reads for step + 1 now (after a multi-token step: once it is known which position is kept),
         in the layers that did not start them during the forward."""
         B.async_eval(launched)
-        for ex in self.staged.values():
-            ex.after_route = None
+        follow_routes(self.staged.values(), None)
         if not self.pr.verifying and not self.last:
             self._stage(step)
 
@@ -120,8 +119,8 @@ class PreRouterStager(StepHooks):
 
     def finish(self, engine) -> None:
         """End of a generation: complete any reads in flight and forget predictions."""
+        follow_routes(self.staged.values(), None)  # a forward that raised never reached after_forward
         for ex in self.staged.values():
-            ex.after_route = None  # a forward that raised never reached after_forward
             ex.settle()
         self.pr.reset()
 

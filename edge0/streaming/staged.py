@@ -268,6 +268,13 @@ def split_cached(order: list[int], cached) -> tuple[list[int], list[int]]:
     return [e for e in order if e in cached], [e for e in order if e not in cached]
 
 
+def follow_routes(executors, fn) -> None:
+    """Call `fn(layer)` after each of the staged `executors`' host-routed calls from now on (a
+    stager staging a layer's next step as soon as it has routed); None stops it."""
+    for ex in executors:
+        ex.after_route = fn
+
+
 def collect_dropped(executors) -> int:
     """After a step: read every executor's dropped-expert counters in one host sync (one per
     layer would cost a sync each), add them to each layer's stats; returns the total."""

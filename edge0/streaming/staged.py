@@ -53,6 +53,9 @@ class StagedExecutor(ExactExecutor):
         # fn(layer), set by a stager: called after a call that routed on the host, when this
         # step's slots are planned, so the next step's reads can start before the forward ends
         self.after_route = None
+        # how often each expert was routed lately (rows of host-routed calls, decayed a call): who
+        # keeps a slot when a call's union is wider than the slots (see overflow_split)
+        self.use = np.zeros(self.slots.num_experts)
 
     def route_experts(self, ids: np.ndarray, scores) -> tuple[list[int], dict[int, int]]:
         """One token's route (host ids [K], scores [E]) -> (the experts to use, {routed:
@@ -68,18 +71,24 @@ class StagedExecutor(ExactExecutor):
     def stage(self, ids, scores=None) -> None:
         """Start reading the experts of the *next* step (host ids of one token's route [K], or of a
         batch's rows [B, K]; router scores [E] when `wants_scores`) in the background. A batch's
-        union beyond the slots keeps the cached experts and stages the misses most rows route first
-        into the rest (as the step's own overflow does: staging others would evict experts the step
-        then reads again); the step reads the rest. A batch's step routes on the host and counts
-        its hits and misses there; here only the reads count (at the swap)."""
+        union beyond the slots keeps the cached experts and stages the misses `overflow_split`
+        admits (as the step's own overflow does: staging others would evict experts the step then
+        reads again); the rest is read ahead too, for the step only. A batch's step routes on the
+        host and counts its hits and misses there; here only the reads count (at the swap)."""
         ids = np.asarray(ids)
         if ids.ndim == 1:
             experts, alias = self.route_experts(ids, scores)
         else:  # the step's own host route substitutes, if at all
-            kept, misses = split_cached(admission_order(ids), self.slots.slot_of)
-            fill = kept + misses
-            experts, alias = sorted(fill[: self.slots.n_slots]), {}
-            beyond = sorted(fill[self.slots.n_slots :])  # read ahead too, for the step's overflow
+            order = admission_order(ids)
+            if len(order) > self.slots.n_slots:  # ranked by the use the step will count with its route
+                use = self.use * USE_DECAY
+                np.add.at(use, ids.reshape(-1), 1)
+                hits, admit, rest = overflow_split(order, self.slots.slot_of, use, self.slots.n_slots)
+                fill = hits + admit
+            else:
+                fill, rest = order, []
+            experts, alias = sorted(fill), {}
+            beyond = sorted(rest)  # read ahead too, for the step's overflow
             if beyond:
                 self._beyond = (np.array(beyond), self.reader.submit(self.store.read, self.layer, beyond))
                 self.stats.beyond_ahead += len(beyond)
@@ -190,6 +199,8 @@ class StagedExecutor(ExactExecutor):
         # a multi-token step routes on the host even after a swap: what was staged is in the slots (hits)
         self.trusted = False
         ids, scores = self.host_route(indices, scores) if self.wants_scores else (self.host_ids(indices), None)
+        self.use *= USE_DECAY
+        np.add.at(self.use, np.reshape(ids, -1), 1)
         if multi and scores is not None:  # the cache policy sees one score row per call: the tokens' mean
             scores = np.reshape(scores, (-1, scores.shape[-1])).mean(axis=0)
         self.step += 1
@@ -216,17 +227,15 @@ class StagedExecutor(ExactExecutor):
             self.after_route(self.layer)
 
     def _overflow(self, ids: np.ndarray, scores):
-        """More distinct experts than slots: the cached ones stay, the misses in `admission_order`
-        fill the rest of the slots, and the remaining misses are read for this call only (each
-        once) and joined after the slots' tensors, so every (token, k) pair is computed once, in
-        one part (two parts, each computing every pair with zeros for the other's, cost a batch
-        of 4 at 25% of the experts 1.6 plain steps more per step: docs/benchmarks.md)."""
+        """More distinct experts than slots: the cached ones stay, `overflow_split` picks the misses
+        that take a slot, and the others are read for this call only (each once) and joined after
+        the slots' tensors, so every (token, k) pair is computed once, in one part (two parts, each
+        computing every pair with zeros for the other's, cost a batch of 4 at 25% of the experts
+        1.6 plain steps more per step: docs/benchmarks.md)."""
         order = admission_order(ids)
-        hits, misses = split_cached(order, self.slots.slot_of)
-        admit, rest = (
-            misses[: self.slots.n_slots - len(hits)],
-            np.array(sorted(misses[self.slots.n_slots - len(hits) :])),
-        )
+        hits, admit, rest = overflow_split(order, self.slots.slot_of, self.use, self.slots.n_slots)
+        misses = admit + rest
+        rest = np.array(sorted(rest))
         _, loaded, evicted, slots = self.slots.plan(self.step, hits + admit, scores)
         s = self.stats
         s.fallbacks += 1
@@ -261,6 +270,28 @@ def admission_order(ids: np.ndarray) -> list[int]:
     counts = Counter(rows.reshape(-1).tolist())
     latest_first = dict.fromkeys(rows[::-1].reshape(-1).tolist())
     return sorted(latest_first, key=lambda e: -counts[e])  # stable: latest first among equal counts
+
+
+# a call's weight in `use` halves in about 7 calls: a batch's experts of the last few steps
+# (0.5-0.95 read within 1% of each other in scripts/sim_batch_reads.py; 0, this call alone, 9% more)
+USE_DECAY = 0.9
+
+
+def overflow_split(order: list[int], cached, use: np.ndarray, n_slots: int) -> tuple[list, list, list]:
+    """A union wider than the slots (`order`: its experts in `admission_order`) -> (the cached
+    ones, the misses that take a slot, the misses read for this call only). The misses compete
+    for the slots with the cached experts this call does not route, by recent use: a miss is
+    admitted only if it was routed more lately than a cached expert it would displace (ties keep
+    the cached one; misses of equal use go in admission order). Against admitting misses into
+    every free slot, a batch of 4 reads 11% fewer experts a token (scripts/sim_batch_reads.py)."""
+    hits, misses = split_cached(order, cached)
+    routed = set(order)
+    others = [e for e in cached if e not in routed]
+    free = n_slots - len(hits)  # the others, and any empty slots
+    # stable sort: cached first, then misses in admission order, among equal use
+    ranked = sorted([(e, True) for e in others] + [(e, False) for e in misses], key=lambda p: -use[p[0]])
+    won = {e for e, was_cached in ranked[:free] if not was_cached}
+    return hits, [e for e in misses if e in won], [e for e in misses if e not in won]
 
 
 def split_cached(order: list[int], cached) -> tuple[list[int], list[int]]:

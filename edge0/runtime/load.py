@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from edge0.backend.core import one_heap
 from edge0.distributed.setup import connect, join, ready, stage_planner
 from edge0.engine import Engine, open_engine
 from edge0.engine.drafters import DEFAULT_NUM_DRAFT, make_drafter
@@ -21,6 +22,7 @@ def load_engine(path, options: LoadOptions) -> Engine:
     """The engine for `path` (None: the bundled demo model) with `options` (validated here);
     under mlx.launch, this rank's stage of it (docs/distributed.md)."""
     options.validate()
+    one_heap()  # before the reader threads allocate
     group = connect(options)
     root = resolve_model(path)
     engine = open_engine(root, options, stage_planner(group, options))

@@ -83,8 +83,8 @@ class StagedExecutor(ExactExecutor):
             if len(order) > self.slots.n_slots:  # ranked by the use the step will count with its route
                 use = self.use * USE_DECAY
                 np.add.at(use, ids.reshape(-1), 1)
-                hits, admit, rest = overflow_split(order, self.slots.slot_of, use, self.slots.n_slots)
-                fill = hits + admit
+                kept, admit, rest = overflow_split(order, self.slots.slot_of, use, self.slots.n_slots)
+                fill = kept + admit
             else:
                 fill, rest = order, []
             experts, alias = sorted(fill), {}

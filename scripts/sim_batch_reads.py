@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from edge0.cache import ExpertCache, make_policy  # noqa: E402
 from edge0.cache.synthetic import RouteSource  # noqa: E402
-from edge0.streaming.staged import USE_DECAY, admission_order, overflow_split, split_cached  # noqa: E402
+from edge0.streaming.staged import admission_order, decayed_use, overflow_split, split_cached  # noqa: E402
 
 
 class StagedSlots:
@@ -47,8 +47,7 @@ class StagedSlots:
 
     def reads(self, rows: np.ndarray) -> int:
         self.step += 1
-        self.use *= USE_DECAY
-        np.add.at(self.use, rows.reshape(-1), 1)
+        self.use = decayed_use(self.use, rows)
         order = admission_order(rows)
         if len(order) <= self.n:
             return len(self.cache.access(self.step, sorted(order))[1])

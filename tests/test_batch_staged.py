@@ -18,18 +18,26 @@ def staged_layer(store_for):
 
 
 def each_pair_computes_its_expert(engine, layer, ex, rows: np.ndarray) -> bool:
-    """A call of `ex` on routes `rows` [B, K] (one token each): does every (row, k) read exactly its
-    routed expert's weights (from the slots, a read ahead or a read now)?"""
+    """A call of `ex` on routes `rows` [B, K] (one token each): is every (row, k) computed by exactly
+    one part, with exactly its routed expert's weights (from the slots, a read ahead or a read now)?"""
     from edge0.backend import core as B
     from edge0.streaming.exact import to_device
 
-    [(params, local)] = ex(B.array(rows[:, None, :].astype(np.uint32)))
-    local = B.to_numpy(local).reshape(rows.shape)
-    for (r, j), e in np.ndenumerate(rows):
+    owner = {}  # flat (row, k) -> (params, row in them)
+    for part in ex(B.array(rows[:, None, :].astype(np.uint32))):
+        params, local, *pairs = part() if callable(part) else part
+        local = B.to_numpy(local).reshape(-1)
+        for i, p in enumerate(pairs[0] if pairs else range(rows.size)):
+            if pairs or local[i] != ex.slots.zero:  # a whole part's zero row: another part's pair
+                assert int(p) not in owner
+                owner[int(p)] = (params, int(local[i]))
+    assert sorted(owner) == list(range(rows.size))
+    for p, e in enumerate(rows.reshape(-1)):
+        params, row = owner[p]
         want = to_device(engine.store.read(layer, [int(e)]), 1, engine.compute_dtype)
         for proj, parts in want.items():
             for part, a in parts.items():
-                if not np.array_equal(B.to_numpy(params[proj][part][int(local[r, j])]), B.to_numpy(a[0])):
+                if not np.array_equal(B.to_numpy(params[proj][part][row]), B.to_numpy(a[0])):
                     return False
     return True
 

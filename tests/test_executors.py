@@ -349,3 +349,40 @@ def test_an_engine_decodes_on_another_thread_than_the_one_that_loaded_it(family,
     worker.start()
     worker.join()
     assert out.get("tokens") == want, out.get("error")
+
+
+def test_a_calls_hits_compute_while_its_misses_are_read_and_match_exact(store_for, monkeypatch):
+    """A staged call (two slots) with cached and missing experts returns its hits' pairs as a part over the
+    slots and the misses as a deferred part whose read is already in flight (here held until the
+    hits part is evaluated); the two parts' pairs reassemble to exactly what one exact call
+    computes, for one token and for a batch of rows (the rows' pairs split across the parts)."""
+    engine = edge0.load(store_for("qwen3_moe"), expert_cache="40KB", decode_executor="staged")
+    layer = sorted(engine.streaming.layers)[0]
+    ex = engine.streaming.layers[layer].decode
+    assert ex.slots.n_slots == 2
+    exact = ExactExecutor(engine.store, layer, "float32", engine.streaming.stats)
+    dim = engine.model.args.hidden_size
+    rng = np.random.default_rng(1)
+    real, gate, started = engine.store.read, threading.Event(), threading.Event()
+
+    def held_read(l, ids):
+        started.set()
+        assert gate.wait(10), "the read was awaited before the hits part was handed out"
+        return real(l, ids)
+
+    run(engine, layer, ex, mx.zeros((1, 1, dim)), mx.array([[[0, 1]]], dtype=mx.uint32))  # 0 and 1 cached
+    monkeypatch.setattr(engine.store, "read", held_read)
+    hits, deferred = ex(mx.array([[[1, 5]]], dtype=mx.uint32))
+    assert started.wait(10) and callable(deferred)
+    mx.eval(hits[0], hits[1])  # computable while the read is held
+    gate.set()
+    _, rows, pairs = deferred()
+    assert hits[2].tolist() == [0] and pairs.tolist() == [1] and np.array(rows).tolist() == [0]
+    # 1 and 5 are cached, then 5 and 2; the batch's union of six outgrows the two slots
+    for routes in ([[[5, 2]]], [[[5, 3]], [[6, 2]], [[4, 7]]]):
+        inds = mx.array(np.array(routes, np.uint32))
+        x = mx.array(rng.normal(size=(*inds.shape[:-1], dim)).astype(np.float32))
+        before = ex.stats.overlapped
+        got = run(engine, layer, ex, x, inds)
+        assert ex.stats.overlapped == before + 1
+        assert np.array_equal(got, run(engine, layer, exact, x, inds))

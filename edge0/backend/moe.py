@@ -15,10 +15,16 @@ from edge0.backend.routing import expert_scores, route
 class StreamingExperts(nn.Module):
     """Stands in for an mlx-lm SwitchGLU/SwitchMLP whose stacked expert tensors stay on disk.
 
-    Per call, `executor(indices, scores)` returns [(tensors of some experts, the route's indices
-    mapped into them)]; the original mlx-lm module runs its own math on each and the parts are
-    summed; then `executor.done(output)`. `scores` (router scores over all experts, lazy) come
-    from a SpecMoEBlock's gate; mlx-lm's own blocks pass none.
+    Per call, `executor(indices, scores)` returns parts, each one of:
+    - (tensors of some experts, the route's indices mapped into them): every (token, k) pair is
+      computed, pairs another part owns pointing at a zero expert; such parts are summed;
+    - (tensors, rows [N], pairs [N]): only the N (token, k) pairs at flat positions `pairs` (host
+      ints) are computed, with expert rows `rows`; such parts together cover every pair once;
+    - a callable returning one of those: its experts are still being read, so the parts before it
+      start computing first (hits compute while misses are in flight).
+    The original mlx-lm module runs its own math on each; then `executor.done(output)`. `scores`
+    (router scores over all experts, lazy) come from a SpecMoEBlock's gate; mlx-lm's own blocks
+    pass none.
     """
 
     def __init__(self, inner: nn.Module, layer: int):
@@ -38,14 +44,36 @@ class StreamingExperts(nn.Module):
         object.__setattr__(self, "executor", executor)
 
     def __call__(self, x, indices, scores=None):
-        y = None
-        for params, local in self.executor(indices, scores):  # several parts are summed (hot + misses)
-            self.inner.update(params)
-            part = self.inner(x, local)
-            y = part if y is None else y + part
+        # T tokens (any leading shape), K routed each, D hidden, N pairs of a part
+        summed, picked = None, []  # the summed parts' total; (pairs, outputs [N, D]) of pair parts
+        for part in self.executor(indices, scores):
+            if callable(part):
+                mx.async_eval([y for _, y in picked] + ([summed] if summed is not None else []))
+                part = part()
+            self.inner.update(part[0])
+            if len(part) == 2:
+                y = self.inner(x, part[1])
+                summed = y if summed is None else summed + y
+            else:
+                _, rows, pairs = part
+                tokens = mx.array(pairs // indices.shape[-1])
+                y = self.inner(x.reshape(-1, x.shape[-1])[tokens], rows.reshape(-1, 1))  # [N, 1, D]
+                picked.append((pairs, y.reshape(len(pairs), -1)))
         self.inner.update(self.blank)  # the lazy graph keeps what it needs
+        if picked and summed is not None:
+            raise RuntimeError("an executor returned both pair parts and whole parts for one call")
+        y = summed if not picked else self._assemble(picked, indices.shape)
         self.executor.done(y)
         return y
+
+    @staticmethod
+    def _assemble(picked, shape):
+        """Pair parts' outputs back in (token, k) order: [..., T, K, D]."""
+        order = np.concatenate([pairs for pairs, _ in picked])
+        if sorted(order.tolist()) != list(range(int(np.prod(shape)))):
+            raise RuntimeError("an executor's pair parts must cover every (token, k) pair once")
+        y = mx.concatenate([y for _, y in picked])[mx.array(np.argsort(order))]
+        return y.reshape(*shape, y.shape[-1])
 
 
 class StreamingExpertList(nn.Module):

@@ -3,7 +3,8 @@ the slots whose expert changed, and the layer maps routed ids to slots with a de
 
 Two ways to use it:
 - gate routing: the layer copies the route to the host (one sync), admits its experts into the
-  slot set (hits cost nothing, misses are read) and runs on the slots;
+  slot set and runs on the slots; while its misses are read, its hits' pairs already compute
+  (`_split`), so the read and that compute overlap;
 - staged ahead (`stage` + `swap`, the double buffer the pre-router uses): the next step's experts
   are read on a background thread while the current step computes, written into the slots at the
   step boundary, and the layer then runs with no host sync at all. Routed experts that were not
@@ -11,7 +12,8 @@ Two ways to use it:
 
 Slots are rewritten in place (SlotSet.apply(in_place=True)), which relies on one invariant of
 the engine: a step's graph is built only after the previous step was evaluated, so when a layer
-rewrites its slots (at the boundary, or after its own route's sync) nothing launched reads them.
+rewrites its slots (at the boundary, or after its own route's sync) nothing launched reads them,
+except its own hits' part, which reads only the hits' slots, and those are not rewritten.
 
 Router scores (over all experts) reach the cache when its policy needs them (smoe) or substitution
 is on; they travel with the route, so they add no host sync: the gate path copies them in the
@@ -50,6 +52,7 @@ class StagedExecutor(ExactExecutor):
         self._pending: tuple | None = None  # (evicted, loaded, slots, read Future, alias, one row)
         self._beyond: tuple | None = None  # a batch's staged union beyond the slots: (ids, read Future)
         self._dropped = []  # device scalars, read after the step by collect_dropped
+        self._inflight = None  # a call's deferred misses part (see _split), until it runs
         # fn(layer), set by a stager: called after a call that routed on the host, when this
         # step's slots are planned, so the next step's reads can start before the forward ends
         self.after_route = None
@@ -75,6 +78,7 @@ class StagedExecutor(ExactExecutor):
         admits (as the step's own overflow does: staging others would evict experts the step then
         reads again); the rest is read ahead too, for the step only. A batch's step routes on the
         host and counts its hits and misses there; here only the reads count (at the swap)."""
+        self._finish_inflight()
         ids = np.asarray(ids)
         if ids.ndim == 1:
             experts, alias = self.route_experts(ids, scores)
@@ -104,6 +108,7 @@ class StagedExecutor(ExactExecutor):
         """Step boundary (the previous step is evaluated, so nothing in flight reads the slots):
         wait for the staged reads and write them into their slots in place. Nothing staged (the
         last step of the sequences before it staged nothing): the step routes on the host."""
+        self._finish_inflight()
         if self._pending is None:
             self.trusted = False
             return
@@ -124,6 +129,7 @@ class StagedExecutor(ExactExecutor):
     def settle(self) -> None:
         """Finish a pending stage (so cache membership and slot contents agree) and return to
         gate mode; called when a generation ends."""
+        self._finish_inflight()
         if self._pending is not None:
             self.swap()
         self._take_beyond()
@@ -132,33 +138,46 @@ class StagedExecutor(ExactExecutor):
     def _take_beyond(self) -> tuple[np.ndarray, dict] | None:
         """The experts read ahead beyond the slots, once their read is done (counted as read
         whether the step uses them or not), or None."""
-        if self._beyond is None:
+        ahead, self._beyond = self._beyond, None
+        if ahead is None:
             return None
-        ids, future = self._beyond
-        self._beyond = None
         t0 = time.perf_counter()
-        raw = future.result()
-        s = self.stats
-        s.stall_s += time.perf_counter() - t0
-        s.loads += len(ids)
-        s.bytes_read += raw_nbytes(raw)
-        return ids, raw
+        got = self._merged([], self._fetch([], ahead))
+        self.stats.stall_s += time.perf_counter() - t0
+        return got
 
     def _read(self, want) -> dict | None:
         """Store bytes of experts `want` (in that order; None if none): from the read ahead
         beyond the slots where it has them, the others read now."""
-        ahead = self._take_beyond()
+        ahead, self._beyond = self._beyond, None
+        t0 = time.perf_counter()
+        raw = self._merged(want, self._fetch(want, ahead))
+        self.stats.stall_s += time.perf_counter() - t0
+        return raw
+
+    def _fetch(self, want, ahead) -> tuple:
+        """Waits for the read ahead (`ahead`: (ids, Future) or None) and reads the experts of
+        `want` it lacks; no bookkeeping, so it may run on a reader thread."""
+        ids, raw = (None, None) if ahead is None else (ahead[0], ahead[1].result())
+        missing = np.asarray(want, dtype=np.int64)
+        if ids is not None:
+            missing = missing[~np.isin(missing, ids)]
+        return ids, raw, missing, self.store.read(self.layer, missing) if len(missing) else None
+
+    def _merged(self, want, fetched) -> dict | None:
+        """A `_fetch`'s bytes as the store bytes of `want` (in that order; None if none), counted."""
+        ids, raw, missing, more = fetched
+        s = self.stats
+        for got, n in ((raw, 0 if ids is None else len(ids)), (more, len(missing))):
+            if got is not None:
+                s.loads += n
+                s.bytes_read += raw_nbytes(got)
         if not len(want):
             return None
-        if ahead is None:
-            return self.read(want)
-        ids, raw = ahead
-        want = np.asarray(want)
-        found = np.isin(want, ids)
-        self.stats.beyond_ahead_used += int(found.sum())
-        missing = want[~found]
+        if ids is None:
+            return more
+        s.beyond_ahead_used += len(want) - len(missing)
         if len(missing):
-            more = self.read(missing)
             ids = np.concatenate([ids, missing])
             raw = {n: (np.concatenate([b, more[n][0]]), d, shape) for n, (b, d, shape) in raw.items()}
         at = {int(e): i for i, e in enumerate(ids)}
@@ -167,6 +186,7 @@ class StagedExecutor(ExactExecutor):
 
     def resize(self, n_slots: int) -> None:
         """Between generations (nothing staged): `n_slots` slots, the policy choosing who stays."""
+        self._finish_inflight()
         if self._pending is not None or self._beyond is not None:
             raise RuntimeError(f"layer {self.layer}: a staged step is pending; settle() it before resizing")
         self.slots.resize(n_slots)
@@ -185,6 +205,7 @@ class StagedExecutor(ExactExecutor):
         return B.to_numpy(indices), B.to_numpy(scores)
 
     def __call__(self, indices, scores=None):
+        self._finish_inflight()
         if self._pending is not None:  # between a stage and its swap: a prefill's one token (a sequence
             return super().__call__(indices, scores)  # joining a batch), not a step: the slots wait for the swap
         self.stats.calls += 1
@@ -211,6 +232,8 @@ class StagedExecutor(ExactExecutor):
         s.misses += len(loaded)
         s.bytes_used += len(experts) * self.expert_nbytes
         s.distinct_experts.update(experts)
+        if hits and loaded and not alias:
+            return self._split(ids, hits, list(loaded), evicted, loaded, slots)
         # this layer's slots are read by no launched computation: the route's sync evaluated
         # everything before it, and the previous step was evaluated whole
         raw = self._read(loaded)
@@ -226,37 +249,60 @@ class StagedExecutor(ExactExecutor):
 
     def _overflow(self, ids: np.ndarray, scores):
         """More distinct experts than slots: the cached ones stay, `overflow_split` picks the misses
-        that take a slot, and the others are read for this call only (each once) and joined after
-        the slots' tensors, so every (token, k) pair is computed once, in one part (two parts, each
-        computing every pair with zeros for the other's, cost a batch of 4 at 25% of the experts
-        1.6 plain steps more per step: docs/benchmarks.md)."""
+        that take a slot, and the others are read for this call only; all are read once and every
+        (token, k) pair is computed once, in the part of its expert's source (`_split`)."""
         order = admission_order(ids)
         hits, admit, rest = overflow_split(order, self.slots.slot_of, self.use, self.slots.n_slots)
-        misses = admit + rest
-        rest = np.array(sorted(rest))
         _, loaded, evicted, slots = self.slots.plan(self.step, hits + admit, scores)
         s = self.stats
         s.fallbacks += 1
         s.hits += len(hits)
-        s.misses += len(misses)
+        s.misses += len(admit) + len(rest)
         s.bytes_used += len(order) * self.expert_nbytes
         s.distinct_experts.update(order)
-        both = self._read(list(loaded) + rest.tolist())  # one read (or the read ahead) for both parts
-        n = len(loaded)
-        raw = {k: (b[:n], d, shape) for k, (b, d, shape) in both.items()} if loaded else None
-        s.slot_scatters += self.slots.apply(evicted, loaded, slots, raw, in_place=True)
-        s.slot_rewrites += len(loaded)
-        later = np.isin(ids, rest)
-        t0 = time.perf_counter()
-        params = to_device({k: (b[n:], d, shape) for k, (b, d, shape) in both.items()}, len(rest), self.dtype)
-        s.stall_s += time.perf_counter() - t0
-        after = self.slots.n_slots + 1  # the slots and their zero row, then this call's experts
-        local = np.where(later, after + np.searchsorted(rest, ids), self.slots.table_host[ids]).astype(np.uint32)
-        joined = {
-            p: {k: B.concatenate([v, params[p][k]]) for k, v in parts.items()} for p, parts in self.slots.params.items()
-        }
-        self._routed()
-        return [(joined, B.array(local))]
+        return self._split(ids, hits, list(loaded) + rest, evicted, loaded, slots)
+
+    def _split(self, ids: np.ndarray, hits, misses: list, evicted, loaded, slots) -> list:
+        """A host-routed call with misses (`misses`: `loaded`, which take `slots`, then any read for
+        this call only): their read starts on a reader thread and the call returns the hits' pairs
+        as a part over the slots, then a deferred part, so the hits compute while the misses are in
+        flight (a read and the compute it waits for no longer add up). The deferred part waits for
+        the bytes, writes `loaded` into their slots in place (the launched hits part reads only the
+        hits' slots, which this call does not rewrite) and computes the misses' pairs from the bytes
+        read. With no hits it is the only part."""
+        flat = ids.reshape(-1)
+        missed = np.isin(flat, misses)
+        ahead, self._beyond = self._beyond, None
+        future = self.reader.submit(self._fetch, misses, ahead)
+
+        def misses_part():
+            self._inflight = None
+            s = self.stats
+            t0 = time.perf_counter()
+            raw = self._merged(misses, future.result())
+            n = len(loaded)
+            slot_raw = {k: (b[:n], d, shape) for k, (b, d, shape) in raw.items()} if n else None
+            s.slot_scatters += self.slots.apply(evicted, loaded, slots, slot_raw, in_place=True)
+            s.slot_rewrites += n
+            params = to_device(raw, len(misses), self.dtype)
+            s.stall_s += time.perf_counter() - t0
+            at = {e: i for i, e in enumerate(misses)}
+            pairs = np.flatnonzero(missed)
+            self._routed()
+            return params, B.array(np.array([at[int(e)] for e in flat[pairs]], dtype=np.uint32)), pairs
+
+        self._inflight = misses_part
+        if not hits:
+            return [misses_part]
+        self.stats.overlapped += 1
+        pairs = np.flatnonzero(~missed)
+        return [(self.slots.params, B.array(self.slots.table_host[flat[pairs]]), pairs), misses_part]
+
+    def _finish_inflight(self) -> None:
+        """A call's deferred misses part its caller never took (an error while building the layer):
+        read and write them, so the slots hold what the cache says they hold."""
+        if self._inflight is not None:
+            self._inflight()
 
 
 def admission_order(ids: np.ndarray) -> list[int]:

@@ -16,6 +16,7 @@ COUNTERS = (
     "slot_rewrites",
     "slot_scatters",
     "fallbacks",
+    "overlapped",
     "dropped",
     "substitutions",
     "multi_calls",
@@ -41,6 +42,7 @@ class LayerStats:
     slot_rewrites: int = 0
     slot_scatters: int = 0  # slot tensors rewritten by a device scatter, not in place (see SlotSet.apply)
     fallbacks: int = 0  # staged calls whose experts outnumbered the slots: the rest read for that call only
+    overlapped: int = 0  # host-routed calls whose hits computed while their misses were read
     dropped: int = 0  # routed experts that were not staged (trusted staged mode only)
     substitutions: int = 0  # routed experts replaced by a cached one (--substitute-alpha; lossy)
     # decode calls with T > 1 tokens of one sequence (a speculative verify): tokens, T x K routed

@@ -386,3 +386,35 @@ def test_a_calls_hits_compute_while_its_misses_are_read_and_match_exact(store_fo
         got = run(engine, layer, ex, x, inds)
         assert ex.stats.overlapped == before + 1
         assert np.array_equal(got, run(engine, layer, exact, x, inds))
+    # a resize drops the slots' host views; making one probes its tensor, so the split makes them
+    # before it hands out the hits part, never while that part computes
+    ex.resize(2)
+    assert ex.slots.views is None and len(ex.slots.slot_of) == 2
+    hit = sorted(ex.slots.slot_of)[0]
+    *_, deferred = ex(mx.array([[[hit, 1 if hit != 1 else 0]]], dtype=mx.uint32))
+    assert ex.slots.views is not None
+    deferred()
+
+
+def test_a_failed_read_leaves_the_cache_as_the_slots_are(store_for, monkeypatch):
+    """A call's misses whose read fails: the cache forgets the misses it admitted (and the experts
+    it evicted for them read as zeros), so the next call reads them again instead of taking
+    slots that were never written for hits."""
+    engine = edge0.load(store_for("qwen3_moe"), expert_cache="40KB", decode_executor="staged")
+    layer = sorted(engine.streaming.layers)[0]
+    ex = engine.streaming.layers[layer].decode
+    exact = ExactExecutor(engine.store, layer, "float32", engine.streaming.stats)
+    x = mx.array(np.random.default_rng(2).normal(size=(1, 1, engine.model.args.hidden_size)).astype(np.float32))
+    run(engine, layer, ex, x, mx.array([[[0, 1]]], dtype=mx.uint32))
+
+    def broken(l, ids):
+        raise OSError("the disk went away")
+
+    for route in ([[[1, 5]]], [[[6, 7]]]):  # hits and a miss (the split), then misses only
+        monkeypatch.setattr(engine.store, "read", broken)
+        with pytest.raises(OSError):
+            run(engine, layer, ex, x, mx.array(route, dtype=mx.uint32))
+        monkeypatch.undo()
+        assert not set(np.reshape(route, -1)) - {1} & set(ex.slots.slot_of)
+        inds = mx.array([[[5, 0]]], dtype=mx.uint32)
+        assert np.array_equal(run(engine, layer, ex, x, inds), run(engine, layer, exact, x, inds))

@@ -46,20 +46,22 @@ class StreamingExperts(nn.Module):
     def __call__(self, x, indices, scores=None):
         # T tokens (any leading shape), K routed each, D hidden, N pairs of a part
         summed, picked = None, []  # the summed parts' total; (pairs, outputs [N, D]) of pair parts
-        for part in self.executor(indices, scores):
-            if callable(part):
-                mx.async_eval([y for _, y in picked] + ([summed] if summed is not None else []))
-                part = part()
-            self.inner.update(part[0])
-            if len(part) == 2:
-                y = self.inner(x, part[1])
-                summed = y if summed is None else summed + y
-            else:
-                _, rows, pairs = part
-                tokens = mx.array(pairs // indices.shape[-1])
-                y = self.inner(x.reshape(-1, x.shape[-1])[tokens], rows.reshape(-1, 1))  # [N, 1, D]
-                picked.append((pairs, y.reshape(len(pairs), -1)))
-        self.inner.update(self.blank)  # the lazy graph keeps what it needs
+        try:
+            for part in self.executor(indices, scores):
+                if callable(part):
+                    mx.async_eval([y for _, y in picked] + ([summed] if summed is not None else []))
+                    part = part()
+                self.inner.update(part[0])
+                if len(part) == 2:
+                    y = self.inner(x, part[1])
+                    summed = y if summed is None else summed + y
+                else:
+                    _, rows, pairs = part
+                    tokens = mx.array(pairs // indices.shape[-1])
+                    y = self.inner(x.reshape(-1, x.shape[-1])[tokens], rows.reshape(-1, 1))  # [N, 1, D]
+                    picked.append((pairs, y.reshape(len(pairs), -1)))
+        finally:
+            self.inner.update(self.blank)  # the lazy graph keeps what it needs
         if picked and summed is not None:
             raise RuntimeError("an executor returned both pair parts and whole parts for one call")
         y = summed if not picked else self._assemble(picked, indices.shape)

@@ -189,6 +189,7 @@ def format_layer_stats(st: dict) -> str:
         "slot_rewrites",
         "slot_scatters",
         "fallbacks",
+        "overlapped",
         "dropped",
         "substitutions",
     )

@@ -38,6 +38,7 @@ def call_stats(
         "host_syncs": a["host_syncs"] - b["host_syncs"],
         "stall_ms_per_step": (a["stall_ms"] - b["stall_ms"]) / max(1, n_gen),
         "fallbacks": a["fallbacks"] - b["fallbacks"],
+        "overlapped": a["overlapped"] - b["overlapped"],
         "dropped_experts": a["dropped"] - b["dropped"],
         "substitutions": a["substitutions"] - b["substitutions"],
         "expert_reads": io_after["reads"] - io_before["reads"],

@@ -155,6 +155,7 @@ class Streaming:
         # a pipeline stage may hold no MoE layer at all (edge0.distributed): nothing to cache
         self.max_slots = min((int(v["num_experts"]) for v in store.layers.values()), default=0)
         self.reader = ThreadPoolExecutor(max_workers=READ_THREADS, thread_name_prefix="edge0-read")
+        self.call_reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edge0-read-now")
         self.prefetcher = LayerPrefetcher(
             store, layers, ThreadPoolExecutor(max_workers=1, thread_name_prefix="edge0-layer")
         )
@@ -171,7 +172,14 @@ class Streaming:
                 slots = SlotSet(store, l, self.n_slots, compute_dtype, options.cache_policy, self._policy_options(l))
                 if decode == "staged":
                     decode = StagedExecutor(
-                        store, l, compute_dtype, self.stats, slots, self.reader, options.substitute_alpha
+                        store,
+                        l,
+                        compute_dtype,
+                        self.stats,
+                        slots,
+                        self.reader,
+                        options.substitute_alpha,
+                        call_reader=self.call_reader,
                     )
                 else:
                     decode = HotExecutor(store, l, compute_dtype, self.stats, slots)
@@ -257,3 +265,4 @@ class Streaming:
     def close(self) -> None:
         self.prefetcher.cancel()
         self.reader.shutdown(wait=False, cancel_futures=True)
+        self.call_reader.shutdown(wait=False, cancel_futures=True)

@@ -109,8 +109,8 @@ class SlotSet:
         straight into the slot tensors' memory; otherwise (or where a tensor has no host view)
         a device scatter makes new slot tensors. Returns the number of tensors scattered."""
         scattered = 0
-        if loaded and in_place and self.views is None:
-            self.views = {p: {k: B.writable_view(a) for k, a in parts.items()} for p, parts in self.params.items()}
+        if loaded and in_place:
+            self.ensure_views()
         if loaded:
             idx = None
             for name, (buf, st_dtype, shape) in raw.items():
@@ -137,6 +137,23 @@ class SlotSet:
             self.table = B.array(table)
         self.aliased = bool(alias)
         return scattered
+
+    def ensure_views(self) -> None:
+        """Make the host views of the slot tensors if there are none yet. Making one writes a probe
+        into its tensor's first element, so it must happen before a computation on the slots is
+        launched, not while one runs (a hits part, see StagedExecutor._split)."""
+        if self.views is None:
+            self.views = {p: {k: B.writable_view(a) for k, a in parts.items()} for p, parts in self.params.items()}
+
+    def forget(self, evicted: list[int], loaded: list[int]) -> None:
+        """Undo the bookkeeping of a `plan` whose read failed: `loaded` leave the cache and free
+        their slots, and `evicted` point at the zero row (their slots may be given out again)."""
+        gone = [e for e in loaded if e in self.slot_of]
+        for e in gone:
+            self.cache.cached.discard(e)
+            self.cache.policy.on_evict(e)
+        self.assign([], gone)
+        self.apply(list(evicted), [], [], None)
 
     def resize(self, n_slots: int, keep: list[int] | None = None) -> None:
         """Hold `n_slots` slots from now on, keeping the experts `keep` (default: those the cache

@@ -40,11 +40,22 @@ class StagedExecutor(ExactExecutor):
     name = "staged"
 
     def __init__(
-        self, store, layer, compute_dtype, stats, slots: SlotSet, reader: ThreadPoolExecutor, alpha: float = 0.0
+        self,
+        store,
+        layer,
+        compute_dtype,
+        stats,
+        slots: SlotSet,
+        reader: ThreadPoolExecutor,
+        alpha: float = 0.0,
+        call_reader: ThreadPoolExecutor | None = None,
     ):
         super().__init__(store, layer, compute_dtype, stats)
         self.slots = slots
-        self.reader = reader
+        self.reader = reader  # reads ahead (stage)
+        # reads a call's misses while its hits compute; its own thread, so that read never waits
+        # behind the read-ahead's queue
+        self.call_reader = call_reader or reader
         self.alpha = alpha
         self.wants_scores = slots.cache.policy.needs_scores or alpha > 0
         self.step = 0
@@ -135,16 +146,14 @@ class StagedExecutor(ExactExecutor):
         self._take_beyond()
         self.trusted = False
 
-    def _take_beyond(self) -> tuple[np.ndarray, dict] | None:
-        """The experts read ahead beyond the slots, once their read is done (counted as read
-        whether the step uses them or not), or None."""
+    def _take_beyond(self) -> None:
+        """Wait for the experts read ahead beyond the slots, if any, and count them as read (the
+        step that would have used them did not come)."""
         ahead, self._beyond = self._beyond, None
-        if ahead is None:
-            return None
-        t0 = time.perf_counter()
-        got = self._merged([], self._fetch([], ahead))
-        self.stats.stall_s += time.perf_counter() - t0
-        return got
+        if ahead is not None:
+            t0 = time.perf_counter()
+            self._merged([], self._fetch([], ahead))
+            self.stats.stall_s += time.perf_counter() - t0
 
     def _read(self, want) -> dict | None:
         """Store bytes of experts `want` (in that order; None if none): from the read ahead
@@ -236,7 +245,11 @@ class StagedExecutor(ExactExecutor):
             return self._split(ids, hits, list(loaded), evicted, loaded, slots)
         # this layer's slots are read by no launched computation: the route's sync evaluated
         # everything before it, and the previous step was evaluated whole
-        raw = self._read(loaded)
+        try:
+            raw = self._read(loaded)
+        except BaseException:
+            self.slots.forget(evicted, loaded)
+            raise
         s.slot_scatters += self.slots.apply(evicted, loaded, slots, raw, alias, in_place=True)
         s.slot_rewrites += len(loaded)
         parts = [(self.slots.params, self.slots.local(indices))]
@@ -269,17 +282,27 @@ class StagedExecutor(ExactExecutor):
         flight (a read and the compute it waits for no longer add up). The deferred part waits for
         the bytes, writes `loaded` into their slots in place (the launched hits part reads only the
         hits' slots, which this call does not rewrite) and computes the misses' pairs from the bytes
-        read. With no hits it is the only part."""
+        read. With no hits it is the only part. It runs once (later calls return its part); if the
+        read fails, the cache forgets the misses it admitted."""
         flat = ids.reshape(-1)
         missed = np.isin(flat, misses)
         ahead, self._beyond = self._beyond, None
-        future = self.reader.submit(self._fetch, misses, ahead)
+        future = self.call_reader.submit(self._fetch, misses, ahead)
+        if loaded:
+            self.slots.ensure_views()  # now: making a view probes its tensor, which the hits part reads
+        made = []
 
-        def misses_part():
+        def misses_part(route: bool = True):
+            if made:
+                return made[0]
             self._inflight = None
             s = self.stats
             t0 = time.perf_counter()
-            raw = self._merged(misses, future.result())
+            try:
+                raw = self._merged(misses, future.result())
+            except BaseException:
+                self.slots.forget(evicted, loaded)
+                raise
             n = len(loaded)
             slot_raw = {k: (b[:n], d, shape) for k, (b, d, shape) in raw.items()} if n else None
             s.slot_scatters += self.slots.apply(evicted, loaded, slots, slot_raw, in_place=True)
@@ -288,8 +311,10 @@ class StagedExecutor(ExactExecutor):
             s.stall_s += time.perf_counter() - t0
             at = {e: i for i, e in enumerate(misses)}
             pairs = np.flatnonzero(missed)
-            self._routed()
-            return params, B.array(np.array([at[int(e)] for e in flat[pairs]], dtype=np.uint32)), pairs
+            made.append((params, B.array(np.array([at[int(e)] for e in flat[pairs]], dtype=np.uint32)), pairs))
+            if route:
+                self._routed()
+            return made[0]
 
         self._inflight = misses_part
         if not hits:
@@ -300,9 +325,10 @@ class StagedExecutor(ExactExecutor):
 
     def _finish_inflight(self) -> None:
         """A call's deferred misses part its caller never took (an error while building the layer):
-        read and write them, so the slots hold what the cache says they hold."""
+        read and write them, so the slots hold what the cache says they hold (the next step is not
+        staged from here: it routes on the host)."""
         if self._inflight is not None:
-            self._inflight()
+            self._inflight(route=False)
 
 
 def admission_order(ids: np.ndarray) -> list[int]:

@@ -143,17 +143,9 @@ class StagedExecutor(ExactExecutor):
         self._finish_inflight()
         if self._pending is not None:
             self.swap()
-        self._take_beyond()
+        self._read([])  # a read ahead beyond the slots its step never took: counted as read
         self.trusted = False
 
-    def _take_beyond(self) -> None:
-        """Wait for the experts read ahead beyond the slots, if any, and count them as read (the
-        step that would have used them did not come)."""
-        ahead, self._beyond = self._beyond, None
-        if ahead is not None:
-            t0 = time.perf_counter()
-            self._merged([], self._fetch([], ahead))
-            self.stats.stall_s += time.perf_counter() - t0
 
     def _read(self, want) -> dict | None:
         """Store bytes of experts `want` (in that order; None if none): from the read ahead

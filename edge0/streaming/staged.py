@@ -146,7 +146,6 @@ class StagedExecutor(ExactExecutor):
         self._read([])  # a read ahead beyond the slots its step never took: counted as read
         self.trusted = False
 
-
     def _read(self, want) -> dict | None:
         """Store bytes of experts `want` (in that order; None if none): from the read ahead
         beyond the slots where it has them, the others read now."""

@@ -8,13 +8,22 @@ import math
 from edge0.errors import Edge0Error
 
 SEED_MAX = 2**64 - 1  # the random generator takes an unsigned 64-bit seed
+# Below this a temperature samples as greedy (vLLM's _SAMPLING_EPS): scaling log-probs by 1/1e-300
+# overflows to inf, and a draw from inf and NaN can land on a token a grammar banned.
+GREEDY_BELOW = 1e-5
+
+
+def effective_temperature(temperature: float) -> float:
+    """The temperature sampled with: 0 (greedy) below GREEDY_BELOW, else `temperature`."""
+    return 0.0 if temperature < GREEDY_BELOW else temperature
 
 
 def check_sampling(
     temperature: float, top_p: float, seed: int | None, names: dict | None = None, top_k: int = 0
 ) -> None:
-    """Raise Edge0Error unless temperature >= 0 and finite, 0 < top_p <= 1, seed is None or an
-    integer in [0, 2**64 - 1] and top_k an integer >= 0 (0 keeps every token). `names` maps a
+    """Raise Edge0Error unless temperature >= 0 and finite (below GREEDY_BELOW it is greedy),
+    0 < top_p <= 1, seed is None or an integer in [0, 2**64 - 1] and top_k an integer >= 0 (0
+    keeps every token). `names` maps a
     parameter to the name the caller shows (a flag)."""
     n = {"temperature": "temperature", "top_p": "top_p", "seed": "seed", "top_k": "top_k", **(names or {})}
     if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature >= 0):

@@ -414,6 +414,89 @@ def test_a_sequence_that_leaves_early_changes_nothing_for_the_others(store_for):
     assert [seqs[0].tokens, seqs[2].tokens] == [alone[0], alone[2]] and len(seqs[1].tokens) == 2
 
 
+class Refuses:
+    """A logits processor that raises at its `at`-th call (a grammar refusing a token)."""
+
+    def __init__(self, at: int):
+        self.at, self.calls = at, 0
+
+    def __call__(self, generated, logprobs):
+        self.calls += 1
+        if self.calls == self.at:
+            raise RuntimeError("the grammar refused token 7: a secret grammar")
+        return logprobs
+
+
+class Nothing:
+    """A logits processor that masks every token (or a model whose log-probs are NaN)."""
+
+    def __call__(self, generated, logprobs):
+        return logprobs * float("nan")
+
+
+def test_a_rows_own_failure_ends_that_row_alone(store_for):
+    """A row whose processor raises mid-decode, one whose row has no finite log-prob, and one whose
+    prefill fails each end alone with their own error; the other rows get what they get alone."""
+    engine = edge0.load(store_for("qwen3_moe"), prerouter=False)
+    alone = [engine.generate(p, max_tokens=6, ignore_eos=True).tokens for p in PROMPTS]
+    failing_prefill = engine.encode(PROMPTS[1] + " again")
+    real = engine.prefiller
+
+    class BrokenPrefill:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def __call__(self, tokens, cache, stop=None):
+            if len(tokens) == len(failing_prefill) - 1:
+                raise OSError("reading the experts failed")
+            return real(tokens, cache, stop)
+
+    engine.prefiller = BrokenPrefill()
+    try:
+        with engine.batching() as batch:
+            seqs = [batch.join(engine.encode(p), RequestSampler(0.0, 1.0), 6, set()) for p in PROMPTS]
+            refuses = batch.join(engine.encode(PROMPTS[1]), RequestSampler(0.0, 1.0, processors=[Refuses(3)]), 6, set())
+            nan = batch.join(engine.encode(PROMPTS[2]), RequestSampler(1.0, 1.0, processors=[Nothing()]), 6, set())
+            broken = batch.join(failing_prefill, RequestSampler(0.0, 1.0), 6, set())
+            failures = {}
+            while batch.busy:
+                for seq, step in batch.advance():
+                    if isinstance(step, Exception):
+                        failures[id(seq)] = step
+            assert batch.counts["failed"] == 3
+    finally:
+        engine.prefiller = real
+    assert [s.tokens for s in seqs] == alone
+    assert "secret grammar" in str(failures[id(refuses)]) and len(refuses.tokens) == 2
+    assert "not finite" in str(failures[id(nan)]) and nan.tokens == []
+    assert isinstance(failures[id(broken)], OSError) and broken.tokens == []
+    assert {s.finish for s in (refuses, nan, broken)} == {"error"}
+
+
+def test_a_tiny_temperature_is_greedy_and_a_mask_always_holds(store_for):
+    """1e-300 would scale log-probs to inf and NaN: below GREEDY_BELOW the sampler is greedy; a
+    processed row is renormalized, so a masked token is never drawn at any temperature."""
+    from edge0.backend import logits as blog
+
+    engine = edge0.load(store_for("qwen3_moe"), prerouter=False)
+    greedy = engine.generate(PROMPTS[0], max_tokens=6, ignore_eos=True).tokens
+    assert engine.generate(PROMPTS[0], max_tokens=6, ignore_eos=True, temperature=1e-300).tokens == greedy
+    allowed = [11, 12, 13]
+    mask = np.zeros(8, np.int32)  # llguidance's layout: bit i of word w is token 32 w + i
+    for t in allowed:
+        mask[t // 32] |= 1 << (t % 32)
+    for temperature in (1e-300, 1e-5, 0.5, 2.0):
+        out = engine.generate(
+            PROMPTS[0],
+            max_tokens=8,
+            ignore_eos=True,
+            temperature=temperature,
+            seed=1,
+            logits_processors=[lambda generated, row: blog.apply_token_mask(row, mask) - 50.0],
+        ).tokens
+        assert set(out) <= set(allowed), (temperature, out)
+
+
 def test_a_conversation_continues_from_its_cached_prefix_in_a_batch(store_for):
     engine = edge0.load(store_for("qwen3_moe"), prerouter=False, prompt_cache_memory=5 << 20)
     first = engine.encode(LONG)

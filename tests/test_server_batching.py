@@ -182,3 +182,59 @@ def test_what_cannot_batch_runs_one_at_a_time_and_says_why(engine):
     finally:
         del engine.batch_problem
     assert b == {"max_batch": 1, "why": "the reason it cannot"}
+
+
+def test_a_hostile_row_never_harms_the_stream_beside_it(engine, monkeypatch):
+    """A denormal temperature under a grammar, and a request whose processor raises mid-decode,
+    decode beside a long stream: the stream's text is what it is alone and holds nothing of theirs;
+    the denormal one is greedy (200), the failing one ends alone with its own error."""
+    import edge0.server.pipeline as pipeline
+    from edge0.backend.logits import LogitBias
+
+    class Raising(LogitBias):
+        calls = 0
+
+        def __call__(self, generated, logprobs):
+            type(self).calls += 1
+            if type(self).calls == 3:
+                raise RuntimeError("a secret of the hostile client")
+            return super().__call__(generated, logprobs)
+
+    stream_body = dict(model="m", messages=user("tell me about the sea"), max_tokens=40, temperature=0)
+    denormal = dict(
+        model="m",
+        messages=user("json please"),
+        max_tokens=12,
+        temperature=1e-300,
+        response_format={"type": "json_object"},
+    )
+    with running_server(engine, ServerConfig(max_batch=1)) as base:
+        client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=120)
+        alone = client.chat.completions.create(**stream_body).choices[0].message.content
+        greedy = client.chat.completions.create(**{**denormal, "temperature": 0}).choices[0].message.content
+    monkeypatch.setattr(pipeline, "LogitBias", Raising)
+    engine.hooks = SlowSteps(0.02)
+    try:
+        with running_server(engine, ServerConfig(max_batch=4)) as base:
+            client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=120)
+
+            def streamed(_):
+                out = []
+                for chunk in client.chat.completions.create(**stream_body, stream=True):
+                    out += [chunk.choices[0].delta.content or ""] if chunk.choices else []
+                return "".join(out)
+
+            def raw(body):
+                return httpx.post(base + "/v1/chat/completions", json=body, timeout=120)
+
+            text, denormal_r, raising_r = together(
+                lambda a: streamed(a) if a is None else raw(a),
+                [None, denormal, dict(model="m", messages=user("hi"), max_tokens=12, logit_bias={"40": 1})],
+            )
+            s = stats(base)
+    finally:
+        engine.hooks = StepHooks()
+    assert text == alone and "secret" not in text
+    assert denormal_r.status_code == 200 and denormal_r.json()["choices"][0]["message"]["content"] == greedy
+    assert raising_r.status_code == 500 and "a secret of the hostile client" in raising_r.text
+    assert s["batching"]["most_rows"] >= 2 and s["failed"] == 1 and s["completed"] == 2

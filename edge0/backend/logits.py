@@ -9,7 +9,7 @@ from mlx_lm.sample_utils import apply_top_k, apply_top_p
 
 from edge0.backend.forward import make_sampler
 
-__all__ = ["sampler", "apply_token_mask", "LogitBias", "token_logprobs", "only_token"]
+__all__ = ["sampler", "apply_token_mask", "LogitBias", "token_logprobs", "only_token", "normalize", "allowed"]
 
 
 def sampler(temperature: float, top_p: float, top_k: int, vocab: int, seed: int | None = None):
@@ -86,3 +86,15 @@ def only_token(logprobs: mx.array, token: int) -> mx.array:
     """`logprobs` [1, V] with every token but `token` at -inf (the sampler must take it)."""
     keep = mx.arange(logprobs.shape[-1]) == token
     return mx.where(keep, logprobs, mx.array(-np.inf, logprobs.dtype))
+
+
+def normalize(logprobs: mx.array) -> mx.array:
+    """`logprobs` [1, V] renormalized after a processor (a mask, a bias), as mlx-lm normalizes
+    processed logits: top-p then cuts the distribution the sampler draws from."""
+    return logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
+
+
+def allowed(logprobs: mx.array, token: mx.array) -> bool:
+    """Whether `token` has a finite log-prob in `logprobs` [1, V] (not masked, not NaN); evaluates."""
+    value = logprobs.reshape(-1)[token.reshape(-1)[0]]
+    return bool(mx.isfinite(value).item())

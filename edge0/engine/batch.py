@@ -21,11 +21,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from edge0.backend import forward as bfw
 from edge0.backend import kvcache as bkv
 from edge0.backend import speculative as bsp
 from edge0.engine.reply import Reply, Step
 from edge0.engine.sampler import RequestSampler
+from edge0.engine.step import sample_row
 from edge0.errors import Edge0Error
 from edge0.sampling import check_sampling
 
@@ -84,6 +84,7 @@ class Batch:
             "most_rows": 0,
             "most_kv_bytes": 0,
             "spans_dropped": 0,
+            "failed": 0,
         }
         self.interrupt = None  # () -> bool: a request waits to join (the server's arrivals)
         # rows draft (and a step verifies them) when the engine speculates and each row's cache
@@ -158,7 +159,7 @@ class Batch:
         self.counts["left"] += 1
         self._fit_pool()
 
-    def advance(self, prefill: bool = True) -> list[tuple[Sequence, Step]]:
+    def advance(self, prefill: bool = True) -> list[tuple[Sequence, Step | Exception]]:
         """One span of the waiting sequence with the fewest prompt tokens left (it joins the rows
         once its prompt but the last token is in), then one decode step of the rows. Returns the
         Steps made, each with its sequence; a sequence's last Step has its finish_reason and stats.
@@ -167,10 +168,25 @@ class Batch:
         at most that long; alone, a sequence takes its whole span (each span reads the experts
         again), and `interrupt()`, if set, is checked between its layers: when it says a request
         is waiting to join, the span is dropped (the cache cut back to the spans before it) and
-        goes again in shorter spans once the newcomer has joined."""
+        goes again in shorter spans once the newcomer has joined.
+
+        A sequence whose own work fails (its prefill span, its sampler) ends alone: its pair holds
+        the exception instead of a Step, its cache is dropped, and the others go on."""
+        failed = []
         if prefill and self.waiting:
-            self._prefill_span(min(self.waiting, key=lambda s: len(s.prompt) - s.fed), interleave=True)
-        return self._step() if self.rows else []
+            seq = min(self.waiting, key=lambda s: len(s.prompt) - s.fed)
+            try:
+                self._prefill_span(seq, interleave=True)
+            except Exception as e:  # noqa: BLE001 - in its own cache: this sequence ends, the rows go on
+                self._fail_waiting(seq)
+                failed.append((seq, e))
+        return failed + (self._step() if self.rows else [])
+
+    def _fail_waiting(self, seq: Sequence) -> None:
+        self.waiting.remove(seq)
+        seq.cache, seq.finish = None, "error"
+        self.counts["failed"] += 1
+        self._fit_pool()
 
     def prefill_all(self) -> None:
         """Every waiting sequence prefilled and joined (whole spans, no decode step in between)."""
@@ -206,7 +222,7 @@ class Batch:
         self.inputs.append(seq.prompt[-1])
         self.counts["most_rows"] = max(self.counts["most_rows"], len(self.rows))
 
-    def _step(self) -> list[tuple[Sequence, Step]]:
+    def _step(self) -> list[tuple[Sequence, Step | Exception]]:
         e = self.engine
         rows = self.rows
         drafts = self._drafts()
@@ -225,9 +241,14 @@ class Batch:
         self.steps += 1
         self.counts["steps"] += 1
         self.counts["row_steps"] += len(rows)
-        made, done = [], []
+        made, done, failed = [], [], []
         prompt_copies = e.kv.needs_prompt_copy(self.cache)
         for i, (seq, ys) in enumerate(zip(rows, out)):
+            if isinstance(ys[-1], Exception):  # its sampler raised (step.sample_row)
+                seq.finish = "error"
+                made.append((seq, ys[-1]))
+                failed.append(i)
+                continue
             for y in ys:
                 step = seq.reply.add(y)
                 seq.sampler.annotate_step(step)
@@ -247,8 +268,8 @@ class Batch:
                 if prompt_copies and seq.reuse and len(seq.tokens) == 1:  # the step fed its prompt's last token
                     e.kv.keep_prompt(seq.prompt, bkv.extract_row(self.cache, i))
             self.inputs[i] = ys[-1]
-        if done:
-            self._drop_rows(done)
+        if done or failed:
+            self._drop_rows(done, failed)
         else:
             self._fit_pool()
         return made
@@ -287,7 +308,7 @@ class Batch:
             out, kept = [], []
             for i, (seq, draft) in enumerate(zip(rows, drafts)):
                 if not draft:
-                    out.append([bfw.sample(seq.sampler, logprobs[i, 0])])
+                    out.append([sample_row(seq.sampler, logprobs[i, 0])])
                     kept.append(1)
                     continue
                 best = bsp.greedy_tokens(logprobs[i, : len(draft) + 1])
@@ -320,9 +341,11 @@ class Batch:
                     c["yielded"] += len(ys)
         spec.decide(spec.k)
 
-    def _drop_rows(self, done: list[int]) -> None:
+    def _drop_rows(self, done: list[int], failed: list[int] = ()) -> None:
         """Rows `done` leave; a row that asked for reuse gives its cache (its prompt and reply but
-        the last token, which was never fed) back to the prompt caches."""
+        the last token, which was never fed) back to the prompt caches. Rows `failed` leave
+        with their caches dropped."""
+        self.counts["failed"] += len(failed)
         for i in done:
             seq = self.rows[i]
             if seq.reuse:
@@ -330,7 +353,7 @@ class Batch:
                 row = bkv.extract_row(self.cache, i)
                 bkv.trim_to(row, len(fed))  # a verify fed drafts past a stop its tokens ended on
                 self.engine.kv.checkin(fed, row, len(seq.prompt))
-        stay = [i for i in range(len(self.rows)) if i not in done]
+        stay = [i for i in range(len(self.rows)) if i not in done and i not in failed]
         self.rows = [self.rows[i] for i in stay]
         self.inputs = [self.inputs[i] for i in stay]
         if stay:
@@ -352,7 +375,9 @@ def generate_batch(engine, prompts: list[list[int]], max_tokens: list[int], samp
         prefilled = engine.streaming.stats.totals()
         t_first = None
         while batch.busy:
-            batch.advance()
+            for _, step in batch.advance():
+                if isinstance(step, Exception):
+                    raise step
             if t_first is None:
                 t_first = time.perf_counter() - t0 - t_prefill
         steps = batch.steps

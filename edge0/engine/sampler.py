@@ -13,6 +13,8 @@ from collections import deque
 from contextlib import closing
 
 from edge0.backend import logits as blog
+from edge0.errors import Edge0Error
+from edge0.sampling import effective_temperature
 
 
 class RequestSampler:
@@ -29,8 +31,9 @@ class RequestSampler:
         seed: int | None = None,
     ):
         """`seed`: draw from this sampler's own random stream (a batch row's samples then do not
-        depend on the other rows); None: from the global one."""
-        self.temperature, self.top_p, self.top_k, self.seed = temperature, top_p, top_k, seed
+        depend on the other rows); None: from the global one. A temperature below
+        edge0.sampling.GREEDY_BELOW is greedy."""
+        self.temperature, self.top_p, self.top_k, self.seed = effective_temperature(temperature), top_p, top_k, seed
         self.processors = list(processors or [])
         self.n_top = logprobs
         self.generated: list[int] = []
@@ -50,7 +53,13 @@ class RequestSampler:
         row = logprobs
         for process in self.processors:
             row = process(self.generated, row)
+        if self.processors:
+            row = blog.normalize(row)
         token = self._sample(row)
+        if self.processors and not blog.allowed(row, token):
+            # only a row with no finite log-prob left draws a masked token: the model's output is
+            # NaN, or the processors banned every token; this sequence ends, no other
+            raise Edge0Error("no token is allowed at this step: the model's log-probs are not finite here")
         if self.n_top is not None:
             self._records.append(blog.token_logprobs(logprobs, token, self.n_top))
         self.generated.append(int(token.item()))

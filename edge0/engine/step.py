@@ -85,17 +85,18 @@ class Stepper:
 
     def decode_batch(
         self, tokens: list[int], step: int, samplers: list, cache, previous: list, ending: list[int] = ()
-    ) -> list[int]:
+    ) -> list[int | Exception]:
         """A step of a batch (batch.py): one token of each sequence, fed through the merged
         `cache`; one token sampled per row with that sequence's sampler. Row i was row
         `previous[i]` of the last step (None: it joined since); `ending`: the rows whose token
-        limit is reached with this step."""
+        limit is reached with this step. A row whose sampler raised gets the exception instead of
+        a token (sample_row)."""
         e = self.engine
         return self.run(
             step,
             len(tokens),
             lambda: bfw.forward_rows(e.model, tokens, cache),
-            lambda logprobs: ([bfw.sample(s, logprobs[i]) for i, s in enumerate(samplers)], None),
+            lambda logprobs: ([sample_row(s, logprobs[i]) for i, s in enumerate(samplers)], None),
             per_row=1,
             previous=previous,
             last=len(ending) == len(tokens),
@@ -162,3 +163,12 @@ class Stepper:
             return out, None
 
         return self.run(step, n_tokens, forward, finish)
+
+
+def sample_row(sampler, logprobs) -> int | Exception:
+    """A batch row's token, or the exception its sampler raised (a grammar refusing, log-probs
+    that are not finite): that row ends with it, the other rows go on."""
+    try:
+        return bfw.sample(sampler, logprobs)
+    except Exception as e:  # noqa: BLE001 - whatever one request's processors raise is that request's
+        return e

@@ -7,8 +7,10 @@ joins arrivals to the engine's Batch (edge0/engine/batch.py), drops cancelled on
 `advance()`, which prefills one span of a joining request (the one with the fewest prompt tokens
 left) and runs one decode step of the rest, so a long prompt does not hold up the others and a
 short request starts within about one span. Each Step becomes the request's events (Events, as a
-single generation's). Between-request work (saving the last conversation's KV cache, the memory
-watcher) runs once the batch is empty, as it does after a single generation.
+single generation's). A request whose own work fails (its prefill, its sampler, its events) ends
+alone; a failure of the shared step ends every request with one error that names none of them.
+Between-request work (saving the last conversation's KV cache, the memory watcher) runs once the
+batch is empty, as it does after a single generation.
 """
 
 from __future__ import annotations
@@ -23,6 +25,10 @@ from edge0.server.generation import Events, Run
 from edge0.server.scheduler import _END, Job, Scheduler
 
 log = logging.getLogger("edge0.server")
+
+
+class BatchFailed(RuntimeError):
+    """The shared step of a batch failed; what each of its requests is told."""
 
 
 @dataclass
@@ -94,19 +100,17 @@ class BatchScheduler(Scheduler):
                         continue
                     by_seq = {id(r.seq): r for r in live}
                     for seq, step in batch.advance():
-                        r = by_seq[id(seq)]
-                        for event in r.events.step(step):
-                            r.job._put(event)
-                        if step.finish_reason:
-                            self._end(r, live, "completed")
-        except Exception as e:  # the batch's cache is lost: every request in it or waiting for it fails
+                        self._deliver(batch, by_seq[id(seq)], step, live)
+        except Exception:  # the batch's cache is lost: every request in it or waiting for it fails
             self._done["failed_batches"] += 1
             log.exception("batch failed")
             with self._lock:
                 waiting, self._coordinating = list(self._arrivals), False
                 self._arrivals.clear()
+            # one error for all, naming none of them: the cause may be another client's request
+            error = BatchFailed("the batch this request was decoding in failed (the server log has the cause); retry")
             for r in live + waiting:
-                r.job._put(e)
+                r.job._put(error)
                 self._end(r, live, "failed")
         finally:
             if self._batch is not None:
@@ -136,6 +140,24 @@ class BatchScheduler(Scheduler):
                 self._end(r, live, "failed")
                 continue
             live.append(r)
+
+    def _deliver(self, batch, r: _Request, step, live: list[_Request]) -> None:
+        """A Step of `r` becomes its events. Its own failure (a Step that is an exception: its
+        prefill or sampler raised; or its events: a parser) ends it alone."""
+        try:
+            if isinstance(step, Exception):
+                raise step
+            for event in r.events.step(step):
+                r.job._put(event)
+        except Exception as e:  # noqa: BLE001 - this request's own: the batch goes on
+            log.error("a request in the batch failed: %s: %s", type(e).__name__, e)
+            if r.seq is not None and not r.seq.finish:
+                batch.leave(r.seq)
+            r.job._put(e)
+            self._end(r, live, "failed")
+            return
+        if step.finish_reason:
+            self._end(r, live, "completed")
 
     def _end(self, r: _Request, live: list[_Request], outcome: str) -> None:
         r.job._put(_END)

@@ -1,7 +1,7 @@
 """Prompt caches on disk (--prompt-cache-dir): a restarted engine or server reuses the KV cache of a
 saved conversation it extends and gives the tokens of a fresh run; another identity does not reuse
-it; the size bound removes the least recently used; damaged files and indexes are refused and
-counted, never fatal."""
+it; the size bound removes the least recently used; damaged files (a checksum of the KV catches
+one that still loads) and indexes are refused and counted, never fatal."""
 
 from __future__ import annotations
 
@@ -137,7 +137,9 @@ def test_a_damaged_file_or_index_is_refused_and_counted(store, tmp_path):
     follow = PROMPT + first.generate(PROMPT, max_tokens=8, reuse_cache=True).tokens + NEW
     want = edge0.load(store).generate(follow, max_tokens=6).tokens
     saved = next(tmp_path.glob("*/*.safetensors"))
-    saved.write_bytes(saved.read_bytes()[: saved.stat().st_size // 2])  # truncated, as by a full disk
+    data = saved.read_bytes()
+    header = 8 + int.from_bytes(data[:8], "little")
+    saved.write_bytes(data[:header] + b"\xff" * (len(data) - header))  # NaN KV that still loads: the checksum fails
     second = edge0.load(store, prompt_cache_dir=tmp_path)
     r = second.generate(follow, max_tokens=6, reuse_cache=True)
     assert r.stats["prefill_tokens"] == len(follow) and r.tokens == want
@@ -146,11 +148,14 @@ def test_a_damaged_file_or_index_is_refused_and_counted(store, tmp_path):
     assert not saved.exists()
 
     (tmp_path / "index.json").write_text('{"version": 1, "entries": [')  # damaged index
-    (tmp_path / saved.parent.name / "junk.safetensors").write_bytes(b"\x00" * 64)  # and a file that is not a cache
+    junk = tmp_path / saved.parent.name / "junk.safetensors"  # not a name the cache writes: left as it is
+    junk.write_bytes(b"\x00" * 64)
     third = edge0.load(store, prompt_cache_dir=tmp_path)
     st = disk(third)
-    assert (st["index_rebuilt"], st["damaged"], st["entries"]) == (1, 1, 1) and "rebuilt" in st["note"]
-    assert json.loads((tmp_path / "index.json").read_text())["version"] == 1
+    assert (st["index_rebuilt"], st["damaged"], st["skipped"], st["entries"]) == (1, 0, 1, 1) and "rebuilt" in st[
+        "note"
+    ]
+    assert json.loads((tmp_path / "index.json").read_text())["version"] == 2 and junk.read_bytes() == b"\x00" * 64
     r = third.generate(follow + [9], max_tokens=6, reuse_cache=True)  # the file second saved is found again
     assert r.stats["prefill_tokens"] == 1 and disk(third)["restored"] == 1
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import hashlib
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -33,6 +34,7 @@ __all__ = [
     "prompt_cache_nbytes",
     "read_prompt_cache",
     "prompt_cache_metadata",
+    "prompt_cache_digest",
     "rewind_problem",
     "rewind_point",
     "rewind",
@@ -85,6 +87,20 @@ def prompt_cache_metadata(flat: dict[str, str]) -> dict:
     if not isinstance(metadata, list) or not metadata or not isinstance(metadata[0], dict):
         raise ValueError("no prompt-cache metadata")
     return metadata[0]
+
+
+def prompt_cache_digest(cache) -> str:
+    """A sha256 of a prompt cache's arrays (each one's dtype, shape and bytes, in order), as
+    `save_prompt_cache` writes them and `read_prompt_cache` reads them back: a file's KV data is
+    told from a damaged copy of it that still loads."""
+    h = hashlib.sha256()
+    for _, a in tree_flatten([c.state for c in cache]):
+        if isinstance(a, mx.array):
+            a = mx.contiguous(a)  # a cache's state is a view of its larger buffers
+            mx.eval(a)
+            h.update(f"{a.dtype} {a.shape};".encode())
+            h.update(memoryview(a))
+    return h.hexdigest()
 
 
 def copy_cache(cache) -> list:

@@ -6,8 +6,10 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
+import math
 import os
 import re
+import stat
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -16,27 +18,100 @@ from edge0.backend import kvcache as bkv
 from edge0.errors import Edge0Error
 from edge0.store.headers import read_header
 
-# An entry's name: DIR/<identity prefix>/<token hash>.safetensors, as save() writes it.
-_ENTRY = re.compile(r"[0-9a-f]{32}/[0-9a-f]{32}\.safetensors")
+# The names the cache writes, the only ones it reads, replaces or removes.
+_FOLDER = re.compile(r"[0-9a-f]{32}")  # DIR/<identity prefix>/
+_FILE = re.compile(r"[0-9a-f]{32}\.safetensors")  # <hash of the namespace and tokens>.safetensors in a folder
+_FILE_TMP = re.compile(r"\.[0-9a-f]{32}\.\d+\.tmp\.safetensors")  # a cache file being written
+_INDEX_TMP = re.compile(r"\.index\.json\.\d+\.tmp")  # the index being written
+_ENTRY = re.compile(r"[0-9a-f]{32}/[0-9a-f]{32}\.safetensors")  # an index entry's name: none leaves DIR
+_NAMESPACE = re.compile(r"[0-9a-f]{0,128}")
+# The shortest prefix restored: one block of the memory tier (engine.kvpool.BLOCK); reading a whole
+# file to reuse fewer tokens costs more than prefilling them.
+MIN_TOKENS = 64
 
 
 def _tokens_ok(value) -> bool:
     return isinstance(value, list) and all(isinstance(t, int) for t in value)
 
 
+def _own_top(name: str) -> bool:
+    """Whether `name`, in DIR, is one the cache writes."""
+    return name in (".lock", DiskPromptCaches.INDEX) or bool(_INDEX_TMP.fullmatch(name) or _FOLDER.fullmatch(name))
+
+
+def _entry_ok(e) -> bool:
+    return (
+        isinstance(e, dict)
+        and isinstance(e.get("identity"), str)
+        and isinstance(e.get("namespace"), str)
+        and _NAMESPACE.fullmatch(e["namespace"]) is not None
+        and _tokens_ok(e.get("tokens"))
+        and isinstance(e.get("used"), (int, float))
+        and math.isfinite(e["used"])
+    )
+
+
+def _check_namespace(namespace) -> None:
+    if not isinstance(namespace, str) or _NAMESPACE.fullmatch(namespace) is None:
+        raise ValueError(f"a prompt-cache namespace is a lowercase hex digest (at most 128 digits), not {namespace!r}")
+
+
+def _read_regular(path: Path) -> bytes:
+    """A regular file's bytes, never through a link nor from a FIFO (which would block)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{path} is not a regular file")
+        with os.fdopen(fd, "rb", closefd=False) as fh:
+            return fh.read()
+    finally:
+        os.close(fd)
+
+
+def _unlink_regular(path: Path) -> None:
+    """Remove `path` if it is a regular file (a temporary the cache wrote), else leave it."""
+    try:
+        if stat.S_ISREG(os.lstat(path).st_mode):
+            os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _private(path, st: os.stat_result, mode: int) -> None:
+    """Give an entry the cache owns `mode` (0700 folders, 0600 files): conversations are private
+    whatever the umask, or an older edge0, left. Another user's entry is left as it is."""
+    if stat.S_IMODE(st.st_mode) != mode and st.st_uid == os.getuid():
+        os.chmod(path, mode)
+
+
+def _version(st: os.stat_result) -> tuple:
+    """Which file a name holds: one written again since (renamed into place) differs."""
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
 class DiskPromptCaches:
     """KV caches of finished conversations on disk, so a restarted process reuses a matching
-    prefix: mlx-lm `save_prompt_cache` files DIR/<identity>/<token hash>.safetensors (their
-    metadata holds the identity and the tokens) and DIR/index.json (every file's identity, tokens,
-    size and last use). Beyond `max_bytes`, all identities together, the least recently used files
-    are removed. The identity covers everything the KV depends on (Engine.identity).
+    prefix: mlx-lm `save_prompt_cache` files DIR/<identity>/<hash of namespace and tokens>.safetensors
+    (their metadata holds the identity, namespace, tokens and a sha256 of the KV arrays) and
+    DIR/index.json (every file's identity, namespace, tokens and last use; sizes are read from the
+    files, never from the index). Beyond `max_bytes`, all identities together, the least recently
+    used files are removed. The identity covers everything the KV depends on (Engine.identity); a
+    namespace (an opaque hex digest, "" the shared one) keeps clients' conversations apart.
+
+    The cache reads, replaces and removes only regular files of the names it writes (above), never
+    through a link; other entries (other names, links, FIFOs, folders named like its files) are left
+    as they are and counted `skipped`. It refuses to start in a non-empty DIR that holds other names
+    and no index of its own (a models folder, a store, a snapshot). A file of its own naming is
+    its own: one that does not load, lacks the checksum or fails it is damaged (removed, counted and
+    noted, never fatal). An index of another version (1: written by an older edge0, whose files
+    carry no checksum, so they are removed as damaged) or a damaged one is rebuilt from the files'
+    metadata. Folders are 0700 and files 0600: the index holds every conversation's tokens.
 
     Processes sharing DIR take DIR/.lock for every index update and file write. Files are written
-    to a temporary name and renamed; a damaged file or index is refused, counted and noted
-    (`stats()`), never fatal: a damaged index is rebuilt from the files' metadata."""
+    to a temporary name and renamed."""
 
     INDEX = "index.json"
-    VERSION = 1
+    VERSION = 2
 
     def __init__(self, root, identity: str, max_bytes: int):
         self.root = Path(root).expanduser()
@@ -53,96 +128,177 @@ class DiskPromptCaches:
             "index_rebuilt": 0,
             "untrimmable": 0,
             "failed": 0,
+            "skipped": 0,  # entries of DIR that are not the cache's, at the last look (a gauge)
         }
         self.note = ""  # the last refusal or failure
         self.last_save_s: float | None = None
         self.bytes = self.entries = 0
+        self._restored: tuple | None = None  # (name, _version) of the file the last restore() read
         try:
-            self.dir.mkdir(parents=True, exist_ok=True)
+            self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+            self._check_own()
+            _private(self.root, os.stat(self.root), 0o700)
             with self._locked() as index:
-                # Files are written only under the lock, so temporaries found holding it are
-                # left by a process that died mid-write.
-                for tmp in [*self.root.glob("*/.*.tmp*"), *self.root.glob(f".{self.INDEX}.*.tmp")]:
-                    tmp.unlink(missing_ok=True)
                 self._adopt_orphans(index)
+                self._evict(index)
                 self._write(index)
         except OSError as e:
             raise Edge0Error(
                 f"--prompt-cache-dir {root}: {e.strerror or e}; pass a directory this process can write"
             ) from None
+        if not self.note and self.counts["skipped"]:
+            self.note = f"{self.counts['skipped']} entries in {self.root} are not this cache's; left as they are"
+
+    def _check_own(self) -> None:
+        """Refuse a DIR holding names the cache does not write and no index of its own (someone
+        else's folder, where it must write nothing), and a DIR/.lock that is a link or no file."""
+        names = os.listdir(self.root)
+        if names and not self._own_index():
+            other = sorted(n for n in names if not _own_top(n))
+            if other or (self.INDEX in names and ".lock" not in names):
+                shown = ", ".join(other[:3]) + (f" and {len(other) - 3} more" if len(other) > 3 else "")
+                raise Edge0Error(
+                    f"--prompt-cache-dir {self.root} holds files this prompt cache did not write "
+                    f"({shown or 'an index.json of another format'}) and no index of its own; "
+                    "pass an empty directory or one this server created"
+                )
+        lock = self.root / ".lock"
+        if os.path.lexists(lock) and not stat.S_ISREG(os.lstat(lock).st_mode):
+            raise Edge0Error(f"--prompt-cache-dir {self.root}: {lock} is not a regular file (a link?); remove it")
+
+    def _own_index(self) -> bool:
+        """Whether DIR/index.json is an index this cache wrote (of any version)."""
+        try:
+            data = json.loads(_read_regular(self.root / self.INDEX))
+        except (OSError, ValueError):
+            return False
+        return isinstance(data, dict) and isinstance(data.get("version"), int) and isinstance(data.get("entries"), dict)
 
     # -- the index -------------------------------------------------------------------------------
     @contextmanager
     def _locked(self):
-        """The index, read under DIR/.lock (held until the block ends)."""
-        with open(self.root / ".lock", "w") as fh:
-            fcntl.flock(fh, fcntl.LOCK_EX)
+        """The index, read under DIR/.lock (held until the block ends), which is opened without
+        truncating it and never through a link."""
+        lock = self.root / ".lock"
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise OSError(f"{lock} is not a regular file; remove it")
+            fcntl.flock(fd, fcntl.LOCK_EX)
             yield self._read()
+        finally:
+            os.close(fd)
 
     def _read(self) -> dict:
+        """The index, each entry's `bytes` from its file (an entry whose file is gone or is not a
+        regular file is dropped); rebuilt from the files when missing, damaged or of another version."""
         path = self.root / self.INDEX
         try:
-            data = json.loads(path.read_text())
-            entries = data["entries"]
-            if (
-                data.get("version") != self.VERSION
-                or not isinstance(entries, dict)
-                or not all(_ENTRY.fullmatch(name) for name in entries)  # names it writes: none leaves DIR
-                or not all(
-                    isinstance(e, dict)
-                    and isinstance(e.get("identity"), str)
-                    and _tokens_ok(e.get("tokens"))
-                    and isinstance(e.get("bytes"), int)
-                    and isinstance(e.get("used"), (int, float))
-                    for e in entries.values()
-                )
-            ):
+            data = json.loads(_read_regular(path))
+            if not isinstance(data, dict) or not isinstance(data.get("entries"), dict):
                 raise ValueError("unexpected contents")
-            return entries
+            if data.get("version") != self.VERSION:
+                self.counts["index_rebuilt"] += 1
+                entries = self._scan(f"{path} is of version {data.get('version')}, not {self.VERSION}")
+                self._write(entries)
+                return entries
+            entries = data["entries"]
+            if not all(_ENTRY.fullmatch(name) and _entry_ok(e) for name, e in entries.items()):
+                raise ValueError("unexpected contents")
         except FileNotFoundError:
             return self._scan("")
-        except (OSError, ValueError, KeyError, TypeError) as e:
+        except (OSError, ValueError) as e:
             self.counts["index_rebuilt"] += 1
-            entries = self._scan(f"{path} was damaged ({e}); rebuilt from the files")
+            entries = self._scan(f"{path} was damaged ({e})")
             self._write(entries)
             return entries
+        for name in list(entries):
+            st = self._stat(name)
+            if st is None:
+                del entries[name]
+            else:
+                entries[name]["bytes"] = st.st_size
+        return entries
 
-    def _scan(self, why: str) -> dict:
-        """The index rebuilt from the cache files' own metadata; unreadable files are removed."""
-        entries = {}
-        for f in sorted(self.root.glob("*/*.safetensors")):
-            if f.name.startswith("."):
-                continue
-            try:
-                meta = bkv.prompt_cache_metadata(read_header(f).metadata)
-                tokens = json.loads(meta["tokens"])
-                if not isinstance(meta.get("identity"), str) or not _tokens_ok(tokens):
-                    raise ValueError("no identity or tokens in its metadata")
-            except (OSError, ValueError, KeyError, TypeError) as e:
-                self._refuse(f, e)
-                continue
-            st = f.stat()
-            entries[f"{f.parent.name}/{f.name}"] = {
-                "identity": meta["identity"],
-                "tokens": tokens,
+    def _stat(self, name: str) -> os.stat_result | None:
+        """Cache file `name`'s stat if it is a regular file in a real folder of DIR (no link followed)."""
+        try:
+            folder, st = os.lstat(self.root / name.split("/")[0]), os.lstat(self.root / name)
+        except OSError:
+            return None
+        return st if stat.S_ISDIR(folder.st_mode) and stat.S_ISREG(st.st_mode) else None
+
+    def _survey(self) -> dict:
+        """DIR's cache files, name -> stat: regular files of the names save() writes, in real folders
+        of the names it makes. On the way: removes the temporaries of a process that died mid-write
+        (files are written only under the lock, which the caller holds), makes what the cache owns
+        private, and counts the other entries `skipped`, leaving them as they are."""
+        files, skipped = {}, 0
+        with os.scandir(self.root) as top:
+            for d in top:
+                st = d.stat(follow_symlinks=False)
+                regular = stat.S_ISREG(st.st_mode)
+                if regular and d.name in (".lock", self.INDEX):
+                    _private(d.path, st, 0o600)
+                elif regular and _INDEX_TMP.fullmatch(d.name):
+                    os.unlink(d.path)
+                elif stat.S_ISDIR(st.st_mode) and _FOLDER.fullmatch(d.name):
+                    _private(d.path, st, 0o700)
+                    with os.scandir(d.path) as folder:
+                        for f in folder:
+                            fst = f.stat(follow_symlinks=False)
+                            if stat.S_ISREG(fst.st_mode) and _FILE.fullmatch(f.name):
+                                _private(f.path, fst, 0o600)
+                                files[f"{d.name}/{f.name}"] = fst
+                            elif stat.S_ISREG(fst.st_mode) and _FILE_TMP.fullmatch(f.name):
+                                os.unlink(f.path)
+                            else:
+                                skipped += 1
+                else:
+                    skipped += 1
+        self.counts["skipped"] = skipped
+        return files
+
+    def _entry(self, name: str, st: os.stat_result) -> dict | None:
+        """An index entry from cache file `name`'s own metadata; None, and the file removed, if it is
+        damaged (unreadable, or without the identity, namespace, tokens or checksum save() writes)."""
+        try:
+            meta = bkv.prompt_cache_metadata(read_header(self.root / name).metadata)
+            entry = {
+                "identity": meta.get("identity"),
+                "namespace": meta.get("namespace"),
+                "tokens": json.loads(meta.get("tokens", "null")),
                 "bytes": st.st_size,
                 "used": st.st_mtime,
             }
+            if not _entry_ok(entry) or not isinstance(meta.get("checksum"), str):
+                raise ValueError("no identity, namespace, tokens or checksum in its metadata")
+        except (OSError, ValueError, TypeError, KeyError) as e:
+            self._refuse(name, e)
+            return None
+        return entry
+
+    def _scan(self, why: str) -> dict:
+        """The index rebuilt from the cache files' own metadata (damaged ones removed); `why` noted."""
+        entries = {}
+        for name, st in sorted(self._survey().items()):
+            entry = self._entry(name, st)
+            if entry is not None:
+                entries[name] = entry
         if why or entries:
-            self.note = why or f"{self.root / self.INDEX} was missing; rebuilt from {len(entries)} files"
+            why = why or f"{self.root / self.INDEX} was missing"
+            self.note = f"{why}; rebuilt: {len(entries)} cache files indexed from their metadata"
         return entries
 
     def _adopt_orphans(self, index: dict) -> None:
         """Index the cache files the index lacks (a process stopped between renaming a file into
-        place and writing the index), then evict beyond the bound, so that it holds after a crash."""
-        names = {f"{f.parent.name}/{f.name}" for f in self.root.glob("*/*.safetensors") if not f.name.startswith(".")}
-        if not names - index.keys():
-            return
-        found = self._scan("")
-        orphans = {name: found[name] for name in names - index.keys() if name in found}
-        index.update(orphans)
-        self._evict(index)
-        self.note = f"{len(orphans)} cache files were missing from {self.root / self.INDEX}; indexed"
+        place and writing the index), so that the bound holds after a crash."""
+        files = self._survey()
+        orphans = {name: self._entry(name, files[name]) for name in sorted(files.keys() - index.keys())}
+        orphans = {name: e for name, e in orphans.items() if e is not None}
+        if orphans:
+            index.update(orphans)
+            self.note = f"{len(orphans)} cache files were missing from {self.root / self.INDEX}; indexed"
 
     def _evict(self, index: dict, keep: str | None = None) -> int:
         """Remove the least recently used entries (never `keep`) until the index fits the bound;
@@ -159,26 +315,40 @@ class DiskPromptCaches:
     def _write(self, entries: dict) -> None:
         tmp = self.root / f".{self.INDEX}.{os.getpid()}.tmp"
         try:
-            tmp.write_text(json.dumps({"version": self.VERSION, "entries": entries}))
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
+            with os.fdopen(fd, "w") as fh:
+                os.fchmod(fd, 0o600)  # a temporary left with other modes keeps them through O_CREAT
+                fh.write(json.dumps({"version": self.VERSION, "entries": entries}))
             os.replace(tmp, self.root / self.INDEX)
         except OSError:  # a full disk: the index stays as it was, without a temporary beside it
-            tmp.unlink(missing_ok=True)
+            _unlink_regular(tmp)
             raise
         self.bytes, self.entries = sum(e["bytes"] for e in entries.values()), len(entries)
 
-    def _refuse(self, path: Path, error) -> None:
-        """A damaged cache file: counted, noted and removed."""
+    def _refuse(self, name: str, error) -> None:
+        """A damaged cache file (of the names the cache writes): counted, noted and removed."""
         self.counts["damaged"] += 1
-        self.note = f"{path}: damaged ({error}); removed"
-        path.unlink(missing_ok=True)
+        self.note = f"{self.root / name}: damaged ({error}); removed"
+        self._unlink(name)
+
+    def _unlink(self, name: str) -> None:
+        if self._stat(name) is not None:
+            (self.root / name).unlink(missing_ok=True)
+
+    def _remove(self, index: dict, name: str, why: str) -> None:
+        self._unlink(name)
+        index.pop(name)
+        self.counts[why] += 1
 
     # -- restore and save --------------------------------------------------------------------------
-    def restore(self, tokens: list[int], longer_than: int = 0):
-        """(cache, n): a stored cache of this identity sharing the longest prefix n >
-        `longer_than` with `tokens` (all but the last token, which must be fed), trimmed to n;
-        or (None, 0)."""
+    def restore(self, tokens: list[int], longer_than: int = 0, namespace: str = ""):
+        """(cache, n): a stored cache of this identity and `namespace` sharing the longest prefix
+        n > `longer_than`, and at least MIN_TOKENS, with `tokens` (all but the last token, which
+        must be fed), trimmed to n; or (None, 0)."""
+        _check_namespace(namespace)
+        self._restored = None
         try:
-            found = self._restore(tokens, longer_than)
+            found = self._restore(tokens, longer_than, namespace)
         except OSError as e:  # DIR removed or unreadable while serving: prefill instead
             self.counts["failed"] += 1
             self.note = f"reading {self.root} failed: {e}"
@@ -188,24 +358,29 @@ class DiskPromptCaches:
             self.counts["restored_tokens"] += found[1]
         return found
 
-    def _restore(self, tokens: list[int], longer_than: int):
+    def _restore(self, tokens: list[int], longer_than: int, namespace: str):
         with self._locked() as index:
-            best, n = None, longer_than
+            best, n = None, max(longer_than, MIN_TOKENS - 1)
             for name, entry in index.items():
-                if entry["identity"] == self.identity:
+                if entry["identity"] == self.identity and entry["namespace"] == namespace:
                     k = bkv.common_prefix_len(entry["tokens"], tokens[:-1])
                     if k > n:
                         best, n = name, k
             if best is None:
                 return None, 0
             entry, path = index[best], self.root / best
+            st = os.lstat(path)
             try:
                 cache, meta = bkv.read_prompt_cache(str(path))
-                if meta.get("identity") != self.identity or json.loads(meta.get("tokens", "null")) != entry["tokens"]:
+                if (meta.get("identity"), meta.get("namespace")) != (self.identity, namespace) or json.loads(
+                    meta.get("tokens", "null")
+                ) != entry["tokens"]:
                     raise ValueError("its metadata does not match the index")
+                if meta.get("checksum") != bkv.prompt_cache_digest(cache):  # before trimming: the file's arrays
+                    raise ValueError("its KV data does not match its checksum")
             except Exception as e:  # noqa: BLE001 - whatever a damaged file raises, it is refused
-                self._refuse(path, e)
                 index.pop(best)
+                self._refuse(best, e)
                 self._write(index)
                 return None, 0
             held = len(entry["tokens"])
@@ -217,30 +392,68 @@ class DiskPromptCaches:
                 return None, 0
             entry["used"] = time.time()
             self._write(index)
+        self._restored = (best, _version(st))
         return cache, n
 
-    def save(self, tokens: list[int], cache) -> bool:
-        """Store `cache` (holding exactly `tokens`), drop the stored caches of this identity it
-        extends (it can be trimmed to them), then the least recently used beyond the size bound.
-        Returns whether it was stored."""
+    def discard_last_restore(self, error) -> bool:
+        """A forward on the cache the last restore() returned raised `error`: its file (if still the
+        one read) is removed and counted damaged, so no later request restores it. Only until the
+        next restore() or save(). Returns whether a file was removed."""
+        restored, self._restored = self._restored, None
+        if restored is None:
+            return False
+        name, read = restored
+        try:
+            with self._locked() as index:
+                st = self._stat(name)
+                if st is None or _version(st) != read:  # removed, or written again, since
+                    return False
+                index.pop(name, None)
+                self._refuse(name, f"a forward on its restored cache failed: {error}")
+                self._write(index)
+        except OSError as e:
+            self.counts["failed"] += 1
+            self.note = f"discarding {self.root / name} failed: {e}"
+            return False
+        return True
+
+    def save(self, tokens: list[int], cache, namespace: str = "") -> bool:
+        """Store `cache` (holding exactly `tokens`) in `namespace`, drop the stored caches of this
+        identity and namespace it extends (it can be trimmed to them), then the least recently used
+        beyond the size bound. Returns whether it was stored."""
+        _check_namespace(namespace)
+        self._restored = None
         size = bkv.prompt_cache_nbytes(cache)
         if size > self.max_bytes:
             self.counts["too_large"] += 1
             self.note = f"a {size}-byte KV cache is larger than --prompt-cache-size ({self.max_bytes} bytes); not saved"
             return False
-        name = f"{self.dir.name}/{hashlib.sha256(json.dumps(tokens).encode()).hexdigest()[:32]}.safetensors"
+        digest = hashlib.sha256(json.dumps([namespace, tokens]).encode()).hexdigest()[:32]
+        name = f"{self.dir.name}/{digest}.safetensors"
         path = self.root / name
         tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp.safetensors")
         t0, placed = time.perf_counter(), False
         try:
             with self._locked() as index:
-                bkv.save_prompt_cache(str(tmp), cache, {"identity": self.identity, "tokens": json.dumps(tokens)})
+                self._make_dir()
+                for p in (path, tmp):  # a link, FIFO or folder there is not the cache's: never written through
+                    if os.path.lexists(p) and not stat.S_ISREG(os.lstat(p).st_mode):
+                        raise OSError(f"{p} is not a regular file; left as it is")
+                meta = {
+                    "identity": self.identity,
+                    "namespace": namespace,
+                    "tokens": json.dumps(tokens),
+                    "checksum": bkv.prompt_cache_digest(cache),
+                }
+                bkv.save_prompt_cache(str(tmp), cache, meta)
+                os.chmod(tmp, 0o600)
                 os.replace(tmp, path)
                 placed = True
                 index[name] = {
                     "identity": self.identity,
+                    "namespace": namespace,
                     "tokens": tokens,
-                    "bytes": path.stat().st_size,
+                    "bytes": os.lstat(path).st_size,
                     "used": time.time(),
                 }
                 if bkv.can_trim_prompt_cache(cache):
@@ -248,6 +461,7 @@ class DiskPromptCaches:
                         if (
                             other != name
                             and e["identity"] == self.identity
+                            and e["namespace"] == namespace
                             and len(e["tokens"]) < len(tokens)
                             and tokens[: len(e["tokens"])] == e["tokens"]
                         ):
@@ -259,9 +473,9 @@ class DiskPromptCaches:
                     self._remove(index, name, "too_large")
                 self._write(index)
         except Exception as e:  # noqa: BLE001 - a full disk, DIR removed, a cache mlx-lm cannot save: keep serving
-            tmp.unlink(missing_ok=True)
+            _unlink_regular(tmp)
             if placed:  # renamed into place, but the index could not be written: it would be held unbounded
-                path.unlink(missing_ok=True)
+                self._unlink(name)
             self.counts["failed"] += 1
             self.note = f"saving {path} failed: {e}"
             return False
@@ -269,10 +483,16 @@ class DiskPromptCaches:
         self.last_save_s = time.perf_counter() - t0
         return stored
 
-    def _remove(self, index: dict, name: str, why: str) -> None:
-        (self.root / name).unlink(missing_ok=True)
-        index.pop(name)
-        self.counts[why] += 1
+    def _make_dir(self) -> None:
+        """This identity's folder, made 0700 if missing; a link or a file in its place is refused."""
+        try:
+            os.mkdir(self.dir, 0o700)
+        except FileExistsError:
+            pass
+        st = os.lstat(self.dir)
+        if not stat.S_ISDIR(st.st_mode):
+            raise OSError(f"{self.dir} is not a folder (a link?); left as it is")
+        _private(self.dir, st, 0o700)
 
     def stats(self) -> dict:
         """Where, how much, and what happened: counts, the last save's seconds and the last note."""

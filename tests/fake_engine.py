@@ -157,6 +157,7 @@ class FakeEngine:
         self._active = 0
         self._lock = threading.Lock()
         self._cache_tokens: list[int] = []
+        self._cache_namespace = ""
 
     def reply(self, prompt: list[int]) -> str:
         text = self.tokenizer.decode(prompt)
@@ -205,6 +206,7 @@ class FakeEngine:
         top_k=0,
         logits_processors=None,
         logprobs=None,
+        cache_namespace="",
     ):
         check_sampling(temperature, top_p, seed, top_k=top_k)  # as the real engine does (an Edge0Error)
         tokens = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -220,17 +222,19 @@ class FakeEngine:
                 top_k=top_k,
                 logits_processors=logits_processors,
                 logprobs=logprobs,
+                cache_namespace=cache_namespace,
             ),
         )
         self.calls.append(call)
         common = 0
-        if reuse_cache:  # same rule as the real engine: keep the longest prefix of tokens[:-1]
+        # same rule as the real engine: keep the longest prefix of tokens[:-1], in its own namespace
+        if reuse_cache and cache_namespace == self._cache_namespace:
             for a, b in zip(self._cache_tokens, tokens[:-1]):
                 if a != b:
                     break
                 common += 1
         call.prefill_tokens = len(tokens) - common
-        self._cache_tokens = list(tokens)
+        self._cache_tokens, self._cache_namespace = list(tokens), cache_namespace
         target = self.tokenizer.encode(self.reply(tokens)) + self.tokenizer.eos_token_ids
         with self._lock:
             self._active += 1

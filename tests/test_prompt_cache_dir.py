@@ -229,14 +229,17 @@ def test_a_restore_whose_forward_failed_is_discarded(caches, tmp_path):
     disk = DiskPromptCaches(tmp_path, IDENT, BOUND)
     assert disk.save(PROMPT, caches(PROMPT)) and disk.save(OTHER, caches(OTHER))
     assert disk.restore(PROMPT + [1])[1] == len(PROMPT)
-    assert disk.discard_last_restore(RuntimeError("NaN logits"))
+    receipt = disk.last_restore
+    assert disk.discard(receipt, RuntimeError("NaN logits"))
     st = disk.stats()
     assert (st["damaged"], st["entries"]) == (1, 1) and "NaN logits" in st["note"]
-    assert not disk.discard_last_restore(RuntimeError("again"))  # nothing restored since
-    assert disk.restore(PROMPT + [1]) == (None, 0)
+    assert not disk.discard(receipt, RuntimeError("again"))  # gone already
+    assert not disk.discard(None, RuntimeError("nothing restored"))
+    assert disk.restore(PROMPT + [1]) == (None, 0) and disk.last_restore is None
     assert disk.restore(OTHER + [1])[1] == len(OTHER)
+    receipt = disk.last_restore
     assert DiskPromptCaches(tmp_path, IDENT, BOUND).save(OTHER, caches(OTHER))  # by another process since
-    assert not disk.discard_last_restore(RuntimeError("late"))  # not the file it read: kept
+    assert not disk.discard(receipt, RuntimeError("late"))  # not the file it read: kept
     assert disk.restore(OTHER + [1])[1] == len(OTHER)
 
 

@@ -177,3 +177,51 @@ def test_prompt_cache_option_errors(store, tmp_path):
     (tmp_path / "file").write_text("not a directory")
     with pytest.raises(Edge0Error, match="--prompt-cache-dir .*file.*writ"):
         edge0.load(store, prompt_cache_dir=tmp_path / "file")
+
+
+class FailOnce:
+    """The engine's prefiller, raising once (a forward on a restored cache that fails)."""
+
+    def __init__(self, real):
+        self.real, self.armed = real, True
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+    def __call__(self, tokens, cache, stop=None):
+        if self.armed:
+            self.armed = False
+            raise RuntimeError("the forward failed")
+        return self.real(tokens, cache, stop)
+
+
+@pytest.mark.parametrize("batch", [False, True])
+def test_a_restored_cache_whose_forward_fails_is_removed_and_counted(store, tmp_path, batch):
+    from edge0.engine.sampler import RequestSampler
+
+    first = edge0.load(store, prompt_cache_dir=tmp_path)
+    follow = PROMPT + first.generate(PROMPT, max_tokens=8, reuse_cache=True, ignore_eos=True).tokens + NEW
+    saved = next(tmp_path.glob("*/*.safetensors"))
+    cold = edge0.load(store)
+    want = cold.generate(follow, max_tokens=6, ignore_eos=True).tokens
+    unrelated = [3] + NEW + PROMPT[:30]
+    want_unrelated = cold.generate(unrelated, max_tokens=6, ignore_eos=True).tokens
+
+    restarted = edge0.load(store, prompt_cache_dir=tmp_path)
+    restarted.prefiller = FailOnce(restarted.prefiller)
+    if batch:
+        with restarted.batching() as b:
+            seq = b.join(restarted.encode(follow), RequestSampler(0.0, 1.0), 6, set(), reuse=True)
+            assert seq.held > 0  # restored from disk
+            failures = [step for _, step in b.advance() if isinstance(step, Exception)]
+        assert [str(f) for f in failures] == ["the forward failed"]
+    else:
+        with pytest.raises(RuntimeError, match="the forward failed"):
+            restarted.generate(follow, max_tokens=6, reuse_cache=True, ignore_eos=True)
+    st = disk(restarted)
+    assert (st["restored"], st["damaged"], st["entries"]) == (1, 1, 0) and "the forward failed" in st["note"]
+    assert not saved.exists()
+    r = restarted.generate(follow, max_tokens=6, reuse_cache=True, ignore_eos=True)  # cold, as a fresh server
+    assert r.stats["prefill_tokens"] == len(follow) and r.tokens == want
+    r = restarted.generate(unrelated, max_tokens=6, reuse_cache=True, ignore_eos=True)
+    assert r.stats["prefill_tokens"] == len(unrelated) and r.tokens == want_unrelated

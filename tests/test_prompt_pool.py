@@ -148,3 +148,35 @@ def test_a_restarted_engine_resumes_every_conversation_from_disk_after_a_flush(s
     for conv in convs:
         follow = conv + [7, 8, 9]
         assert _run(restarted, follow)[2] <= 4  # restored from disk: the new tokens and the reply's last
+
+
+def _prefilled(engine, prompt, namespace="", batch=False):
+    """Prompt tokens prefilled for `prompt` in `namespace`, alone or as a batch of one."""
+    if not batch:
+        steps = list(
+            engine.stream_generate(prompt, max_tokens=2, reuse_cache=True, cache_namespace=namespace, ignore_eos=True)
+        )
+        return steps[-1].stats["prefill_tokens"]
+    from edge0.engine.sampler import RequestSampler
+
+    with engine.batching() as b:
+        seq = b.join(prompt, RequestSampler(0.0, 1.0), 2, set(), reuse=True, namespace=namespace)
+        while b.busy:
+            b.advance()
+    return len(prompt) - seq.held
+
+
+@pytest.mark.parametrize("batch", [False, True])
+def test_namespaces_never_share_a_cached_prefix(engines, batch):
+    """Two clients with different cache salts share a system prompt: the second prefills all of it
+    (in the working cache, the pool and a batch alike); the same namespace again reuses it."""
+    pooled, _ = engines
+    pooled.reset_cache()
+    pooled.kv.pool.clear()
+    system = _tokens(7, 200)
+    a, b = system + _tokens(8, 20), system + _tokens(9, 20)
+    assert _prefilled(pooled, a, "salt-a", batch) == len(a)
+    assert _prefilled(pooled, b, "salt-b", batch) == len(b)  # not the working cache of salt-a
+    assert _prefilled(pooled, b + [5], "", batch) == len(b) + 1  # nor salt-b's, for the default namespace
+    assert _prefilled(pooled, a + [5], "salt-a", batch) == 1  # its own, from the pool
+    assert _prefilled(pooled, b + [5, 6], "salt-b", batch) == 2

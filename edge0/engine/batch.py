@@ -45,6 +45,8 @@ class Sequence:
     cache: list | None = None  # its own cache while it waits (prefills); then it is a row of the batch's
     fed: int = 0  # prompt tokens its own cache holds (reused or prefilled)
     held: int = 0  # of those, the ones a cached prefix held when it joined
+    namespace: str = ""  # the prompt caches it may reuse and fills (kv.py)
+    receipt: object = None  # the disk file its cache was restored from, until its prefill succeeds
     drafter: object | None = None  # its own drafter (a greedy plain request while the engine speculates)
     joined: float = field(default_factory=time.perf_counter)
     first_token_s: float | None = None  # from joining to its first token
@@ -125,13 +127,23 @@ class Batch:
     def __len__(self) -> int:
         return len(self.waiting) + len(self.rows)
 
-    def join(self, prompt: list[int], sampler: RequestSampler, max_tokens: int, eos: set[int], stop=None, reuse=False):
-        """Queue a sequence (prefilled by the next `advance` calls); returns its Sequence."""
+    def join(
+        self,
+        prompt: list[int],
+        sampler: RequestSampler,
+        max_tokens: int,
+        eos: set[int],
+        stop=None,
+        reuse=False,
+        namespace: str = "",
+    ):
+        """Queue a sequence (prefilled by the next `advance` calls); returns its Sequence. With
+        `reuse`, it starts from the prompt caches of `namespace` and gives its cache back there."""
         e = self.engine
         reply = Reply(e.tokenizer, e.control_ids, eos, stop, max_tokens)
-        seq = Sequence(list(prompt), sampler, reply, reuse)
+        seq = Sequence(list(prompt), sampler, reply, reuse, namespace=namespace)
         if reuse:
-            seq.cache, seq.held = e.kv.checkout(seq.prompt)
+            seq.cache, seq.held, seq.receipt = e.kv.checkout(seq.prompt, namespace)
         else:
             seq.cache = e.kv.make()
         seq.fed = seq.held
@@ -152,7 +164,7 @@ class Batch:
         if seq in self.waiting:
             self.waiting.remove(seq)
             if seq.reuse and seq.fed:
-                self.engine.kv.checkin(seq.prompt[: seq.fed], seq.cache, 0)
+                self.engine.kv.checkin(seq.prompt[: seq.fed], seq.cache, 0, seq.namespace)
             seq.cache = None
         elif seq in self.rows:
             self._drop_rows([self.rows.index(seq)])
@@ -178,6 +190,8 @@ class Batch:
             try:
                 self._prefill_span(seq, interleave=True)
             except Exception as e:  # noqa: BLE001 - in its own cache: this sequence ends, the rows go on
+                if seq.receipt is not None:
+                    self.engine.kv.failed(e, seq.receipt)
                 self._fail_waiting(seq)
                 failed.append((seq, e))
         return failed + (self._step() if self.rows else [])
@@ -212,6 +226,7 @@ class Batch:
             else:
                 self.counts["spans"] += 1
             seq.fed += fed
+            seq.receipt = None  # a forward on its restored cache went through
         if seq.fed < len(seq.prompt) - 1:
             self._fit_pool()
             return
@@ -266,7 +281,7 @@ class Batch:
                     done.append(i)
                     break
                 if prompt_copies and seq.reuse and len(seq.tokens) == 1:  # the step fed its prompt's last token
-                    e.kv.keep_prompt(seq.prompt, bkv.extract_row(self.cache, i))
+                    e.kv.keep_prompt(seq.prompt, bkv.extract_row(self.cache, i), seq.namespace)
             self.inputs[i] = ys[-1]
         if done or failed:
             self._drop_rows(done, failed)
@@ -352,7 +367,7 @@ class Batch:
                 fed = seq.prompt + seq.tokens[:-1]
                 row = bkv.extract_row(self.cache, i)
                 bkv.trim_to(row, len(fed))  # a verify fed drafts past a stop its tokens ended on
-                self.engine.kv.checkin(fed, row, len(seq.prompt))
+                self.engine.kv.checkin(fed, row, len(seq.prompt), seq.namespace)
         stay = [i for i in range(len(self.rows)) if i not in done and i not in failed]
         self.rows = [self.rows[i] for i in stay]
         self.inputs = [self.inputs[i] for i in stay]

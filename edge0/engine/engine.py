@@ -197,6 +197,7 @@ class Engine:
         top_k: int = 0,
         logits_processors=None,
         logprobs: int | None = None,
+        cache_namespace: str = "",
     ):
         """Yield one Step per generated token; the last Step carries finish_reason and stats.
 
@@ -204,7 +205,8 @@ class Engine:
         decode steps; once it returns True the generator ends without a final Step. A stop during
         prefill keeps the prompt's spans already fed into every layer in the KV cache (with
         reuse_cache, the same prompt again prefills only the rest); recurrent caches are dropped.
-        `logits_processors` and `logprobs`: see edge0/engine/sampler.py."""
+        `logits_processors` and `logprobs`: see edge0/engine/sampler.py. `cache_namespace`: with
+        reuse_cache, only prompt caches of this namespace are reused (edge0/engine/kv.py)."""
         self._leads()
         tokens = self.encode(prompt)
         if max_tokens < 1:
@@ -220,7 +222,7 @@ class Engine:
         self.generating = True
         try:
             yield from sampler.annotate(
-                self._generate(tokens, max_tokens, sampler, eos, stop, reuse_cache, should_stop)
+                self._generate(tokens, max_tokens, sampler, eos, stop, reuse_cache, should_stop, cache_namespace)
             )
         finally:
             hooks.finish(self)
@@ -229,12 +231,14 @@ class Engine:
         # the reply is out before the save; the server, which closes early, saves between requests.
         self.persist_prompt_cache()
 
-    def _prefill(self, tokens: list[int], reuse: bool, sampler, should_stop) -> tuple[int | None, int, dict | None]:
+    def _prefill(
+        self, tokens: list[int], reuse: bool, sampler, should_stop, namespace: str = ""
+    ) -> tuple[int | None, int, dict | None]:
         """Feed the prompt (all but the part the KV cache already holds); returns (the first
         generated token, or None if `should_stop` said so during the prefill, tokens prefilled,
         executor totals after the prefill but before the prompt's last token)."""
         kv = self.kv
-        new = tokens[kv.prepare(tokens, reuse) :]
+        new = tokens[kv.prepare(tokens, reuse, namespace) :]
         kv.begin()
         try:
             fed = self.prefiller(new[:-1], kv.cache, should_stop)
@@ -245,10 +249,11 @@ class Engine:
             prefilled = self.streaming.stats.totals()
             kv.advance(new[:-1])
             y = self.stepper.decode(new[-1:], 0, sampler)
-        except ValueError as e:  # mlx-lm's quantized cache needs key widths the group size divides
-            if kv.kv_bits and "group size" in str(e):
-                kv.reset()
+        except Exception as e:
+            if isinstance(e, ValueError) and kv.kv_bits and "group size" in str(e):
+                kv.reset()  # mlx-lm's quantized cache needs key widths the group size divides
                 raise Edge0Error(KV_GROUP.format(group=kv.kv_group_size)) from None
+            kv.failed(e)  # a cache restored from disk that fails is not restored again
             raise
         kv.mark_prompt_end()
         return y, len(new), prefilled
@@ -265,14 +270,14 @@ class Engine:
         while True:  # the step makes token len(generated) + 1
             yield self.stepper.decode(generated[-1:], len(generated), sampler, len(generated) + 1 >= max_tokens)
 
-    def _generate(self, tokens, max_tokens, sampler, eos, stop, reuse_cache, should_stop):
+    def _generate(self, tokens, max_tokens, sampler, eos, stop, reuse_cache, should_stop, namespace=""):
         before = self.streaming.stats.totals()
         spec_before = self.speculation.snapshot() if self.speculation else None
         io_before = self.store.io_stats()
         B.reset_peak_memory()
         t0 = time.perf_counter()
         self.hooks.start(self)
-        y, n_prefill, prefilled = self._prefill(tokens, reuse_cache, sampler, should_stop)
+        y, n_prefill, prefilled = self._prefill(tokens, reuse_cache, sampler, should_stop, namespace)
         if y is None:  # cancelled during the prefill: the cache keeps what it fed (PromptCache.keep)
             return
         t_prefill = time.perf_counter() - t0

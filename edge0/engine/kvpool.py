@@ -7,7 +7,8 @@ least recently used go first beyond the bound (to the disk tier, if the engine h
 
 Lookup walks the request's tokens in blocks of BLOCK: each block's prefix hash maps to the entries
 holding that prefix, so finding the longest shared prefix costs a dict lookup per block, not a
-comparison with every cached conversation.
+comparison with every cached conversation. The hashes start from the entry's namespace (a request's
+cache_salt, its API key): requests of different namespaces never find each other's caches.
 """
 
 from __future__ import annotations
@@ -35,11 +36,12 @@ class Entry:
     keys: list[int] = field(default_factory=list)  # its block-prefix hashes in the index
     eid: int = -1
     on_disk: bool = False  # the disk tier holds these tokens already
+    namespace: str = ""  # only requests of the same namespace find it
 
 
-def _block_hashes(tokens: list[int]):
-    """The hash of each whole block's prefix: tokens[:BLOCK], tokens[:2 BLOCK], ..."""
-    h = 0
+def _block_hashes(tokens: list[int], namespace: str = ""):
+    """The hash of each whole block's prefix in `namespace`: tokens[:BLOCK], tokens[:2 BLOCK], ..."""
+    h = hash(namespace)
     for i in range(BLOCK, len(tokens) + 1, BLOCK):
         h = hash((h, tuple(tokens[i - BLOCK : i])))
         yield h
@@ -60,23 +62,23 @@ class KVPool:
         return len(self._entries)
 
     # -- in and out ------------------------------------------------------------------------------
-    def put(self, tokens: list[int], cache, prompt_end: int, on_disk: bool = False) -> list[Entry]:
-        """Keep `cache` (holding exactly `tokens`). Entries it makes redundant (a trimmable cache
-        holds their tokens and more) go; then the least recently used beyond the bound. Returns
-        the entries evicted by the bound, oldest first (for the disk tier)."""
+    def put(self, tokens: list[int], cache, prompt_end: int, on_disk: bool = False, namespace: str = "") -> list[Entry]:
+        """Keep `cache` (holding exactly `tokens`) in `namespace`. Entries it makes redundant (a
+        trimmable cache holds their tokens and more) go; then the least recently used beyond the
+        bound. Returns the entries evicted by the bound, oldest first (for the disk tier)."""
         nbytes, trimmable = bkv.prompt_cache_nbytes(cache), bkv.can_trim_prompt_cache(cache)
-        entry = Entry(list(tokens), cache, nbytes, prompt_end, trimmable, on_disk=on_disk)
+        entry = Entry(list(tokens), cache, nbytes, prompt_end, trimmable, on_disk=on_disk, namespace=namespace)
         if len(tokens) < BLOCK:  # too short to be found (and to be worth keeping)
             return []
         if entry.nbytes > self.max_bytes:
             self.counts["too_large"] += 1
             return [entry]
         if entry.trimmable:
-            for other in self._holding(tokens):
+            for other in self._holding(tokens, namespace):
                 if len(other.tokens) <= len(tokens) and tokens[: len(other.tokens)] == other.tokens:
                     self._drop(other)
         entry.eid = next(self._ids)
-        entry.keys = list(_block_hashes(entry.tokens))
+        entry.keys = list(_block_hashes(entry.tokens, namespace))
         for h in entry.keys:
             self._index.setdefault(h, set()).add(entry.eid)
         self._entries[entry.eid] = entry
@@ -92,12 +94,13 @@ class KVPool:
                 evicted.append(old)
         return evicted
 
-    def best(self, tokens: list[int]) -> tuple[Entry | None, int]:
-        """The entry sharing the longest usable prefix with `tokens` and that prefix's length: a
-        trimmable cache at any point, another only where its tokens end (it cannot be cut back)."""
+    def best(self, tokens: list[int], namespace: str = "") -> tuple[Entry | None, int]:
+        """The entry of `namespace` sharing the longest usable prefix with `tokens` and that
+        prefix's length: a trimmable cache at any point, another only where its tokens end (it
+        cannot be cut back)."""
         candidates: set[int] = set()
         depth = 0
-        for h in _block_hashes(tokens):
+        for h in _block_hashes(tokens, namespace):
             found = self._index.get(h)
             if not found:
                 break
@@ -105,6 +108,8 @@ class KVPool:
         best, n = None, 0
         for eid in candidates:
             e = self._entries[eid]
+            if e.namespace != namespace:  # a hash collision must never cross namespaces
+                continue
             k = depth + bkv.common_prefix_len(e.tokens[depth:], tokens[depth:])
             if not e.trimmable and k < len(e.tokens):
                 continue
@@ -154,10 +159,11 @@ class KVPool:
             self._drop(e)
 
     # -- bookkeeping -----------------------------------------------------------------------------
-    def _holding(self, tokens: list[int]) -> list[Entry]:
-        """Entries that share at least the first block with `tokens`."""
-        first = next(_block_hashes(tokens), None)
-        return [self._entries[i] for i in self._index.get(first, ())] if first is not None else []
+    def _holding(self, tokens: list[int], namespace: str) -> list[Entry]:
+        """Entries of `namespace` that share at least the first block with `tokens`."""
+        first = next(_block_hashes(tokens, namespace), None)
+        found = [self._entries[i] for i in self._index.get(first, ())] if first is not None else []
+        return [e for e in found if e.namespace == namespace]
 
     def _drop(self, entry: Entry) -> None:
         for h in entry.keys:

@@ -134,7 +134,7 @@ class BatchScheduler(Scheduler):
                 self._end(r, live, "cancelled")
                 continue
             try:
-                r.seq = batch.join(*_join_args(engine, r.run), reuse=True)
+                r.seq = batch.join(*_join_args(engine, r.run), reuse=True, namespace=r.run.namespace)
             except Exception as e:  # this request's settings; the batch goes on
                 r.job._put(e)
                 self._end(r, live, "failed")

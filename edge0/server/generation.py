@@ -74,6 +74,7 @@ class Run:
     processors: list = field(default_factory=list)  # logits processors (grammar, logit bias)
     reasoning: tuple[str, str, bool] | None = None  # think_start, think_end, and whether the prompt opened a block
     token_bytes: Callable[[int], bytes] | None = None  # for log-probs
+    namespace: str = ""  # the prompt caches it may reuse (pipeline.cache_namespace)
 
 
 class Events:
@@ -144,6 +145,7 @@ def generation_events(engine, run: Run, cancelled: threading.Event) -> Generator
         seed=params.seed,
         stop=params.stop or None,
         reuse_cache=True,
+        cache_namespace=run.namespace,
         should_stop=cancelled.is_set,
         **_options(params, run),
     )

@@ -9,6 +9,7 @@ or reports an error (server-sent events, as strings), and the body of a non-stre
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 from dataclasses import dataclass, field, replace
@@ -63,6 +64,7 @@ class Prompt:
     constraint: Constraint | None = None
     constraint_param: str | None = None
     thinking_budget: int | None = None  # most reasoning tokens (Anthropic's budget_tokens)
+    cache_salt: str | None = None  # only requests with the same salt share cached prefixes (cache_namespace)
     # What the request asked that this server adapted rather than refused: (counter, log line) pairs,
     # counted in /v1/stats and logged the first time.
     notes: tuple[tuple[str, str], ...] = ()
@@ -223,7 +225,7 @@ async def _run(request: Request, prompt: Prompt, params: Params, tokens: list[in
     thinking budget, grammar) and, for log-probs, each token's bytes."""
     state = request.app.state
     tokenizer = state.engine.tokenizer
-    run = Run(tokens, params, prompt.tools)
+    run = Run(tokens, params, prompt.tools, namespace=cache_namespace(request, prompt.cache_salt))
     found = reasoning.markers(tokenizer) if prompt.messages is not None else None
     opened = bool(found) and reasoning.opens_reasoning(tokenizer, tokens)
     if found:
@@ -245,6 +247,16 @@ async def _run(request: Request, prompt: Prompt, params: Params, tokens: list[in
             raise APIError(400, f"Log-probs are not available: {e}", "logprobs", "unsupported_value") from None
         run.token_bytes = state.grammars.token_bytes
     return run
+
+
+def cache_namespace(request: Request, salt: str | None) -> str:
+    """The prompt caches a request may reuse and fills: those of its `salt` (the request's
+    cache_salt) and, with several --api-key values, of its key (the Guard names it); "" for the
+    shared default. A digest, so no salt or key is kept with the caches."""
+    key = getattr(request.state, "api_key_id", None)
+    if not salt and key is None:
+        return ""
+    return hashlib.sha256(f"key\0{key or ''}\0salt\0{salt or ''}".encode()).hexdigest()[:32]
 
 
 async def _grammar(request: Request, prompt: Prompt, think: tuple[str, str, bool] | None):

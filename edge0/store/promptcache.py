@@ -133,7 +133,8 @@ class DiskPromptCaches:
         self.note = ""  # the last refusal or failure
         self.last_save_s: float | None = None
         self.bytes = self.entries = 0
-        self._restored: tuple | None = None  # (name, _version) of the file the last restore() read
+        # what the last restore() read, (name, _version), for discard() if a forward on it fails
+        self.last_restore: tuple | None = None
         try:
             self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
             self._check_own()
@@ -346,7 +347,7 @@ class DiskPromptCaches:
         n > `longer_than`, and at least MIN_TOKENS, with `tokens` (all but the last token, which
         must be fed), trimmed to n; or (None, 0)."""
         _check_namespace(namespace)
-        self._restored = None
+        self.last_restore = None
         try:
             found = self._restore(tokens, longer_than, namespace)
         except OSError as e:  # DIR removed or unreadable while serving: prefill instead
@@ -392,17 +393,16 @@ class DiskPromptCaches:
                 return None, 0
             entry["used"] = time.time()
             self._write(index)
-        self._restored = (best, _version(st))
+        self.last_restore = (best, _version(st))
         return cache, n
 
-    def discard_last_restore(self, error) -> bool:
-        """A forward on the cache the last restore() returned raised `error`: its file (if still the
-        one read) is removed and counted damaged, so no later request restores it. Only until the
-        next restore() or save(). Returns whether a file was removed."""
-        restored, self._restored = self._restored, None
-        if restored is None:
+    def discard(self, receipt, error) -> bool:
+        """A forward on a restored cache raised `error`: its file (`receipt`, the restore's
+        `last_restore`), if still the one read, is removed and counted damaged, so no later request
+        restores it. Returns whether a file was removed."""
+        if receipt is None:
             return False
-        name, read = restored
+        name, read = receipt
         try:
             with self._locked() as index:
                 st = self._stat(name)
@@ -422,7 +422,6 @@ class DiskPromptCaches:
         identity and namespace it extends (it can be trimmed to them), then the least recently used
         beyond the size bound. Returns whether it was stored."""
         _check_namespace(namespace)
-        self._restored = None
         size = bkv.prompt_cache_nbytes(cache)
         if size > self.max_bytes:
             self.counts["too_large"] += 1

@@ -72,12 +72,20 @@ def _checked(normalize: str):
     return parse
 
 
-def _check_api_key(p: argparse.ArgumentParser, key: str | None) -> None:
+def _api_keys(p: argparse.ArgumentParser, keys: list[str] | None) -> tuple[str, ...]:
+    """The --api-key values, else $EDGE0_API_KEY, else none; each checked (_check_api_key)."""
+    if keys is None:
+        env = os.environ.get("EDGE0_API_KEY")
+        keys = [env] if env is not None else []
+    for key in keys:
+        _check_api_key(p, key)
+    return tuple(dict.fromkeys(keys))
+
+
+def _check_api_key(p: argparse.ArgumentParser, key: str) -> None:
     """An empty key (often an unset shell variable: --api-key "$KEY") would turn auth off, and one
     outside printable ASCII can never match (HTTP header values are ASCII): both are usage errors.
     The key itself is never printed."""
-    if key is None:
-        return
     if not key:
         p.error(
             "--api-key (or $EDGE0_API_KEY) is empty, which would serve without a key; give a key, or leave out "
@@ -97,9 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=_count(0, 65535), default=8080, help="port, 0 to 65535 (default 8080)")
     p.add_argument(
         "--api-key",
-        default=os.environ.get("EDGE0_API_KEY"),
+        action="append",
         help="require the key on /v1/*, as 'Authorization: Bearer KEY' or 'x-api-key: KEY' "
-        "(default: $EDGE0_API_KEY, else none)",
+        "(default: $EDGE0_API_KEY, else none); repeat it for several clients, whose requests then never "
+        "share cached prompts",
     )
     p.add_argument(
         "--allowed-host",
@@ -227,7 +236,7 @@ def main(argv=None) -> int:
         from edge0.store.bundled import cache_dir
 
         args.prompt_cache_dir = str(cache_dir() / "prompt-caches")
-    _check_api_key(p, args.api_key)
+    args.api_key = _api_keys(p, args.api_key)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(message)s")
     if not _is_loopback(args.host):
         log.warning(

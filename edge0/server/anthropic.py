@@ -9,6 +9,7 @@ blocks and its reasoning as `thinking` blocks. Errors have Anthropic's shape (er
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Annotated, Any, Literal, Optional, Union
 
 from fastapi import APIRouter, Request
@@ -19,7 +20,7 @@ from edge0.server.anthropic_format import MessageFormat
 from edge0.server.errors import APIError
 from edge0.server.grammar import ToolSpec
 from edge0.server.pipeline import Prompt, check_model, chosen_tools, prompt_tokens, respond, sampling_params
-from edge0.server.schemas import Stops, Strict, TopP, join_text, temperature_field
+from edge0.server.schemas import CacheSalt, Stops, Strict, TopP, join_text, temperature_field
 from edge0.server.structured import tool_constraint
 
 router = APIRouter()
@@ -247,6 +248,7 @@ class MessagesRequest(CountTokensRequest):
     top_p: TopP = None
     top_k: Optional[int] = Field(None, ge=1)
     stream: bool = False
+    cache_salt: CacheSalt = None
 
 
 @router.post("/v1/messages")
@@ -256,7 +258,7 @@ async def create_message(body: MessagesRequest, request: Request):
     params = sampling_params(
         body.max_tokens, body.temperature, body.top_p, stop=body.stop_sequences, top_k=body.top_k or 0
     )
-    prompt = body.prompt(request.app.state.engine.tokenizer)
+    prompt = replace(body.prompt(request.app.state.engine.tokenizer), cache_salt=body.cache_salt)
     return await respond(request, MessageFormat(model), prompt, params, body.stream)
 
 

@@ -84,7 +84,7 @@ def create_app(engine, config: ServerConfig | None = None, read_memory=memory_av
     app.state.adapted = Counter()  # requests adapted rather than refused, by kind (pipeline.Prompt.notes)
     install_error_handlers(app)
     app.add_middleware(
-        Guard, api_key=config.api_key, max_body_bytes=config.max_body_bytes, body_timeout_s=config.body_timeout_s
+        Guard, api_keys=config.api_keys(), max_body_bytes=config.max_body_bytes, body_timeout_s=config.body_timeout_s
     )
     hosts.install(app, config.allowed_hosts, config.cors_origins)  # outermost: before auth and limits
     app.include_router(ui.router)

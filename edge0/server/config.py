@@ -18,7 +18,9 @@ DEFAULT_MAX_TOKENS = 4096
 class ServerConfig:
     """Each limit is named after the flag that sets it, so error messages can cite the flag."""
 
-    api_key: str | None = None  # --api-key: require the key (Bearer or x-api-key) on /v1/*
+    # --api-key: require a key (Bearer or x-api-key) on /v1/*; with several, each key's clients
+    # reuse only their own prompt caches (pipeline.cache_namespace)
+    api_key: str | tuple[str, ...] | None = None
     max_queue: int = 16  # --max-queue: requests that may wait behind the running ones
     max_batch: int | None = None  # --max-batch: requests decoded together (None: from memory, batching.py)
     max_body_bytes: int = 4 << 20  # --max-body-bytes
@@ -43,6 +45,10 @@ class ServerConfig:
     idle_timeout_s: float = 120.0  # --idle-timeout-s: a connection kept open between requests (keep-alive)
     tokenize_concurrency: int = 2  # prompts rendered and tokenized at once before the queue (admission.py)
     keepalive_s: float = 15.0  # --keepalive-s: a stream with no event for this long gets a keep-alive event
+
+    def api_keys(self) -> tuple[str, ...]:
+        """The keys accepted (none: no key is required)."""
+        return (self.api_key,) if isinstance(self.api_key, str) else tuple(self.api_key or ())
 
 
 def model_context_length(root: Path) -> int | None:

@@ -7,6 +7,7 @@ without reading it (and without a validation error masking the real reason).
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 
 from starlette.concurrency import run_in_threadpool
@@ -31,12 +32,13 @@ def needs_key(path: str) -> bool:
 class Guard:
     """API-key auth on /v1/* and the unprefixed aliases (when a key is set) and a request-body size limit.
 
-    The key is accepted as `Authorization: Bearer KEY` (OpenAI clients) or `x-api-key: KEY`
-    (Anthropic clients), on every route.
+    A key is accepted as `Authorization: Bearer KEY` (OpenAI clients) or `x-api-key: KEY`
+    (Anthropic clients), on every route. With several keys, the request's state names its key
+    (`api_key_id`, a digest): each key's requests share prompt caches only among themselves.
     """
 
-    def __init__(self, app, api_key: str | None, max_body_bytes: int, body_timeout_s: float = 60.0):
-        self.app, self.api_key, self.max_body_bytes = app, api_key, max_body_bytes
+    def __init__(self, app, api_keys: tuple[str, ...], max_body_bytes: int, body_timeout_s: float = 60.0):
+        self.app, self.api_keys, self.max_body_bytes = app, tuple(api_keys), max_body_bytes
         self.body_timeout_s = body_timeout_s
 
     async def __call__(self, scope, receive, send):
@@ -44,13 +46,16 @@ class Guard:
             return await self.app(scope, receive, send)
         path = scope["path"]
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        if self.api_key and needs_key(path) and not self._authorized(headers):
+        key = self._key(headers) if self.api_keys and needs_key(path) else None
+        if self.api_keys and needs_key(path) and key is None:
             error = APIError(
                 401,
                 "Missing or invalid API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
                 code="invalid_api_key",
             )
             return await error_response(path, error, {"WWW-Authenticate": "Bearer"})(scope, receive, send)
+        if key is not None and len(self.api_keys) > 1:  # read as request.state.api_key_id
+            scope.setdefault("state", {})["api_key_id"] = hashlib.sha256(key.encode()).hexdigest()[:16]
         declared = headers.get("content-length", "")
         if declared.isdigit() and int(declared) > self.max_body_bytes:
             return await self._too_large(scope, receive, send)
@@ -78,11 +83,14 @@ class Guard:
             messages.clear()
             await run_in_threadpool(trim_heap)
 
-    def _authorized(self, headers: dict) -> bool:
+    def _key(self, headers: dict) -> str | None:
+        """The configured key the request sends, or None."""
         scheme, _, token = headers.get("authorization", "").partition(" ")
-        if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
-            return True
-        return hmac.compare_digest(headers.get("x-api-key", "").strip().encode(), self.api_key.encode())
+        sent = [token.strip() if scheme.lower() == "bearer" else "", headers.get("x-api-key", "").strip()]
+        for key in self.api_keys:  # every key compared, in constant time each
+            if any(hmac.compare_digest(s.encode(), key.encode()) for s in sent):
+                return key
+        return None
 
     async def _too_slow(self, scope, receive, send):
         error = APIError(

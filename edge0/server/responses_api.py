@@ -20,6 +20,7 @@ from edge0.server.pipeline import Prompt, check_model, chosen_tools, respond, sa
 from edge0.server.responses_format import ResponseFormat
 from edge0.server.responses_tools import NamedFunction, ResponsesTools, Tool, ToolChoice, flat_name
 from edge0.server.schemas import (
+    CacheSalt,
     OpenAITemperature,
     ReasoningEffort,
     ResponsesTextFormat,
@@ -112,6 +113,7 @@ class ResponsesRequest(Strict):
     previous_response_id: Optional[str] = None
     text: Optional[TextOptions] = None
     reasoning: Optional[ReasoningOptions] = None
+    cache_salt: CacheSalt = None
 
     def template_messages(self) -> list[dict]:
         """`instructions` and `input` as chat-template messages; consecutive function calls join
@@ -188,6 +190,7 @@ class ResponsesRequest(Strict):
             constraint=constraint,
             constraint_param=where,
             notes=tools.notes(),
+            cache_salt=self.cache_salt,
         )
 
 

@@ -94,6 +94,7 @@ async def chat_completions(body: ChatRequest, request: Request):
         template_kwargs=switch,
         constraint=constraint,
         constraint_param=where,
+        cache_salt=body.cache_salt,
     )
     fmt = ChatFormat(model, body.include_usage())
     return await respond(request, fmt, prompt, params, body.stream)
@@ -114,7 +115,8 @@ async def completions(body: CompletionRequest, request: Request):
         logit_bias=logit_bias(body.logit_bias, request.app.state.vocab_size),
     )
     fmt = CompletionFormat(model, body.include_usage())
-    return await respond(request, fmt, Prompt("prompt", text=body.prompt), params, body.stream)
+    prompt = Prompt("prompt", text=body.prompt, cache_salt=body.cache_salt)
+    return await respond(request, fmt, prompt, params, body.stream)
 
 
 def _machine_memory() -> dict:

@@ -35,6 +35,8 @@ Seed = Annotated[Optional[int], Field(ge=0, le=SEED_MAX)]
 TokenCount = Annotated[Optional[int], Field(ge=1)]  # the server's --max-tokens caps it
 Stops = Annotated[list[str], Field(max_length=16)]
 TopLogprobs = Annotated[Optional[int], Field(ge=0, le=20)]  # OpenAI's range
+# vLLM's request field: requests with different salts never share a cached prefix (docs/server.md)
+CacheSalt = Annotated[Optional[str], Field(min_length=1, max_length=1024)]
 
 
 FORMAT_NAME = Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]  # OpenAI's rule for a format's name
@@ -132,6 +134,7 @@ class SamplingRequest(Strict):
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     logit_bias: Optional[dict[str, Any]] = None  # token id -> bias, checked by structured.logit_bias
+    cache_salt: CacheSalt = None
 
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else self.stop or []

@@ -431,3 +431,25 @@ def test_real_bundled_model_under_both_attacks(capsys):
         )
     assert set(out["near"]) <= {400, 429} and out["keys"] == [400] * 6 and stats["tokenizing_peak"] <= 2
     assert out["after"] <= out["idle"] * RSS_BACK and health.slowest < HEALTH_S and idle_health.slowest < HEALTH_S
+
+
+@pytest.mark.parametrize("path", ["/health", CHAT])
+def test_connections_that_never_send_their_body_cannot_lock_clients_out(path):
+    """As many connections as the cap send a POST's headers with a large Content-Length and no
+    body: a route that takes no body answers them at once, and a connection still waiting for its
+    body is evicted for a new one, so /health answers from new connections."""
+    cap = 16
+    with server_process("--max-connections", str(cap), "--body-timeout-s", "60") as (proc, base):
+        warm(base)
+        with many_sockets(base, cap) as socks:
+            for s in socks:
+                s.sendall(
+                    f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                    "Content-Length: 100000\r\n\r\n".encode()
+                )
+            time.sleep(0.3)
+            answered = 0
+            for _ in range(10):
+                with contextlib.suppress(httpx.TransportError):
+                    answered += httpx.get(base + "/health", timeout=5).status_code == 200
+    assert answered >= 9, answered

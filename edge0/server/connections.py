@@ -5,7 +5,9 @@ uvicorn alone accepts every connection and keeps an idle one open for as long as
 likes: 2,100 idle connections used up the process's descriptors, and /health stopped answering.
 Here a connection over the cap closes the oldest idle one (a connection between requests, or one
 that has not finished sending its headers) to make room, so clients that are talking always
-get in; only when every connection is busy with a request is the new one closed at once.
+get in; when none is idle, the oldest one still sending its request body goes (16 sockets that
+sent headers with a large Content-Length and nothing more locked every new client out); only when
+every connection is busy with a request it has sent whole is the new one closed at once.
 A stream that runs for minutes is busy, never idle, so no limit here cuts it.
 """
 
@@ -50,8 +52,10 @@ class _Guarded(H11Protocol):
         self._arm_header_timer()
 
     def _make_room(self) -> bool:
-        """Close the oldest idle connection other than this one; False if none is idle."""
-        idle = [c for c in self.connections if c is not self and isinstance(c, _Guarded) and c.idle()]
+        """Close the oldest idle connection other than this one, else the oldest still sending its
+        request body; False if there is neither."""
+        others = [c for c in self.connections if c is not self and isinstance(c, _Guarded)]
+        idle = [c for c in others if c.idle()] or [c for c in others if c.receiving()]
         if not idle:
             return False
         oldest = min(idle, key=lambda c: c.opened)
@@ -63,6 +67,12 @@ class _Guarded(H11Protocol):
     def idle(self) -> bool:
         """No request in progress: before the first one's headers, or between requests."""
         return self.cycle is None or self.cycle.response_complete
+
+    def receiving(self) -> bool:
+        """A request whose body is still coming in, with no response started: the server has
+        nothing of it to lose yet."""
+        cycle = self.cycle
+        return cycle is not None and cycle.more_body and not cycle.response_started
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)

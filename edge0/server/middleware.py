@@ -29,6 +29,12 @@ def needs_key(path: str) -> bool:
     return path.startswith("/v1") or any(path == p or path.startswith(p + "/") for p in UNPREFIXED)
 
 
+def takes_body(method: str, path: str) -> bool:
+    """Whether a route may read a request body: POST, PUT and PATCH, except /health (which
+    answers any method at once)."""
+    return method in ("POST", "PUT", "PATCH") and path != "/health"
+
+
 class Guard:
     """API-key auth on /v1/* and the unprefixed aliases (when a key is set) and a request-body size limit.
 
@@ -56,6 +62,8 @@ class Guard:
             return await error_response(path, error, {"WWW-Authenticate": "Bearer"})(scope, receive, send)
         if key is not None and len(self.api_keys) > 1:  # read as request.state.api_key_id
             scope.setdefault("state", {})["api_key_id"] = hashlib.sha256(key.encode()).hexdigest()[:16]
+        if not takes_body(scope["method"], path):  # answered without waiting for a body nobody reads
+            return await self.app(scope, receive, send)
         declared = headers.get("content-length", "")
         if declared.isdigit() and int(declared) > self.max_body_bytes:
             return await self._too_large(scope, receive, send)

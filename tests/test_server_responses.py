@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import openai
 import pytest
 
@@ -140,3 +141,24 @@ def test_errors_have_openais_shape(client):
         openai.OpenAI(base_url=str(client.base_url), api_key="wrong", max_retries=0).responses.create(
             model=MODEL, input="x"
         )
+
+
+@pytest.mark.parametrize(
+    "fields,param,words",
+    [
+        ({"input": [3.5]}, "input.0", "an input item must be an object"),
+        ({"input": ["x"]}, "input.0", "an input item must be an object"),
+        ({"input": [[]]}, "input.0", "an input item must be an object"),
+        ({"input": [True]}, "input.0", "an input item must be an object"),
+        ({"input": [{"role": "user", "content": "a"}, None]}, "input.1", "an input item must be an object"),
+        ({"input": "x", "tool_choice": 5}, "tool_choice", "tool_choice must be"),
+        ({"input": "x", "tools": [7]}, "tools.0", "a tool must be an object"),
+    ],
+)
+def test_items_that_are_not_objects_are_a_400_naming_the_field(client, fields, param, words):
+    r = httpx.post(
+        f"{client.base_url}responses", json={"model": MODEL, **fields}, headers={"Authorization": f"Bearer {KEY}"}
+    )
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and words in error["message"] and error["type"] == "invalid_request_error"

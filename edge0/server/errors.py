@@ -59,6 +59,14 @@ def error_response(path: str, error: APIError, headers: dict | None = None) -> J
     return JSONResponse(body, status_code=error.status, headers=headers)
 
 
+# pydantic's names for the members of a union in an error's location (not fields of the request)
+_MEMBERS = {"str", "constrained-str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def _member(part) -> bool:
+    return isinstance(part, str) and (part in _MEMBERS or "[" in part)
+
+
 def _validation_message(errors: list[dict]) -> tuple[str, str | None]:
     """One message for pydantic's errors; `param` is the field they all concern, if any.
 
@@ -67,7 +75,11 @@ def _validation_message(errors: list[dict]) -> tuple[str, str | None]:
     """
     if errors[0].get("type") == "json_invalid":
         return f"Request body is not valid JSON: {errors[0].get('ctx', {}).get('error', errors[0]['msg'])}", None
-    locs = [[str(p) for p in e.get("loc", ()) if p != "body"] for e in errors]
+    # a union's members fail at different depths ("input": not a string; "input.0": not an item):
+    # the one that got furthest names the field
+    deepest = max(len(e.get("loc", ())) for e in errors)
+    errors = [e for e in errors if len(e.get("loc", ())) == deepest]
+    locs = [[str(p) for p in e.get("loc", ()) if p != "body" and not _member(p)] for e in errors]
     common = locs[0]
     for loc in locs[1:]:
         n = next((i for i, (a, b) in enumerate(zip(common, loc)) if a != b), min(len(common), len(loc)))

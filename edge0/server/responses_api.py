@@ -13,7 +13,7 @@ import json
 from typing import Annotated, Literal, Optional, Union
 
 from fastapi import APIRouter, Request
-from pydantic import Discriminator, Field, Tag
+from pydantic import BaseModel, Discriminator, Field, Tag
 
 from edge0.server.errors import APIError
 from edge0.server.pipeline import Prompt, check_model, chosen_tools, respond, sampling_params
@@ -76,9 +76,11 @@ class ReasoningItem(Strict):
         return join_text(self.content) if self.content else join_text(self.summary)
 
 
-def _item_type(item) -> str:
-    # A message item may leave out its type, as OpenAI's API allows.
-    return item.get("type", "message") if isinstance(item, dict) else item.type
+def _item_type(item) -> str | None:
+    # A message item may leave out its type, as OpenAI's API allows; None (not an object) is a 400.
+    if isinstance(item, dict):
+        return item.get("type", "message")
+    return getattr(item, "type", None) if isinstance(item, BaseModel) else None
 
 
 InputItem = Annotated[
@@ -88,7 +90,12 @@ InputItem = Annotated[
         Annotated[FunctionCallOutputItem, Tag("function_call_output")],
         Annotated[ReasoningItem, Tag("reasoning")],
     ],
-    Discriminator(_item_type),
+    Discriminator(
+        _item_type,
+        custom_error_type="invalid_input_item",
+        custom_error_message="an input item must be an object whose type is message (the default), function_call, "
+        "function_call_output or reasoning",
+    ),
 ]
 
 

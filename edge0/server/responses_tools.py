@@ -48,8 +48,18 @@ class HostedTool(BaseModel):
     type: str
 
 
-def _tool_type(tool) -> str:
-    kind = tool.get("type") if isinstance(tool, dict) else tool.type
+def _tag(value) -> str | None:
+    """The `type` of an object (a dict, or a model already validated); None for anything else,
+    which pydantic then refuses (a 400 naming the field, not an AttributeError)."""
+    if isinstance(value, dict):
+        return value.get("type")
+    return getattr(value, "type", None) if isinstance(value, BaseModel) else None
+
+
+def _tool_type(tool) -> str | None:
+    if not isinstance(tool, (dict, BaseModel)):
+        return None
+    kind = _tag(tool)
     return kind if kind in ("function", "namespace") else "hosted"
 
 
@@ -59,7 +69,11 @@ Tool = Annotated[
         Annotated[NamespaceTool, Tag("namespace")],
         Annotated[HostedTool, Tag("hosted")],
     ],
-    Discriminator(_tool_type),
+    Discriminator(
+        _tool_type,
+        custom_error_type="invalid_tool",
+        custom_error_message="a tool must be an object with a type (function, namespace, or a hosted tool's)",
+    ),
 ]
 
 
@@ -75,11 +89,12 @@ class NamedHosted(BaseModel):
     type: str
 
 
-def _choice_type(choice) -> str:
+def _choice_type(choice) -> str | None:
     if isinstance(choice, str):
         return "mode"
-    kind = choice.get("type") if isinstance(choice, dict) else choice.type
-    return "function" if kind == "function" else "hosted"
+    if not isinstance(choice, (dict, BaseModel)):
+        return None
+    return "function" if _tag(choice) == "function" else "hosted"
 
 
 ToolChoice = Annotated[
@@ -88,7 +103,11 @@ ToolChoice = Annotated[
         Annotated[NamedFunction, Tag("function")],
         Annotated[NamedHosted, Tag("hosted")],
     ],
-    Discriminator(_choice_type),
+    Discriminator(
+        _choice_type,
+        custom_error_type="invalid_tool_choice",
+        custom_error_message="tool_choice must be 'auto', 'none', 'required' or an object with a type",
+    ),
 ]
 
 

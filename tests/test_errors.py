@@ -80,3 +80,20 @@ def test_usage_error_exit_2():
     assert code == 2 and "Traceback" not in err and "--prompt" in err
     code, err = run_cli("frobnicate")
     assert code == 2 and "unknown verb" in err
+
+
+def test_a_chat_template_the_sandbox_refuses_is_one_line(store_copy):
+    """A template reaching for Python internals: jinja's sandbox refuses it; the CLI says which file
+    holds the template, in one line, exit 2 (before: a traceback, exit 1)."""
+    template = store_copy / "chat_template.jinja"  # where a converted store keeps its template
+    template.write_text("{{ ''.__class__.__mro__ }}{% for m in messages %}{{ m.content }}{% endfor %}")
+    code, err = run_cli("generate", "--model", str(store_copy), "--prompt", "hi", "--max-tokens", "2")
+    assert code == 2 and "Traceback" not in err
+    describe, error = err.splitlines()  # the load's describe line, then the error in one line
+    assert describe.startswith("store: ") and error.startswith("edge0: error: ")
+    for needle in (str(template), "the chat template failed", "SecurityError", "--no-chat-template"):
+        assert needle in error
+    code, _ = run_cli(
+        "generate", "--model", str(store_copy), "--prompt", "hi", "--max-tokens", "2", "--no-chat-template"
+    )
+    assert code == 0

@@ -11,6 +11,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import jinja2
+
 from edge0.backend import core as B
 from edge0.backend import io as bio
 from edge0.backend import modules as bmod
@@ -138,9 +140,18 @@ class Engine:
         """Token ids of `messages` rendered with the tokenizer's chat template; `template_kwargs`
         go to the template (e.g. enable_thinking)."""
         kwargs = {"tools": tools} if tools else {}
-        return list(
-            self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs, **template_kwargs)
-        )
+        try:
+            return list(
+                self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs, **template_kwargs)
+            )
+        except jinja2.TemplateError as e:  # the template refused these messages, or the sandbox the template
+            where = self.root / (
+                "chat_template.jinja" if (self.root / "chat_template.jinja").exists() else "tokenizer_config.json"
+            )
+            raise Edge0Error(
+                f"{where}: the chat template failed ({type(e).__name__}: {e}); if the messages are right, the "
+                "template is at fault: fix it there (edge0 generate --no-chat-template feeds the prompt as raw text)"
+            ) from None
 
     def chat(self, messages, tools=None, **kwargs) -> GenerationResult:
         return self.generate(self.chat_prompt(messages, tools), **kwargs)

@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass
 
 from edge0.engine import GenerationResult, Step
+from edge0.formats import detect
 from edge0.sampling import check_sampling
 from edge0.textstream import StopMatcher
 
@@ -140,11 +141,13 @@ class FakeEngine:
     seconds per prefilled prompt token."""
 
     model_id = "fake-moe"
+    model_type = "fake"
     follower = False  # one process: no ranks to follow (docs/distributed.md)
     pipeline = None
 
     def __init__(self, delay: float = 0.0, prefill_delay: float = 0.0, root=None, tokenize_s: float = 0.0):
         self.tokenizer = FakeTokenizer()
+        self.chat_format = detect(self.tokenizer)
         self.root = root
         self.delay, self.prefill_delay = delay, prefill_delay
         self.tokenize_s = tokenize_s  # seconds each chat_prompt takes (a slow tokenizer)

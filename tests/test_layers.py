@@ -16,7 +16,7 @@ PKG = Path(__file__).resolve().parents[1] / "edge0"
 FLOORS = [
     ("base", []),
     ("backend", ["edge0.backend"]),
-    ("data", ["edge0.store", "edge0.cache", "edge0.families"]),
+    ("data", ["edge0.store", "edge0.cache", "edge0.families", "edge0.formats"]),
     ("streaming", ["edge0.streaming"]),
     ("engine", ["edge0.engine"]),
     ("features", ["edge0.prerouter", "edge0.lora", "edge0.distributed"]),

@@ -15,9 +15,10 @@ import openai
 import pytest
 
 from edge0.errors import Edge0Error
+from edge0.formats import detect
+from edge0.formats.markup import ToolCallSplitter
 from edge0.sampling import SEED_MAX, check_sampling
 from edge0.server.config import ServerConfig
-from edge0.server.tools import ToolCallSplitter
 from edge0.textstream import StopMatcher
 from tests.fake_engine import FakeEngine, FakeTokenizer
 from tests.fake_server import running_server
@@ -94,7 +95,7 @@ def test_stop_matcher_across_deltas_and_multibyte():
 
 
 def test_tool_call_splitter_markers_split_across_deltas():
-    s = ToolCallSplitter(FakeTokenizer(), WEATHER)
+    s = ToolCallSplitter(detect(FakeTokenizer()), WEATHER)
     text = 'Sure. <tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call> <tool_call>oops'
     out = [seg for i in range(0, len(text), 3) for seg in s.feed(text[i : i + 3])] + list(s.finish())
     content = "".join(x for x in out if isinstance(x, str))

@@ -13,6 +13,7 @@ import httpx
 import openai
 import pytest
 
+from edge0.formats import detect
 from edge0.server.clients import setup_lines
 from edge0.server.config import ServerConfig
 from tests.fake_engine import EMPTY_THINK, FakeEngine, FakeTokenizer
@@ -257,6 +258,7 @@ def test_thinking_on_a_model_without_a_reasoning_format_is_answered_without_reas
 
     engine = FakeEngine()
     engine.tokenizer = PlainTokenizer()
+    engine.chat_format = detect(engine.tokenizer)
     with running_server(engine, ServerConfig()) as base:
         client = anthropic.Anthropic(base_url=base, api_key="x", max_retries=0)
         # Claude Code with a Claude model name sends thinking enabled with budget_tokens 31999.
@@ -327,7 +329,7 @@ def test_setup_lines_name_each_client():
     ],
 )
 def test_reasoning_splitter(chunks, inside, expected):
-    from edge0.server.reasoning import Reasoning, ReasoningSplitter
+    from edge0.formats.markup import Reasoning, ReasoningSplitter
 
     splitter = ReasoningSplitter("<think>", "</think>", inside)
     pieces = [p for chunk in chunks for p in splitter.feed(chunk)] + list(splitter.finish())

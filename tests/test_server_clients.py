@@ -15,6 +15,7 @@ import httpx
 import openai
 import pytest
 
+from edge0.formats import detect
 from edge0.server.clients import agent_warnings
 from edge0.server.config import ServerConfig
 from edge0.server.conversation import place_system_turns, reminder, renders_mid_system
@@ -95,6 +96,7 @@ def test_anthropic_system_messages_inside_messages_reach_the_prompt(mid_system):
     engine = FakeEngine()
     if not mid_system:
         engine.tokenizer = _AlternatingTokenizer()
+        engine.chat_format = detect(engine.tokenizer)
     messages = [*user("say hello"), {"role": "system", "content": [{"type": "text", "text": "Agent types: x"}]}]
     with running_server(engine, ServerConfig()) as base:
         client = anthropic.Anthropic(base_url=base, api_key="x", max_retries=0)

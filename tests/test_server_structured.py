@@ -270,7 +270,7 @@ def test_thinking_budget_ends_the_block(thinking_engine):
 
     engine = thinking_engine
     end = engine.tokenizer.encode("</think>", add_special_tokens=False)[0]
-    limit = budget(engine.tokenizer, 3, inside=True)  # as if the prompt opened the block
+    limit = budget(engine.chat_format, engine.tokenizer, 3, inside=True)  # as if the prompt opened the block
     steps = list(
         engine.stream_generate(engine.chat_prompt(ASK), max_tokens=6, temperature=1, seed=0, logits_processors=[limit])
     )

@@ -23,10 +23,28 @@ _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 ST_DTYPE = {getattr(mx, name): label for label, (name, _) in SAFETENSORS_DTYPES.items() if hasattr(mx, name)}
 
 
+def declared_end_ids(path: Path) -> list[int]:
+    """The end-of-sequence ids config.json and generation_config.json declare (`eos_token_id`, an
+    id or a list): GLM lists <|user|> and <|observation|> there only, not in its tokenizer."""
+    ids: list[int] = []
+    for name in ("config.json", "generation_config.json"):
+        try:
+            value = json.loads((path / name).read_text(encoding="utf-8")).get("eos_token_id")
+        except (OSError, ValueError, AttributeError):  # missing or damaged: read_config reports it
+            continue
+        for i in value if isinstance(value, list) else [value]:
+            if isinstance(i, int) and not isinstance(i, bool) and i >= 0 and i not in ids:
+                ids.append(i)
+    return ids
+
+
 def load_tokenizer(path, **kwargs) -> TokenizerWrapper:
-    """mlx-lm's tokenizer, with ids the vocabulary skips (no token string) detokenized as empty
-    text: a model can sample them, and mlx-lm's BPE detokenizer would fail on the None."""
-    tok = _mlx_load_tokenizer(Path(path), **kwargs)
+    """mlx-lm's tokenizer, ending at every end id the checkpoint declares (its own and those of
+    config.json and generation_config.json), with ids the vocabulary skips (no token string)
+    detokenized as empty text: a model can sample them, and mlx-lm's BPE detokenizer would fail
+    on the None."""
+    path = Path(path)
+    tok = _mlx_load_tokenizer(path, eos_token_ids=declared_end_ids(path) or None, **kwargs)
     detok = tok._detokenizer
     tokenmap = getattr(detok, "tokenmap", None)
     if tokenmap is not None and any(t is None for t in tokenmap):
@@ -34,16 +52,14 @@ def load_tokenizer(path, **kwargs) -> TokenizerWrapper:
     return tok
 
 
-def control_token_ids(tokenizer) -> frozenset[int]:
+def control_token_ids(tokenizer, markers=()) -> frozenset[int]:
     """Ids of the tokenizer's special tokens (chat-format controls such as <|im_start|>), except
-    those that mark reasoning or tool calls, whose text the server parses."""
+    `markers`: the tokens of the chat format's markup, whose text its parser reads."""
     hf = getattr(tokenizer, "_tokenizer", tokenizer)
     added = getattr(hf, "added_tokens_decoder", None) or {}
     special = {i for i, t in added.items() if getattr(t, "special", False)} | set(getattr(hf, "all_special_ids", ()))
-    markers = {
-        getattr(tokenizer, name, None) for name in ("think_start", "think_end", "tool_call_start", "tool_call_end")
-    }
-    return frozenset(i for i in special if hf.convert_ids_to_tokens(i) not in markers)
+    keep = set(markers)
+    return frozenset(i for i in special if hf.convert_ids_to_tokens(i) not in keep)
 
 
 def read_config(root: Path, fix: str) -> dict:

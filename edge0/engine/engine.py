@@ -27,6 +27,7 @@ from edge0.engine.speculative import check_speculation
 from edge0.engine.stats import call_stats, engine_stats
 from edge0.engine.step import Stepper
 from edge0.errors import Edge0Error
+from edge0.formats import detect
 from edge0.sampling import check_sampling
 from edge0.store.format import manifest_hash, sha256_file
 from edge0.store.promptcache import DiskPromptCaches
@@ -55,9 +56,15 @@ class Engine:
         self.root = Path(root)
         self.model_id = self.root.name
         self.model = model
+        self.model_type = getattr(model, "model_type", "") or "unknown"  # the mlx-lm family
         self.tokenizer = tokenizer
+        # The family's chat format (edge0/formats): its end-of-turn tokens end every generation, and
+        # the special tokens its parser reads stay in the text
+        self.chat_format = detect(tokenizer)
+        for token in self.chat_format.end_tokens:
+            tokenizer.add_eos_token(token)
         # Chat-format control tokens a model may sample (<|im_start|>): generated, never shown as text.
-        self.control_ids = bio.control_token_ids(tokenizer)
+        self.control_ids = bio.control_token_ids(tokenizer, self.chat_format.markers())
         self.store = store
         self.streaming = streaming
         self.spec, self.k, self.compute_dtype = spec, k, compute_dtype

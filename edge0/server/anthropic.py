@@ -15,7 +15,6 @@ from typing import Annotated, Any, Literal, Optional, Union
 from fastapi import APIRouter, Request
 from pydantic import Field
 
-from edge0.server import reasoning
 from edge0.server.anthropic_format import MessageFormat
 from edge0.server.errors import APIError
 from edge0.server.grammar import ToolSpec
@@ -207,12 +206,12 @@ class CountTokensRequest(Strict):
         kind = self.tool_choice.type if self.tool_choice else "auto"
         return kind if kind in ("auto", "none") else "forced"
 
-    def prompt(self, tokenizer) -> Prompt:
+    def prompt(self, fmt) -> Prompt:
         """The prompt: thinking on only when asked (Anthropic's default is off), and a forced
         tool call (tool_choice any / tool) generated under its tool's input schema."""
         thinking = self.thinking is not None and self.thinking.type != "disabled"
         notes = ()
-        if thinking and not reasoning.markers(tokenizer):
+        if thinking and not fmt.think:
             # Claude Code asks for thinking by default; answer without it rather than refuse.
             thinking, notes = False, (THINKING_IGNORED,)
         tools, constraint = self.tool_dicts(), None
@@ -258,7 +257,7 @@ async def create_message(body: MessagesRequest, request: Request):
     params = sampling_params(
         body.max_tokens, body.temperature, body.top_p, stop=body.stop_sequences, top_k=body.top_k or 0
     )
-    prompt = replace(body.prompt(request.app.state.engine.tokenizer), cache_salt=body.cache_salt)
+    prompt = replace(body.prompt(request.app.state.engine.chat_format), cache_salt=body.cache_salt)
     return await respond(request, MessageFormat(model), prompt, params, body.stream)
 
 
@@ -267,4 +266,4 @@ async def count_tokens(body: CountTokensRequest, request: Request) -> dict:
     """The prompt tokens /v1/messages would prefill for the same request (system and tools
     included, after the chat template), without generating."""
     check_model(request, body.model)
-    return {"input_tokens": len(await prompt_tokens(request, body.prompt(request.app.state.engine.tokenizer)))}
+    return {"input_tokens": len(await prompt_tokens(request, body.prompt(request.app.state.engine.chat_format)))}

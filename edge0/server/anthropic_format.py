@@ -6,10 +6,10 @@ import hashlib
 import json
 import uuid
 
+from edge0.formats import Reasoning
 from edge0.server.errors import APIError, anthropic_error
 from edge0.server.generation import Finish, Logprobs, Segment, Usage
 from edge0.server.pipeline import sse
-from edge0.server.reasoning import Reasoning
 
 
 def anthropic_usage(usage: Usage) -> dict:

@@ -78,7 +78,7 @@ def create_app(engine, config: ServerConfig | None = None, read_memory=memory_av
     # The longest vocabulary entry bounds the characters one token can hold (pipeline.respond).
     vocab = engine.tokenizer.get_vocab()
     app.state.token_chars, app.state.vocab_size = max(map(len, vocab)), max(vocab.values()) + 1
-    app.state.grammars = Grammars(engine.tokenizer)
+    app.state.grammars = Grammars(engine.tokenizer, engine.chat_format)
     app.state.tokenizing = Tokenizing(config.tokenize_concurrency, config.max_queue)
     app.state.mid_system = renders_mid_system(engine.chat_prompt, engine.tokenizer.decode)
     app.state.adapted = Counter()  # requests adapted rather than refused, by kind (pipeline.Prompt.notes)

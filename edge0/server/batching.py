@@ -73,7 +73,7 @@ class BatchScheduler(Scheduler):
 
     def generate(self, engine, run: Run) -> Job:
         job = self._admit()
-        request = _Request(job, run, Events(engine.tokenizer, run))
+        request = _Request(job, run, Events(engine, run))
         with self._lock:
             self._arrivals.append(request)
             start, self._coordinating = not self._coordinating, True

@@ -5,10 +5,10 @@ from __future__ import annotations
 import time
 import uuid
 
+from edge0.formats import Reasoning
 from edge0.server.errors import APIError, openai_error
 from edge0.server.generation import Finish, Logprobs, Segment, TokenLogprob, Usage
 from edge0.server.pipeline import sse
-from edge0.server.reasoning import Reasoning
 
 LOGPROB_FLOOR = -9999.0  # OpenAI's value for a negligible probability (JSON has no -Infinity)
 

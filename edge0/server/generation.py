@@ -2,7 +2,8 @@
 
 Runs on the engine thread (see scheduler.py). Stop strings are passed to the engine, which cuts
 the text before them and holds back possible stop-string prefixes (edge0.textstream), so the
-deltas seen here are final. Reasoning and then tool-call markup are split out here.
+deltas seen here are final. The chat format's splitter (edge0/formats) splits reasoning and tool
+calls out of a chat reply here.
 """
 
 from __future__ import annotations
@@ -11,8 +12,7 @@ import threading
 from dataclasses import dataclass, field, replace
 from typing import Callable, Generator, Union
 
-from edge0.server.reasoning import Reasoning, ReasoningSplitter
-from edge0.server.tools import ToolCallSplitter
+from edge0.formats import Reasoning
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,8 @@ class Run:
     params: Params  # max_tokens decided
     tools: list[dict] | None = None
     processors: list = field(default_factory=list)  # logits processors (grammar, logit bias)
-    reasoning: tuple[str, str, bool] | None = None  # think_start, think_end, and whether the prompt opened a block
+    chat: bool = False  # a chat prompt: the reply goes through the chat format's splitter
+    opened: bool = False  # the prompt opened a reasoning block
     token_bytes: Callable[[int], bytes] | None = None  # for log-probs
     namespace: str = ""  # the prompt caches it may reuse (pipeline.cache_namespace)
 
@@ -82,43 +83,31 @@ class Events:
     and tool calls as they are decided, then one Finish (the single path below and the batch's,
     batching.py)."""
 
-    def __init__(self, tokenizer, run: Run):
+    def __init__(self, engine, run: Run):
         self.run = run
-        self.splitter = ToolCallSplitter(tokenizer, run.tools) if run.tools else None
-        self.thinking = ReasoningSplitter(*run.reasoning) if run.reasoning else None
-        self.eos = set(tokenizer.eos_token_ids)
+        self.splitter = engine.chat_format.splitter(run.tools, run.opened) if run.chat else None
+        self.eos = set(engine.tokenizer.eos_token_ids)
         self.n_tokens = self.n_reasoning = 0
 
     def step(self, step) -> list[Union[Segment, Finish]]:
         """The events of one Step; its last (a finish_reason) ends with the Finish."""
-        run, thinking = self.run, self.thinking
+        run, splitter = self.run, self.splitter
         out: list = []
         self.n_tokens += 1
-        self.n_reasoning += bool(thinking and thinking.inside)
+        self.n_reasoning += bool(splitter and splitter.inside)
         # The end-of-sequence token is not part of the answer, nor of its log-probs.
         if run.params.logprobs is not None and not (
             step.finish_reason == "stop" and step.stop is None and step.token in self.eos
         ):
             out.append(Logprobs([_entry(step, run.token_bytes)]))
         if step.text:
-            out += self._pieces(thinking.feed(step.text) if thinking else (step.text,))
+            out += splitter.feed(step.text) if splitter else [step.text]
         if step.finish_reason:
             out += self._finish(step)
         return out
 
-    def _pieces(self, parts) -> list:
-        out = []
-        for part in parts:
-            if isinstance(part, Reasoning) or not self.splitter:
-                out.append(part)
-            else:
-                out += self.splitter.feed(part)
-        return out
-
     def _finish(self, step) -> list:
-        out = self._pieces(self.thinking.finish()) if self.thinking else []
-        if self.splitter:
-            out += self.splitter.finish()
+        out = self.splitter.finish() if self.splitter else []
         reason = step.finish_reason
         if reason == "stop" and self.splitter and self.splitter.calls:
             reason = "tool_calls"
@@ -149,7 +138,7 @@ def generation_events(engine, run: Run, cancelled: threading.Event) -> Generator
         should_stop=cancelled.is_set,
         **_options(params, run),
     )
-    events = Events(engine.tokenizer, run)
+    events = Events(engine, run)
     try:
         for step in steps:
             if cancelled.is_set():

@@ -20,6 +20,7 @@ import llguidance
 import llguidance.numpy as llnp
 
 from edge0.backend import logits as blog
+from edge0.formats import detect
 
 # Compact JSON: flexible whitespace would let a model pad forever between tokens.
 JSON_OPTIONS = {"whitespace_flexible": False}
@@ -127,8 +128,11 @@ class Grammars:
     """The llguidance view of one engine's tokenizer, built on first use (0.5 s for a 152k
     vocabulary, docs/server.md), and the processors of structured requests, with their cost counted."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, fmt=None):
+        """`fmt`: the chat format whose call markers a forced call is generated between (by default
+        the tokenizer's, edge0.formats.detect)."""
         self.tokenizer = tokenizer
+        self.format = fmt if fmt is not None else detect(tokenizer)
         self._ll: llguidance.LLTokenizer | None = None
         self._lock = threading.Lock()
         # /v1/stats "sampling": structured requests, masks computed and their time; the thinking
@@ -167,7 +171,7 @@ class Grammars:
         first finishes the reasoning block the prompt opened, or (not opened) may begin with one:
         any text up to think_end."""
         if constraint.tools:
-            start, end = self.tokenizer.tool_call_start, self.tokenizer.tool_call_end
+            start, end = self.format.call_start, self.format.call_end
             calls = []
             for tool in constraint.tools:
                 call = {

@@ -156,8 +156,14 @@ async def prompt_tokens(request: Request, prompt: Prompt, record: bool = False) 
             prompt.param,
             "too_many_messages",
         )
-    if prompt.tools and not engine.tokenizer.has_tool_calling:
-        raise APIError(400, "This model's tokenizer declares no tool-call format", "tools", "tools_unsupported")
+    if prompt.tools and not engine.chat_format.calls:
+        raise APIError(
+            400,
+            f"{engine.model_id}: its chat template has no tool-call format Edge0 knows ({engine.model_type}); "
+            "docs/clients.md lists the families whose tool calls are served",
+            "tools",
+            "tools_unsupported",
+        )
     # No token is longer than the longest vocabulary entry, so more characters than this cannot
     # fit in the token limit: refuse them before paying for the template and the tokenizer.
     chars, most = (
@@ -224,16 +230,16 @@ async def _run(request: Request, prompt: Prompt, params: Params, tokens: list[in
     """What the engine thread needs: the reasoning markers, the logits processors (logit bias,
     thinking budget, grammar) and, for log-probs, each token's bytes."""
     state = request.app.state
-    tokenizer = state.engine.tokenizer
+    tokenizer, fmt = state.engine.tokenizer, state.engine.chat_format
     run = Run(tokens, params, prompt.tools, namespace=cache_namespace(request, prompt.cache_salt))
-    found = reasoning.markers(tokenizer) if prompt.messages is not None else None
-    opened = bool(found) and reasoning.opens_reasoning(tokenizer, tokens)
-    if found:
-        run.reasoning = (*found, opened)
+    run.chat = prompt.messages is not None
+    found = fmt.think if run.chat else None
+    opened = bool(found) and reasoning.opens_reasoning(fmt, tokenizer, tokens)
+    run.opened = opened
     if params.logit_bias:
         run.processors.append(LogitBias(params.logit_bias))
     if found and prompt.thinking_budget:
-        limit = reasoning.budget(tokenizer, prompt.thinking_budget, opened)
+        limit = reasoning.budget(fmt, tokenizer, prompt.thinking_budget, opened)
         state.grammars.stats["thinking_budgets" if limit else "thinking_budgets_unenforced"] += 1
         run.processors += [limit] if limit else []
     if prompt.constraint is not None:
@@ -263,7 +269,7 @@ async def _grammar(request: Request, prompt: Prompt, think: tuple[str, str, bool
     """The grammar processor of a constrained request (the tokenizer's token table is built on
     first use, in a worker thread)."""
     grammars = request.app.state.grammars
-    if prompt.constraint.tools and not _json_tool_calls(request.app.state.engine.tokenizer):
+    if prompt.constraint.tools and not request.app.state.engine.chat_format.json_calls:
         raise APIError(
             400,
             'Forcing a tool call needs a JSON tool-call format (<tool_call>{"name": ..., "arguments": ...}); '
@@ -277,21 +283,12 @@ async def _grammar(request: Request, prompt: Prompt, think: tuple[str, str, bool
         raise APIError(400, f"Cannot enforce this format: {e}", prompt.constraint_param, "invalid_value") from None
 
 
-def _json_tool_calls(tokenizer) -> bool:
-    """The tokenizer's tool-call parser reads a JSON {"name", "arguments"} object (the format a
-    forced call is generated in)."""
-    try:
-        parsed = tokenizer.tool_parser('{"name": "f", "arguments": {"a": 1}}', None)
-    except Exception:  # another format's parser: it raises on JSON
-        return False
-    return isinstance(parsed, dict) and parsed.get("name") == "f" and parsed.get("arguments") in ({"a": 1}, '{"a": 1}')
-
-
 def _tokenize(engine, prompt: Prompt) -> list[int]:
     if prompt.text is not None:
         return engine.tokenizer.encode(prompt.text)
     try:
-        return engine.chat_prompt(prompt.messages, prompt.tools, **prompt.template_kwargs)
+        messages = engine.chat_format.render_messages(prompt.messages)
+        return engine.chat_prompt(messages, prompt.tools, **prompt.template_kwargs)
     except Exception as e:  # the template (Jinja) rejects some conversations, e.g. bad role order
         raise APIError(400, f"Could not apply the chat template: {e}", prompt.param, "invalid_messages") from None
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import time
 import uuid
 
+from edge0.formats import Reasoning
 from edge0.server.errors import APIError
 from edge0.server.generation import Finish, Logprobs, Segment, Usage
 from edge0.server.pipeline import sse
-from edge0.server.reasoning import Reasoning
 
 
 def _usage(usage: Usage) -> dict:

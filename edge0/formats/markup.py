@@ -1,0 +1,185 @@
+"""The markup most families share: a reasoning block between two markers at the start of the
+output (`<think>` ... `</think>`), then answer text with tool calls between two markers (the end
+marker may be empty: the call runs to the end of the output), each call parsed by the format.
+Text that may be the start of a marker is held back until it is decided."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from typing import Iterator, Union
+
+from edge0.textstream import partial_suffix_len
+
+log = logging.getLogger("edge0.server")
+
+
+@dataclass(frozen=True)
+class Reasoning:
+    """A piece of the model's reasoning text (not part of the answer)."""
+
+    text: str
+
+
+Segment = Union[str, dict, Reasoning]  # answer text, a tool call (OpenAI's shape), reasoning
+
+
+class ReasoningSplitter:
+    """Turns streamed text into Reasoning pieces and answer text.
+
+    A reasoning block is recognized at the start of the output (or the prompt opened one); the
+    whitespace around its text and before the answer after it is dropped, as templates put
+    newlines there (an answer without a block is left as it is).
+    Text that may be the start of a marker is held back until it is decided.
+    """
+
+    def __init__(self, start: str, end: str, inside: bool):
+        self.start, self.end = start, end
+        self.inside = inside
+        self._buf = ""
+        self._began = inside  # a block was seen: later markers are answer text
+        self._lead = inside  # at the start of reasoning or of the answer after it: drop whitespace
+
+    def feed(self, text: str) -> Iterator[Union[Reasoning, str]]:
+        self._buf += text
+        while self._buf:
+            if self.inside:
+                i = self._buf.find(self.end)
+                if i >= 0:
+                    piece, self._buf = self._buf[:i].rstrip(), self._buf[i + len(self.end) :]
+                    yield from self._emit(piece, Reasoning)
+                    self.inside, self._lead = False, True
+                    continue
+                # Hold back a possible marker start and trailing whitespace (it may end the block).
+                cut = len(self._buf[: len(self._buf) - partial_suffix_len(self._buf, [self.end])].rstrip())
+                piece, self._buf = self._buf[:cut], self._buf[cut:]
+                yield from self._emit(piece, Reasoning)
+                return
+            if not self._began:
+                stripped = self._buf.lstrip()
+                if stripped.startswith(self.start):
+                    self._buf, self._began, self.inside, self._lead = stripped[len(self.start) :], True, True, True
+                    continue
+                if self.start.startswith(stripped):  # maybe the marker, not complete yet
+                    return
+                self._began = True
+            piece, self._buf = self._buf, ""
+            yield from self._emit(piece, str)
+
+    def _emit(self, piece: str, kind) -> Iterator[Union[Reasoning, str]]:
+        if self._lead:
+            piece = piece.lstrip()
+            self._lead = not piece
+        if piece:
+            yield Reasoning(piece) if kind is Reasoning else piece
+
+    def finish(self) -> Iterator[Union[Reasoning, str]]:
+        """End of generation: release held text (an unfinished block stays reasoning)."""
+        rest, self._buf = self._buf, ""
+        yield from self._emit(rest.rstrip() if self.inside else rest, Reasoning if self.inside else str)
+
+
+class ToolCallSplitter:
+    """Turns a stream of text deltas into content text and parsed tool calls.
+
+    Text that may be the start of the format's call marker is held back; text inside a call is
+    buffered until its end marker (or the end of generation, when the format has none).
+    """
+
+    def __init__(self, fmt, tools: list[dict] | None):
+        self.fmt, self.start, self.end, self.tools = fmt, fmt.call_start, fmt.call_end, tools
+        self.calls = 0
+        self._buf, self._in_call = "", False
+
+    def feed(self, text: str) -> Iterator[Segment]:
+        """Add a delta; yields what is decided: content strings and tool-call dicts."""
+        self._buf += text
+        while True:
+            if not self._in_call:
+                i = self._buf.find(self.start)
+                if i < 0:
+                    cut = len(self._buf) - partial_suffix_len(self._buf, [self.start])
+                    out, self._buf = self._buf[:cut], self._buf[cut:]
+                    if out:
+                        yield out
+                    return
+                if i:
+                    yield self._buf[:i]
+                self._buf, self._in_call = self._buf[i + len(self.start) :], True
+            else:
+                j = self._buf.find(self.end) if self.end else -1
+                if j < 0:
+                    return
+                raw, self._buf, self._in_call = self._buf[:j], self._buf[j + len(self.end) :], False
+                yield from self._parse(raw)
+
+    def finish(self) -> Iterator[Segment]:
+        """End of generation: an unterminated call is parsed as is, held text is released."""
+        rest, self._buf = self._buf, ""
+        if self._in_call:
+            self._in_call = False
+            yield from self._parse(rest)
+        elif rest:
+            yield rest
+
+    def _parse(self, raw: str) -> Iterator[Segment]:
+        try:
+            calls = [openai_call(c, self.fmt) for c in self.fmt.parse(raw, self.tools)]
+        except Exception as e:  # parsers raise many types on malformed model output
+            log.warning("could not parse a tool call (%s: %s); returning it as text", type(e).__name__, e)
+            yield self.start + raw + self.end
+            return
+        self.calls += len(calls)
+        yield from calls
+
+
+class MarkupSplitter:
+    """A reply's text through the format's reasoning splitter (when it has markers), then its
+    tool-call splitter (when the request gave tools): Segments as they are decided."""
+
+    def __init__(self, fmt, tools: list[dict] | None, opened: bool):
+        self.thinking = ReasoningSplitter(*fmt.think, opened) if fmt.think else None
+        self.tools = ToolCallSplitter(fmt, tools) if tools and fmt.calls else None
+
+    @property
+    def calls(self) -> int:
+        return self.tools.calls if self.tools else 0
+
+    @property
+    def inside(self) -> bool:
+        """Inside a reasoning block (its tokens count as reasoning tokens)."""
+        return bool(self.thinking and self.thinking.inside)
+
+    def feed(self, text: str) -> list[Segment]:
+        return self._calls(self.thinking.feed(text) if self.thinking else (text,))
+
+    def finish(self) -> list[Segment]:
+        out = self._calls(self.thinking.finish()) if self.thinking else []
+        return out + (list(self.tools.finish()) if self.tools else [])
+
+    def _calls(self, parts) -> list[Segment]:
+        out = []
+        for part in parts:
+            if isinstance(part, Reasoning) or not self.tools:
+                out.append(part)
+            else:
+                out += self.tools.feed(part)
+        return out
+
+
+def openai_call(call: dict, fmt) -> dict:
+    """A parsed call in OpenAI's shape, with the model's own id or a new one in the format's shape."""
+    args = call["arguments"]
+    # Every API carries arguments as a JSON object (Anthropic's tool_use input is one).
+    if not isinstance(json.loads(args) if isinstance(args, str) else args, dict):
+        raise ValueError("the arguments are not a JSON object")
+    given = call.get("id")
+    return {
+        "id": given if isinstance(given, str) and given else fmt.call_id(),
+        "type": "function",
+        "function": {
+            "name": call["name"],
+            "arguments": args if isinstance(args, str) else json.dumps(args, ensure_ascii=False),
+        },
+    }

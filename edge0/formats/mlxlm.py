@@ -1,0 +1,36 @@
+"""The formats mlx-lm's tokenizer infers from a chat template or vocabulary (`<tool_call>` JSON,
+Qwen3-Coder's `<function=..>` XML, MiniMax's `<minimax:tool_call>`, GLM's `<arg_key>`, pythonic
+calls, Kimi-K2's sections, Mistral's `[TOOL_CALLS]`, ...): its markers, reasoning markers and parser
+(`TokenizerWrapper.tool_parser`), reused as they are."""
+
+from __future__ import annotations
+
+from edge0.formats.base import ChatFormat
+
+
+class MlxLmFormat(ChatFormat):
+    """The format of a tokenizer mlx-lm has inferred one for (`tool_parser_type`)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        kwargs = getattr(tokenizer, "init_kwargs", None) or {}
+        self.name = kwargs.get("tool_parser_type") or "mlx-lm"
+        if getattr(tokenizer, "has_thinking", False):
+            self.think = (tokenizer.think_start, tokenizer.think_end)
+        if getattr(tokenizer, "has_tool_calling", False):
+            self.call_start, self.call_end = tokenizer.tool_call_start, tokenizer.tool_call_end or ""
+            self.json_calls = _reads_json(tokenizer)
+            self.families = f"mlx-lm's {self.name} parser"
+
+    def parse(self, raw: str, tools: list[dict] | None) -> list[dict]:
+        parsed = self.tokenizer.tool_parser(raw, tools)
+        return parsed if isinstance(parsed, list) else [parsed]
+
+
+def _reads_json(tokenizer) -> bool:
+    """The parser reads a JSON {"name", "arguments"} object (the shape a forced call is generated in)."""
+    try:
+        parsed = tokenizer.tool_parser('{"name": "f", "arguments": {"a": 1}}', None)
+    except Exception:  # another format's parser: it raises on JSON
+        return False
+    return isinstance(parsed, dict) and parsed.get("name") == "f" and parsed.get("arguments") in ({"a": 1}, '{"a": 1}')

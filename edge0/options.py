@@ -43,6 +43,11 @@ class LoadOptions:
     )
     top_k: int | None = _opt(None, "serving width: experts per token (default: the model's)", "int")
     verify: bool = _opt(False, "check every store file's sha256 before loading", "flag")
+    trust_remote_code: bool = _opt(
+        False,
+        "load a tokenizer that is Python code shipped with the model (Kimi's); it runs with your rights",
+        "flag",
+    )
     expert_cache: int | str | None = _opt(
         None, "memory for cached experts, e.g. 2GB (default: from free memory and model size)", "size"
     )

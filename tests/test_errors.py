@@ -1,6 +1,7 @@
 """Expected failures: one line naming the file and the fix, exit code 2, no traceback."""
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -97,3 +98,33 @@ def test_a_chat_template_the_sandbox_refuses_is_one_line(store_copy):
         "generate", "--model", str(store_copy), "--prompt", "hi", "--max-tokens", "2", "--no-chat-template"
     )
     assert code == 0
+
+
+def test_a_tokenizer_that_is_code_needs_trust_remote_code(store_copy, tmp_path):
+    """Kimi's tokenizer is Python shipped with the model: refused in one line naming the flag;
+    with --trust-remote-code it loads (here a subclass of the fast tokenizer, which proves it ran)."""
+    config = store_copy / "tokenizer_config.json"
+    data = json.loads(config.read_text())
+    data["auto_map"] = {"AutoTokenizer": [None, "tokenization_fixture.FixtureTokenizer"]}
+    data.pop("tokenizer_class", None)
+    config.write_text(json.dumps(data))
+    (store_copy / "tokenization_fixture.py").write_text(
+        "import pathlib\nfrom transformers import PreTrainedTokenizerFast\n\n\n"
+        "class FixtureTokenizer(PreTrainedTokenizerFast):\n"
+        "    def __init__(self, *a, **k):\n"
+        f"        pathlib.Path({str(tmp_path / 'ran')!r}).write_text('yes')\n"
+        "        super().__init__(*a, **k)\n"
+    )
+    code, err = run_cli("generate", "--model", str(store_copy), "--prompt", "hi", "--max-tokens", "2")
+    assert_one_line_error(code, err, str(config), "Python code shipped with the model", "--trust-remote-code")
+    assert not (tmp_path / "ran").exists()
+    p = subprocess.run(
+        [sys.executable, "-m", "edge0", "generate", "--model", str(store_copy), "--prompt", "hi", "--max-tokens", "2"]
+        + ["--trust-remote-code"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "HF_MODULES_CACHE": str(tmp_path / "modules")},
+    )
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert (tmp_path / "ran").read_text() == "yes"

@@ -38,13 +38,41 @@ def declared_end_ids(path: Path) -> list[int]:
     return ids
 
 
-def load_tokenizer(path, **kwargs) -> TokenizerWrapper:
+def remote_code(path: Path) -> str | None:
+    """The class a checkpoint's tokenizer_config.json maps AutoTokenizer to, when its tokenizer is
+    Python code shipped with the model (Kimi's tiktoken tokenizer), else None."""
+    try:
+        auto = json.loads((path / "tokenizer_config.json").read_text(encoding="utf-8")).get("auto_map") or {}
+    except (OSError, ValueError, AttributeError):
+        return None
+    found = auto.get("AutoTokenizer") if isinstance(auto, dict) else None
+    if isinstance(found, list):  # [slow class, fast class], either may be null
+        found = next((c for c in found if isinstance(c, str)), None)
+    return found if isinstance(found, str) else None
+
+
+def check_remote_code(path: Path, trust_remote_code: bool) -> dict:
+    """The tokenizer options for `path`: {"trust_remote_code": True} when its tokenizer is code
+    and that is allowed; an Edge0Error naming the flag when it is code and not allowed."""
+    code = remote_code(path)
+    if code is None:
+        return {}
+    if not trust_remote_code:
+        raise Edge0Error(
+            f"{path / 'tokenizer_config.json'}: the tokenizer is Python code shipped with the model ({code}); "
+            "pass --trust-remote-code to run it (only for a checkpoint you trust: the code runs with your rights)"
+        )
+    return {"trust_remote_code": True}
+
+
+def load_tokenizer(path, trust_remote_code: bool = False) -> TokenizerWrapper:
     """mlx-lm's tokenizer, ending at every end id the checkpoint declares (its own and those of
     config.json and generation_config.json), with ids the vocabulary skips (no token string)
     detokenized as empty text: a model can sample them, and mlx-lm's BPE detokenizer would fail
-    on the None."""
+    on the None. A tokenizer that is code loads only with `trust_remote_code` (check_remote_code)."""
     path = Path(path)
-    tok = _mlx_load_tokenizer(path, eos_token_ids=declared_end_ids(path) or None, **kwargs)
+    extra = check_remote_code(path, trust_remote_code) or None
+    tok = _mlx_load_tokenizer(path, tokenizer_config_extra=extra, eos_token_ids=declared_end_ids(path) or None)
     detok = tok._detokenizer
     tokenmap = getattr(detok, "tokenmap", None)
     if tokenmap is not None and any(t is None for t in tokenmap):

@@ -17,14 +17,17 @@ from edge0.backend import io as bio
 from edge0.errors import Edge0Error
 
 
-def quantize_hf(src: Path, bits: int = 4, group_size: int = 64, dtype: str | None = None):
+def quantize_hf(
+    src: Path, bits: int = 4, group_size: int = 64, dtype: str | None = None, trust_remote_code: bool = False
+):
     """Lazily load an unquantized checkpoint and quantize it exactly like mlx-lm's converter.
 
     Returns (weights: name -> lazy array, config, tokenizer, expert module paths).
     """
+    extra = bio.check_remote_code(Path(src), trust_remote_code) or None
     try:
         with contextlib.redirect_stdout(io.StringIO()):
-            model, tokenizer, config = mlx_lm_load(str(src), lazy=True, return_config=True)
+            model, tokenizer, config = mlx_lm_load(str(src), tokenizer_config=extra, lazy=True, return_config=True)
     except (ValueError, KeyError, FileNotFoundError) as e:
         raise Edge0Error(
             f"{src}: mlx-lm cannot load this checkpoint ({e}); check that the "
@@ -50,7 +53,7 @@ def quantize_hf(src: Path, bits: int = 4, group_size: int = 64, dtype: str | Non
     return weights, config, tokenizer, experts
 
 
-def index_quantized(src: Path):
+def index_quantized(src: Path, trust_remote_code: bool = False):
     """An mlx-lm checkpoint that is already quantized and stacked: its tensors as they are."""
     config = bio.load_config(src)
     files = sorted(src.glob("model*.safetensors"))
@@ -58,4 +61,4 @@ def index_quantized(src: Path):
         raise FileNotFoundError(f"{src}: no model*.safetensors files")
     experts = bio.expert_modules(bio.build_model(config, src), src)
     weights = bio.stack_expert_lists(bio.lazy_load(files), [p for p, _ in experts])
-    return weights, config, bio.load_tokenizer(src), experts
+    return weights, config, bio.load_tokenizer(src, trust_remote_code), experts

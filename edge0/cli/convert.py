@@ -16,8 +16,13 @@ def main(argv=None) -> int:
         default=None,
         help="dtype of unquantized tensors (default: the checkpoint's torch_dtype)",
     )
+    p.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="load a tokenizer that is Python code shipped with the model (Kimi's): it runs with your rights",
+    )
     args = p.parse_args(argv)
-    convert(args.hf_path, args.out, dtype=args.dtype)
+    convert(args.hf_path, args.out, dtype=args.dtype, trust_remote_code=args.trust_remote_code)
     return 0
 
 

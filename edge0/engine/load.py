@@ -30,7 +30,7 @@ def open_engine(root: Path, options, stage_for=None) -> Engine:
     manifest = open_manifest(root, verify=options.verify)
     config = bio.read_config(root, f"{REBUILD}, or put back the config.json it was converted with")
     check_config(root, config, manifest)  # before anything is built from it
-    tokenizer = _load_tokenizer(root)
+    tokenizer = _load_tokenizer(root, options.trust_remote_code)
     # the family's model from config.json alone (never evaluated): checked against the store, and
     # the KV footprint is measured on it, as `edge0 plan` measures it
     built = _build(root, config)
@@ -91,10 +91,12 @@ def open_engine(root: Path, options, stage_for=None) -> Engine:
     return engine
 
 
-def _load_tokenizer(root: Path):
+def _load_tokenizer(root: Path, trust_remote_code: bool):
     """The store's tokenizer, loaded before the weights so that a missing or damaged one fails first."""
     try:
-        return bio.load_tokenizer(root)
+        return bio.load_tokenizer(root, trust_remote_code)
+    except Edge0Error:
+        raise
     except Exception as e:  # noqa: BLE001 - whatever transformers raises on missing or damaged files
         raise Edge0Error(
             f"{root}: its tokenizer does not load ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "

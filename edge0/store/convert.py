@@ -76,9 +76,16 @@ def _split(weights: dict, experts: list[tuple[str, int]]):
 
 
 def convert(
-    hf_path: str, out: str | os.PathLike, *, dtype: str | None = None, quiet: bool = False, reuse: bool = False
+    hf_path: str,
+    out: str | os.PathLike,
+    *,
+    dtype: str | None = None,
+    quiet: bool = False,
+    reuse: bool = False,
+    trust_remote_code: bool = False,
 ) -> Path:
     """Convert `hf_path` (local dir or repo id) into an edge0 store at `out`; returns its path.
+    `trust_remote_code`: load a tokenizer that is Python code shipped with the model (Kimi's).
 
     `out` must not exist, and a conversion to `out` already running in another process is an
     error. With `reuse` (the bundled model's first use), a store already at `out` is returned as
@@ -103,6 +110,7 @@ def convert(
     if not any(src.glob("*.safetensors")):
         raise Edge0Error(f"{src}: no *.safetensors weights; pass a Hugging Face or mlx-lm model directory")
     bio.expert_modules(bio.build_model(config, src), src, supported())  # fail early on a dense model
+    bio.check_remote_code(src, trust_remote_code)  # before the lock: a usage error leaves nothing
     with output_lock(out, wait=reuse, quiet=quiet):
         if reuse and (out / MANIFEST).is_file():  # the run we waited for wrote it
             return out
@@ -110,10 +118,12 @@ def convert(
             raise Edge0Error(f"-o {out}: already exists; choose a new output directory or delete it")
         remove_stale_partials(out, quiet)
         with unwind_on_termination():
-            return _convert(src, str(hf_path), out, config, dtype, quiet)
+            return _convert(src, str(hf_path), out, config, dtype, quiet, trust_remote_code)
 
 
-def _convert(src: Path, hf_path: str, out: Path, config: dict, dtype: str | None, quiet: bool) -> Path:
+def _convert(
+    src: Path, hf_path: str, out: Path, config: dict, dtype: str | None, quiet: bool, trust_remote_code: bool
+) -> Path:
     from edge0.backend import io as bio
     from edge0.backend import quant
 
@@ -121,9 +131,9 @@ def _convert(src: Path, hf_path: str, out: Path, config: dict, dtype: str | None
     # mlx-lm writes a "quantization" entry; such checkpoints are indexed, not re-quantized.
     already = "quantization" in config
     if already:
-        weights, config, tokenizer, experts = quant.index_quantized(src)
+        weights, config, tokenizer, experts = quant.index_quantized(src, trust_remote_code)
     else:
-        weights, config, tokenizer, experts = quant.quantize_hf(src, dtype=dtype)
+        weights, config, tokenizer, experts = quant.quantize_hf(src, dtype=dtype, trust_remote_code=trust_remote_code)
     spec = spec_for(config)
     resident, layers = _split(weights, experts)
 

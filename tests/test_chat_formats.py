@@ -18,7 +18,7 @@ import pytest
 
 from edge0.server.config import ServerConfig
 from tests.fake_server import running_server
-from tests.fixtures.formats import ANSWER, CITY, RESULT, WEATHER_TOOL, cases
+from tests.fixtures.formats import ANSWER, CITY, RESULT, WEATHER_TOOL, FormatCase, cases
 from tests.scripted_engine import ScriptedEngine
 
 CASES = cases()
@@ -187,3 +187,27 @@ def test_the_format_and_its_end_ids_are_found(served):
     assert engine.chat_format.name == case.name
     ids = {engine.tokenizer.convert_tokens_to_ids(t) for t in (*case.config_eos, *case.generation_eos, case.eos)}
     assert ids <= set(engine.tokenizer.eos_token_ids)
+
+
+PLAIN = FormatCase(
+    name="plain",
+    families="a template with no tool-call markup",
+    template="{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+    eos="<|im_end|>",
+    special=("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
+    reasoning="",
+    plain_reply="Hello there.<|im_end|><|im_start|>user\nmore",
+)
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_a_model_without_a_known_format_refuses_tools_by_name_and_still_chats(api, tmp_path):
+    engine = ScriptedEngine(PLAIN, tmp_path)
+    assert engine.chat_format.name == "plain" and not engine.chat_format.calls
+    with running_server(engine, ServerConfig()) as base:
+        with pytest.raises((openai.BadRequestError, anthropic.BadRequestError)) as e:
+            SEND[api](base, False, tools=True)
+        message = str(e.value)
+        assert "plain-fixture" in message and "(plain)" in message and "docs/clients.md" in message
+        assert SEND[api](base, True, tools=False).text == "Hello there."

@@ -307,7 +307,8 @@ def main(argv=None) -> int:
     model = (config.served_model_names or (engine.model_id,))[0]
     for line in setup_lines(base, model, keyed=bool(args.api_key)):
         log.info("%s", line)
-    for line in agent_warnings(engine.tokenizer.has_tool_calling, config.context_length):
+    log.info("%s", engine.chat_format.describe())
+    for line in agent_warnings(engine.chat_format.calls, config.context_length):
         log.warning("%s", line)
     try:
         run(create_app(engine, config), host=args.host, port=args.port, log_level=args.log_level)

@@ -43,9 +43,9 @@ def agent_warnings(tool_calling: bool, context: int) -> list[str]:
     out = []
     if not tool_calling:
         out.append(
-            "this model's chat template has no tool-call format: Claude Code, Codex CLI and opencode send tools "
-            "with every request, which will be refused; for agents, serve a model whose template has one "
-            "(docs/clients.md)"
+            "this model's chat template has no tool-call format Edge0 knows: Claude Code, Codex CLI and opencode "
+            "send tools with every request, which will be refused; for agents, serve a model whose format "
+            "docs/clients.md lists"
         )
     if context < AGENT_CONTEXT:
         out.append(

@@ -113,10 +113,16 @@ def serve_and_run(
     from edge0.server.app import create_app
     from edge0.server.clients import setup_lines
     from edge0.server.config import ServerConfig
-    from tests.agent_engine import AgentEngine
+    from tests.agent_engine import AgentEngine, FormatAgentEngine
+    from tests.fixtures.formats import cases
 
     subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
-    engine = AgentEngine(**engine_kwargs)
+    kwargs = dict(engine_kwargs)
+    if name := kwargs.pop("format", None):  # the agent writes this family's chat format
+        case = next(c for c in cases() if c.name == name)
+        engine = FormatAgentEngine(case, Path(tempfile.mkdtemp(prefix=f"edge0-{name}-")), **kwargs)
+    else:
+        engine = AgentEngine(**kwargs)
     config = ServerConfig(context_length=200_000, max_prompt_tokens=190_000, keepalive_s=keepalive_s)
     app = Recorder(create_app(engine, config))
     sock = socket.socket()
@@ -175,7 +181,8 @@ def run_client(
     **engine_kwargs,
 ) -> dict:
     """Run `client` on `prompt` in a fresh loopback-only network namespace; its result dict.
-    `extra`: client arguments; `engine_kwargs`: AgentEngine's (delay, prefill_delay)."""
+    `extra`: client arguments; `engine_kwargs`: AgentEngine's (delay, prefill_delay), and `format`:
+    the name of a format case (tests/fixtures/formats) for the agent to write that family's format."""
     out = tmp_path / f"{client}-result.json"
     cmd = [sys.executable, "-m", "tests.agent_clients", "--client", client, "--prompt", prompt, "--out", str(out)]
     cmd += ["--timeout", str(timeout), "--engine", json.dumps(engine_kwargs), "--keepalive-s", str(keepalive_s)]

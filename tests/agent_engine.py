@@ -1,8 +1,8 @@
 """A scripted engine for driving the real coding-agent clients (Claude Code, Codex CLI, opencode)
-through the real server: the fake engine's tokenizer and chat template (tests/fake_engine.py),
-with replies written for an agent's tool loop.
+through the real server, with replies written for an agent's tool loop: in the fake engine's
+ChatML (tests/fake_engine.py), or in a family's chat format (FormatAgentEngine).
 
-The reply reads the rendered prompt back (ChatML, tools as JSON lines in `<tools>`):
+The reply follows the conversation the prompt was rendered from (its messages and tools):
 - the last turn is a tool result -> "Tool result: LAST LINE" (Codex puts the command's output last);
 - the last user turn says `run: CMD` and a tool takes a shell command (a `command` or `cmd`
   parameter: Claude Code's Bash, Codex's exec_command, opencode's bash) -> a call of that tool
@@ -16,25 +16,11 @@ from __future__ import annotations
 import json
 import re
 
-from tests.fake_engine import IM_END, IM_START, FakeEngine
+from tests.fake_engine import FakeEngine
+from tests.scripted_engine import ScriptedEngine
 
 HELLO = "Hello from edge0."
 TOOL_RESULT = "Tool result: "
-
-
-def _turns(text: str) -> list[tuple[str, str]]:
-    """(role, content) of each ChatML turn of a rendered prompt, the open assistant turn left out."""
-    out = []
-    for block in text.split(IM_START)[1:]:
-        role, _, content = block.partition("\n")
-        if content.endswith(f"{IM_END}\n"):
-            out.append((role, content.removesuffix(f"{IM_END}\n")))
-    return out
-
-
-def _tools(text: str) -> list[dict]:
-    m = re.search(r"<tools>\n(.*?)\n</tools>", text, re.S)
-    return [json.loads(line) for line in m.group(1).splitlines()] if m else []
 
 
 def _shell_call(tools: list[dict], command: str) -> dict | None:
@@ -52,26 +38,61 @@ def _shell_call(tools: list[dict], command: str) -> dict | None:
     return None
 
 
+def decide(messages: list[dict], tools: list[dict]) -> dict | str:
+    """The agent's next move (module docstring): a call {"name", "arguments"} or the reply's text."""
+    turns = [m for m in messages if m.get("role") != "system"]
+    if not turns:
+        return HELLO
+    last = turns[-1]
+    content = last.get("content") or ""
+    content = content if isinstance(content, str) else json.dumps(content)
+    if last.get("role") == "tool":
+        line = ([line for line in content.splitlines() if line.strip()] or [""])[-1]
+        return TOOL_RESULT + line.strip()[:200]
+    # opencode quotes the prompt of `opencode run`.
+    if m := re.search(r'^"?run: (.+?)"?$', content, re.M):
+        return _shell_call(tools, m.group(1).strip()) or HELLO
+    if m := re.search(r'^"?call: (\S+) (\{.*\})"?$', content, re.M):
+        return {"name": m.group(1), "arguments": json.loads(m.group(2))}
+    return HELLO
+
+
 class AgentEngine(FakeEngine):
-    """FakeEngine with replies for an agent's tool loop (module docstring)."""
+    """FakeEngine with replies for an agent's tool loop (module docstring), in ChatML JSON calls."""
 
     model_id = "agent-fixture"
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.rendered: dict[tuple, tuple] = {}  # prompt ids -> (messages, tools) they were rendered from
+
+    def chat_prompt(self, messages, tools=None, **template_kwargs) -> list[int]:
+        ids = super().chat_prompt(messages, tools, **template_kwargs)
+        self.rendered[tuple(ids)] = (messages, tools or [])
+        return ids
+
     def reply(self, prompt: list[int]) -> str:
-        text = self.tokenizer.decode(prompt)
-        turns = [t for t in _turns(text) if t[0] != "system"]
-        if not turns:
-            return HELLO
-        role, content = turns[-1]
-        if m := re.search(r"<tool_response>\n(.*?)\n</tool_response>", content, re.S):
-            last = ([line for line in m.group(1).splitlines() if line.strip()] or [""])[-1]
-            return TOOL_RESULT + last.strip()[:200]
-        call = None
-        # opencode quotes the prompt of `opencode run`.
-        if m := re.search(r'^"?run: (.+?)"?$', content, re.M):
-            call = _shell_call(_tools(text), m.group(1).strip())
-        elif m := re.search(r'^"?call: (\S+) (\{.*\})"?$', content, re.M):
-            call = {"name": m.group(1), "arguments": json.loads(m.group(2))}
-        if call is not None:
-            return "<tool_call>\n" + json.dumps(call) + "\n</tool_call>"
-        return HELLO
+        move = decide(*self.rendered.get(tuple(prompt), ([], [])))
+        return "<tool_call>\n" + json.dumps(move) + "\n</tool_call>" if isinstance(move, dict) else move
+
+
+class FormatAgentEngine(ScriptedEngine):
+    """The same agent writing the chat format of a format case (tests/fixtures/formats) that can
+    write any call and text (`write_call`, `write_text`)."""
+
+    def __init__(self, case, root, delay: float = 0.0, prefill_delay: float = 0.0):
+        super().__init__(case, root)
+        self.delay, self.prefill_delay = delay, prefill_delay
+        self.model_id = f"agent-{case.name}"
+        self.rendered: dict[tuple, tuple] = {}
+
+    def chat_prompt(self, messages, tools=None, **template_kwargs) -> list[int]:
+        ids = super().chat_prompt(messages, tools, **template_kwargs)
+        self.rendered[tuple(ids)] = (messages, tools or [])
+        return ids
+
+    def reply(self, prompt: list[int]) -> str:
+        move = decide(*self.rendered.get(tuple(prompt), ([], [])))
+        if isinstance(move, dict):
+            return self.case.write_call(move["name"], move["arguments"])
+        return self.case.write_text(move)

@@ -282,11 +282,22 @@ def _client_problem(client: str) -> str | None:
     return netns_problem()
 
 
-@pytest.mark.parametrize("client", sorted(PACKAGES))
-def test_the_real_client_with_the_printed_setup_completes_a_tool_round_trip(client, tmp_path):
+# The chat format the agent writes: ChatML JSON calls (the fake engine) or GLM's. The
+# default run pairs each client with one format in turn; -m slow runs every pair.
+FORMATS = [None, "glm47"]
+PAIRS = [(c, f) for c in sorted(PACKAGES) for f in FORMATS]
+DEFAULT_PAIRS = {(c, FORMATS[i % len(FORMATS)]) for i, c in enumerate(sorted(PACKAGES))}
+
+
+@pytest.mark.parametrize(
+    "client,fmt",
+    [pytest.param(c, f, marks=() if (c, f) in DEFAULT_PAIRS else pytest.mark.slow) for c, f in PAIRS],
+    ids=[f"{c}-{f or 'chatml'}" for c, f in PAIRS],
+)
+def test_the_real_client_with_the_printed_setup_completes_a_tool_round_trip(client, fmt, tmp_path):
     if problem := _client_problem(client):
         pytest.skip(problem)
-    result = run_client(client, "run: echo edge0-round-trip", tmp_path)
+    result = run_client(client, "run: echo edge0-round-trip", tmp_path, **({"format": fmt} if fmt else {}))
     assert result["rc"] == 0, result["stderr"][-2000:]
     assert TOOL_RESULT + "edge0-round-trip" in result["stdout"]
     # the reply quotes the command's output, which only the request after the tool call carried

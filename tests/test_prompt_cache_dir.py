@@ -161,6 +161,8 @@ def test_a_symlinked_lock_is_refused_and_its_target_kept(tmp_path):
         {"other-store/model.safetensors": b"w", "other-store/prerouter.safetensors": b"h"},  # ~/models
         {"model-00001-of-00002.safetensors": b"s", "config.json": b"{}"},  # a Hugging Face snapshot
         {"index.json": b'{"weight_map": {}}'},  # someone else's index
+        # names like the cache's own, but no .lock and no index of it: not the cache's either
+        {f"{'0' * 32}/{'f' * 32}.safetensors": b"foreign data", f"{'0' * 32}/.{'f' * 32}.7.tmp.safetensors": b"x"},
     ],
 )
 def test_a_folder_of_other_files_without_an_index_is_refused(tmp_path, files):
@@ -298,3 +300,42 @@ def test_folders_0700_and_files_0600_under_any_umask(caches, tmp_path):
         for p in [top, *top.rglob("*")]:
             want = 0o644 if p.name == "notes.txt" else 0o700 if p.is_dir() else 0o600
             assert stat.S_IMODE(p.stat().st_mode) == want, p
+
+
+def test_a_file_it_cannot_read_now_is_left_not_removed(caches, tmp_path, monkeypatch):
+    """An I/O error (EACCES, EMFILE, EIO) or memory error while restoring is not damage: counted
+    failed, the file kept for a later request."""
+    disk = DiskPromptCaches(tmp_path, IDENT, BOUND)
+    assert disk.save(PROMPT, caches(PROMPT))
+    (path,) = cache_files(tmp_path)
+
+    def unreadable(_path):
+        raise OSError(24, "Too many open files")
+
+    monkeypatch.setattr(bkv, "read_prompt_cache", unreadable)
+    assert disk.restore(PROMPT + [1]) == (None, 0)
+    st = disk.stats()
+    assert (st["failed"], st["damaged"], st["entries"]) == (1, 0, 1) and path.exists()
+    monkeypatch.undo()
+    assert disk.restore(PROMPT + [1])[1] == len(PROMPT)
+
+
+def test_a_folder_writable_by_others_or_theirs_is_refused(tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with pytest.raises(Edge0Error, match="writable by other users; chmod 700"):
+        DiskPromptCaches(shared, IDENT, BOUND)
+    assert os.listdir(shared) == []
+
+
+def test_a_damaged_index_that_is_not_a_file_or_too_deep_is_one_line(tmp_path):
+    (tmp_path / "a" / "index.json").mkdir(parents=True)
+    with pytest.raises(Edge0Error, match=r"index.json is not a regular file .*remove it"):
+        DiskPromptCaches(tmp_path / "a", IDENT, BOUND)
+    deep = tmp_path / "b"
+    deep.mkdir()
+    (deep / ".lock").touch()
+    (deep / "index.json").write_text("[" * 200_000 + "]" * 200_000)
+    disk = DiskPromptCaches(deep, IDENT, BOUND)  # its own, damaged: rebuilt
+    assert disk.stats()["index_rebuilt"] == 1

@@ -225,3 +225,37 @@ def test_a_restored_cache_whose_forward_fails_is_removed_and_counted(store, tmp_
     assert r.stats["prefill_tokens"] == len(follow) and r.tokens == want
     r = restarted.generate(unrelated, max_tokens=6, reuse_cache=True, ignore_eos=True)
     assert r.stats["prefill_tokens"] == len(unrelated) and r.tokens == want_unrelated
+
+
+def test_a_server_on_a_cache_dir_beside_other_files_touches_none_of_them(store, tmp_path):
+    """The prompt-cache dir holds its own index beside another model's store, a Hugging Face shard,
+    a FIFO and a folder named like a cache file: after a server starts there, answers requests and
+    stops (saving every conversation), each of them is as it was and the cache still works."""
+    import os
+
+    root = tmp_path / "caches"
+    edge0.load(store, prompt_cache_dir=root)  # the dir, its .lock and its index
+    foreign = {
+        root / "other-store" / "model.safetensors": b"weights of another model",
+        root / "other-store" / "prerouter.safetensors": b"heads",
+        root / "model-00001-of-00002.safetensors": b"a shard",
+    }
+    for path, data in foreign.items():
+        path.parent.mkdir(exist_ok=True)
+        path.write_bytes(data)
+    os.mkfifo(root / "fifo.safetensors")
+    named_like = root / ("a" * 32) / ("b" * 32 + ".safetensors")  # a folder where a cache file could be
+    named_like.mkdir(parents=True)
+    engine = edge0.load(store, prompt_cache_dir=root)
+    with running_server(engine, ServerConfig()) as base:
+        for text in ("hello world, " * 30, "another conversation " * 30):
+            r = httpx.post(
+                base + "/v1/chat/completions",
+                timeout=60,
+                json={"model": "m", "messages": [{"role": "user", "content": text}], "max_tokens": 4},
+            )
+            assert r.status_code == 200
+    assert engine.flush_prompt_caches() >= 0
+    assert {p: p.read_bytes() for p in foreign} == foreign
+    assert (root / "fifo.safetensors").is_fifo() and named_like.is_dir()
+    assert disk(engine)["saved"] >= 1 and disk(engine)["skipped"] >= 3

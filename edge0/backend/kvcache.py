@@ -83,6 +83,9 @@ def read_prompt_cache(path: str):
 def prompt_cache_metadata(flat: dict[str, str]) -> dict:
     """The metadata `save_prompt_cache` stored, from its file's flat header metadata (which also
     holds the cache classes and scalars)."""
+    for key in flat:  # tree_unflatten makes a list as long as the largest index a key names
+        if any(part.isdigit() and int(part) > 4096 for part in key.split(".")):
+            raise ValueError(f"metadata key {key[:40]!r} names an index past any cache's")
     metadata = tree_unflatten(list(flat.items()))
     if not isinstance(metadata, list) or not metadata or not isinstance(metadata[0], dict):
         raise ValueError("no prompt-cache metadata")

@@ -34,9 +34,11 @@ def _tokens_ok(value) -> bool:
     return isinstance(value, list) and all(isinstance(t, int) for t in value)
 
 
-def _own_top(name: str) -> bool:
-    """Whether `name`, in DIR, is one the cache writes."""
-    return name in (".lock", DiskPromptCaches.INDEX) or bool(_INDEX_TMP.fullmatch(name) or _FOLDER.fullmatch(name))
+def _before_index(name: str) -> bool:
+    """Whether `name`, in DIR, is one the cache writes before its .lock and index: files and folders
+    named like its own are not, without them (a folder of someone else's files can hold 32-hex
+    names too)."""
+    return bool(_INDEX_TMP.fullmatch(name))
 
 
 def _entry_ok(e) -> bool:
@@ -84,6 +86,15 @@ def _private(path, st: os.stat_result, mode: int) -> None:
         os.chmod(path, mode)
 
 
+def _check_owner(path, st: os.stat_result) -> None:
+    """A folder the cache writes in must be this user's and writable by no one else: there, another
+    user could plant a link that redirects a write, or a cache file that answers a prompt."""
+    if st.st_uid != os.geteuid():
+        raise Edge0Error(f"--prompt-cache-dir: {path} belongs to another user; pass a directory of your own")
+    if st.st_mode & 0o022:
+        raise Edge0Error(f"--prompt-cache-dir: {path} is writable by other users; chmod 700 it, or pass another")
+
+
 def _version(st: os.stat_result) -> tuple:
     """Which file a name holds: one written again since (renamed into place) differs."""
     return st.st_ino, st.st_size, st.st_mtime_ns
@@ -105,7 +116,10 @@ class DiskPromptCaches:
     its own: one that does not load, lacks the checksum or fails it is damaged (removed, counted and
     noted, never fatal). An index of another version (1: written by an older edge0, whose files
     carry no checksum, so they are removed as damaged) or a damaged one is rebuilt from the files'
-    metadata. Folders are 0700 and files 0600: the index holds every conversation's tokens.
+    metadata. Folders are 0700 and files 0600: the index holds every conversation's tokens; a DIR or
+    folder of another user's, or writable by others, is refused (a link or a cache file planted
+    there could redirect a write or answer a prompt). A file it cannot read now (an I/O or memory
+    error) is counted `failed` and kept; only a file whose contents are wrong is damaged.
 
     Processes sharing DIR take DIR/.lock for every index update and file write. Files are written
     to a temporary name and renamed."""
@@ -144,8 +158,9 @@ class DiskPromptCaches:
                 self._evict(index)
                 self._write(index)
         except OSError as e:
+            where = e.filename or root
             raise Edge0Error(
-                f"--prompt-cache-dir {root}: {e.strerror or e}; pass a directory this process can write"
+                f"--prompt-cache-dir {root}: {where}: {e.strerror or e}; pass a directory this process can write"
             ) from None
         if not self.note and self.counts["skipped"]:
             self.note = f"{self.counts['skipped']} entries in {self.root} are not this cache's; left as they are"
@@ -153,25 +168,27 @@ class DiskPromptCaches:
     def _check_own(self) -> None:
         """Refuse a DIR holding names the cache does not write and no index of its own (someone
         else's folder, where it must write nothing), and a DIR/.lock that is a link or no file."""
+        _check_owner(self.root, os.lstat(self.root))
+        for name in (".lock", self.INDEX):
+            path = self.root / name
+            if os.path.lexists(path) and not stat.S_ISREG(os.lstat(path).st_mode):
+                raise Edge0Error(f"--prompt-cache-dir {self.root}: {path} is not a regular file (a link?); remove it")
         names = os.listdir(self.root)
-        if names and not self._own_index():
-            other = sorted(n for n in names if not _own_top(n))
-            if other or (self.INDEX in names and ".lock" not in names):
+        # its .lock (made at every start) vouches for a damaged index of its own, rebuilt below
+        if names and ".lock" not in names and not self._own_index():
+            other = sorted(n for n in names if not _before_index(n))
+            if other:
                 shown = ", ".join(other[:3]) + (f" and {len(other) - 3} more" if len(other) > 3 else "")
                 raise Edge0Error(
                     f"--prompt-cache-dir {self.root} holds files this prompt cache did not write "
-                    f"({shown or 'an index.json of another format'}) and no index of its own; "
-                    "pass an empty directory or one this server created"
+                    f"({shown}) and no index of its own; pass an empty directory or one this server created"
                 )
-        lock = self.root / ".lock"
-        if os.path.lexists(lock) and not stat.S_ISREG(os.lstat(lock).st_mode):
-            raise Edge0Error(f"--prompt-cache-dir {self.root}: {lock} is not a regular file (a link?); remove it")
 
     def _own_index(self) -> bool:
         """Whether DIR/index.json is an index this cache wrote (of any version)."""
         try:
             data = json.loads(_read_regular(self.root / self.INDEX))
-        except (OSError, ValueError):
+        except (OSError, ValueError, RecursionError):
             return False
         return isinstance(data, dict) and isinstance(data.get("version"), int) and isinstance(data.get("entries"), dict)
 
@@ -208,7 +225,7 @@ class DiskPromptCaches:
                 raise ValueError("unexpected contents")
         except FileNotFoundError:
             return self._scan("")
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, RecursionError) as e:  # RecursionError: JSON nested too deep
             self.counts["index_rebuilt"] += 1
             entries = self._scan(f"{path} was damaged ({e})")
             self._write(entries)
@@ -274,7 +291,11 @@ class DiskPromptCaches:
             }
             if not _entry_ok(entry) or not isinstance(meta.get("checksum"), str):
                 raise ValueError("no identity, namespace, tokens or checksum in its metadata")
-        except (OSError, ValueError, TypeError, KeyError) as e:
+        except OSError as e:  # unreadable now (another user's file, EMFILE): not damage, left as it is
+            self.counts["failed"] += 1
+            self.note = f"reading {self.root / name} failed: {e}; left as it is"
+            return None
+        except (ValueError, TypeError, KeyError, RecursionError) as e:
             self._refuse(name, e)
             return None
         return entry
@@ -379,6 +400,10 @@ class DiskPromptCaches:
                     raise ValueError("its metadata does not match the index")
                 if meta.get("checksum") != bkv.prompt_cache_digest(cache):  # before trimming: the file's arrays
                     raise ValueError("its KV data does not match its checksum")
+            except (OSError, MemoryError) as e:  # reading failed, not the file: it stays for a later request
+                self.counts["failed"] += 1
+                self.note = f"reading {path} failed: {e}; prefilled instead"
+                return None, 0
             except Exception as e:  # noqa: BLE001 - whatever a damaged file raises, it is refused
                 index.pop(best)
                 self._refuse(best, e)
@@ -438,6 +463,8 @@ class DiskPromptCaches:
                 for p in (path, tmp):  # a link, FIFO or folder there is not the cache's: never written through
                     if os.path.lexists(p) and not stat.S_ISREG(os.lstat(p).st_mode):
                         raise OSError(f"{p} is not a regular file; left as it is")
+                _unlink_regular(tmp)  # a temporary of a dead process of the same pid
+                os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
                 meta = {
                     "identity": self.identity,
                     "namespace": namespace,
@@ -491,6 +518,7 @@ class DiskPromptCaches:
         st = os.lstat(self.dir)
         if not stat.S_ISDIR(st.st_mode):
             raise OSError(f"{self.dir} is not a folder (a link?); left as it is")
+        _check_owner(self.dir, st)
         _private(self.dir, st, 0o700)
 
     def stats(self) -> dict:

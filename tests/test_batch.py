@@ -571,3 +571,16 @@ def test_a_long_span_alone_gives_way_to_a_newcomer_and_the_tokens_stay_the_same(
 
 def bkv_offset(cache) -> int:
     return max(c.offset for c in cache)
+
+
+def test_a_small_temperature_on_float16_log_probs_draws_the_likely_tokens():
+    """float16 overflows to -inf for every token once |logprob| / temperature passes 65504: the
+    sampler scales in float32, so a temperature of 2e-5 is (nearly) greedy, not uniform."""
+    import mlx.core as mx
+
+    row = np.full(64, np.log(0.8 / 63), np.float32)
+    row[5] = np.log(0.2)
+    logprobs = mx.array(row[None]).astype(mx.float16)
+    sampler = RequestSampler(2e-5, 1.0, seed=7)
+    draws = {int(sampler(logprobs).item()) for _ in range(20)}
+    assert draws == {5}

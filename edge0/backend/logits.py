@@ -9,7 +9,16 @@ from mlx_lm.sample_utils import apply_top_k, apply_top_p
 
 from edge0.backend.forward import make_sampler
 
-__all__ = ["sampler", "apply_token_mask", "LogitBias", "token_logprobs", "only_token", "normalize", "allowed"]
+__all__ = [
+    "sampler",
+    "apply_token_mask",
+    "LogitBias",
+    "token_logprobs",
+    "only_token",
+    "normalize",
+    "allowed",
+    "sampling_dtype",
+]
 
 
 def sampler(temperature: float, top_p: float, top_k: int, vocab: int, seed: int | None = None):
@@ -86,6 +95,13 @@ def only_token(logprobs: mx.array, token: int) -> mx.array:
     """`logprobs` [1, V] with every token but `token` at -inf (the sampler must take it)."""
     keep = mx.arange(logprobs.shape[-1]) == token
     return mx.where(keep, logprobs, mx.array(-np.inf, logprobs.dtype))
+
+
+def sampling_dtype(logprobs: mx.array) -> mx.array:
+    """`logprobs` in a dtype the sampler can scale by 1/temperature: float16 overflows to -inf for
+    every token once |logprob| / temperature passes 65504 (a temperature of 2e-5 drew tokens of
+    probability 1e-6); bfloat16 has float32's range."""
+    return logprobs.astype(mx.float32) if logprobs.dtype == mx.float16 else logprobs
 
 
 def normalize(logprobs: mx.array) -> mx.array:

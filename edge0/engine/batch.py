@@ -34,6 +34,14 @@ from edge0.sampling import check_sampling
 INTERLEAVE_SPAN = 2048
 
 
+class _OwnFailure(Exception):
+    """A waiting sequence's own prefill span failed (`error`): only that sequence ends."""
+
+    def __init__(self, error: Exception):
+        super().__init__(str(error))
+        self.error = error
+
+
 @dataclass
 class Sequence:
     """One sequence of a batch: its prompt, sampler and reply, and where its prefill is."""
@@ -189,11 +197,11 @@ class Batch:
             seq = min(self.waiting, key=lambda s: len(s.prompt) - s.fed)
             try:
                 self._prefill_span(seq, interleave=True)
-            except Exception as e:  # noqa: BLE001 - in its own cache: this sequence ends, the rows go on
+            except _OwnFailure as own:  # in its own cache: this sequence ends, the rows go on
                 if seq.receipt is not None:
-                    self.engine.kv.failed(e, seq.receipt)
+                    self.engine.kv.failed(own.error, seq.receipt)
                 self._fail_waiting(seq)
-                failed.append((seq, e))
+                failed.append((seq, own.error))
         return failed + (self._step() if self.rows else [])
 
     def _fail_waiting(self, seq: Sequence) -> None:
@@ -219,7 +227,10 @@ class Batch:
                     n = INTERLEAVE_SPAN  # others wait at most this; or a span could not be dropped
                 else:
                     stop = self.interrupt
-            fed = e.prefiller(todo[:n], seq.cache, stop)
+            try:
+                fed = e.prefiller(todo[:n], seq.cache, stop)
+            except Exception as error:  # noqa: BLE001 - the forward of its own cache: its failure alone
+                raise _OwnFailure(error) from error
             if fed < n:  # a newcomer is waiting: the span's first layers go back to where it began
                 bkv.trim_to(seq.cache, seq.fed + fed)
                 self.counts["spans_dropped"] += 1

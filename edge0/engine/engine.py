@@ -259,7 +259,12 @@ class Engine:
         new = tokens[kv.prepare(tokens, reuse, namespace) :]
         kv.begin()
         try:
-            fed = self.prefiller(new[:-1], kv.cache, should_stop)
+            try:
+                fed = self.prefiller(new[:-1], kv.cache, should_stop)
+            except Exception as e:
+                kv.failed(e)  # the forward on the KV: a cache restored from disk that fails is not restored again
+                raise
+            kv.receipt = None  # a forward on the restored cache went through
             if fed < len(new) - 1 or (should_stop and should_stop()):
                 # Cancelled: what went into every layer stays, so a retry of the request resumes there.
                 kv.keep(new[:fed])
@@ -267,11 +272,10 @@ class Engine:
             prefilled = self.streaming.stats.totals()
             kv.advance(new[:-1])
             y = self.stepper.decode(new[-1:], 0, sampler)
-        except Exception as e:
-            if isinstance(e, ValueError) and kv.kv_bits and "group size" in str(e):
-                kv.reset()  # mlx-lm's quantized cache needs key widths the group size divides
+        except ValueError as e:  # mlx-lm's quantized cache needs key widths the group size divides
+            if kv.kv_bits and "group size" in str(e):
+                kv.reset()
                 raise Edge0Error(KV_GROUP.format(group=kv.kv_group_size)) from None
-            kv.failed(e)  # a cache restored from disk that fails is not restored again
             raise
         kv.mark_prompt_end()
         return y, len(new), prefilled

@@ -75,7 +75,7 @@ class PromptCache:
         """The working cache holds the whole prompt now: a cache that cannot be trimmed back keeps a
         copy of itself here, where the conversation's next request (its prompt, the reply as the
         client renders it, a new turn) will branch off."""
-        self.prompt_end, self.receipt = len(self.tokens), None  # the forward on a restored cache went through
+        self.prompt_end = len(self.tokens)
         if self.pool is not None and self.persistable and not bkv.can_trim_prompt_cache(self.cache):
             self.snapshot = (list(self.tokens), bkv.copy_cache(self.cache))
 

@@ -49,12 +49,13 @@ class RequestSampler:
         if self._sample is None:  # the vocabulary is known once a row arrives
             self._sample = blog.sampler(self.temperature, self.top_p, self.top_k, logprobs.shape[-1], self.seed)
         if not self.processors and self.n_top is None:
-            return self._sample(logprobs)
+            return self._sample(blog.sampling_dtype(logprobs))
         row = logprobs
         for process in self.processors:
             row = process(self.generated, row)
         if self.processors:
             row = blog.normalize(row)
+        row = blog.sampling_dtype(row)
         token = self._sample(row)
         if self.processors and not blog.allowed(row, token):
             # only a row with no finite log-prob left draws a masked token: the model's output is

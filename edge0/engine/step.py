@@ -96,7 +96,7 @@ class Stepper:
             step,
             len(tokens),
             lambda: bfw.forward_rows(e.model, tokens, cache),
-            lambda logprobs: ([sample_row(s, logprobs[i]) for i, s in enumerate(samplers)], None),
+            lambda logprobs: (sample_rows(samplers, logprobs), None),
             per_row=1,
             previous=previous,
             last=len(ending) == len(tokens),
@@ -113,6 +113,7 @@ class Stepper:
         padded = [r + [r[-1]] * (width - len(r)) for r in rows]
 
         def finish(logprobs):
+            B.eval(logprobs)  # the shared forward: its failure is the batch's, never one row's (sample_row)
             result, kept = decide(logprobs)
             bkv.drop_row_tails(cache, [width - k for k in kept])
             return result, None
@@ -163,6 +164,13 @@ class Stepper:
             return out, None
 
         return self.run(step, n_tokens, forward, finish)
+
+
+def sample_rows(samplers: list, logprobs) -> list[int | Exception]:
+    """Each row's token (sample_row), after the shared forward is evaluated: its failure is the
+    batch's, never charged to the row whose sample happened to evaluate it."""
+    B.eval(logprobs)
+    return [sample_row(s, logprobs[i]) for i, s in enumerate(samplers)]
 
 
 def sample_row(sampler, logprobs) -> int | Exception:

@@ -6,6 +6,7 @@ import shutil
 import subprocess
 import sys
 
+import httpx
 import pytest
 
 from tests.fixtures.make import fixture_dir, write_safetensors_shards  # noqa: F401
@@ -83,21 +84,35 @@ def test_usage_error_exit_2():
     assert code == 2 and "unknown verb" in err
 
 
-def test_a_chat_template_the_sandbox_refuses_is_one_line(store_copy):
-    """A template reaching for Python internals: jinja's sandbox refuses it; the CLI says which file
-    holds the template, in one line, exit 2 (before: a traceback, exit 1)."""
+@pytest.mark.parametrize(
+    "bad,kind",
+    [("{{ ''.__class__.__mro__ }}", "SecurityError"), ("{{ 1 // 0 }}", "ZeroDivisionError")],
+    ids=["sandbox", "raises"],
+)
+def test_a_chat_template_that_fails_is_one_line(store_copy, bad, kind):
+    """A template reaching for Python internals (jinja's sandbox refuses it) or raising: the CLI says
+    which file holds the template, in one line, exit 2 (before: a traceback, exit 1); the server
+    answers 400 without the store's path or CLI advice."""
+    import edge0
+    from edge0.server.config import ServerConfig
+    from tests.fake_server import running_server
+
     template = store_copy / "chat_template.jinja"  # where a converted store keeps its template
-    template.write_text("{{ ''.__class__.__mro__ }}{% for m in messages %}{{ m.content }}{% endfor %}")
+    template.write_text(bad + "{% for m in messages %}{{ m.content }}{% endfor %}")
     code, err = run_cli("generate", "--model", str(store_copy), "--prompt", "hi", "--max-tokens", "2")
     assert code == 2 and "Traceback" not in err
     describe, error = err.splitlines()  # the load's describe line, then the error in one line
     assert describe.startswith("store: ") and error.startswith("edge0: error: ")
-    for needle in (str(template), "the chat template failed", "SecurityError", "--no-chat-template"):
+    for needle in (str(template), "the chat template failed", kind, "--no-chat-template"):
         assert needle in error
     code, _ = run_cli(
         "generate", "--model", str(store_copy), "--prompt", "hi", "--max-tokens", "2", "--no-chat-template"
     )
     assert code == 0
+    with running_server(edge0.load(store_copy, prerouter=False), ServerConfig()) as base:
+        r = httpx.post(base + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 400 and "the chat template failed" in r.json()["error"]["message"]
+    assert str(store_copy) not in r.text and "--no-chat-template" not in r.text
 
 
 def test_a_tokenizer_that_is_code_needs_trust_remote_code(store_copy, tmp_path):

@@ -15,6 +15,7 @@ from edge0.cli.common import (
     load_or_follow,
     run_main,
 )
+from edge0.engine.engine import TemplateFailed
 from edge0.errors import Edge0Error
 
 
@@ -40,7 +41,13 @@ def main(argv=None) -> int:
 
 def _generate(engine, args, text: str) -> int:
     if not args.no_chat_template and engine.tokenizer.chat_template is not None:
-        prompt = engine.chat_prompt([{"role": "user", "content": text}])
+        try:
+            prompt = engine.chat_prompt([{"role": "user", "content": text}])
+        except TemplateFailed as e:
+            raise Edge0Error(
+                f"{engine.template_file()}: {e}; the template is at fault: fix it there, or pass "
+                "--no-chat-template to feed the prompt as raw text"
+            ) from None
     else:
         prompt = engine.tokenizer.encode(text)
     if not prompt:

@@ -11,8 +11,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import jinja2
-
 from edge0.backend import core as B
 from edge0.backend import io as bio
 from edge0.backend import modules as bmod
@@ -47,6 +45,11 @@ class GenerationResult:
     tokens: list[int]
     finish_reason: str
     stats: dict = field(default_factory=dict)
+
+
+class TemplateFailed(Edge0Error):
+    """The chat template raised on a conversation (it refused it, or jinja's sandbox refused the
+    template): the server answers 400, the CLI names the template's file."""
 
 
 class Engine:
@@ -151,14 +154,13 @@ class Engine:
             return list(
                 self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs, **template_kwargs)
             )
-        except jinja2.TemplateError as e:  # the template refused these messages, or the sandbox the template
-            where = self.root / (
-                "chat_template.jinja" if (self.root / "chat_template.jinja").exists() else "tokenizer_config.json"
-            )
-            raise Edge0Error(
-                f"{where}: the chat template failed ({type(e).__name__}: {e}); if the messages are right, the "
-                "template is at fault: fix it there (edge0 generate --no-chat-template feeds the prompt as raw text)"
-            ) from None
+        except Exception as e:  # noqa: BLE001 - a template is code: it refused these messages, or the sandbox refused it
+            raise TemplateFailed(f"the chat template failed ({type(e).__name__}: {e})") from None
+
+    def template_file(self) -> Path:
+        """The file the store's chat template is read from (for errors a person fixes)."""
+        own = self.root / "chat_template.jinja"
+        return own if own.exists() else self.root / "tokenizer_config.json"
 
     def chat(self, messages, tools=None, **kwargs) -> GenerationResult:
         return self.generate(self.chat_prompt(messages, tools), **kwargs)

@@ -153,6 +153,9 @@ def test_errors_have_openais_shape(client):
         ({"input": [{"role": "user", "content": "a"}, None]}, "input.1", "an input item must be an object"),
         ({"input": "x", "tool_choice": 5}, "tool_choice", "tool_choice must be"),
         ({"input": "x", "tools": [7]}, "tools.0", "a tool must be an object"),
+        # a tagged union's tag ("type=function_call") is not a field of the request
+        ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input.0.call_id", "Field required"),
+        ({"input": "x", "tools": [{"type": "function", "name": 5}]}, "tools.0.name", "valid string"),
     ],
 )
 def test_items_that_are_not_objects_are_a_400_naming_the_field(client, fields, param, words):

@@ -64,29 +64,37 @@ _MEMBERS = {"str", "constrained-str", "int", "float", "bool", "list", "dict", "n
 
 
 def _member(part) -> bool:
-    return isinstance(part, str) and (part in _MEMBERS or "[" in part)
+    """A union member's name or a tagged union's tag ("type=..."), not a field of the request."""
+    return isinstance(part, str) and (part in _MEMBERS or "[" in part or "=" in part)
 
 
 def _validation_message(errors: list[dict]) -> tuple[str, str | None]:
     """One message for pydantic's errors; `param` is the field they all concern, if any.
 
-    A union field reports one error per member, so the messages are joined and the member
-    names (the part of the locations that differs) are dropped from `param`.
+    A union field reports one error per member: the members that got furthest into the value
+    name the field, and pydantic's member names and tags are dropped from it.
     """
     if errors[0].get("type") == "json_invalid":
         return f"Request body is not valid JSON: {errors[0].get('ctx', {}).get('error', errors[0]['msg'])}", None
     # a union's members fail at different depths ("input": not a string; "input.0": not an item):
-    # the one that got furthest names the field
-    deepest = max(len(e.get("loc", ())) for e in errors)
-    errors = [e for e in errors if len(e.get("loc", ())) == deepest]
+    # for each field, the member that got furthest names it
+    deepest: dict = {}
+    for e in errors:
+        field = e.get("loc", ("",))[:2]
+        deepest[field] = max(deepest.get(field, 0), len(e.get("loc", ())))
+    errors = [e for e in errors if len(e.get("loc", ())) == deepest[e.get("loc", ("",))[:2]]]
     locs = [[str(p) for p in e.get("loc", ()) if p != "body" and not _member(p)] for e in errors]
     common = locs[0]
     for loc in locs[1:]:
         n = next((i for i, (a, b) in enumerate(zip(common, loc)) if a != b), min(len(common), len(loc)))
         common = common[:n]
     param = ".".join(common) or None
+    # each message with the part of its field below `param` (all of it when there is none)
     msgs = list(
-        dict.fromkeys(f"'{'.'.join(l)}': {e['msg']}" if l and not param else e["msg"] for e, l in zip(errors, locs))
+        dict.fromkeys(
+            f"'{'.'.join(l[len(common) :])}': {e['msg']}" if l[len(common) :] else e["msg"]
+            for e, l in zip(errors, locs)
+        )
     )
     where = f"'{param}'" if param else "the request body"
     return f"Invalid value for {where}: {'; '.join(msgs[:4])}", param

@@ -78,17 +78,17 @@ class ReasoningItem(Strict):
 
 def _item_type(item) -> str | None:
     # A message item may leave out its type, as OpenAI's API allows; None (not an object) is a 400.
-    if isinstance(item, dict):
-        return item.get("type", "message")
-    return getattr(item, "type", None) if isinstance(item, BaseModel) else None
+    kind = item.get("type", "message") if isinstance(item, dict) else getattr(item, "type", None)
+    # "type=" marks the tag in an error's location, which errors.py leaves out of the field's name
+    return f"type={kind}" if isinstance(item, (dict, BaseModel)) else None
 
 
 InputItem = Annotated[
     Union[
-        Annotated[MessageItem, Tag("message")],
-        Annotated[FunctionCallItem, Tag("function_call")],
-        Annotated[FunctionCallOutputItem, Tag("function_call_output")],
-        Annotated[ReasoningItem, Tag("reasoning")],
+        Annotated[MessageItem, Tag("type=message")],
+        Annotated[FunctionCallItem, Tag("type=function_call")],
+        Annotated[FunctionCallOutputItem, Tag("type=function_call_output")],
+        Annotated[ReasoningItem, Tag("type=reasoning")],
     ],
     Discriminator(
         _item_type,

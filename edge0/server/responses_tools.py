@@ -60,14 +60,14 @@ def _tool_type(tool) -> str | None:
     if not isinstance(tool, (dict, BaseModel)):
         return None
     kind = _tag(tool)
-    return kind if kind in ("function", "namespace") else "hosted"
+    return f"type={kind if kind in ('function', 'namespace') else 'hosted'}"  # "type=": errors.py drops tags
 
 
 Tool = Annotated[
     Union[
-        Annotated[FunctionTool, Tag("function")],
-        Annotated[NamespaceTool, Tag("namespace")],
-        Annotated[HostedTool, Tag("hosted")],
+        Annotated[FunctionTool, Tag("type=function")],
+        Annotated[NamespaceTool, Tag("type=namespace")],
+        Annotated[HostedTool, Tag("type=hosted")],
     ],
     Discriminator(
         _tool_type,
@@ -91,17 +91,17 @@ class NamedHosted(BaseModel):
 
 def _choice_type(choice) -> str | None:
     if isinstance(choice, str):
-        return "mode"
+        return "type=mode"
     if not isinstance(choice, (dict, BaseModel)):
         return None
-    return "function" if _tag(choice) == "function" else "hosted"
+    return "type=function" if _tag(choice) == "function" else "type=hosted"
 
 
 ToolChoice = Annotated[
     Union[
-        Annotated[Literal["auto", "none", "required"], Tag("mode")],
-        Annotated[NamedFunction, Tag("function")],
-        Annotated[NamedHosted, Tag("hosted")],
+        Annotated[Literal["auto", "none", "required"], Tag("type=mode")],
+        Annotated[NamedFunction, Tag("type=function")],
+        Annotated[NamedHosted, Tag("type=hosted")],
     ],
     Discriminator(
         _choice_type,

@@ -187,7 +187,8 @@ def test_what_cannot_batch_runs_one_at_a_time_and_says_why(engine):
 def test_a_hostile_row_never_harms_the_stream_beside_it(engine, monkeypatch):
     """A denormal temperature under a grammar, and a request whose processor raises mid-decode,
     decode beside a long stream: the stream's text is what it is alone and holds nothing of theirs;
-    the denormal one is greedy (200), the failing one ends alone with its own error."""
+    the denormal one is greedy (200). The raising processor stands for an internal failure of one
+    request that no client can cause (a 500 is its right answer): it ends alone with its own error."""
     import edge0.server.pipeline as pipeline
     from edge0.backend.logits import LogitBias
 

@@ -59,7 +59,16 @@ SEEDS = [
     ),
     (
         COMPLETIONS,
-        {"model": MODEL, "prompt": "once", "max_tokens": 8, "logprobs": 1, "temperature": 0, "stop": "x", "seed": 1},
+        {
+            "model": MODEL,
+            "prompt": "once",
+            "max_tokens": 8,
+            "logprobs": 1,
+            "temperature": 0,
+            "stop": "x",
+            "seed": 1,
+            "cache_salt": "s",
+        },
     ),
     (
         RESPONSES,
@@ -83,6 +92,7 @@ SEEDS = [
             "tool_choice": {"type": "function", "name": "get_weather"},
             "text": {"format": {"type": "json_schema", "name": "out", "schema": WEATHER}},
             "reasoning": {"effort": "low"},
+            "cache_salt": "s",
         },
     ),
     (
@@ -109,6 +119,7 @@ SEEDS = [
             "top_k": 5,
             "stop_sequences": ["zz"],
             "metadata": {"user_id": "u"},
+            "cache_salt": "s",
         },
     ),
     (COUNT, {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "system": "s", "tools": []}),
@@ -248,3 +259,33 @@ def test_two_thousand_mutated_requests_get_no_500(server, capsys):
         print(f"\nfuzz: {REQUESTS} requests in {time.monotonic() - started:.1f} s, statuses {sorted(statuses.items())}")
     assert not problems, problems[:5]
     assert statuses.get(200, 0) > REQUESTS // 10 and statuses.get(400, 0) > REQUESTS // 10  # both kinds met
+
+
+@pytest.mark.parametrize("requests", [pytest.param(300, id="300"), pytest.param(2000, id="2000", marks=pytest.mark.slow)])
+def test_mutated_requests_on_the_real_engine_batched_get_no_500(store_for, requests, capsys):
+    """The same mutations against the real engine of a fixture store, decoding in batches of four:
+    its own checks (sampling ranges, grammars, log-probs, a denormal temperature) meet them too."""
+    import edge0
+
+    engine = edge0.load(store_for("qwen3_moe"), prerouter=False)
+    rng = random.Random(47)
+    cases = [(path, mutate(rng, seed)) for path, seed in (rng.choice(SEEDS) for _ in range(requests))]
+    config = ServerConfig(max_tokens=6, max_prompt_tokens=2048, max_queue=64, max_batch=4)
+    problems, statuses = [], {}
+    with running_server(engine, config) as base:
+
+        def send(case):
+            path, content = case
+            with httpx.Client(base_url=base, timeout=120) as client:
+                r = client.post(path, content=content, headers={"Content-Type": "application/json"})
+                return path, content, r.status_code, r.text
+
+        with ThreadPoolExecutor(4) as pool:
+            for path, content, status, text in pool.map(send, cases):
+                statuses[status] = statuses.get(status, 0) + 1
+                if (why := _check(path, status, text)) is not None:
+                    problems.append((why, path, content[:300], text[:300]))
+    with capsys.disabled():
+        print(f"\nreal-engine fuzz: {requests} requests, statuses {sorted(statuses.items())}")
+    assert not problems, problems[:5]
+    assert statuses.get(200, 0) > 0

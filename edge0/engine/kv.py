@@ -6,7 +6,7 @@ caches go to disk for a later request or a restarted process.
 
 Every cache belongs to a namespace (a request's cache_salt, its API key; "" by default): a request
 reuses only caches of its own namespace, so clients that do not share one never learn from
-cached-token counts or timing what another one sent."""
+cached-token counts, or the time a reused prefix saves, what another one sent."""
 
 from __future__ import annotations
 

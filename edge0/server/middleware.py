@@ -30,8 +30,8 @@ def needs_key(path: str) -> bool:
 
 
 def takes_body(method: str, path: str) -> bool:
-    """Whether a route may read a request body: POST, PUT and PATCH, except /health (which
-    answers any method at once)."""
+    """Whether a route may read a request body: POST, PUT and PATCH, except on /health (a GET
+    route: another method gets its 405 without the body being read)."""
     return method in ("POST", "PUT", "PATCH") and path != "/health"
 
 

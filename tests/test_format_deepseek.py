@@ -354,3 +354,22 @@ def test_v32_through_mlx_lm_encoder_on_the_three_apis(encoder_served, api, strea
     assert got.reasoning.strip() == V32_CASE.reasoning
     after = SEND[api](base, stream, tools=True, history=HISTORY[api](got.calls[0][0]))
     assert after.text.strip() == ANSWER and not after.calls
+
+
+def test_v31_tools_go_into_the_system_message_when_the_template_renders_none():
+    """The published V3.1 template renders no `tools`: the model card's block is added to the system
+    message (one is made when there is none); a template that renders them gets none."""
+    published = DeepSeekFormat(tokenizer("{{ bos_token }}{{ m.content }}<｜tool▁calls▁begin｜>"))
+    out = published.render_messages([{"role": "user", "content": "hi"}], [WEATHER_TOOL])
+    assert out[0]["role"] == "system" and out[0]["content"].startswith("## Tools")
+    assert "### get_weather" in out[0]["content"] and '"city"' in out[0]["content"]
+    kept = published.render_messages(
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}], []
+    )
+    assert kept[0]["content"] == "Be brief."
+    joined = published.render_messages([{"role": "system", "content": "Be brief."}], [WEATHER_TOOL])
+    assert joined[0]["content"].startswith("Be brief.\n\n## Tools")
+    rendering = DeepSeekFormat(tokenizer("{% if tools %}## Tools{% endif %}<｜tool▁calls▁begin｜>"))
+    assert rendering.render_messages([{"role": "user", "content": "hi"}], [WEATHER_TOOL]) == [
+        {"role": "user", "content": "hi"}
+    ]

@@ -275,3 +275,19 @@ def test_the_markers_survive_the_streaming_detokenizer_and_the_call_ends_the_tur
     parts += s.finish()
     assert "".join(p.text for p in parts[:-1]) == "Café." and parts[-1]["function"]["name"] == "get_weather"
     assert s.calls == 1
+
+
+def test_a_tool_without_a_description_renders_and_the_format_reasons(tmp_path):
+    """The published template writes `"// " + description` for every tool: render_tools gives one
+    that has none an empty description (else the whole request failed); the analysis channel is
+    reasoning, so Anthropic's thinking is not reported as ignored."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    assert FMT.render_tools(tools)[0]["function"]["description"] == "" and FMT.reasons
+    assert FMT.render_tools([WEATHER_TOOL]) == [WEATHER_TOOL]
+    import jinja2
+
+    source = "{% for t in tools %}{{ '// ' + t.function.description }}{% endfor %}"
+    env = jinja2.Environment(undefined=jinja2.StrictUndefined)
+    assert env.from_string(source).render(tools=FMT.render_tools(tools)) == "// "
+    with pytest.raises(jinja2.UndefinedError):
+        env.from_string(source).render(tools=tools)

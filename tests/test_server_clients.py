@@ -282,9 +282,9 @@ def _client_problem(client: str) -> str | None:
     return netns_problem()
 
 
-# The chat format the agent writes: ChatML JSON calls (the fake engine) or GLM's. The
+# The chat format the agent writes: ChatML JSON calls (the fake engine), GLM's or gpt-oss's. The
 # default run pairs each client with one format in turn; -m slow runs every pair.
-FORMATS = [None, "glm47"]
+FORMATS = [None, "glm47", "harmony"]
 PAIRS = [(c, f) for c in sorted(PACKAGES) for f in FORMATS]
 DEFAULT_PAIRS = {(c, FORMATS[i % len(FORMATS)]) for i, c in enumerate(sorted(PACKAGES))}
 

@@ -47,10 +47,20 @@ class ChatFormat:
         block), then tool calls when the request gave tools."""
         return MarkupSplitter(self, tools, opened)
 
-    def render_messages(self, messages: list[dict]) -> list[dict]:
-        """The conversation as the family's template takes it: the call ids a client sends back
-        in the shape the template accepts (history_id), a call's arguments as its JSON text
-        where the template renders them as given (arguments_as_text)."""
+    @property
+    def reasons(self) -> bool:
+        """The model writes reasoning this format returns as reasoning."""
+        return self.think is not None
+
+    def render_tools(self, tools: list[dict] | None) -> list[dict] | None:
+        """The tools as the family's template takes them."""
+        return tools
+
+    def render_messages(self, messages: list[dict], tools: list[dict] | None = None) -> list[dict]:
+        """The conversation as the family's template takes it (`tools`: the request's, for a
+        format whose template does not render them itself): the call ids a client sends back in
+        the shape the template accepts (history_id), a call's arguments as its JSON text where the
+        template renders them as given (arguments_as_text)."""
         out = []
         for m in messages:
             m = dict(m)

@@ -56,8 +56,9 @@ class DeepSeekFormat(ChatFormat):
             cls = DeepSeekDsmlFormat
         return super().__new__(cls)
 
-    def __init__(self, tokenizer):  # detect's call; __new__ read what decides the variant
-        pass
+    def __init__(self, tokenizer):
+        # the published V3.1 template renders no tools: the model card's block goes in its system message
+        self.renders_tools = "tools" in _template(tokenizer)
 
     def parse(self, raw: str, tools: list[dict] | None) -> list[dict]:
         """Calls `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{JSON}<｜tool▁call▁end｜>` (or V3's
@@ -68,9 +69,12 @@ class DeepSeekFormat(ChatFormat):
     def splitter(self, tools: list[dict] | None, opened: bool):
         return BlockSplitter(self, tools, opened)
 
-    def render_messages(self, messages: list[dict]) -> list[dict]:
+    def render_messages(self, messages: list[dict], tools: list[dict] | None = None) -> list[dict]:
         # The template renders `tool_calls: []` as a block without calls (and drops the content).
-        return super().render_messages([_without_empty_calls(m) for m in messages])
+        messages = [_without_empty_calls(m) for m in messages]
+        if tools and not self.renders_tools:  # the published V3.1 template lists no tools: the model card's block
+            messages = _with_tools_block(messages, tools)
+        return super().render_messages(messages, tools)
 
 
 class DeepSeekDsmlFormat(DeepSeekFormat):
@@ -93,12 +97,12 @@ class DeepSeekDsmlFormat(DeepSeekFormat):
         string="true" value is the text as written, any other is JSON (kept as text when it is not)."""
         return [_dsml_call(name, body) for name, body in _spans(_INVOKE, raw, "DSML invoke")]
 
-    def render_messages(self, messages: list[dict]) -> list[dict]:
+    def render_messages(self, messages: list[dict], tools: list[dict] | None = None) -> list[dict]:
         # DeepSeek's encoder renders the tools on the system message only: without one the
         # model would never see them.
         if not messages or messages[0].get("role") not in ("system", "developer"):
             messages = [{"role": "system", "content": ""}, *messages]
-        return super().render_messages(messages)
+        return ChatFormat.render_messages(self, messages, tools)
 
 
 def _template(tokenizer) -> str:
@@ -245,3 +249,29 @@ class BlockSplitter:
             return [raw]
         self.calls += len(calls)
         return calls
+
+
+def _with_tools_block(messages: list[dict], tools: list[dict]) -> list[dict]:
+    """`messages` with the tools listed in the system message as DeepSeek-V3.1's model card asks:
+    each tool's name, description and parameter schema, then the call format."""
+    lines = ["## Tools", "You have access to the following tools:"]
+    for tool in tools:
+        fn = tool.get("function", tool)
+        lines += [
+            f"\n### {fn.get('name', '')}",
+            f"Description: {fn.get('description') or ''}",
+            f"\nParameters: {json.dumps(fn.get('parameters') or {}, ensure_ascii=False)}",
+        ]
+    lines += [
+        "\nIMPORTANT: ALWAYS adhere to this exact format for tool use:",
+        f"{CALLS_BEGIN}{CALL_BEGIN}tool_call_name{SEP}tool_call_arguments{CALL_END}{{additional_tool_calls}}{CALLS_END}",
+        "\nWhere:\n- `tool_call_name` must be an exact match to one of the available tools\n"
+        "- `tool_call_arguments` must be valid JSON that strictly follows the tool's Parameters Schema\n"
+        "- For multiple tool calls, chain them directly without separators or spaces",
+    ]
+    block = "\n".join(lines)
+    if messages and messages[0].get("role") == "system":
+        first = messages[0]
+        content = first.get("content") or ""
+        return [{**first, "content": f"{content}\n\n{block}" if content else block}, *messages[1:]]
+    return [{"role": "system", "content": block}, *messages]

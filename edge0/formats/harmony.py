@@ -59,11 +59,20 @@ class HarmonyFormat(ChatFormat):
     def splitter(self, tools: list[dict] | None, opened: bool):
         return HarmonySplitter(self, calling=bool(tools))
 
-    def render_messages(self, messages: list[dict]) -> list[dict]:
+    @property
+    def reasons(self) -> bool:
+        return True  # the analysis channel
+
+    def render_tools(self, tools: list[dict] | None) -> list[dict] | None:
+        """The published template writes `"// " + description` for every tool: a tool without one
+        would fail the whole request."""
+        return [_described(t) for t in tools] if tools else tools
+
+    def render_messages(self, messages: list[dict], tools: list[dict] | None = None) -> list[dict]:
         """The template reads an assistant message's reasoning as `thinking`, renders a message's
         first call only and names each tool result after the call before it: one message per call,
         each followed by its result."""
-        return super().render_messages([_thinking(m) for m in _one_call_each(messages)])
+        return super().render_messages([_thinking(m) for m in _one_call_each(messages)], tools)
 
     def describe(self) -> str:
         return f"chat format: {self.name} ({self.families}; reasoning in the analysis channel)"
@@ -252,3 +261,10 @@ def _one_call_each(messages: list[dict]) -> list[dict]:
                 out.append(mine[0])
         out += results
     return out
+
+
+def _described(tool: dict) -> dict:
+    fn = tool.get("function")
+    if isinstance(fn, dict) and not isinstance(fn.get("description"), str):
+        return {**tool, "function": {**fn, "description": ""}}
+    return tool

@@ -47,7 +47,7 @@ class KimiFormat(ChatFormat):
     def splitter(self, tools: list[dict] | None, opened: bool):
         return KimiSplitter(self, tools, opened)
 
-    def render_messages(self, messages: list[dict]) -> list[dict]:
+    def render_messages(self, messages: list[dict], tools: list[dict] | None = None) -> list[dict]:
         """Call ids not of the model's shape (another server's `call_...`, `toolu_...`) become
         `functions.NAME:N`, on the call and on its result alike, as the model writes them."""
         ids: dict[str, str] = {}

@@ -211,7 +211,7 @@ class CountTokensRequest(Strict):
         tool call (tool_choice any / tool) generated under its tool's input schema."""
         thinking = self.thinking is not None and self.thinking.type != "disabled"
         notes = ()
-        if thinking and not fmt.think:
+        if thinking and not fmt.reasons:
             # Claude Code asks for thinking by default; answer without it rather than refuse.
             thinking, notes = False, (THINKING_IGNORED,)
         tools, constraint = self.tool_dicts(), None

@@ -287,8 +287,9 @@ def _tokenize(engine, prompt: Prompt) -> list[int]:
     if prompt.text is not None:
         return engine.tokenizer.encode(prompt.text)
     try:
-        messages = engine.chat_format.render_messages(prompt.messages)
-        return engine.chat_prompt(messages, prompt.tools, **prompt.template_kwargs)
+        fmt = engine.chat_format
+        messages = fmt.render_messages(prompt.messages, prompt.tools)
+        return engine.chat_prompt(messages, fmt.render_tools(prompt.tools), **prompt.template_kwargs)
     except Exception as e:  # the template (Jinja) rejects some conversations, e.g. bad role order
         raise APIError(400, f"Could not apply the chat template: {e}", prompt.param, "invalid_messages") from None
 

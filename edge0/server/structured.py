@@ -82,5 +82,7 @@ def logit_bias(bias: dict[str, Any] | None, vocab_size: int, param: str = "logit
 
 def thinking_switch(effort: str | None) -> dict:
     """Template kwargs for an OpenAI reasoning effort: "none" turns reasoning off, any other
-    effort on; no effort leaves the template's default."""
-    return {} if effort is None else {"enable_thinking": effort != "none"}
+    effort on (Qwen3-style templates read `enable_thinking`), and the effort itself for templates
+    that read it (gpt-oss's `reasoning_effort`: low, medium, high); no effort leaves the template's
+    default."""
+    return {} if effort is None else {"enable_thinking": effort != "none", "reasoning_effort": effort}

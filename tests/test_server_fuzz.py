@@ -1,7 +1,8 @@
 """Fuzzing the three APIs: 2,000 mutated requests (a fixed seed) against the real app and server on
 the fake engine, streamed and not. Each valid seed body is mutated at a random place (a field's
-value replaced by junk of another type, a field deleted, an unknown field added, a list item
-repeated or replaced) or replaced whole (junk JSON, bytes that are not JSON). No answer may be a
+value replaced by junk of another type or nested deep, a field deleted, an unknown field added, a
+list item repeated or replaced, a string not UTF-8) or replaced whole (junk JSON, bytes that are
+not JSON). No answer may be a
 500, in the status or in a stream's error event, and every refusal is an error in its API's shape."""
 
 from __future__ import annotations
@@ -148,6 +149,9 @@ JUNK = [
     {"type": 5},
     {"a": {"b": [1, {"c": None}]}},
     "9" * 400,
+    "\ud800",  # a lone surrogate: an escape, or bytes that are not UTF-8 inside a string (surrogatepass)
+    5e-324,
+    [[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]],
 ]
 
 
@@ -261,7 +265,9 @@ def test_two_thousand_mutated_requests_get_no_500(server, capsys):
     assert statuses.get(200, 0) > REQUESTS // 10 and statuses.get(400, 0) > REQUESTS // 10  # both kinds met
 
 
-@pytest.mark.parametrize("requests", [pytest.param(300, id="300"), pytest.param(2000, id="2000", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "requests", [pytest.param(300, id="300"), pytest.param(2000, id="2000", marks=pytest.mark.slow)]
+)
 def test_mutated_requests_on_the_real_engine_batched_get_no_500(store_for, requests, capsys):
     """The same mutations against the real engine of a fixture store, decoding in batches of four:
     its own checks (sampling ranges, grammars, log-probs, a denormal temperature) meet them too."""

@@ -452,4 +452,40 @@ def test_connections_that_never_send_their_body_cannot_lock_clients_out(path):
             for _ in range(10):
                 with contextlib.suppress(httpx.TransportError):
                     answered += httpx.get(base + "/health", timeout=5).status_code == 200
+    print(f"{cap} connections sent POST {path} headers and no body: /health answered {answered} of 10")
     assert answered >= 9, answered
+
+
+def closed_within(sock: socket.socket, timeout_s: float, trickle: bool) -> float | None:
+    """Seconds until the server closes `sock` (None: still open after `timeout_s`), reading and
+    dropping what it sends; with `trickle`, a byte of body is sent every 0.2 s meanwhile."""
+    started = time.monotonic()
+    sock.settimeout(0.2)
+    while time.monotonic() - started < timeout_s:
+        try:
+            if trickle:
+                sock.sendall(b"x")
+            if not sock.recv(4096):
+                return time.monotonic() - started
+        except TimeoutError:
+            continue
+        except OSError:  # reset, or a broken pipe on the send: closed
+            return time.monotonic() - started
+    return None
+
+
+def test_a_route_that_takes_no_body_answers_without_it_and_the_connection_stays_timed():
+    """GET /health with a large Content-Length and no body is answered at once (before: it waited
+    for the body until the body timeout). uvicorn then keeps the connection and drops the body as
+    it comes: the keep-alive timeout closes it if the body never comes, the header timeout if it
+    trickles in."""
+    closed = []
+    with server_process("--idle-timeout-s", "1", "--header-timeout-s", "2") as (proc, base):
+        for trickle in (False, True):
+            with many_sockets(base, 1) as (s,):
+                s.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 100000\r\n\r\n")
+                assert s.recv(4096).startswith(b"HTTP/1.1 200 OK")
+                closed.append(closed_within(s, 10, trickle))
+    silent, trickling = closed
+    assert silent is not None and trickling is not None and trickling > 1.5, closed
+    print(f"unread body: the server closed the connection after {silent:.1f} s silent, {trickling:.1f} s trickling")

@@ -1,4 +1,4 @@
-"""Plain chat ends where mlx-lm's `generate` ends, on the real engine: a tiny model of the family
+"""A reply ends where mlx-lm's `generate` ends, on the real engine: a tiny model of the family
 (tests/fixtures) given the format case's tokenizer, template and end ids (tests/fixtures/formats),
 converted to a store; both are forced through the case's plain reply, which runs past the end of
 its turn (GLM's <|user|>, listed as an end id only in config.json and generation_config.json), and
@@ -35,8 +35,10 @@ class Script:
         return only_token(logits, self.tokens[min(n, len(self.tokens) - 1)])
 
 
+@pytest.mark.parametrize("reply", ["plain_reply", "call_reply"])
 @pytest.mark.parametrize("case", CHECKED, ids=lambda c: c.name)
-def test_plain_chat_ends_where_mlx_lm_generate_ends(case, tmp_path):
+def test_a_reply_ends_where_mlx_lm_generate_ends(case, reply, tmp_path):
+    """Plain chat, and a call (gpt-oss's <|call|>, GLM's <|observation|>), forced through both."""
     from mlx_lm import load as mlx_lm_load
     from mlx_lm import stream_generate
 
@@ -51,7 +53,7 @@ def test_plain_chat_ends_where_mlx_lm_generate_ends(case, tmp_path):
     engine = edge0.load(store, prerouter=False)
     messages = [{"role": "user", "content": "hi"}]
     prompt = engine.chat_prompt(messages)
-    script = engine.tokenizer.encode(case.plain_reply, add_special_tokens=False)
+    script = engine.tokenizer.encode(getattr(case, reply), add_special_tokens=False)
     ours = engine.generate(prompt, max_tokens=len(script), logits_processors=[Script(script)])
 
     model, tokenizer = mlx_lm_load(str(src))
@@ -64,4 +66,5 @@ def test_plain_chat_ends_where_mlx_lm_generate_ends(case, tmp_path):
     assert ours.tokens == their_tokens  # the same tokens, the end id last
     assert ours.tokens[-1] in engine.tokenizer.eos_token_ids and len(ours.tokens) < len(script)
     assert ours.text.strip() == "".join(r.text for r in theirs).strip()
-    assert case.plain_text in ours.text
+    if reply == "plain_reply":
+        assert case.plain_text in ours.text

@@ -189,7 +189,7 @@ def test_namespace_tools_are_flattened_and_their_calls_come_back_with_the_namesp
     [
         (CODEX_TOOLS, {"type": "web_search"}, "forces the tool 'web_search'"),
         ([{"type": "web_search"}], "required", "only hosted tools (web_search)"),
-        ([CODEX_TOOLS[0], {"type": "namespace", "name": "n"}], "auto", "'tools.1.namespace.tools'"),
+        ([CODEX_TOOLS[0], {"type": "namespace", "name": "n"}], "auto", "'tools.1.tools'"),
     ],
 )
 def test_tools_that_cannot_be_served_are_refused_by_name_or_index(tools, choice, words):

@@ -18,6 +18,8 @@ from edge0.cli.common import (
     load_or_follow,
     run_main,
 )
+from edge0.engine.engine import TemplateFailed
+from edge0.errors import Edge0Error
 
 COMMANDS = "/reset (forget the conversation), /stats (engine statistics), /exit"
 
@@ -57,7 +59,12 @@ class Session:
         parts, stats = [], None
         try:
             # The whole history goes in; with reuse_cache the engine prefills only what is new.
-            prompt = self.engine.chat_prompt(self.history + [user])
+            try:
+                prompt = self.engine.chat_prompt(self.history + [user])
+            except TemplateFailed as e:
+                raise Edge0Error(
+                    f"{self.engine.template_file()}: {e}; the template is at fault: fix it there"
+                ) from None
             steps = self.engine.stream_generate(
                 prompt,
                 max_tokens=self.args.max_tokens,

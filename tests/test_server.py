@@ -10,6 +10,7 @@ import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -151,6 +152,21 @@ def test_completions(client):
     assert "".join(c.choices[0].text for c in streamed if c.choices) == r.choices[0].text
     short = client.completions.create(model=MODEL, prompt="Once upon", max_tokens=3)
     assert short.choices[0].text == "Ech" and short.choices[0].finish_reason == "length"
+
+
+def test_models_in_anthropics_shape_for_the_anthropic_sdk(url):
+    """The anthropic SDK sends `anthropic-version`: the model list and card come in its Models API
+    shape, which its pydantic types validate; without the header they stay OpenAI's."""
+    client = anthropic.Anthropic(base_url=url, api_key=KEY, max_retries=0)
+    listed = client.models.list()
+    assert [m.id for m in listed.data] == [MODEL] and listed.first_id == listed.last_id == MODEL
+    raw = client.models.with_raw_response.retrieve(MODEL).http_response.json()
+    card = anthropic.types.ModelInfo.model_validate(raw)
+    assert card.type == "model" and card.display_name == MODEL and card.lifecycle == "active"
+    assert card.max_input_tokens == LIMITS.max_prompt_tokens and card.max_tokens == LIMITS.max_tokens
+    assert abs(card.created_at.timestamp() - time.time()) < 600
+    plain = httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"}).json()
+    assert plain["object"] == "list" and set(plain["data"][0]) == {"id", "object", "created", "owned_by"}
 
 
 def test_models_health_stats(client, url):

@@ -137,6 +137,9 @@ def test_errors_have_openais_shape(client):
         client.responses.create(
             model=MODEL, input="x", text={"format": {"type": "json_schema", "name": "x", "schema": 5}}
         )
+    with pytest.raises(openai.BadRequestError) as e:  # OpenAI requires the schema here (not in Chat Completions)
+        client.responses.create(model=MODEL, input="x", text={"format": {"type": "json_schema", "name": "x"}})
+    assert e.value.body["param"] == "text.format.schema"
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=str(client.base_url), api_key="wrong", max_retries=0).responses.create(
             model=MODEL, input="x"

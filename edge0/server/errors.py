@@ -68,8 +68,26 @@ def _member(part) -> bool:
     return isinstance(part, str) and (part in _MEMBERS or "[" in part or "=" in part)
 
 
-def _validation_message(errors: list[dict]) -> tuple[str, str | None]:
-    """One message for pydantic's errors; `param` is the field they all concern, if any.
+def _fields(loc: tuple, body) -> list[str]:
+    """The request's field names along pydantic's `loc`: member names and the tags of tagged
+    unions dropped (a tag is the `type` of the object it stands in, where no field has its name)."""
+    out, value = [], body
+    for part in loc:
+        if part == "body" and not out:
+            continue
+        is_tag = isinstance(value, dict) and part not in value and value.get("type") == part
+        if is_tag or _member(part):
+            continue
+        out.append(str(part))
+        try:
+            value = value[part]
+        except (KeyError, IndexError, TypeError):
+            value = None
+    return out
+
+
+def _validation_message(errors: list[dict], body=None) -> tuple[str, str | None]:
+    """One message for pydantic's errors on `body`; `param` is the field they all concern, if any.
 
     A union field reports one error per member: the members that got furthest into the value
     name the field, and pydantic's member names and tags are dropped from it.
@@ -83,7 +101,7 @@ def _validation_message(errors: list[dict]) -> tuple[str, str | None]:
         field = e.get("loc", ("",))[:2]
         deepest[field] = max(deepest.get(field, 0), len(e.get("loc", ())))
     errors = [e for e in errors if len(e.get("loc", ())) == deepest[e.get("loc", ("",))[:2]]]
-    locs = [[str(p) for p in e.get("loc", ()) if p != "body" and not _member(p)] for e in errors]
+    locs = [_fields(tuple(e.get("loc", ())), body) for e in errors]
     common = locs[0]
     for loc in locs[1:]:
         n = next((i for i, (a, b) in enumerate(zip(common, loc)) if a != b), min(len(common), len(loc)))
@@ -109,7 +127,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
-        message, param = _validation_message(list(exc.errors()))
+        message, param = _validation_message(list(exc.errors()), exc.body)
         return error_response(
             request.url.path, APIError(400, message, param, "invalid_value" if param else "invalid_request")
         )

@@ -3,13 +3,24 @@ route also answers without its /v1 prefix (clients configured with a bare base U
 
 from __future__ import annotations
 
+from datetime import datetime, timezone
+
 from fastapi import APIRouter, Request
 
 from edge0.backend.memory import available as memory_available
 from edge0.server.chat_format import ChatFormat, CompletionFormat
 from edge0.server.connections import connection_stats
 from edge0.server.pipeline import Prompt, check_model, chosen_tools, respond, sampling_params, served_id
-from edge0.server.schemas import ChatCompletion, ChatRequest, Completion, CompletionRequest, ModelCard, ModelList
+from edge0.server.schemas import (
+    AnthropicModelCard,
+    AnthropicModelList,
+    ChatCompletion,
+    ChatRequest,
+    Completion,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+)
 from edge0.server.structured import format_constraint, logit_bias, thinking_switch, tool_constraint
 
 router = APIRouter()
@@ -26,16 +37,20 @@ async def health(request: Request) -> dict:
     }
 
 
-@router.get("/v1/models", response_model=ModelList)
-@router.get("/models", response_model=ModelList, include_in_schema=False)
+@router.get("/v1/models", response_model=ModelList | AnthropicModelList)
+@router.get("/models", response_model=ModelList | AnthropicModelList, include_in_schema=False)
 async def list_models(request: Request) -> dict:
-    """The served model (its id first), and each --served-model-name alias."""
+    """The served model (its id first), and each --served-model-name alias; in Anthropic's shape
+    when the request carries `anthropic-version` (the anthropic SDKs send it)."""
     names = request.app.state.config.served_model_names or (served_id(request),)
-    return {"data": [_card(request, name) for name in names]}
+    cards = [_card(request, name) for name in names]
+    if _anthropic(request):
+        return {"data": cards, "has_more": False, "first_id": names[0], "last_id": names[-1]}
+    return {"data": cards}
 
 
-@router.get("/v1/models/{model_id:path}", response_model=ModelCard)
-@router.get("/models/{model_id:path}", response_model=ModelCard, include_in_schema=False)
+@router.get("/v1/models/{model_id:path}", response_model=ModelCard | AnthropicModelCard)
+@router.get("/models/{model_id:path}", response_model=ModelCard | AnthropicModelCard, include_in_schema=False)
 async def get_model(model_id: str, request: Request) -> dict:
     check_model(request, model_id)
     config = request.app.state.config
@@ -126,5 +141,19 @@ def _machine_memory() -> dict:
     return {"memory_available_bytes": available, "memory_source": source}
 
 
+def _anthropic(request: Request) -> bool:
+    return "anthropic-version" in request.headers
+
+
 def _card(request: Request, name: str) -> dict:
-    return {"id": name, "created": request.app.state.started}
+    state = request.app.state
+    if not _anthropic(request):
+        return {"id": name, "created": state.started}
+    config = state.config
+    return {
+        "id": name,
+        "display_name": name,
+        "created_at": datetime.fromtimestamp(state.started, timezone.utc).isoformat().replace("+00:00", "Z"),
+        "max_input_tokens": config.max_prompt_tokens,
+        "max_tokens": config.max_tokens or config.context_length,
+    }

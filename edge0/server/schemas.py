@@ -65,9 +65,11 @@ class ChatJSONSchemaFormat(Strict):
 
 
 class ResponsesJSONSchemaFormat(JSONSchemaSpec):
-    """Responses: `{"type": "json_schema", "name", "schema", "strict"}` (the spec inline)."""
+    """Responses: `{"type": "json_schema", "name", "schema", "strict"}` (the spec inline; OpenAI
+    requires its schema here, where Chat Completions makes it optional)."""
 
     type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
 
 
 ChatResponseFormat = Annotated[Union[TextFormat, JSONObjectFormat, ChatJSONSchemaFormat], Field(discriminator="type")]
@@ -288,3 +290,22 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class AnthropicModelCard(BaseModel):
+    """A model as Anthropic's Models API describes one (a request with an `anthropic-version` header)."""
+
+    id: str
+    type: Literal["model"] = "model"
+    display_name: str
+    created_at: str  # RFC 3339: when the server started (the checkpoint's release date is unknown)
+    lifecycle: Literal["active"] = "active"
+    max_input_tokens: int
+    max_tokens: int
+
+
+class AnthropicModelList(BaseModel):
+    data: list[AnthropicModelCard]
+    has_more: bool = False
+    first_id: str | None
+    last_id: str | None

@@ -185,3 +185,49 @@ def test_errors_have_anthropics_shape(client, url):
     # The bearer key works too (auth_token), as on the OpenAI routes.
     bearer = anthropic.Anthropic(base_url=url, auth_token=KEY, api_key=None, max_retries=0)
     assert bearer.messages.create(model=MODEL, max_tokens=20, messages=user("ok")).content[0].text == "Echo: ok"
+
+
+READ = {"name": "Read", "description": "Read a file", "input_schema": {"type": "object"}}
+DEFERRED = {
+    "name": "WebFetch",
+    "description": "Fetch a page",
+    "input_schema": {"type": "object", "properties": {"url": {"type": "string"}}},
+    "defer_loading": True,
+}
+
+
+def test_deferred_tools_stay_out_of_the_prompt_until_a_tool_reference_loads_them(client, engine):
+    """As Anthropic's API (Claude Code's deferred tools): count_tokens and the prompt equal those of
+    the request without the deferred tool, until a tool search's tool_reference names it."""
+    base = dict(model=MODEL, max_tokens=20, messages=user("hello"))
+    alone = client.messages.count_tokens(model=MODEL, messages=base["messages"], tools=[READ]).input_tokens
+    both = client.messages.count_tokens(model=MODEL, messages=base["messages"], tools=[READ, DEFERRED]).input_tokens
+    assert both == alone
+    client.messages.create(**base, tools=[READ])
+    without = engine.calls[-1].prompt
+    client.messages.create(**base, tools=[READ, DEFERRED])
+    assert engine.calls[-1].prompt == without and "WebFetch" not in engine.tokenizer.decode(without)
+
+    search = [
+        {"role": "user", "content": "find a fetch tool"},
+        {
+            "role": "assistant",
+            "content": [{"type": "tool_use", "id": "toolu_1", "name": "ToolSearch", "input": {"query": "fetch"}}],
+        },
+        {
+            "role": "user",
+            "content": [
+                {
+                    "type": "tool_result",
+                    "tool_use_id": "toolu_1",
+                    "content": [{"type": "tool_reference", "tool_name": "WebFetch"}],
+                }
+            ],
+        },
+    ]
+    search_tool = {"name": "ToolSearch", "input_schema": {"type": "object"}}
+    client.messages.create(model=MODEL, max_tokens=20, messages=search, tools=[READ, search_tool, DEFERRED])
+    rendered = engine.tokenizer.decode(engine.calls[-1].prompt)
+    assert '"name": "WebFetch"' in rendered and "Tool loaded: WebFetch" in rendered
+    with pytest.raises(anthropic.BadRequestError, match="tool_reference names the tool 'WebFetch'"):
+        client.messages.create(model=MODEL, max_tokens=20, messages=search, tools=[READ, search_tool])

@@ -44,14 +44,30 @@ class ToolUseBlock(Strict):
     input: dict[str, Any]
 
 
+class ToolReferenceBlock(Strict):
+    """A tool search's answer (Claude Code's ToolSearch): the deferred tool it names is loaded from here on."""
+
+    type: Literal["tool_reference"]
+    tool_name: str
+
+
 class ToolResultBlock(Strict):
     type: Literal["tool_result"]
     tool_use_id: str
-    content: Union[str, list[TextBlock]] = ""
+    content: Union[str, list[Annotated[Union[TextBlock, ToolReferenceBlock], Field(discriminator="type")]]] = ""
     is_error: bool = False
 
+    def references(self) -> list[str]:
+        return (
+            [] if isinstance(self.content, str) else [b.tool_name for b in self.content if b.type == "tool_reference"]
+        )
+
     def text(self) -> str:
-        text = self.content if isinstance(self.content, str) else join_text(self.content)
+        if isinstance(self.content, str):
+            text = self.content
+        else:  # a reference says which tool it loaded; its definition joins the prompt's tools
+            loaded = [f"Tool loaded: {name}" for name in self.references()]
+            text = "\n".join(filter(None, [join_text(b for b in self.content if b.type == "text"), *loaded]))
         # Chat templates have no error flag for a tool result, so it is said in the text.
         return f"Error: {text}" if self.is_error else text
 
@@ -85,6 +101,8 @@ class ToolDef(Strict):
     name: str = Field(min_length=1)
     description: Optional[str] = None
     input_schema: dict[str, Any]
+    # out of the prompt until a tool search's tool_reference (or an earlier call) loads it, as in Anthropic's API
+    defer_loading: Optional[bool] = None
 
 
 class ToolChoiceParam(Strict):
@@ -193,14 +211,37 @@ class CountTokensRequest(Strict):
         return out
 
     def tool_dicts(self) -> list[dict] | None:
-        """Anthropic tools as the chat template takes them (OpenAI function tools)."""
+        """Anthropic tools as the chat template takes them (OpenAI function tools): the loaded ones."""
+        loaded = self.loaded_tools()
         return [
             {
                 "type": "function",
                 "function": {"name": t.name, "description": t.description or "", "parameters": t.input_schema},
             }
             for t in self.tools or []
+            if t.name in loaded
         ] or None
+
+    def loaded_tools(self) -> set[str]:
+        """The tools in the prompt: every tool not deferred, and each deferred one that a
+        tool_reference block in the conversation named or an earlier tool_use called."""
+        names = {t.name for t in self.tools or []}
+        loaded = {t.name for t in self.tools or [] if not t.defer_loading}
+        for i, m in enumerate(self.messages):
+            for j, b in enumerate([] if isinstance(m.content, str) else m.content):
+                if b.type == "tool_use":
+                    loaded.add(b.name)
+                for name in b.references() if b.type == "tool_result" else ():
+                    if name not in names:
+                        raise APIError(
+                            400,
+                            f"messages.{i}.content.{j}: a tool_reference names the tool '{name}', which is not "
+                            "in 'tools'",
+                            f"messages.{i}.content.{j}.content",
+                            "invalid_value",
+                        )
+                    loaded.add(name)
+        return loaded & names
 
     def tool_mode(self):
         kind = self.tool_choice.type if self.tool_choice else "auto"

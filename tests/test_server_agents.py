@@ -288,9 +288,13 @@ def test_count_tokens_equals_the_messages_input_tokens(claude, engine):
     counted = claude.messages.count_tokens(**request).input_tokens
     engine.reset_cache()  # no prefix reused: every prompt token is an input token
     m = claude.messages.create(max_tokens=100, **request)
-    assert counted == m.usage.input_tokens == len(engine.calls[-1].prompt) and m.usage.cache_read_input_tokens == 0
-    again = claude.messages.create(max_tokens=100, **request)  # reused now: input + cache read
-    assert again.usage.input_tokens + again.usage.cache_read_input_tokens == counted
+    # nothing read: every prompt token prefilled, and written to the prompt cache
+    assert counted == m.usage.cache_creation_input_tokens == len(engine.calls[-1].prompt)
+    assert m.usage.cache_read_input_tokens == m.usage.input_tokens == 0
+    again = claude.messages.create(max_tokens=100, **request)  # reused now: cache read + what was written
+    u = again.usage
+    assert u.input_tokens + u.cache_read_input_tokens + u.cache_creation_input_tokens == counted
+    assert u.cache_read_input_tokens > 0 and u.input_tokens == 0
     thinking = claude.messages.count_tokens(**request, thinking={"type": "enabled", "budget_tokens": 1024}).input_tokens
     assert counted - thinking == len(engine.tokenizer.encode("<think>\n\n</think>\n\n"))  # no empty block
 

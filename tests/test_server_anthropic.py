@@ -22,6 +22,11 @@ WEATHER = [
 ]
 
 
+def prompt_sum(usage) -> int:
+    """Anthropic's three parts of the prompt: not cached, read from the cache, written to it."""
+    return usage.input_tokens + usage.cache_read_input_tokens + (usage.cache_creation_input_tokens or 0)
+
+
 @pytest.fixture(scope="module")
 def engine():
     return FakeEngine()
@@ -53,7 +58,7 @@ def test_message_with_system_prompt_and_usage(client, engine):
     assert prompt == engine.chat_prompt(  # no thinking asked: Anthropic's default is off
         [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "héllo 🙂"}], enable_thinking=False
     )
-    assert r.usage.input_tokens + r.usage.cache_read_input_tokens == len(prompt)
+    assert prompt_sum(r.usage) == len(prompt)
     assert r.usage.output_tokens == engine.calls[-1].steps
     blocks = client.messages.create(
         model=MODEL,
@@ -83,12 +88,8 @@ def test_streaming_equals_non_streaming(client):
     assert set(kinds[2:-3]) == {"content_block_delta"} and len(kinds) > 10
     # The counts are known once generation starts: message_start has zeros, message_delta the totals.
     assert events[0].message.usage.input_tokens == 0 and events[0].message.usage.output_tokens == 0
-    assert events[-2].usage.input_tokens + events[-2].usage.cache_read_input_tokens == (
-        whole.usage.input_tokens + whole.usage.cache_read_input_tokens
-    )
-    assert final.usage.input_tokens + final.usage.cache_read_input_tokens == events[-2].usage.input_tokens + (
-        events[-2].usage.cache_read_input_tokens
-    )
+    assert prompt_sum(events[-2].usage) == prompt_sum(whole.usage)
+    assert prompt_sum(final.usage) == prompt_sum(events[-2].usage)
 
 
 def test_max_tokens_and_stop_sequences(client):

@@ -235,7 +235,8 @@ def test_a_client_that_leaves_during_the_prefill_leaves_its_spans_cached_for_the
         engine.reset_cache()
         cold = httpx.post(base + "/v1/messages", json=body, timeout=60).json()
         assert cold["usage"]["cache_read_input_tokens"] == 0 and cold["content"] == retry["content"]
-        assert cold["usage"]["input_tokens"] == retry["usage"]["input_tokens"] + kept
+        written = cold["usage"]["cache_creation_input_tokens"]  # every prefilled token, cached for the next
+        assert written == retry["usage"]["cache_creation_input_tokens"] + kept and cold["usage"]["input_tokens"] == 0
 
 
 def test_generated_control_tokens_are_not_in_the_text(store_for):

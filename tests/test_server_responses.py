@@ -56,6 +56,9 @@ def test_text_response_with_instructions_and_usage(client, engine):
     )
     assert engine.calls[-1].prompt == prompt and items.output_text == r.output_text
     assert items.usage.input_tokens_details.cached_tokens == len(prompt) - 1
+    # the prefilled token was written to the prompt cache (Anthropic's cache_creation_input_tokens)
+    assert items.usage.input_tokens_details.cache_write_tokens == 1
+    assert r.usage.input_tokens_details.cache_write_tokens == len(prompt) - r.usage.input_tokens_details.cached_tokens
 
 
 def test_streaming_events_and_final_response(client):

@@ -367,7 +367,8 @@ def test_a_claude_code_shaped_request_streams(thinking_engine):
     assert final.content or (final.stop_reason == "end_turn" and final.usage.output_tokens <= 1)
     assert final.model == engine.model_id and final.stop_reason in ("end_turn", "max_tokens", "tool_use")
     assert final.usage.output_tokens <= 24
-    assert final.usage.input_tokens + final.usage.cache_read_input_tokens == counted.input_tokens
+    u = final.usage
+    assert u.input_tokens + u.cache_read_input_tokens + u.cache_creation_input_tokens == counted.input_tokens
     # Thinking on reaches the template: no empty <think></think> block in the prompt.
     off = engine.chat_prompt([{"role": "user", "content": "x"}], enable_thinking=False)
     on = engine.chat_prompt([{"role": "user", "content": "x"}], enable_thinking=True)

@@ -13,12 +13,14 @@ from edge0.server.pipeline import sse
 
 
 def anthropic_usage(usage: Usage) -> dict:
-    # Anthropic counts cache reads apart: input_tokens are the prompt tokens that were prefilled.
+    # Anthropic splits the prompt three ways: read from the cache, written to it, and neither
+    # (input_tokens). The server caches every prefilled token, as a breakpoint at the prompt's end would.
+    written = usage.cache_write_tokens
     return {
-        "input_tokens": usage.prompt_tokens - usage.cached_tokens,
+        "input_tokens": usage.prompt_tokens - usage.cached_tokens - written,
         "output_tokens": usage.completion_tokens,
         "cache_read_input_tokens": usage.cached_tokens,
-        "cache_creation_input_tokens": 0,
+        "cache_creation_input_tokens": written,
     }
 
 

@@ -54,6 +54,12 @@ class Usage:
     cached_tokens: int  # prompt tokens whose KV was reused, not prefilled
     reasoning_tokens: int = 0  # completion tokens spent in a reasoning block
 
+    @property
+    def cache_write_tokens(self) -> int:
+        """Prompt tokens this request wrote to the prompt cache: every prefilled one (the server
+        always keeps a prompt's KV for the next request, engine/kv.py; later ones may evict it)."""
+        return self.prompt_tokens - self.cached_tokens
+
 
 @dataclass(frozen=True)
 class Finish:

@@ -15,7 +15,7 @@ from edge0.server.pipeline import sse
 def _usage(usage: Usage) -> dict:
     return {
         "input_tokens": usage.prompt_tokens,
-        "input_tokens_details": {"cached_tokens": usage.cached_tokens},
+        "input_tokens_details": {"cached_tokens": usage.cached_tokens, "cache_write_tokens": usage.cache_write_tokens},
         "output_tokens": usage.completion_tokens,
         "output_tokens_details": {"reasoning_tokens": usage.reasoning_tokens},
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,

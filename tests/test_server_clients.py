@@ -8,6 +8,7 @@ skipped with the reason where they are not installed or namespaces cannot be mad
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import anthropic
@@ -257,10 +258,39 @@ def test_keepalives_while_the_prefill_runs_leave_every_api_reply_unchanged():
             kinds = [e.type for e in stream]
             final = stream.get_final_response()
         assert kinds.count("response.in_progress") >= 3 and final.output_text == "Echo: hello again"
-        raw = httpx.post(base + "/v1/chat/completions", json={"messages": user("hi there"), "stream": True}).text
-        assert raw.count(": keep-alive\n\n") >= 2
-        chunks = oai.chat.completions.create(model="m", messages=user("hi you"), stream=True)
-        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Echo: hi you"
+        chunks = list(oai.chat.completions.create(model="m", messages=user("hi you"), stream=True))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks) == "Echo: hi you"
+        empty = [c for c in chunks if c.choices[0].delta.content == "" and c.choices[0].delta.role is None]
+        assert len(empty) >= 3 and all(c.choices[0].finish_reason is None for c in empty)
+        texts = list(
+            oai.completions.create(model="m", prompt="once more, with a longer prompt", max_tokens=8, stream=True)
+        )
+        assert sum(c.choices[0].text == "" for c in texts) >= 3 and "".join(c.choices[0].text for c in texts)
+
+
+@pytest.mark.parametrize(
+    "prefill_s,keepalive_s",
+    [(2.0, 0.1), pytest.param(300.0, ServerConfig.keepalive_s, marks=pytest.mark.slow)],
+    ids=["2s", "300s"],
+)
+def test_the_openai_sdks_stream_iterator_gets_an_event_every_keepalive_through_a_long_prefill(prefill_s, keepalive_s):
+    """Agent CLIs' idle guards count the chunks the SDK parses (SSE comments never reach them):
+    through the whole prefill, a parsed chunk at least every keepalive_s (plus scheduling slack),
+    and the reply as without keep-alives."""
+    prompt = user("a long prompt")
+    engine = FakeEngine()
+    n = len(engine.chat_prompt(prompt))
+    engine.prefill_delay = prefill_s / n
+    with running_server(engine, ServerConfig(keepalive_s=keepalive_s)) as base:
+        oai = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=prefill_s + 60)
+        start = time.monotonic()
+        stamps, text = [start], ""
+        for chunk in oai.chat.completions.create(model="m", messages=prompt, stream=True):
+            stamps.append(time.monotonic())
+            text += chunk.choices[0].delta.content or ""
+    gaps = [b - a for a, b in zip(stamps, stamps[1:])]
+    assert stamps[-1] - start >= prefill_s and text == "Echo: a long prompt"
+    assert max(gaps) < keepalive_s + max(0.5, keepalive_s / 5), max(gaps)
 
 
 # ------------------------------------------------------------------ start-up

@@ -47,6 +47,7 @@ class _OpenAIStream:
     of their tokens goes out."""
 
     object_name = ""
+    empty_choice: dict = {}  # a choice that adds nothing (the keep-alive's)
 
     def __init__(self, model: str, prefix: str, include_usage: bool):
         self.id, self.created, self.model = f"{prefix}-{uuid.uuid4().hex}", int(time.time()), model
@@ -74,8 +75,10 @@ class _OpenAIStream:
         yield sse("[DONE]")
 
     def stream_keepalive(self):
-        # An SSE comment: every client's parser skips it, and it resets byte-level read timeouts.
-        yield ": keep-alive\n\n"
+        # A chunk whose one choice adds no text: SDKs' stream iterators deliver it (agent CLIs'
+        # idle guards count parsed chunks; SSE comments are dropped before them), and code that
+        # reads `choices[0]` of every chunk still finds one. Held log-probs wait for their text.
+        yield sse(self._object(choices=[dict(self.empty_choice)]))
 
     def stream_error(self, error: APIError) -> str:
         return sse(openai_error(error))
@@ -85,6 +88,7 @@ class ChatFormat(_OpenAIStream):
     """chat.completion and chat.completion.chunk objects for one response."""
 
     object_name = "chat.completion.chunk"
+    empty_choice = {"index": 0, "delta": {"content": ""}, "finish_reason": None, "logprobs": None}
 
     def __init__(self, model: str, include_usage: bool = False):
         super().__init__(model, "chatcmpl", include_usage)
@@ -138,6 +142,7 @@ class CompletionFormat(_OpenAIStream):
     """text_completion objects (streamed chunks have the same object type)."""
 
     object_name = "text_completion"
+    empty_choice = {"index": 0, "text": "", "finish_reason": None, "logprobs": None}
 
     def __init__(self, model: str, include_usage: bool = False):
         super().__init__(model, "cmpl", include_usage)

@@ -44,7 +44,8 @@ class ServerConfig:
     body_timeout_s: float = 60.0  # --body-timeout-s: its body within this, once the headers are in
     idle_timeout_s: float = 120.0  # --idle-timeout-s: a connection kept open between requests (keep-alive)
     tokenize_concurrency: int = 2  # prompts rendered and tokenized at once before the queue (admission.py)
-    keepalive_s: float = 15.0  # --keepalive-s: a stream with no event for this long gets a keep-alive event
+    # a stream with no event for this long gets a keep-alive event: under the 15 s some clients' idle guards allow
+    keepalive_s: float = 10.0
 
     def api_keys(self) -> tuple[str, ...]:
         """The keys accepted (none: no key is required)."""

@@ -14,7 +14,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from edge0.backend.memory import available as memory_available
-from edge0.server import anthropic, hosts, responses_api, ui
+from edge0.server import anthropic, hosts, metrics, responses_api, ui
 from edge0.server.admission import Tokenizing
 from edge0.server.batching import make_scheduler
 from edge0.server.config import ServerConfig
@@ -23,6 +23,7 @@ from edge0.server.conversation import renders_mid_system
 from edge0.server.errors import install_error_handlers
 from edge0.server.grammar import Grammars
 from edge0.server.memory import MemoryWatcher
+from edge0.server.metrics import CountRequests, Metrics
 from edge0.server.middleware import Guard
 from edge0.server.routes import router
 from edge0.server.scheduler import Scheduler
@@ -86,9 +87,11 @@ def create_app(engine, config: ServerConfig | None = None, read_memory=memory_av
     app.add_middleware(
         Guard, api_keys=config.api_keys(), max_body_bytes=config.max_body_bytes, body_timeout_s=config.body_timeout_s
     )
-    hosts.install(app, config.allowed_hosts, config.cors_origins)  # outermost: before auth and limits
+    hosts.install(app, config.allowed_hosts, config.cors_origins)  # before auth and limits
+    app.state.metrics = Metrics(app.state)
+    app.add_middleware(CountRequests, metrics=app.state.metrics)  # outermost: every answer counted
     app.include_router(ui.router)
-    for routes in (router, anthropic.router, responses_api.router):
+    for routes in (router, anthropic.router, responses_api.router, metrics.router):
         app.include_router(routes)
     return app
 

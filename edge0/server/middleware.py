@@ -25,8 +25,11 @@ UNPREFIXED = ("/chat/completions", "/completions", "/responses", "/models")
 
 
 def needs_key(path: str) -> bool:
-    """With --api-key: every /v1 route and its unprefixed alias."""
-    return path.startswith("/v1") or any(path == p or path.startswith(p + "/") for p in UNPREFIXED)
+    """With --api-key: every /v1 route and its unprefixed alias, and /metrics (it tells the load
+    and the token counts)."""
+    return (
+        path.startswith("/v1") or path == "/metrics" or any(path == p or path.startswith(p + "/") for p in UNPREFIXED)
+    )
 
 
 def takes_body(method: str, path: str) -> bool:

@@ -12,8 +12,9 @@ import asyncio
 import hashlib
 import json
 import logging
+import time
 from dataclasses import dataclass, field, replace
-from typing import Iterable, Literal, Protocol
+from typing import AsyncIterator, Iterable, Literal, Protocol
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -27,6 +28,7 @@ from edge0.server.conversation import place_system_turns
 from edge0.server.errors import APIError
 from edge0.server.generation import Finish, Params, Run, Segment
 from edge0.server.grammar import Constraint, GrammarError
+from edge0.server.metrics import observe
 from edge0.server.scheduler import Job
 
 log = logging.getLogger("edge0.server")
@@ -215,15 +217,16 @@ async def respond(request: Request, fmt: Format, prompt: Prompt, params: Params,
     params = params.with_max_tokens(generation_limit(state.config, params.max_tokens, len(tokens), prompt.param))
     run = await _run(request, prompt, params, tokens)
     job = state.scheduler.generate(state.engine, run)
+    events = observe(state.metrics, job.events(), time.monotonic())
     if stream:
         # The background task also covers a client that leaves before the stream starts.
         return StreamingResponse(
-            _stream(job, fmt, len(tokens), state.config.keepalive_s),
+            _stream(job, events, fmt, len(tokens), state.config.keepalive_s),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache"},
             background=BackgroundTask(job.cancel),
         )
-    return JSONResponse(await _collect(request, job, fmt))
+    return JSONResponse(await _collect(request, job, events, fmt))
 
 
 async def _run(request: Request, prompt: Prompt, params: Params, tokens: list[int]) -> Run:
@@ -294,11 +297,11 @@ def _tokenize(engine, prompt: Prompt) -> list[int]:
         raise APIError(400, f"Could not apply the chat template: {e}", prompt.param, "invalid_messages") from None
 
 
-async def _stream(job: Job, fmt: Format, prompt_tokens: int, keepalive_s: float):
-    """SSE body. Leaving this generator early (client gone) cancels the job. While no event comes
-    for `keepalive_s` (a long prefill, a tool call being written), the Format's keep-alive goes out,
-    so that clients' stream idle watchdogs do not fire (docs/clients.md)."""
-    events = job.events().__aiter__()
+async def _stream(job: Job, events: AsyncIterator, fmt: Format, prompt_tokens: int, keepalive_s: float):
+    """SSE body of `job`'s `events`. Leaving this generator early (client gone) cancels the job.
+    While no event comes for `keepalive_s` (a long prefill, a tool call being written), the
+    Format's keep-alive goes out, so that clients' stream idle watchdogs do not fire (docs/clients.md)."""
+    events = events.__aiter__()
     pending = None
     try:
         for event in fmt.stream_start(prompt_tokens):
@@ -328,8 +331,8 @@ async def _stream(job: Job, fmt: Format, prompt_tokens: int, keepalive_s: float)
         job.cancel()
 
 
-async def _collect(request: Request, job: Job, fmt: Format) -> dict:
-    """Run a job to the end for a non-streaming response, cancelling it if the client leaves."""
+async def _collect(request: Request, job: Job, events: AsyncIterator, fmt: Format) -> dict:
+    """Run a job to the end (its `events`) for a non-streaming response, cancelling it if the client leaves."""
 
     async def watch_disconnect():
         while (await request.receive())["type"] != "http.disconnect":
@@ -339,7 +342,7 @@ async def _collect(request: Request, job: Job, fmt: Format) -> dict:
     watcher = asyncio.create_task(watch_disconnect())
     segments, finish = [], None
     try:
-        async for event in job.events():
+        async for event in events:
             if isinstance(event, Finish):
                 finish = event
             else:

@@ -223,6 +223,22 @@ def test_logprobs_are_the_engines_own(client, engine):
                     tops, np.sort(row)[::-1][:5], atol=1e-5, rtol=0
                 )
                 assert c.logprob <= tops[0] + 1e-6 and (temperature or c.logprob == tops[0])
+        # Responses: the output text's tokens, in the part and in the stream's deltas
+        asked = dict(model="any", input=ASK, max_output_tokens=10, temperature=temperature or 0.0)
+        asked.update(include=["message.output_text.logprobs"], top_logprobs=5)
+        if seed is None:
+            part = client.responses.create(**asked).output[0].content[0]
+            deltas = [
+                lp
+                for e in client.responses.create(**asked, stream=True)
+                if e.type == "response.output_text.delta"
+                for lp in e.logprobs
+            ]
+            assert len(part.logprobs) == len(deltas) >= len(tokens) - 1  # an end token has no text to carry it
+            assert [bytes(c.bytes) for c in part.logprobs] == [grammars.token_bytes(t) for t in tokens][: len(deltas)]
+            for got in (part.logprobs, deltas):
+                assert np.allclose([c.logprob for c in got], [row[t] for t, row in zip(tokens, rows)][: len(got)])
+                assert all(len(c.top_logprobs) == 5 and c.logprob == c.top_logprobs[0].logprob for c in got)
     tokens, rows = _tokens_and_rows(engine, engine.encode("Once upon a time"), max_tokens=8)
     lp = (
         client.completions.create(model="any", prompt="Once upon a time", max_tokens=8, temperature=0, logprobs=3)

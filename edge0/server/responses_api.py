@@ -31,6 +31,8 @@ from edge0.server.schemas import (
 )
 from edge0.server.structured import format_constraint, thinking_switch, tool_constraint
 
+LOGPROBS = "message.output_text.logprobs"  # the `include` value asking for output text's log-probs
+
 router = APIRouter()
 
 
@@ -121,6 +123,14 @@ class ResponsesRequest(Strict):
     text: Optional[TextOptions] = None
     reasoning: Optional[ReasoningOptions] = None
     cache_salt: CacheSalt = None
+    include: Optional[list[str]] = None  # "message.output_text.logprobs" is the one this server fills
+    top_logprobs: Optional[int] = Field(None, ge=0, le=20)
+
+    def logprobs_count(self) -> int | None:
+        """Top log-probs per output token when asked for (None: no log-probs)."""
+        if LOGPROBS in (self.include or ()) or self.top_logprobs is not None:
+            return self.top_logprobs or 0
+        return None
 
     def template_messages(self) -> list[dict]:
         """`instructions` and `input` as chat-template messages; consecutive function calls join
@@ -214,7 +224,7 @@ async def create_response(body: ResponsesRequest, request: Request):
             "previous_response_id",
             "unsupported_value",
         )
-    params = sampling_params(body.max_output_tokens, body.temperature, body.top_p)
+    params = sampling_params(body.max_output_tokens, body.temperature, body.top_p, logprobs=body.logprobs_count())
     tools = body.tool_set()
     fmt = ResponseFormat(model, body.echo(), tools.split)
     return await respond(request, fmt, body.prompt(tools), params, body.stream)

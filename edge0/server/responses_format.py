@@ -7,8 +7,9 @@ import time
 import uuid
 
 from edge0.formats import Reasoning
+from edge0.server.chat_format import chat_logprob
 from edge0.server.errors import APIError
-from edge0.server.generation import Finish, Logprobs, Segment, Usage
+from edge0.server.generation import Finish, Logprobs, Segment, TokenLogprob, Usage
 from edge0.server.pipeline import sse
 
 
@@ -20,6 +21,18 @@ def _usage(usage: Usage) -> dict:
         "output_tokens_details": {"reasoning_tokens": usage.reasoning_tokens},
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,
     }
+
+
+def _delta(entries: list[dict]) -> list[dict]:
+    """Log-probs as the stream's text events carry them: without the bytes an output_text part has."""
+    return [
+        {
+            "token": e["token"],
+            "logprob": e["logprob"],
+            "top_logprobs": [{"token": t["token"], "logprob": t["logprob"]} for t in e["top_logprobs"]],
+        }
+        for e in entries
+    ]
 
 
 class ResponseFormat:
@@ -35,6 +48,7 @@ class ResponseFormat:
         self._message_index = 0
         self._reasoning: dict | None = None  # the reasoning item receiving text, while open
         self._sequence = 0
+        self._logprobs: list[TokenLogprob] = []  # of the tokens whose text comes next
 
     def _response(self, finish: Finish | None = None) -> dict:
         """The response object: in progress without `finish`; else completed, or incomplete when
@@ -72,8 +86,10 @@ class ResponseFormat:
         yield self._event("response.in_progress", response=self._response())
 
     def stream_delta(self, segment: Segment):
-        if isinstance(segment, Logprobs):
+        if isinstance(segment, Logprobs):  # asked for (include message.output_text.logprobs)
+            self._logprobs += segment.tokens
             return
+        taken, self._logprobs = self._logprobs, []  # only output text carries log-probs
         if isinstance(segment, Reasoning):
             yield from self._reason(segment.text)
             return
@@ -92,8 +108,11 @@ class ResponseFormat:
                 yield self._event("response.output_item.added", output_index=self._message_index, item=self._message)
                 self._message["content"].append({"type": "output_text", "text": "", "annotations": [], "logprobs": []})
                 yield self._event("response.content_part.added", **self._where(), part=self._message["content"][0])
-            self._message["content"][0]["text"] += segment
-            yield self._event("response.output_text.delta", **self._where(), delta=segment, logprobs=[])
+            part = self._message["content"][0]
+            part["text"] += segment
+            entries = [chat_logprob(t) for t in taken]
+            part["logprobs"] += entries
+            yield self._event("response.output_text.delta", **self._where(), delta=segment, logprobs=_delta(entries))
             return
         yield from self._close_message()
         fn = segment["function"]
@@ -170,7 +189,8 @@ class ResponseFormat:
         if self._message is None:
             return
         part = self._message["content"][0]
-        yield self._event("response.output_text.done", **self._where(), text=part["text"], logprobs=[])
+        logprobs = _delta(part["logprobs"])
+        yield self._event("response.output_text.done", **self._where(), text=part["text"], logprobs=logprobs)
         yield self._event("response.content_part.done", **self._where(), part=part)
         self._message["status"] = "completed"
         yield self._event("response.output_item.done", output_index=self._message_index, item=self._message)

@@ -66,7 +66,6 @@ class ResponseFormat:
             "incomplete_details": incomplete,
             "parallel_tool_calls": True,
             "metadata": {},
-            "store": False,
             "truncation": "disabled",
             "usage": _usage(finish.usage) if finish else None,
             **self.echo,
@@ -137,7 +136,6 @@ class ResponseFormat:
             "response.function_call_arguments.done",
             item_id=item["id"],
             output_index=index,
-            name=name,
             arguments=fn["arguments"],
         )
         yield self._event("response.output_item.done", output_index=index, item=item)

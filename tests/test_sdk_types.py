@@ -39,8 +39,13 @@ CHAT = [
     {"messages": user("hello"), "logprobs": True, "top_logprobs": 2},
     {"messages": user("hello"), "stream_options": {"include_usage": True}},
     {"messages": user("count 40"), "max_tokens": 5},
+    {"messages": user("hello"), "n": 2, "stream_options": {"include_usage": True}},
 ]
-COMPLETIONS = [{"prompt": "Once upon"}, {"prompt": "Once upon", "logprobs": 2, "max_tokens": 4}]
+COMPLETIONS = [
+    {"prompt": "Once upon"},
+    {"prompt": "Once upon", "logprobs": 2, "max_tokens": 4},
+    {"prompt": "x", "n": 2},
+]
 RESPONSES = [
     {"input": "hello"},
     {"input": "think about it", "reasoning": {"effort": "high"}},

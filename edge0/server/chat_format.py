@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import time
 import uuid
 
@@ -55,6 +56,13 @@ class _OpenAIStream:
         self._pending: list[TokenLogprob] = []
         self._all: list[TokenLogprob] = []
         self.logprobs = False  # the request asked for them (one arrived)
+        self.index = 0  # the choice this instance writes (n > 1: choices.py)
+
+    def choice(self, index: int):
+        """A fresh instance for choice `index` of the same response (its id, created, options)."""
+        other = copy.copy(self)
+        other._pending, other._all, other.index = [], [], index
+        return other
 
     def _hold(self, segment: Logprobs) -> None:
         self.logprobs = True
@@ -69,16 +77,24 @@ class _OpenAIStream:
         return {"id": self.id, "object": self.object_name, "created": self.created, "model": self.model, **fields}
 
     def stream_end(self, finish: Finish):
+        yield from self.stream_finish(finish)
+        yield from self.stream_close(finish.usage)
+
+    def stream_finish(self, finish: Finish):
+        """This choice's last chunk (its finish reason)."""
         yield sse(self._last_chunk(finish))
+
+    def stream_close(self, usage: Usage):
+        """The end of the whole stream: the usage chunk when asked, then [DONE]."""
         if self.include_usage:
-            yield sse(self._object(choices=[], usage=openai_usage(finish.usage)))
+            yield sse(self._object(choices=[], usage=openai_usage(usage)))
         yield sse("[DONE]")
 
     def stream_keepalive(self):
         # A chunk whose one choice adds no text: SDKs' stream iterators deliver it (agent CLIs'
         # idle guards count parsed chunks; SSE comments are dropped before them), and code that
         # reads `choices[0]` of every chunk still finds one. Held log-probs wait for their text.
-        yield sse(self._object(choices=[dict(self.empty_choice)]))
+        yield sse(self._object(choices=[{**self.empty_choice, "index": self.index}]))
 
     def stream_error(self, error: APIError) -> str:
         return sse(openai_error(error))
@@ -97,7 +113,9 @@ class ChatFormat(_OpenAIStream):
     def _chunk(self, delta: dict, finish: str | None = None) -> dict:
         tokens = self._take()
         logprobs = {"content": [chat_logprob(t) for t in tokens]} if tokens else None
-        return self._object(choices=[{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}])
+        return self._object(
+            choices=[{"index": self.index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}]
+        )
 
     def stream_start(self, prompt_tokens: int):
         yield sse(self._chunk({"role": "assistant", "content": ""}))
@@ -131,7 +149,9 @@ class ChatFormat(_OpenAIStream):
         logprobs = {"content": [chat_logprob(t) for t in self._all]} if self.logprobs else None
         return {
             **self._object(
-                choices=[{"index": 0, "message": message, "finish_reason": finish.reason, "logprobs": logprobs}],
+                choices=[
+                    {"index": self.index, "message": message, "finish_reason": finish.reason, "logprobs": logprobs}
+                ],
                 usage=openai_usage(finish.usage),
             ),
             "object": "chat.completion",
@@ -164,7 +184,9 @@ class CompletionFormat(_OpenAIStream):
     def _chunk(self, text: str, finish: str | None = None) -> dict:
         tokens = self._take()
         logprobs = self._logprobs(tokens) if tokens or (finish and self.logprobs) else None
-        return self._object(choices=[{"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}])
+        return self._object(
+            choices=[{"index": self.index, "text": text, "finish_reason": finish, "logprobs": logprobs}]
+        )
 
     def stream_start(self, prompt_tokens: int):
         return ()

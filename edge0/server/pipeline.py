@@ -215,7 +215,7 @@ async def respond(request: Request, fmt: Format, prompt: Prompt, params: Params,
     state = request.app.state
     tokens = await prompt_tokens(request, prompt, record=True)
     params = params.with_max_tokens(generation_limit(state.config, params.max_tokens, len(tokens), prompt.param))
-    run = await _run(request, prompt, params, tokens)
+    run = await generation_run(request, prompt, params, tokens)
     job = state.scheduler.generate(state.engine, run)
     events = observe(state.metrics, job.events(), time.monotonic())
     if stream:
@@ -229,7 +229,7 @@ async def respond(request: Request, fmt: Format, prompt: Prompt, params: Params,
     return JSONResponse(await _collect(request, job, events, fmt))
 
 
-async def _run(request: Request, prompt: Prompt, params: Params, tokens: list[int]) -> Run:
+async def generation_run(request: Request, prompt: Prompt, params: Params, tokens: list[int]) -> Run:
     """What the engine thread needs: the reasoning markers, the logits processors (logit bias,
     thinking budget, grammar) and, for log-probs, each token's bytes."""
     state = request.app.state

@@ -9,6 +9,7 @@ from fastapi import APIRouter, Request
 
 from edge0.backend.memory import available as memory_available
 from edge0.server.chat_format import ChatFormat, CompletionFormat
+from edge0.server.choices import respond_choices
 from edge0.server.connections import connection_stats
 from edge0.server.pipeline import Prompt, check_model, chosen_tools, respond, sampling_params, served_id
 from edge0.server.schemas import (
@@ -112,6 +113,8 @@ async def chat_completions(body: ChatRequest, request: Request):
         cache_salt=body.cache_salt,
     )
     fmt = ChatFormat(model, body.include_usage())
+    if body.n > 1:
+        return await respond_choices(request, fmt, prompt, params, body.stream, body.n)
     return await respond(request, fmt, prompt, params, body.stream)
 
 
@@ -131,6 +134,8 @@ async def completions(body: CompletionRequest, request: Request):
     )
     fmt = CompletionFormat(model, body.include_usage())
     prompt = Prompt("prompt", text=body.prompt, cache_salt=body.cache_salt)
+    if body.n > 1:
+        return await respond_choices(request, fmt, prompt, params, body.stream, body.n)
     return await respond(request, fmt, prompt, params, body.stream)
 
 

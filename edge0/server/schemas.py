@@ -39,6 +39,8 @@ TopLogprobs = Annotated[Optional[int], Field(ge=0, le=20)]  # OpenAI's range
 CacheSalt = Annotated[Optional[str], Field(min_length=1, max_length=1024)]
 
 
+MAX_CHOICES = 8  # n: each choice is a generation, counted against the queue like a request
+
 FORMAT_NAME = Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]  # OpenAI's rule for a format's name
 
 
@@ -131,7 +133,7 @@ class SamplingRequest(Strict):
     temperature: OpenAITemperature = None
     top_p: TopP = None
     seed: Seed = None
-    n: int = Field(1, ge=1, le=1)  # one choice per request
+    n: int = Field(1, ge=1, le=MAX_CHOICES)  # choices: samples of one prompt (choices.py)
     stop: Union[str, Stops, None] = None
     stream: bool = False
     stream_options: Optional[StreamOptions] = None

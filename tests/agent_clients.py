@@ -31,6 +31,8 @@ PACKAGES = {
     "codex": ("@openai/codex", "0.171.0"),
     "opencode": ("opencode-ai", "1.18.33"),
 }
+# Client libraries whose stream parsers read the server's keep-alives (tests/js/stream_keepalives.mjs).
+LIBRARIES = {"openai": "6.49.0", "ai": "6.0.333", "@ai-sdk/openai-compatible": "2.0.92"}
 SETUP_PREFIX = {"claude": "Claude Code: ", "codex": "Codex CLI: ", "opencode": "opencode: "}
 
 
@@ -46,6 +48,15 @@ def installed(client: str) -> str | None:
     if not exe.exists() or not meta.exists() or json.loads(meta.read_text()).get("version") != version:
         return None
     return str(exe)
+
+
+def libraries_installed() -> bool:
+    """Whether the pinned LIBRARIES are installed under clients_dir()."""
+    for package, version in LIBRARIES.items():
+        meta = clients_dir() / "node_modules" / package / "package.json"
+        if not meta.exists() or json.loads(meta.read_text()).get("version") != version:
+            return False
+    return True
 
 
 def netns_problem() -> str | None:
@@ -196,6 +207,8 @@ def run_client(
 def install() -> None:
     """npm-install the pinned clients that are missing into clients_dir() (what .ci/run calls)."""
     missing = [f"{package}@{version}" for client, (package, version) in PACKAGES.items() if not installed(client)]
+    if not libraries_installed():
+        missing += [f"{package}@{version}" for package, version in LIBRARIES.items()]
     if not missing:
         return
     clients_dir().mkdir(parents=True, exist_ok=True)

@@ -8,6 +8,8 @@ skipped with the reason where they are not installed or namespaces cannot be mad
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
 import time
 from pathlib import Path
 
@@ -20,7 +22,15 @@ from edge0.formats import detect
 from edge0.server.clients import agent_warnings
 from edge0.server.config import ServerConfig
 from edge0.server.conversation import place_system_turns, reminder, renders_mid_system
-from tests.agent_clients import PACKAGES, installed, netns_problem, run_client
+from tests.agent_clients import (
+    LIBRARIES,
+    PACKAGES,
+    clients_dir,
+    installed,
+    libraries_installed,
+    netns_problem,
+    run_client,
+)
 from tests.agent_engine import HELLO, TOOL_RESULT, AgentEngine
 from tests.fake_engine import IM_START, FakeEngine, FakeTokenizer
 from tests.fake_server import running_server
@@ -266,6 +276,22 @@ def test_keepalives_while_the_prefill_runs_leave_every_api_reply_unchanged():
             oai.completions.create(model="m", prompt="once more, with a longer prompt", max_tokens=8, stream=True)
         )
         assert sum(c.choices[0].text == "" for c in texts) >= 3 and "".join(c.choices[0].text for c in texts)
+
+
+def test_the_node_sdks_stream_parsers_read_the_keepalives_without_error():
+    """The openai node SDK and the AI SDK's OpenAI-compatible provider (opencode's) through a
+    prefill with keep-alives: no error, and the text as without them."""
+    if shutil.which("node") is None or not libraries_installed():
+        pytest.skip(f"node or the pinned {sorted(LIBRARIES)} are not installed under $EDGE0_AGENT_CLIENTS")
+    engine = FakeEngine(prefill_delay=0.01)
+    with running_server(engine, ServerConfig(keepalive_s=0.05)) as base:
+        script = Path(__file__).parent / "js" / "stream_keepalives.mjs"
+        p = subprocess.run(["node", str(script), str(clients_dir()), base], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    got = json.loads(p.stdout)
+    assert got["openai"] == {"text": "Echo: hello from node", "chunks": got["openai"]["chunks"], "errors": []}
+    assert got["ai"]["text"] == "Echo: hello from the ai sdk" and got["ai"]["errors"] == []
+    assert got["openai"]["chunks"] > len("Echo: hello from node") + 2  # the keep-alive chunks were parsed too
 
 
 @pytest.mark.parametrize(

@@ -294,6 +294,19 @@ def test_the_node_sdks_stream_parsers_read_the_keepalives_without_error():
     assert got["openai"]["chunks"] > len("Echo: hello from node") + 2  # the keep-alive chunks were parsed too
 
 
+@pytest.mark.slow  # litellm's import alone takes 9 s of the 2-core budget
+def test_litellm_reads_the_keepalives_without_error(monkeypatch):
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # its import would fetch a price list otherwise
+    litellm = pytest.importorskip("litellm")
+    with running_server(FakeEngine(prefill_delay=0.01), ServerConfig(keepalive_s=0.05)) as base:
+        chunks = list(
+            litellm.completion(
+                model="openai/m", api_base=base + "/v1", api_key="x", messages=user("hello from litellm"), stream=True
+            )
+        )
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Echo: hello from litellm"
+
+
 @pytest.mark.parametrize(
     "prefill_s,keepalive_s",
     [(2.0, 0.1), pytest.param(300.0, ServerConfig.keepalive_s, marks=pytest.mark.slow)],

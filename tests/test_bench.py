@@ -159,6 +159,7 @@ def test_quick_suite_json(tiny_model, tmp_path):
     assert "## Bench suite" in docs.read_text() and "| mlx-lm-resident |" in docs.read_text()
 
 
+@pytest.mark.slow  # 21 s of child processes; the quick suite's JSON (above) runs by default
 def test_prompt_curve(tiny_model, tmp_path):
     """--prompt-lengths: one row per length and arm, the prefill's reads as a multiple of the store
     (a layer-major prefill reads each layer's experts at most once per span), the same tokens."""
@@ -181,6 +182,7 @@ def test_prompt_curve(tiny_model, tmp_path):
     assert not list(tmp_path.glob(".*tmp*"))  # the JSON was written whole
 
 
+@pytest.mark.slow  # 22 s: two servers and the batch children
 def test_concurrency_table_and_servers_side_by_side(tiny_model, tmp_path):
     """--concurrency: per B, the batch against one after another with the same tokens, its ceiling
     from a B-token step's measured cost, reads per token and the union; then edge0 serve and

@@ -150,6 +150,18 @@ def test_quick_suite_json(tiny_model, tmp_path):
             assert f"| {name} | capped, 400 MB/s |" in table.getvalue()
         assert "Read limit: 400 MB/s on the store's disk" in table.getvalue()
 
+    device = r["device_read"]
+    assert device["bytes_per_s"] > 0 and device["bytes"] > 0 and device["queue_depth"] >= 1
+    resident = by["mlx-lm-resident"]["metrics"]["decode_tps"]
+    for name in ("exact-warm", "staged-warm", "staged-cold"):
+        roof, m = by[name]["roofline"], by[name]["metrics"]
+        assert roof["bytes_per_token"] == pytest.approx(m["decode_expert_bytes_read"] / 4)  # 5 tokens, 4 steps
+        assert roof["roofline_tps"] <= resident and roof["efficiency"] == pytest.approx(
+            m["decode_tps"] / roof["roofline_tps"]
+        )
+        assert f"| {name} | " in table.getvalue().split("Roofline:")[1]
+    assert by["mlx-lm-resident"]["roofline"] is None
+
     steps = json.loads(trace.read_text())["steps"]
     assert len(steps) == 5 and steps[0]["phase"] == "prefill+first"
     for s in steps:
@@ -277,3 +289,31 @@ def test_read_limit_refused_in_one_line_where_reads_cannot_be_limited(tiny_model
 def test_not_a_model(tmp_path):
     with pytest.raises(Edge0Error, match="--model"):
         main(["--model", str(tmp_path), "--out", str(tmp_path / "b.json")])
+
+
+def test_the_roofline_is_the_slower_of_compute_and_reads():
+    """Hand-set numbers: 10 MB read per token at 100 MB/s is 10 tok/s of reads; resident 25 tok/s."""
+    from edge0.bench.roofline import arm_roofline
+
+    arm = {
+        "status": "ok",
+        "runtime": "edge0",
+        "metrics": {"decode_tps": 8.0, "decode_expert_bytes_read": 40e6, "generation_tokens": 5},
+    }
+    r = arm_roofline(arm, 25.0, 100e6)
+    assert r["bytes_per_token"] == 10e6 and r["roofline_tps"] == 10.0 and r["bound"] == "reads"
+    assert r["efficiency"] == 0.8 and r["achieved_read_rate"] == 80e6
+    fast = arm_roofline(arm, 25.0, 1e9)  # 100 tok/s of reads: compute bounds it
+    assert fast["roofline_tps"] == 25.0 and fast["bound"] == "compute" and fast["efficiency"] == 8 / 25
+    assert arm_roofline({**arm, "runtime": "mlx-lm"}, 25.0, 100e6) is None
+
+
+def test_the_disk_rate_is_measured_over_the_stores_expert_rows(tiny_model):
+    from edge0.bench.roofline import measure_read_rate
+    from edge0.store.format import MANIFEST
+
+    read = measure_read_rate(tiny_model / "store", queue_depth=2, seconds=5)
+    assert read["bytes_per_s"] > 0 and read["queue_depth"] == 2
+    # each expert row read at most once: within 5 s the tiny store is read whole, row by row
+    layers = json.loads((tiny_model / "store" / MANIFEST).read_text())["expert_layers"]
+    assert read["bytes"] == sum(e["num_experts"] * e["expert_stride"] for e in layers) or read["seconds"] >= 5

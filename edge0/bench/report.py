@@ -115,6 +115,7 @@ def markdown(result: dict) -> str:
             "the generated route of step t+1 as their prediction, one step ahead, as the pre-router does "
             "by construction."
         )
+    lines += _roofline_lines(result)
     cap = s["memory_cap"]
     if cap.get("cap_bytes"):
         lines.append("")
@@ -135,6 +136,31 @@ def markdown(result: dict) -> str:
             + (f"; exact-capped stalls {share:.0%} of its step." if share is not None else ".")
         )
     return "\n".join(lines)
+
+
+def _roofline_lines(result: dict) -> list[str]:
+    """The roofline table (edge0/bench/roofline.py): one row per Edge0 arm that decoded."""
+    rows = [a for a in result["arms"] if a.get("roofline")]
+    if not rows:
+        return []
+    device = result.get("device_read") or {}
+    out = [
+        "",
+        "Roofline: min(resident mlx-lm decode tok/s, read rate / expert bytes read per generated token); "
+        f"the store's disk measured at {_f((device.get('bytes_per_s') or 0) / 1e6, '{:.0f}')} MB/s "
+        f"({device.get('read_size')} B reads, {device.get('queue_depth')} at a time), --read-limit for capped arms.",
+        "",
+        "| arm | expert bytes / token | read rate achieved | read rate | roofline tok/s | bound | efficiency |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for a in rows:
+        r = a["roofline"]
+        out.append(
+            f"| {a['name']} | {_gb(r['bytes_per_token'])} | {_f(r['achieved_read_rate'] / 1e6, '{:.0f}')} MB/s "
+            f"| {_f(r['read_rate'] and r['read_rate'] / 1e6, '{:.0f}')} MB/s | {_f(r['roofline_tps'])} "
+            f"| {r['bound'] or '-'} | {_f(r['efficiency'])} |"
+        )
+    return out
 
 
 def _reads(arm: dict) -> str:

@@ -18,6 +18,7 @@ from edge0.bench.concurrency import concurrency_markdown, parse_batches, run_con
 from edge0.bench.curve import CURVE_ARMS, curve_markdown, run_curve
 from edge0.bench.model import resolve_model
 from edge0.bench.report import SCHEMA, append_docs, git_commit, machine_info, markdown, package_versions, plot, summary
+from edge0.bench.roofline import add_rooflines, measure_read_rate
 from edge0.bench.runner import run_suite
 from edge0.cache.synthetic import ROUTINGS
 from edge0.cli.common import OneLineParser
@@ -252,7 +253,11 @@ def main(argv=None) -> int:
         elif args.concurrency:
             result.update(run_concurrency(args, model, args.concurrency))
         else:
+            # the disk's own rate first (the page cache dropped): the roofline of every uncapped arm
+            result["device_read"] = measure_read_rate(model.store)
+            print(f"edge0 bench: the store's disk reads {_mbps(result['device_read'])}", file=sys.stderr)
             result.update(run_suite(args, model, arms))
+            add_rooflines(result, result["device_read"]["bytes_per_s"])
     finally:
         if main_thread:
             signal.signal(signal.SIGTERM, previous)
@@ -290,6 +295,11 @@ def main(argv=None) -> int:
         append_docs(Path(args.append_docs), result, table, out, png)
         print(f"appended the table to {args.append_docs}", file=sys.stderr)
     return 0
+
+
+def _mbps(read: dict) -> str:
+    cached = "" if read["page_cache_dropped"] else " (the page cache could not be dropped here)"
+    return f"{read['bytes_per_s'] / 1e6:.0f} MB/s at {read['read_size']} B x {read['queue_depth']}{cached}"
 
 
 def _write_json(path: Path, result: dict) -> None:

@@ -23,6 +23,7 @@ class ChatFormat:
     call_end = ""  # empty: a call runs to the end of the output
     end_tokens: tuple[str, ...] = ()  # tokens that end the turn besides the declared end ids
     visible: tuple[str, ...] = ()  # special tokens the parser reads besides the markers
+    drop: tuple[str, ...] = ()  # structural markers left out of the answer text (Kimi K3's `<|open|>response<|sep|>`)
     json_calls = False  # a call is {"name": ..., "arguments": ...} JSON: a forced call can be generated
     arguments_as_text = False  # the template renders a call's arguments as given: send it the JSON text
 
@@ -32,7 +33,7 @@ class ChatFormat:
 
     def markers(self) -> tuple[str, ...]:
         """Every token text the splitter reads: never hidden from the text as a control token."""
-        found = [*(self.think or ()), self.call_start or "", self.call_end, *self.visible]
+        found = [*(self.think or ()), self.call_start or "", self.call_end, *self.drop, *self.visible]
         return tuple(m for m in found if m)
 
     def parse(self, raw: str, tools: list[dict] | None) -> list[dict]:

@@ -134,12 +134,35 @@ class ToolCallSplitter:
         yield from calls
 
 
+class Dropper:
+    """Leaves a format's structural markers out of the answer text (Kimi K3's
+    `<|open|>response<|sep|>` ... `<|close|>response<|sep|>`, as mlx-lm's text state machine does);
+    text that may be the start of one is held back until it is decided."""
+
+    def __init__(self, markers: tuple[str, ...]):
+        self.markers, self._buf = markers, ""
+
+    def feed(self, text: str) -> str:
+        self._buf += text
+        for marker in self.markers:
+            self._buf = self._buf.replace(marker, "")
+        cut = len(self._buf) - partial_suffix_len(self._buf, self.markers)
+        out, self._buf = self._buf[:cut], self._buf[cut:]
+        return out
+
+    def finish(self) -> str:
+        rest, self._buf = self._buf, ""
+        return rest
+
+
 class MarkupSplitter:
-    """A reply's text through the format's reasoning splitter (when it has markers), then its
-    tool-call splitter (when the request gave tools): Segments as they are decided."""
+    """A reply's text through the format's reasoning splitter (when it has markers), its
+    structural markers dropped (when it has any), then its tool-call splitter (when the request
+    gave tools): Segments as they are decided."""
 
     def __init__(self, fmt, tools: list[dict] | None, opened: bool):
         self.thinking = ReasoningSplitter(*fmt.think, opened) if fmt.think else None
+        self.dropper = Dropper(fmt.drop) if getattr(fmt, "drop", ()) else None
         self.tools = ToolCallSplitter(fmt, tools) if tools and fmt.calls else None
 
     @property
@@ -156,11 +179,18 @@ class MarkupSplitter:
 
     def finish(self) -> list[Segment]:
         out = self._calls(self.thinking.finish()) if self.thinking else []
+        if self.dropper:
+            rest, self.dropper = self.dropper.finish(), None
+            out += self._calls([rest] if rest else [])
         return out + (list(self.tools.finish()) if self.tools else [])
 
     def _calls(self, parts) -> list[Segment]:
         out = []
         for part in parts:
+            if not isinstance(part, Reasoning) and self.dropper:
+                part = self.dropper.feed(part)
+                if not part:
+                    continue
             if isinstance(part, Reasoning) or not self.tools:
                 out.append(part)
             else:

@@ -1,11 +1,16 @@
 """The formats mlx-lm's tokenizer infers from a chat template or vocabulary (`<tool_call>` JSON,
 Qwen3-Coder's `<function=..>` XML, MiniMax's `<minimax:tool_call>`, GLM's `<arg_key>`, pythonic
-calls, Kimi-K2's sections, Mistral's `[TOOL_CALLS]`, ...): its markers, reasoning markers and parser
-(`TokenizerWrapper.tool_parser`), reused as they are."""
+calls, Kimi-K2's sections, Mistral's `[TOOL_CALLS]`, Gemma 4's `<|tool_call>`, Kimi K3's XTML, ...): its
+markers, reasoning markers, structural markers and parser (`TokenizerWrapper.tool_parser`), reused as they
+are; the special tokens a marker is spelled with, and those a parser reads, stay in the text."""
 
 from __future__ import annotations
 
 from edge0.formats.base import ChatFormat
+
+# Special tokens a parser reads inside a call besides its markers (mlx_lm/tool_parsers/NAME.py):
+# Gemma 4's string delimiter, `call:get_weather{city:<|"|>Paris<|"|>}`.
+PARSER_TOKENS = {"gemma4": ('<|"|>',)}
 
 
 class MlxLmFormat(ChatFormat):
@@ -21,10 +26,24 @@ class MlxLmFormat(ChatFormat):
             self.call_start, self.call_end = tokenizer.tool_call_start, tokenizer.tool_call_end or ""
             self.json_calls = _reads_json(tokenizer)
             self.families = f"mlx-lm's {self.name} parser"
+        self.drop = tuple(getattr(tokenizer, "structural_markers", None) or ())
+        self.visible = (*_pieces(tokenizer, self.markers()), *PARSER_TOKENS.get(self.name, ()))
 
     def parse(self, raw: str, tools: list[dict] | None) -> list[dict]:
         parsed = self.tokenizer.tool_parser(raw, tools)
         return parsed if isinstance(parsed, list) else [parsed]
+
+
+def _pieces(tokenizer, markers: tuple[str, ...]) -> tuple[str, ...]:
+    """The tokens a marker of several tokens is spelled with (Gemma 4's `<|channel>` of
+    `<|channel>thought`, Kimi K3's `<|open|>` and `<|sep|>`): special tokens in the tokenizer, they
+    must reach the text the splitter reads, as the whole marker does."""
+    added = tokenizer.get_added_vocab() if hasattr(tokenizer, "get_added_vocab") else {}
+    found = []
+    for marker in markers:
+        if marker not in added:
+            found += [t for t in added if t in marker and t not in found]
+    return tuple(found)
 
 
 def _reads_json(tokenizer) -> bool:

@@ -433,7 +433,7 @@ def test_real_bundled_model_under_both_attacks(capsys):
     assert out["after"] <= out["idle"] * RSS_BACK and health.slowest < HEALTH_S and idle_health.slowest < HEALTH_S
 
 
-@pytest.mark.parametrize("path", ["/health", CHAT])
+@pytest.mark.parametrize("path", ["/health", pytest.param(CHAT, marks=pytest.mark.slow)])  # 5 s each
 def test_connections_that_never_send_their_body_cannot_lock_clients_out(path):
     """As many connections as the cap send a POST's headers with a large Content-Length and no
     body: a route that takes no body answers them at once, and a connection still waiting for its

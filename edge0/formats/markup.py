@@ -5,8 +5,11 @@ Text that may be the start of a marker is held back until it is decided."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+import re
+import secrets
 from dataclasses import dataclass
 from typing import Iterator, Union
 
@@ -213,3 +216,27 @@ def openai_call(call: dict, fmt) -> dict:
             "arguments": args if isinstance(args, str) else json.dumps(args, ensure_ascii=False),
         },
     }
+
+
+class ShortIds:
+    """Call ids of a fixed shape a template demands (Mistral: 9 letters and digits; Solar Open: 10
+    lowercase letters and digits): new ones at random, and any other id a client sends back
+    mapped to that shape the same way every time, on a call and on its result alike."""
+
+    def __init__(self, alphabet: str, length: int):
+        self.alphabet, self.length = alphabet, length
+        self.shape = re.compile(f"[{re.escape(alphabet)}]{{{length}}}")
+
+    def new(self) -> str:
+        return "".join(secrets.choice(self.alphabet) for _ in range(self.length))
+
+    def of(self, call_id: str) -> str:
+        own = call_id.removeprefix("toolu_")  # the Messages API's id of a call the model made
+        if self.shape.fullmatch(own):
+            return own
+        n = int.from_bytes(hashlib.sha256(call_id.encode()).digest()[:8], "big")
+        out = ""
+        for _ in range(self.length):
+            n, d = divmod(n, len(self.alphabet))
+            out += self.alphabet[d]
+        return out

@@ -6,17 +6,15 @@ digits: the templates refuse any other in the history."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
-import secrets
 import string
 
 from edge0.formats.base import ChatFormat
-from edge0.formats.markup import MarkupSplitter, ToolCallSplitter
+from edge0.formats.markup import MarkupSplitter, ShortIds, ToolCallSplitter
 
 ALPHANUMERIC = string.ascii_letters + string.digits
-CALL_ID = re.compile(r"[A-Za-z0-9]{9}")
+IDS = ShortIds(ALPHANUMERIC, 9)
 HEADER = re.compile(r"\s*([\w.-]+)\s*(?:\[CALL_ID\]\s*(\w+)\s*)?\[ARGS\]\s*")
 
 
@@ -66,19 +64,10 @@ class MistralFormat(ChatFormat):
         return split
 
     def call_id(self) -> str:
-        return "".join(secrets.choice(ALPHANUMERIC) for _ in range(9))
+        return IDS.new()
 
     def history_id(self, call_id: str) -> str:
-        """Any other id, mapped the same way every time (on a call and on its result alike)."""
-        own = call_id.removeprefix("toolu_")  # the Messages API's id of a call the model made
-        if CALL_ID.fullmatch(own):
-            return own
-        n = int.from_bytes(hashlib.sha256(call_id.encode()).digest()[:8], "big")
-        out = ""
-        for _ in range(9):
-            n, d = divmod(n, len(ALPHANUMERIC))
-            out += ALPHANUMERIC[d]
-        return out
+        return IDS.of(call_id)
 
 
 class Mistral3Format(MistralFormat):

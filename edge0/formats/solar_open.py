@@ -41,15 +41,12 @@ Solar Open2 writes `<|tool_call:start|>` calls with `<|tool_arg:...|>` arguments
 from __future__ import annotations
 
 import ast
-import hashlib
 import json
 import logging
-import re
-import secrets
 import string
 
 from edge0.formats.base import ChatFormat
-from edge0.formats.markup import Reasoning, ReasoningSplitter, Segment, openai_call
+from edge0.formats.markup import Reasoning, ReasoningSplitter, Segment, ShortIds, openai_call
 from edge0.textstream import find_first, partial_suffix_len
 
 log = logging.getLogger("edge0.server")
@@ -67,7 +64,7 @@ TOOL_RESPONSE = ("<|tool_response:begin|>", "<|tool_response:name|>", "<|tool_re
 HEADER = BEGIN + "assistant"  # a message's start within the reply
 BODY = (CONTENT, TOOL_CALLS)  # an answer's or a call section's start
 ID_CHARS = string.ascii_lowercase + string.digits
-CALL_ID = re.compile(r"[a-z0-9]{10}")
+IDS = ShortIds(ID_CHARS, 10)
 HEAD, TEXT, SECTION, CALL, DONE = "head", "text", "section", "call", "done"  # the splitter's modes
 
 
@@ -99,7 +96,7 @@ class SolarOpenFormat(ChatFormat):
         if not sep or not named or not name or any(c.isspace() for c in name):
             raise ValueError(f"not an ID{CALL_NAME}NAME{CALL_ARGS}ARGS call: {raw[:80]!r}")
         call = {"name": name, "arguments": _arguments(args)}
-        if CALL_ID.fullmatch(call_id.strip()):
+        if IDS.shape.fullmatch(call_id.strip()):
             call["id"] = call_id.strip()
         return [call]
 
@@ -107,19 +104,10 @@ class SolarOpenFormat(ChatFormat):
         return SolarOpenSplitter(self, tools, opened)
 
     def call_id(self) -> str:
-        return "".join(secrets.choice(ID_CHARS) for _ in range(10))
+        return IDS.new()
 
     def history_id(self, call_id: str) -> str:
-        """Any other id, mapped the same way every time (on a call and on its result alike)."""
-        own = call_id.removeprefix("toolu_")  # the Messages API's id of a call the model made
-        if CALL_ID.fullmatch(own):
-            return own
-        n = int.from_bytes(hashlib.sha256(call_id.encode()).digest()[:8], "big")
-        out = ""
-        for _ in range(10):
-            n, d = divmod(n, len(ID_CHARS))
-            out += ID_CHARS[d]
-        return out
+        return IDS.of(call_id)
 
 
 def _arguments(text: str) -> dict:

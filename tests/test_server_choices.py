@@ -74,3 +74,22 @@ def test_a_seed_gives_the_same_choices_on_the_real_engine(store_for):
         other = [c.message.content for c in client.chat.completions.create(**{**kwargs, "seed": 8}).choices]
     assert first == again == [streamed[0], streamed[1]]
     assert first[0] != first[1] and other != first  # choice i samples with seed + i
+
+
+def test_a_failing_first_choice_ends_the_request_instead_of_waiting_for_the_others(fake):
+    engine, client = fake
+
+    def fresh():  # a 500 closes its connection: each request on its own
+        return openai.OpenAI(base_url=str(client.base_url), api_key="x", max_retries=0, timeout=10)
+
+    kwargs = dict(model="m", messages=ASK, n=2, max_tokens=5)
+    try:
+        engine.fail_at = 0
+        with pytest.raises(openai.InternalServerError, match="fake engine failed"):
+            fresh().chat.completions.create(**kwargs)
+        engine.fail_at = 0
+        with pytest.raises(openai.APIError, match="fake engine failed"):
+            list(fresh().chat.completions.create(**kwargs, stream=True))
+    finally:
+        engine.fail_at = None
+    assert [c.index for c in fresh().chat.completions.create(**kwargs).choices] == [0, 1]

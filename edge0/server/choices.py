@@ -15,6 +15,7 @@ from dataclasses import replace
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.background import BackgroundTask
 
 from edge0.sampling import SEED_MAX
 from edge0.server.chat_format import openai_usage
@@ -25,6 +26,7 @@ from edge0.server.pipeline import Prompt, generation_limit, generation_run, prom
 
 log = logging.getLogger("edge0.server")
 _END = object()
+_UNSTARTED = object()  # choice 0 ended before the others were queued
 
 
 def merged_usage(finishes: list[Finish]) -> Usage:
@@ -63,6 +65,8 @@ class Choices:
                 self.queue.put_nowait((i, event))
         except Exception as e:  # a job's failure, or a later choice refused (queue full)
             self.queue.put_nowait((i, e))
+        if i == 0 and len(self.jobs) == 1:  # ended with no event (cancelled): the others never start
+            self.queue.put_nowait((None, _UNSTARTED))
         self.queue.put_nowait((i, _END))
 
     def cancel(self) -> None:
@@ -83,6 +87,8 @@ class Choices:
                 continue
             if event is _END:
                 ended += 1
+            elif event is _UNSTARTED:
+                ended += len(self.runs) - 1
             elif isinstance(event, BaseException):
                 raise event
             else:
@@ -101,10 +107,12 @@ async def respond_choices(request: Request, fmt, prompt: Prompt, params, stream:
     formats = [fmt.choice(i) for i in range(n)]
     choices = Choices(request, runs)
     if stream:
+        # The background task also covers a client that leaves before the stream starts.
         return StreamingResponse(
             _stream(choices, formats, len(tokens), state.config.keepalive_s),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache"},
+            background=BackgroundTask(choices.cancel),
         )
     return JSONResponse(await _collect(request, choices, formats))
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from edge0.backend import kvcache as bkv
 from edge0.errors import Edge0Error
 from edge0.store.headers import read_header
+from edge0.store.ownfiles import check_owner, file_version, make_private, read_regular, unlink_regular
 
 # The names the cache writes, the only ones it reads, replaces or removes.
 _FOLDER = re.compile(r"[0-9a-f]{32}")  # DIR/<identity prefix>/
@@ -56,48 +57,6 @@ def _entry_ok(e) -> bool:
 def _check_namespace(namespace) -> None:
     if not isinstance(namespace, str) or _NAMESPACE.fullmatch(namespace) is None:
         raise ValueError(f"a prompt-cache namespace is a lowercase hex digest (at most 128 digits), not {namespace!r}")
-
-
-def _read_regular(path: Path) -> bytes:
-    """A regular file's bytes, never through a link nor from a FIFO (which would block)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(f"{path} is not a regular file")
-        with os.fdopen(fd, "rb", closefd=False) as fh:
-            return fh.read()
-    finally:
-        os.close(fd)
-
-
-def _unlink_regular(path: Path) -> None:
-    """Remove `path` if it is a regular file (a temporary the cache wrote), else leave it."""
-    try:
-        if stat.S_ISREG(os.lstat(path).st_mode):
-            os.unlink(path)
-    except FileNotFoundError:
-        pass
-
-
-def _private(path, st: os.stat_result, mode: int) -> None:
-    """Give an entry the cache owns `mode` (0700 folders, 0600 files): conversations are private
-    whatever the umask, or an older edge0, left. Another user's entry is left as it is."""
-    if stat.S_IMODE(st.st_mode) != mode and st.st_uid == os.getuid():
-        os.chmod(path, mode)
-
-
-def _check_owner(path, st: os.stat_result) -> None:
-    """A folder the cache writes in must be this user's and writable by no one else: there, another
-    user could plant a link that redirects a write, or a cache file that answers a prompt."""
-    if st.st_uid != os.geteuid():
-        raise Edge0Error(f"--prompt-cache-dir: {path} belongs to another user; pass a directory of your own")
-    if st.st_mode & 0o022:
-        raise Edge0Error(f"--prompt-cache-dir: {path} is writable by other users; chmod 700 it, or pass another")
-
-
-def _version(st: os.stat_result) -> tuple:
-    """Which file a name holds: one written again since (renamed into place) differs."""
-    return st.st_ino, st.st_size, st.st_mtime_ns
 
 
 class DiskPromptCaches:
@@ -147,12 +106,12 @@ class DiskPromptCaches:
         self.note = ""  # the last refusal or failure
         self.last_save_s: float | None = None
         self.bytes = self.entries = 0
-        # what the last restore() read, (name, _version), for discard() if a forward on it fails
+        # what the last restore() read, (name, file_version), for discard() if a forward on it fails
         self.last_restore: tuple | None = None
         try:
             self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
             self._check_own()
-            _private(self.root, os.stat(self.root), 0o700)
+            make_private(self.root, os.stat(self.root), 0o700)
             with self._locked() as index:
                 self._adopt_orphans(index)
                 self._evict(index)
@@ -168,7 +127,7 @@ class DiskPromptCaches:
     def _check_own(self) -> None:
         """Refuse a DIR holding names the cache does not write and no index of its own (someone
         else's folder, where it must write nothing), and a DIR/.lock that is a link or no file."""
-        _check_owner(self.root, os.lstat(self.root))
+        check_owner(self.root, os.lstat(self.root))
         for name in (".lock", self.INDEX):
             path = self.root / name
             if os.path.lexists(path) and not stat.S_ISREG(os.lstat(path).st_mode):
@@ -187,7 +146,7 @@ class DiskPromptCaches:
     def _own_index(self) -> bool:
         """Whether DIR/index.json is an index this cache wrote (of any version)."""
         try:
-            data = json.loads(_read_regular(self.root / self.INDEX))
+            data = json.loads(read_regular(self.root / self.INDEX))
         except (OSError, ValueError, RecursionError):
             return False
         return isinstance(data, dict) and isinstance(data.get("version"), int) and isinstance(data.get("entries"), dict)
@@ -212,7 +171,7 @@ class DiskPromptCaches:
         regular file is dropped); rebuilt from the files when missing, damaged or of another version."""
         path = self.root / self.INDEX
         try:
-            data = json.loads(_read_regular(path))
+            data = json.loads(read_regular(path))
             if not isinstance(data, dict) or not isinstance(data.get("entries"), dict):
                 raise ValueError("unexpected contents")
             if data.get("version") != self.VERSION:
@@ -257,16 +216,16 @@ class DiskPromptCaches:
                 st = d.stat(follow_symlinks=False)
                 regular = stat.S_ISREG(st.st_mode)
                 if regular and d.name in (".lock", self.INDEX):
-                    _private(d.path, st, 0o600)
+                    make_private(d.path, st, 0o600)
                 elif regular and _INDEX_TMP.fullmatch(d.name):
                     os.unlink(d.path)
                 elif stat.S_ISDIR(st.st_mode) and _FOLDER.fullmatch(d.name):
-                    _private(d.path, st, 0o700)
+                    make_private(d.path, st, 0o700)
                     with os.scandir(d.path) as folder:
                         for f in folder:
                             fst = f.stat(follow_symlinks=False)
                             if stat.S_ISREG(fst.st_mode) and _FILE.fullmatch(f.name):
-                                _private(f.path, fst, 0o600)
+                                make_private(f.path, fst, 0o600)
                                 files[f"{d.name}/{f.name}"] = fst
                             elif stat.S_ISREG(fst.st_mode) and _FILE_TMP.fullmatch(f.name):
                                 os.unlink(f.path)
@@ -343,7 +302,7 @@ class DiskPromptCaches:
                 fh.write(json.dumps({"version": self.VERSION, "entries": entries}))
             os.replace(tmp, self.root / self.INDEX)
         except OSError:  # a full disk: the index stays as it was, without a temporary beside it
-            _unlink_regular(tmp)
+            unlink_regular(tmp)
             raise
         self.bytes, self.entries = sum(e["bytes"] for e in entries.values()), len(entries)
 
@@ -418,7 +377,7 @@ class DiskPromptCaches:
                 return None, 0
             entry["used"] = time.time()
             self._write(index)
-        self.last_restore = (best, _version(st))
+        self.last_restore = (best, file_version(st))
         return cache, n
 
     def discard(self, receipt, error) -> bool:
@@ -431,7 +390,7 @@ class DiskPromptCaches:
         try:
             with self._locked() as index:
                 st = self._stat(name)
-                if st is None or _version(st) != read:  # removed, or written again, since
+                if st is None or file_version(st) != read:  # removed, or written again, since
                     return False
                 index.pop(name, None)
                 self._refuse(name, f"a forward on its restored cache failed: {error}")
@@ -463,7 +422,7 @@ class DiskPromptCaches:
                 for p in (path, tmp):  # a link, FIFO or folder there is not the cache's: never written through
                     if os.path.lexists(p) and not stat.S_ISREG(os.lstat(p).st_mode):
                         raise OSError(f"{p} is not a regular file; left as it is")
-                _unlink_regular(tmp)  # a temporary of a dead process of the same pid
+                unlink_regular(tmp)  # a temporary of a dead process of the same pid
                 os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
                 meta = {
                     "identity": self.identity,
@@ -499,7 +458,7 @@ class DiskPromptCaches:
                     self._remove(index, name, "too_large")
                 self._write(index)
         except Exception as e:  # noqa: BLE001 - a full disk, DIR removed, a cache mlx-lm cannot save: keep serving
-            _unlink_regular(tmp)
+            unlink_regular(tmp)
             if placed:  # renamed into place, but the index could not be written: it would be held unbounded
                 self._unlink(name)
             self.counts["failed"] += 1
@@ -518,8 +477,8 @@ class DiskPromptCaches:
         st = os.lstat(self.dir)
         if not stat.S_ISDIR(st.st_mode):
             raise OSError(f"{self.dir} is not a folder (a link?); left as it is")
-        _check_owner(self.dir, st)
-        _private(self.dir, st, 0o700)
+        check_owner(self.dir, st)
+        make_private(self.dir, st, 0o700)
 
     def stats(self) -> dict:
         """Where, how much, and what happened: counts, the last save's seconds and the last note."""

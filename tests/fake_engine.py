@@ -17,7 +17,9 @@ top ones are the token itself and the next ids, each 1.0 lower. Logits processor
 With `prefill_delay` it spends that many seconds per prompt token before the first one, in
 chunks of PREFILL_CHUNK tokens, checking `should_stop` between chunks as the real engine does.
 
-It records every call in `calls` and the highest number of generations running at once.
+It records every call in `calls` and the highest number of generations running at once. The
+server drives it as it drives the real engine, through `batching()` (FakeBatch: one sequence at
+a time, as `batch_problem()` says).
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ import json
 import re
 import threading
 import time
-from dataclasses import dataclass
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 from edge0.engine import GenerationResult, Step
 from edge0.formats import detect
@@ -292,6 +295,13 @@ class FakeEngine:
             with self._lock:
                 self._active -= 1
 
+    def batch_problem(self) -> str | None:
+        return "the fake engine decodes one sequence at a time"
+
+    @contextmanager
+    def batching(self):
+        yield FakeBatch(self)
+
     def _stats(self, call: Call) -> dict:
         return {
             "prompt_tokens": len(call.prompt),
@@ -350,8 +360,95 @@ class FakeEngine:
             "budget_bytes": 0,
         }
 
+    def resize_expert_cache(self, n_slots: int) -> None:
+        raise AssertionError("the fake engine has no expert slots to resize")
+
+    def spare_contexts(self) -> int | None:
+        return None  # no KV footprint
+
     def close(self) -> None:
         self.closed = True
+
+
+@dataclass
+class FakeSequence:
+    request: object
+    steps: object = None  # its stream_generate generator
+    finish: str | None = None
+
+
+@dataclass
+class FakeBatch:
+    """The engine's Batch contract (edge0/engine/batch.py) over the fake's stream_generate: each
+    `advance` one Step of every sequence; a sequence whose generation raises ends alone."""
+
+    engine: FakeEngine
+    seqs: list = field(default_factory=list)
+    interrupt: object = None
+    steps: int = 0
+    counts: dict = field(
+        default_factory=lambda: dict.fromkeys(
+            ("joined", "left", "spans", "spans_dropped", "steps", "row_steps", "most_rows", "failed"), 0
+        )
+    )
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.seqs)
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    def join(self, request) -> FakeSequence:
+        request.check()
+        r, seq = request, FakeSequence(request)
+        # the real engine's lone prefill stops on the batch's interrupt (a client gone) too
+        seq.steps = self.engine.stream_generate(
+            r.prompt,
+            max_tokens=r.max_tokens,
+            temperature=r.temperature,
+            top_p=r.top_p,
+            seed=r.seed,
+            stop=r.stop,
+            reuse_cache=r.reuse,
+            should_stop=lambda: bool(self.interrupt and self.interrupt()),
+            top_k=r.top_k,
+            logits_processors=r.processors or None,
+            logprobs=r.logprobs,
+            cache_namespace=r.namespace,
+        )
+        self.seqs.append(seq)
+        self.counts["joined"] += 1
+        self.counts["most_rows"] = max(self.counts["most_rows"], len(self.seqs))
+        return seq
+
+    def leave(self, seq: FakeSequence) -> None:
+        if seq in self.seqs:
+            self.seqs.remove(seq)
+            seq.steps.close()
+            self.counts["left"] += 1
+
+    def advance(self) -> list:
+        out = []
+        for seq in list(self.seqs):
+            try:
+                step = next(seq.steps)
+            except StopIteration:  # should_stop said so: it waits for leave()
+                continue
+            except Exception as e:  # noqa: BLE001 - its own failure: it ends alone
+                seq.finish = "error"
+                self.seqs.remove(seq)
+                self.counts["failed"] += 1
+                out.append((seq, e))
+                continue
+            out.append((seq, step))
+            if step.finish_reason:
+                seq.finish = step.finish_reason
+                self.seqs.remove(seq)
+        self.steps += 1
+        self.counts["steps"] += 1
+        self.counts["row_steps"] += len(out)
+        return out
 
 
 def _utf8_safe_len(data: bytes) -> int:

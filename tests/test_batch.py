@@ -13,6 +13,7 @@ from edge0.backend import kvcache as bkv
 from edge0.backend.kvcache import prompt_cache_nbytes
 from edge0.engine import StepHooks
 from edge0.engine.drafters import Draft, Drafter
+from edge0.engine.request import Request
 from edge0.engine.sampler import RequestSampler
 from edge0.engine.speculative import Speculator
 from edge0.errors import Edge0Error
@@ -222,22 +223,23 @@ def test_rows_over_quantized_kv_join_leave_and_resume_as_they_do_alone(bits, sto
     prompts, limits = [PROMPTS[0], LONG, PROMPTS[1]], [40, 6, 20]
     alone = [engine.generate(p, max_tokens=m, ignore_eos=True).tokens for p, m in zip(prompts, limits)]
     tok = [engine.encode(p) for p in prompts]
-    with engine.batching() as batch:
-        batch.join(tok[0], RequestSampler(0.0, 1.0), 2, set())
+    with engine.batching() as batch:  # a lone sequence runs in its own cache; two share a batched one
+        batch.join(Request(tok[0], 40, ignore_eos=True))
         batch.advance()
-        assert {type(c).__name__ for c in batch.cache} == {"BatchQuantizedKVCache"}
+        assert batch.cache is None and len(batch.rows) == 1
+        batch.join(Request(tok[2], 2, ignore_eos=True))
+        while len(batch.rows) < 2:
+            batch.advance()
+        assert len(batch.rows) == 2 and {type(c).__name__ for c in batch.cache} == {"BatchQuantizedKVCache"}
     with engine.batching() as batch:  # rows of other lengths join between steps (extend)
-        joins = {
-            n: [dict(prompt=tok[i], sampler=RequestSampler(0.0, 1.0), max_tokens=limits[i], eos=set(), reuse=True)]
-            for i, n in enumerate([0, 2, 4])
-        }
+        joins = {n: [Request(tok[i], limits[i], reuse=True, ignore_eos=True)] for i, n in enumerate([0, 2, 4])}
         seqs, _, _ = run(batch, joins)
         assert batch.counts["most_rows"] == 3
     assert [s.tokens for s in seqs.values()] == alone
     # each row went back to the prompt caches quantized (extract): a next turn resumes from it
     follow = tok[1] + seqs[1].tokens + engine.encode(" and then")
     with engine.batching() as batch:
-        again = batch.join(follow, RequestSampler(0.0, 1.0), 5, set(), reuse=True)
+        again = batch.join(Request(follow, 5, reuse=True, ignore_eos=True))
         while batch.busy:
             batch.advance()
     assert again.held == len(tok[1]) + len(seqs[1].tokens) - 1
@@ -264,12 +266,11 @@ def test_rows_that_draft_get_the_tokens_they_get_alone(bits, store_for):
     drafter = ModelDrafter(reference_dir("qwen3_moe"), engine.tokenizer, "qwen3_moe")
     engine.use_speculation(Speculator(drafter, num_draft=3, adaptive=False))
     engine.kv.pool.clear()
-    eos = set()
     with engine.batching() as batch:
         rows = [
-            batch.join(prompts[0], RequestSampler(0.0, 1.0), 14, eos, stop=[" worl"], reuse=True),
-            batch.join(prompts[1], RequestSampler(1.0, 1.0, seed=3), 7, eos),
-            batch.join(prompts[2], RequestSampler(0.0, 1.0), 10, eos, reuse=True),
+            batch.join(Request(prompts[0], 14, stop=[" worl"], reuse=True, ignore_eos=True)),
+            batch.join(Request(prompts[1], 7, 1.0, seed=3, ignore_eos=True)),
+            batch.join(Request(prompts[2], 10, reuse=True, ignore_eos=True)),
         ]
         while batch.busy:
             batch.advance()
@@ -283,7 +284,7 @@ def test_rows_that_draft_get_the_tokens_they_get_alone(bits, store_for):
     want = engine.generate(follow, max_tokens=4, ignore_eos=True).tokens
     engine.reset_cache()
     with engine.batching() as batch:
-        again = batch.join(follow, RequestSampler(0.0, 1.0), 4, eos, reuse=True)
+        again = batch.join(Request(follow, 4, reuse=True, ignore_eos=True))
         while batch.busy:
             batch.advance()
     assert again.held == len(prompts[0]) + len(stopped.tokens) - 1 and again.tokens == want
@@ -359,13 +360,13 @@ def test_each_row_drops_its_own_tail_and_holds_what_its_trimmed_cache_holds(bits
 
 
 def run(batch, joins: dict[int, list], max_steps=200):
-    """Advance `batch`, joining joins[n] (lists of join kwargs) before advance n; returns the
+    """Advance `batch`, joining joins[n] (lists of Requests) before advance n; returns the
     Steps per sequence in order and the order of the first Steps."""
     seqs, steps, firsts = {}, {}, []
     for n in range(max_steps):
-        for kw in joins.get(n, []):
-            seq = batch.join(**kw)
-            seqs[kw.pop("name", None) or len(seqs)] = seq
+        for request in joins.get(n, []):
+            seq = batch.join(request)
+            seqs[len(seqs)] = seq
             steps[id(seq)] = []
         if not batch.busy and n > max(joins):
             break
@@ -379,15 +380,11 @@ def run(batch, joins: dict[int, list], max_steps=200):
 def test_sequences_that_join_between_steps_get_the_tokens_they_get_alone(store_for):
     engine = edge0.load(store_for("qwen3_moe"), prerouter=False)
     engine.prefiller.span_tokens = 8
-    eos = set()
     prompts, limits = [PROMPTS[0], LONG, PROMPTS[1]], [40, 6, 20]
     alone = [engine.generate(p, max_tokens=m, ignore_eos=True).tokens for p, m in zip(prompts, limits)]
     tok = [engine.encode(p) for p in prompts]
     with engine.batching() as batch:  # the first decodes while the others prefill, the short one first
-        joins = {
-            n: [dict(prompt=tok[i], sampler=RequestSampler(0.0, 1.0), max_tokens=limits[i], eos=eos)]
-            for i, n in enumerate([0, 2, 4])
-        }
+        joins = {n: [Request(tok[i], limits[i], ignore_eos=True)] for i, n in enumerate([0, 2, 4])}
         seqs, steps, firsts = run(batch, joins)
         assert batch.counts["most_rows"] == 3 and batch.counts["spans"] > len(tok[1]) // 8
     assert [s.tokens for s in seqs.values()] == alone
@@ -401,14 +398,14 @@ def test_a_sequence_that_leaves_early_changes_nothing_for_the_others(store_for):
     engine = edge0.load(store_for("qwen3_moe"), prerouter=False)
     alone = [engine.generate(p, max_tokens=6, ignore_eos=True).tokens for p in PROMPTS]
     with engine.batching() as batch:
-        seqs = [batch.join(engine.encode(p), RequestSampler(0.0, 1.0), 6, set()) for p in PROMPTS]
+        seqs = [batch.join(Request(engine.encode(p), 6, ignore_eos=True)) for p in PROMPTS]
         batch.prefill_all()
         batch.advance()
         batch.advance()
         batch.leave(seqs[1])  # the middle row
         while batch.busy:
             batch.advance()
-        waiting = batch.join(engine.encode(PROMPTS[0]), RequestSampler(0.0, 1.0), 6, set())
+        waiting = batch.join(Request(engine.encode(PROMPTS[0]), 6, ignore_eos=True))
         batch.leave(waiting)  # before its prefill
         assert not batch.busy and batch.counts["left"] == 2
     assert [seqs[0].tokens, seqs[2].tokens] == [alone[0], alone[2]] and len(seqs[1].tokens) == 2
@@ -454,10 +451,10 @@ def test_a_rows_own_failure_ends_that_row_alone(store_for):
     engine.prefiller = BrokenPrefill()
     try:
         with engine.batching() as batch:
-            seqs = [batch.join(engine.encode(p), RequestSampler(0.0, 1.0), 6, set()) for p in PROMPTS]
-            refuses = batch.join(engine.encode(PROMPTS[1]), RequestSampler(0.0, 1.0, processors=[Refuses(3)]), 6, set())
-            nan = batch.join(engine.encode(PROMPTS[2]), RequestSampler(1.0, 1.0, processors=[Nothing()]), 6, set())
-            broken = batch.join(failing_prefill, RequestSampler(0.0, 1.0), 6, set())
+            seqs = [batch.join(Request(engine.encode(p), 6, ignore_eos=True)) for p in PROMPTS]
+            refuses = batch.join(Request(engine.encode(PROMPTS[1]), 6, processors=[Refuses(3)], ignore_eos=True))
+            nan = batch.join(Request(engine.encode(PROMPTS[2]), 6, 1.0, 1.0, processors=[Nothing()], ignore_eos=True))
+            broken = batch.join(Request(failing_prefill, 6, ignore_eos=True))
             failures = {}
             while batch.busy:
                 for seq, step in batch.advance():
@@ -501,8 +498,8 @@ def test_a_conversation_continues_from_its_cached_prefix_in_a_batch(store_for):
     engine = edge0.load(store_for("qwen3_moe"), prerouter=False, prompt_cache_memory=5 << 20)
     first = engine.encode(LONG)
     with engine.batching() as batch:
-        a = batch.join(first, RequestSampler(0.0, 1.0), 5, set(), reuse=True)
-        b = batch.join(engine.encode(PROMPTS[1]), RequestSampler(0.0, 1.0), 5, set(), reuse=True)
+        a = batch.join(Request(first, 5, reuse=True, ignore_eos=True))
+        b = batch.join(Request(engine.encode(PROMPTS[1]), 5, reuse=True, ignore_eos=True))
         # the budget counts one sequence's KV (here: none); the batch's comes out of the pool's share
         context, engine.kv.context_bytes = engine.kv.context_bytes, 0
         batch.advance()
@@ -516,7 +513,7 @@ def test_a_conversation_continues_from_its_cached_prefix_in_a_batch(store_for):
     expected = engine.generate(follow, max_tokens=5, ignore_eos=True).tokens
     engine.reset_cache()  # that generation's working cache; the batch's two are in the pool
     with engine.batching() as batch:
-        c = batch.join(follow, RequestSampler(0.0, 1.0), 5, set(), reuse=True)
+        c = batch.join(Request(follow, 5, reuse=True, ignore_eos=True))
         while batch.busy:
             made = batch.advance()
     assert c.tokens == expected and b.tokens
@@ -531,7 +528,7 @@ def test_a_model_that_cannot_trim_its_cache_resumes_from_the_end_of_its_prompt_i
 
     def batch_of(*prompts):
         with engine.batching() as batch:
-            seqs = [batch.join(p, RequestSampler(0.0, 1.0), 4, set(), reuse=True) for p in prompts]
+            seqs = [batch.join(Request(p, 4, reuse=True, ignore_eos=True)) for p in prompts]
             while batch.busy:
                 batch.advance()
         return seqs
@@ -557,10 +554,11 @@ def test_a_long_span_alone_gives_way_to_a_newcomer_and_the_tokens_stay_the_same(
     checks = []
     with engine.batching() as batch:
         batch.interrupt = lambda: checks.append(1) or len(checks) == 3  # a newcomer, during the span
-        long = batch.join(engine.encode(LONG), RequestSampler(0.0, 1.0), 5, set())
+        long = batch.join(Request(engine.encode(LONG), 5, ignore_eos=True))
         assert batch.advance() == [] and long.fed == 0  # the span was dropped
-        assert batch.counts["spans_dropped"] == 1 and not bkv_offset(long.cache)
-        short = batch.join(engine.encode(PROMPTS[0]), RequestSampler(0.0, 1.0), 5, set())
+        # alone, it ran in the engine's working cache (engine/solo.py): cut back to where it began
+        assert batch.counts["spans_dropped"] == 1 and not bkv_offset(engine.kv.cache)
+        short = batch.join(Request(engine.encode(PROMPTS[0]), 5, ignore_eos=True))
         firsts = []
         while batch.busy:
             firsts += [s for s, _ in batch.advance() if s not in firsts]

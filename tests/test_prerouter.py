@@ -94,7 +94,7 @@ def test_the_last_step_reads_nothing_ahead(store_for, heads_file):
     """A step that makes every sequence's last token (their token limits) stages no next step:
     its reads would be wasted, and waited for at the end. A sequence that joins the same batch
     afterwards starts with nothing staged and gets its tokens as alone."""
-    from edge0.engine.sampler import RequestSampler
+    from edge0.engine.request import Request
 
     e = edge0.load(store_for("deepseek_v3"), prerouter=heads_file, expert_cache="64KB")
     staged = []
@@ -107,10 +107,10 @@ def test_the_last_step_reads_nothing_ahead(store_for, heads_file):
     assert [r.tokens for r in e.generate_batch([PROMPT, BATCH_PROMPTS[1]], max_tokens=8, ignore_eos=True)] == alone
     assert len(staged) == 7 * consumers
     with e.batching() as batch:  # the first sequence ends; the second joins the same batch after
-        first = batch.join(e.encode(PROMPT), RequestSampler(0.0, 1.0), 8, set())
+        first = batch.join(Request(e.encode(PROMPT), 8, ignore_eos=True))
         while batch.busy:
             batch.advance()
-        second = batch.join(e.encode(BATCH_PROMPTS[1]), RequestSampler(0.0, 1.0), 8, set())
+        second = batch.join(Request(e.encode(BATCH_PROMPTS[1]), 8, ignore_eos=True))
         while batch.busy:
             batch.advance()
     assert [first.tokens, second.tokens] == alone
@@ -142,7 +142,7 @@ def test_a_batch_step_reads_each_layers_next_experts_once_that_layer_has_routed(
 def test_a_row_that_ends_is_not_read_ahead_for(store_for, heads_file):
     """In a batch whose rows end at different steps, the step that makes one row's last token
     stages the next routes of the other rows only."""
-    from edge0.engine.sampler import RequestSampler
+    from edge0.engine.request import Request
 
     e = edge0.load(store_for("deepseek_v3"), prerouter=heads_file, expert_cache="64KB")
     rows_staged = []
@@ -154,8 +154,8 @@ def test_a_row_that_ends_is_not_read_ahead_for(store_for, heads_file):
     rows_staged.clear()
     with e.batching() as batch:
         seqs = [
-            batch.join(e.encode(PROMPT), RequestSampler(0.0, 1.0), 8, set()),
-            batch.join(e.encode(BATCH_PROMPTS[1]), RequestSampler(0.0, 1.0), 4, set()),
+            batch.join(Request(e.encode(PROMPT), 8, ignore_eos=True)),
+            batch.join(Request(e.encode(BATCH_PROMPTS[1]), 4, ignore_eos=True)),
         ]
         while batch.busy:
             batch.advance()
@@ -306,7 +306,7 @@ def test_a_batch_with_heads_gives_each_sequence_its_prerouted_tokens(store_for, 
     mid-batch with a two-token prompt (its one-token prefill predicts nothing, and with chunk-by-
     chunk prefill it reaches the decode executors between a stage and its swap). Nothing routed
     goes unread."""
-    from edge0.engine.sampler import RequestSampler
+    from edge0.engine.request import Request
 
     e = edge0.load(store_for("deepseek_v3"), prerouter=heads_file, expert_cache="64KB", decode_executor=executor)
     prompts = [e.encode(p) for p in BATCH_PROMPTS]
@@ -331,10 +331,10 @@ def test_a_batch_with_heads_gives_each_sequence_its_prerouted_tokens(store_for, 
         e.prefiller.layerwise = layerwise
         want = alone(limits)
         with e.batching() as batch:  # the third sequence joins after five steps of the first two
-            seqs = [batch.join(prompts[i], RequestSampler(0.0, 1.0), limits[i], set()) for i in range(2)]
+            seqs = [batch.join(Request(prompts[i], limits[i], ignore_eos=True)) for i in range(2)]
             for _ in range(5):
                 batch.advance()
-            seqs.append(batch.join(prompts[2], RequestSampler(0.0, 1.0), limits[2], set()))
+            seqs.append(batch.join(Request(prompts[2], limits[2], ignore_eos=True)))
             while batch.busy:
                 batch.advance()
         assert [s.tokens for s in seqs] == want

@@ -197,7 +197,7 @@ class FailOnce:
 
 @pytest.mark.parametrize("batch", [False, True])
 def test_a_restored_cache_whose_forward_fails_is_removed_and_counted(store, tmp_path, batch):
-    from edge0.engine.sampler import RequestSampler
+    from edge0.engine.request import Request
 
     first = edge0.load(store, prompt_cache_dir=tmp_path)
     follow = PROMPT + first.generate(PROMPT, max_tokens=8, reuse_cache=True, ignore_eos=True).tokens + NEW
@@ -211,7 +211,7 @@ def test_a_restored_cache_whose_forward_fails_is_removed_and_counted(store, tmp_
     restarted.prefiller = FailOnce(restarted.prefiller)
     if batch:
         with restarted.batching() as b:
-            seq = b.join(restarted.encode(follow), RequestSampler(0.0, 1.0), 6, set(), reuse=True)
+            seq = b.join(Request(restarted.encode(follow), 6, reuse=True, ignore_eos=True))
             assert seq.held > 0  # restored from disk
             failures = [step for _, step in b.advance() if isinstance(step, Exception)]
         assert [str(f) for f in failures] == ["the forward failed"]

@@ -157,10 +157,10 @@ def _prefilled(engine, prompt, namespace="", batch=False):
             engine.stream_generate(prompt, max_tokens=2, reuse_cache=True, cache_namespace=namespace, ignore_eos=True)
         )
         return steps[-1].stats["prefill_tokens"]
-    from edge0.engine.sampler import RequestSampler
+    from edge0.engine.request import Request
 
     with engine.batching() as b:
-        seq = b.join(prompt, RequestSampler(0.0, 1.0), 2, set(), reuse=True, namespace=namespace)
+        seq = b.join(Request(prompt, 2, reuse=True, namespace=namespace, ignore_eos=True))
         while b.busy:
             b.advance()
     return len(prompt) - seq.held

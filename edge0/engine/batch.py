@@ -1,5 +1,11 @@
-"""Several sequences decoded together, joining between steps and leaving when they end (the
-server's continuous batching, and `Engine.generate_batch`).
+"""The engine's one generation loop: sequences decoded together, joining between steps and
+leaving when they end. A lone request is a batch of one (`Engine.stream_generate`, the CLI, the
+bench); the server's continuous batching and `Engine.generate_batch` join several.
+
+A sequence that joins an empty batch is the lone sequence (solo.py): it runs in the engine's
+working cache, prefilled whole and stepped as one plain sequence (speculative steps included),
+so a batch of one costs what one generation costs. When a second one joins, the lone sequence's
+cache becomes its own and the batch goes on as below.
 
 A sequence that joins is prefilled alone into its own KV cache (a conversation's cached prefix
 first, from the prompt caches), one span per `advance`, so the running sequences keep decoding
@@ -21,13 +27,16 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from edge0.backend import core as B
 from edge0.backend import kvcache as bkv
 from edge0.backend import speculative as bsp
 from edge0.engine.reply import Reply, Step
+from edge0.engine.request import Request
 from edge0.engine.sampler import RequestSampler
+from edge0.engine.solo import Solo
+from edge0.engine.stats import call_stats
 from edge0.engine.step import sample_row
 from edge0.errors import Edge0Error
-from edge0.sampling import check_sampling
 
 # The longest prefill span while other sequences run or wait: they wait at most one span between
 # their steps (mlx-lm's server prefills in chunks of this size too).
@@ -44,21 +53,36 @@ class _OwnFailure(Exception):
 
 @dataclass
 class Sequence:
-    """One sequence of a batch: its prompt, sampler and reply, and where its prefill is."""
+    """One sequence of a batch: its request, sampler and reply, and where its prefill is."""
 
-    prompt: list[int]
+    request: Request
     sampler: RequestSampler
     reply: Reply
-    reuse: bool
     cache: list | None = None  # its own cache while it waits (prefills); then it is a row of the batch's
     fed: int = 0  # prompt tokens its own cache holds (reused or prefilled)
     held: int = 0  # of those, the ones a cached prefix held when it joined
-    namespace: str = ""  # the prompt caches it may reuse and fills (kv.py)
     receipt: object = None  # the disk file its cache was restored from, until its prefill succeeds
     drafter: object | None = None  # its own drafter (a greedy plain request while the engine speculates)
+    lone: bool = False  # in the engine's working cache (solo.py), until a second sequence joins
+    prepared: bool = False  # a lone sequence: the working cache holds its cached prefix
+    lane: object = None  # a lone row's steps (Solo.steps)
+    before: tuple = ()  # executor totals, store reads and speculation counts when it joined
+    prefilled: dict | None = None  # executor totals once its prompt but the last token was in
     joined: float = field(default_factory=time.perf_counter)
     first_token_s: float | None = None  # from joining to its first token
     finish: str | None = None
+
+    @property
+    def prompt(self) -> list[int]:
+        return self.request.prompt
+
+    @property
+    def reuse(self) -> bool:
+        return self.request.reuse
+
+    @property
+    def namespace(self) -> str:
+        return self.request.namespace
 
     @property
     def tokens(self) -> list[int]:
@@ -79,6 +103,10 @@ class Batch:
 
     def __init__(self, engine):
         self.engine = engine
+        self.solo = Solo(engine)
+        self.lone: Sequence | None = None  # the lone sequence (solo.py), while there is one
+        # why sequences cannot share a step here (None: they can); a lone one always runs
+        self.merge_problem = batch_problem(engine)
         self.waiting: list[Sequence] = []  # prefilling, each in its own cache
         self.rows: list[Sequence] = []  # row i of the merged cache is rows[i]
         self.last_rows: list[Sequence] = []  # the rows of the last step (a pre-router's predictions are by row)
@@ -108,6 +136,9 @@ class Batch:
 
     def close(self) -> None:
         """The batch is over: what is left of it goes, and the prompt caches' memory bound is back."""
+        if self.lone is not None and self.lone.lane is not None:
+            self.lone.lane.close()
+        self.lone = None
         self.waiting, self.rows, self.last_rows, self.inputs, self.cache = [], [], [], [], None
         if self._pool_bound is not None:
             self.engine.kv.pool.max_bytes = self._pool_bound
@@ -135,41 +166,85 @@ class Batch:
     def __len__(self) -> int:
         return len(self.waiting) + len(self.rows)
 
-    def join(
-        self,
-        prompt: list[int],
-        sampler: RequestSampler,
-        max_tokens: int,
-        eos: set[int],
-        stop=None,
-        reuse=False,
-        namespace: str = "",
-    ):
-        """Queue a sequence (prefilled by the next `advance` calls); returns its Sequence. With
-        `reuse`, it starts from the prompt caches of `namespace` and gives its cache back there."""
+    def join(self, request: Request) -> Sequence:
+        """Queue `request` (checked here; prefilled by the next `advance` calls); returns its
+        Sequence. The first to join an empty batch is the lone sequence; a request that asked for
+        reuse starts from the prompt caches of its namespace and gives its cache back there."""
+        request.check()
         e = self.engine
-        reply = Reply(e.tokenizer, e.control_ids, eos, stop, max_tokens)
-        seq = Sequence(list(prompt), sampler, reply, reuse, namespace=namespace)
-        if reuse:
-            seq.cache, seq.held, seq.receipt = e.kv.checkout(seq.prompt, namespace)
+        eos = set() if request.ignore_eos else set(e.tokenizer.eos_token_ids)
+        r = request
+        sampler = RequestSampler(r.temperature, r.top_p, r.top_k, r.processors, r.logprobs, seed=r.seed)
+        seq = Sequence(request, sampler, Reply(e.tokenizer, e.control_ids, eos, r.stop, r.max_tokens))
+        if not self:
+            seq.lone, self.lone = True, seq
+            B.reset_peak_memory()
+            self.solo.prepare(seq)
         else:
-            seq.cache = e.kv.make()
-        seq.fed = seq.held
-        if self.spec is not None and sampler.plain and sampler.temperature == 0:
-            # greedy only: an accepted draft token is the argmax, so a seeded row's stream is untouched
-            seq.drafter = self.spec.drafter.fork()
-            seq.drafter.start(seq.prompt)
-        elif e.batch_speculation is not None:  # a sampled or processed row, or caches rows cannot cut
-            e.batch_speculation.counts["unsupported_requests"] += 1
+            if self.merge_problem:
+                raise Edge0Error(f"batching: {self.merge_problem}")
+            if self.lone is not None:
+                self._end_lone()
+            self._own_cache(seq)
+        spec = e.speculation
+        seq.before = (e.streaming.stats.totals(), e.store.io_stats(), spec.snapshot() if spec else None)
         self.waiting.append(seq)
         self.counts["joined"] += 1
         self._fit_pool()
         return seq
 
+    def _own_cache(self, seq: Sequence) -> None:
+        """`seq`'s own cache (the prompt caches' longest prefix of it, with reuse) and its drafter."""
+        e = self.engine
+        if seq.reuse:
+            seq.cache, seq.held, seq.receipt = e.kv.checkout(seq.prompt, seq.namespace)
+        else:
+            seq.cache = e.kv.make()
+        seq.fed = seq.held
+        self._draft_for(seq)
+
+    def _draft_for(self, seq: Sequence) -> None:
+        """`seq`'s own drafter, when the batch's rows speculate and it samples greedily."""
+        e = self.engine
+        if self.spec is not None and seq.sampler.plain and seq.sampler.temperature == 0:
+            # greedy only: an accepted draft token is the argmax, so a seeded row's stream is untouched
+            seq.drafter = self.spec.drafter.fork()
+            seq.drafter.start(seq.prompt)
+        elif e.batch_speculation is not None:  # a sampled or processed row, or caches rows cannot cut
+            e.batch_speculation.counts["unsupported_requests"] += 1
+
+    def _end_lone(self) -> None:
+        """A second sequence joins: the lone one's cache leaves the working cache and is its own
+        (a row of the batch's cache, once it decodes)."""
+        seq, self.lone = self.lone, None
+        seq.lone = False
+        kv = self.engine.kv
+        if seq in self.waiting:
+            if not seq.prepared:
+                self._own_cache(seq)
+                return
+            seq.receipt = kv.receipt
+            seq.cache = kv.take()
+        else:
+            if seq.lane is not None:
+                seq.lane.close()
+                seq.lane = None
+            self.cache = bkv.join_rows(None, kv.take())
+            self.last_rows = []  # its steps were not a batch's rows
+        self._draft_for(seq)
+
     def leave(self, seq: Sequence) -> None:
         """Drop `seq` (its client is gone) wherever it is. With reuse, what it fed goes back to the
         prompt caches, so a retry of the request resumes there (as a single generation's does)."""
-        if seq in self.waiting:
+        if seq.lone:  # the working cache holds what it fed (solo.py)
+            self.lone = None
+            if seq.lane is not None:
+                seq.lane.close()
+            if seq in self.waiting:
+                self.waiting.remove(seq)
+            else:
+                self.rows, self.inputs = [], []
+        elif seq in self.waiting:
             self.waiting.remove(seq)
             if seq.reuse and seq.fed:
                 self.engine.kv.checkin(seq.prompt[: seq.fed], seq.cache, 0, seq.namespace)
@@ -196,7 +271,10 @@ class Batch:
         if prefill and self.waiting:
             seq = min(self.waiting, key=lambda s: len(s.prompt) - s.fed)
             try:
-                self._prefill_span(seq, interleave=True)
+                if seq.lone:
+                    self._prefill_lone(seq)
+                else:
+                    self._prefill_span(seq, interleave=True)
             except _OwnFailure as own:  # in its own cache: this sequence ends, the rows go on
                 if seq.receipt is not None:
                     self.engine.kv.failed(own.error, seq.receipt)
@@ -205,6 +283,8 @@ class Batch:
         return failed + (self._step() if self.rows else [])
 
     def _fail_waiting(self, seq: Sequence) -> None:
+        if seq.lone:
+            self.lone = None
         self.waiting.remove(seq)
         seq.cache, seq.finish = None, "error"
         self.counts["failed"] += 1
@@ -213,7 +293,25 @@ class Batch:
     def prefill_all(self) -> None:
         """Every waiting sequence prefilled and joined (whole spans, no decode step in between)."""
         while self.waiting:
-            self._prefill_span(self.waiting[0], interleave=False)
+            seq = self.waiting[0]
+            if seq.lone:
+                self._prefill_lone(seq)
+            else:
+                self._prefill_span(seq, interleave=False)
+
+    def _prefill_lone(self, seq: Sequence) -> None:
+        """The lone sequence's prompt, whole unless `interrupt()` says a request waits to join."""
+        p = self.engine.prefiller
+        spans = p.spans + p.chunked_spans
+        try:
+            done = self.solo.prefill(seq, self.interrupt)
+        except Exception as error:  # noqa: BLE001 - the forward of its own cache: its failure alone
+            raise _OwnFailure(error) from error
+        self.counts["spans"] += p.spans + p.chunked_spans - spans
+        if done:
+            self._ready(seq)
+        else:  # a newcomer is waiting (or its client left): what went into every layer stays
+            self.counts["spans_dropped"] += 1
 
     # -- inside ----------------------------------------------------------------------------------
     def _prefill_span(self, seq: Sequence, interleave: bool) -> None:
@@ -241,9 +339,14 @@ class Batch:
         if seq.fed < len(seq.prompt) - 1:
             self._fit_pool()
             return
-        self.waiting.remove(seq)
         self.cache = bkv.join_rows(self.cache, seq.cache)
         seq.cache = None  # a row of the batch's cache now
+        self._ready(seq)
+
+    def _ready(self, seq: Sequence) -> None:
+        """`seq`'s prompt but its last token is in: it decodes from the next step."""
+        seq.prefilled = self.engine.streaming.stats.totals()
+        self.waiting.remove(seq)
         self.rows.append(seq)
         self.inputs.append(seq.prompt[-1])
         self.counts["most_rows"] = max(self.counts["most_rows"], len(self.rows))
@@ -251,6 +354,8 @@ class Batch:
     def _step(self) -> list[tuple[Sequence, Step | Exception]]:
         e = self.engine
         rows = self.rows
+        if rows[0].lone:
+            return self._lone_step(rows[0])
         drafts = self._drafts()
         at = {id(s): i for i, s in enumerate(self.last_rows)}
         previous = [at.get(id(s)) for s in rows]
@@ -264,9 +369,7 @@ class Batch:
             out = self._verify(drafts, previous)
         if self.spec is not None:
             self._observe(drafts, out, time.perf_counter() - t0)
-        self.steps += 1
-        self.counts["steps"] += 1
-        self.counts["row_steps"] += len(rows)
+        self._count_step(len(rows))
         made, done, failed = [], [], []
         prompt_copies = e.kv.needs_prompt_copy(self.cache)
         for i, (seq, ys) in enumerate(zip(rows, out)):
@@ -275,30 +378,80 @@ class Batch:
                 made.append((seq, ys[-1]))
                 failed.append(i)
                 continue
-            for y in ys:
-                step = seq.reply.add(y)
-                seq.sampler.annotate_step(step)
-                if seq.first_token_s is None:
-                    seq.first_token_s = time.perf_counter() - seq.joined
-                made.append((seq, step))
-                if step.finish_reason:
-                    seq.finish = step.finish_reason
-                    step.stats = {
-                        "prompt_tokens": len(seq.prompt),
-                        "prefill_tokens": len(seq.prompt) - seq.held,
-                        "generated_tokens": len(seq.tokens),
-                        "first_token_s": seq.first_token_s,
-                    }
-                    done.append(i)
-                    break
-                if prompt_copies and seq.reuse and len(seq.tokens) == 1:  # the step fed its prompt's last token
-                    e.kv.keep_prompt(seq.prompt, bkv.extract_row(self.cache, i), seq.namespace)
+            if self._add_tokens(seq, ys, made):
+                done.append(i)
+            elif prompt_copies and seq.reuse and len(seq.tokens) == len(ys):  # the step fed its prompt's last token
+                e.kv.keep_prompt(seq.prompt, bkv.extract_row(self.cache, i), seq.namespace)
             self.inputs[i] = ys[-1]
         if done or failed:
             self._drop_rows(done, failed)
         else:
             self._fit_pool()
         return made
+
+    def _lone_step(self, seq: Sequence) -> list[tuple[Sequence, Step | Exception]]:
+        """A step of the lone row in the working cache (solo.py): one token, or a verify's."""
+        if seq.lane is None:
+            seq.lane = self.solo.steps(seq)
+        try:
+            ys = next(seq.lane)
+        except Exception as error:  # noqa: BLE001 - its own step, the only one: it ends with the error
+            self.engine.kv.reset()  # the step may have fed part of it
+            seq.finish, self.lone, self.rows, self.inputs = "error", None, [], []
+            self.counts["failed"] += 1
+            return [(seq, error)]
+        self._count_step(1)
+        made: list = []
+        if self._add_tokens(seq, ys, made):
+            seq.lane.close()
+            self.lone, self.rows, self.inputs = None, [], []
+        else:
+            self.inputs[0] = ys[-1]  # what a step of the batch feeds, if others join
+        return made
+
+    def _count_step(self, rows: int) -> None:
+        self.steps += 1
+        self.counts["steps"] += 1
+        self.counts["row_steps"] += rows
+
+    def _add_tokens(self, seq: Sequence, ys: list[int], made: list) -> bool:
+        """`seq`'s tokens of a step become its Steps (into `made`); True when it ended with one."""
+        for y in ys:
+            step = seq.reply.add(y)
+            seq.sampler.annotate_step(step)
+            if seq.first_token_s is None:
+                seq.first_token_s = time.perf_counter() - seq.joined
+            made.append((seq, step))
+            if step.finish_reason:
+                seq.finish = step.finish_reason
+                step.stats = self._stats(seq)
+                return True
+        return False
+
+    def _stats(self, seq: Sequence) -> dict:
+        """A finished sequence's stats (engine/stats.py): the executors' and the store's counts
+        from its joining to its end (while it shared steps, the batch's), and its own timings."""
+        e = self.engine
+        totals, io = e.streaming.stats.totals(), e.store.io_stats()
+        before, io_before, spec_before = seq.before
+        first = seq.first_token_s or 0.0
+        stats = call_stats(
+            before,
+            seq.prefilled or before,
+            totals,
+            io_before,
+            io,
+            len(seq.prompt),
+            len(seq.prompt) - seq.held,
+            len(seq.tokens),
+            first,
+            time.perf_counter() - seq.joined - first,
+        )
+        stats["first_token_s"] = seq.first_token_s
+        if e.speculation is not None and spec_before is not None:
+            decode_bytes = stats["expert_bytes_read"] - stats["prefill_expert_bytes_read"]
+            stats["speculation"] = e.speculation.call_stats(spec_before, before, totals, len(seq.tokens), decode_bytes)
+        return stats
 
     # -- speculation ---------------------------------------------------------------------------
     def _drafts(self) -> list[list[int]] | None:
@@ -389,16 +542,14 @@ class Batch:
         self._fit_pool()
 
 
-def generate_batch(engine, prompts: list[list[int]], max_tokens: list[int], samplers: list, eos: set[int]):
-    """Every prompt in one batch, prefilled first (at most `max_tokens[i]` tokens for prompt i);
-    returns (sequences, stats of the run)."""
+def generate_batch(engine, requests: list[Request]):
+    """Every request in one batch, prefilled first; returns (sequences, stats of the run)."""
     totals0, io0 = engine.streaming.stats.totals(), engine.store.io_stats()
     t0 = time.perf_counter()
     with engine.batching() as batch:
-        seqs = [batch.join(p, s, m, eos) for p, s, m in zip(prompts, samplers, max_tokens)]
+        seqs = [batch.join(r) for r in requests]
         batch.prefill_all()
         t_prefill = time.perf_counter() - t0
-        prefilled = engine.streaming.stats.totals()
         t_first = None
         while batch.busy:
             for _, step in batch.advance():
@@ -408,17 +559,18 @@ def generate_batch(engine, prompts: list[list[int]], max_tokens: list[int], samp
                 t_first = time.perf_counter() - t0 - t_prefill
         steps = batch.steps
     totals, io = engine.streaming.stats.totals(), engine.store.io_stats()
+    prefilled = [s.prefilled for s in seqs if s.prefilled is not None]
     routes = totals["multi_routes"] - totals0["multi_routes"]
     stats = {
         "batch_size": len(seqs),
         "batch_steps": steps,
-        "prompt_tokens": sum(len(p) for p in prompts),
+        "prompt_tokens": sum(len(r.prompt) for r in requests),
         "generated_tokens": sum(len(s.tokens) for s in seqs),
         "prefill_s": t_prefill,
         "decode_s": time.perf_counter() - t0 - t_prefill,
         "first_step_s": t_first,  # feeds every prompt's last token: alone, the prefill's last step
         "expert_bytes_read": totals["bytes_read"] - totals0["bytes_read"],
-        "prefill_expert_bytes_read": prefilled["bytes_read"] - totals0["bytes_read"],
+        "prefill_expert_bytes_read": max(p["bytes_read"] for p in prefilled) - totals0["bytes_read"],
         "store_bytes_read": io["bytes_read"] - io0["bytes_read"],
         "multi_union": totals["multi_union"] - totals0["multi_union"],
         "multi_routes": routes,
@@ -427,9 +579,10 @@ def generate_batch(engine, prompts: list[list[int]], max_tokens: list[int], samp
     return seqs, stats
 
 
-def check_batch(engine, prompts, max_tokens, temperature, top_p, top_k, seed) -> tuple[list[list[int]], list[int]]:
+def check_batch(engine, prompts, max_tokens) -> tuple[list[list[int]], list[int]]:
     """The prompts encoded and each one's max_tokens (one int for all, or one per prompt), after
-    the checks a batch needs (Edge0Error naming the problem)."""
+    the checks a batch needs (Edge0Error naming the problem); each request's own fields are
+    checked as it joins (Request.check)."""
     if problem := batch_problem(engine):
         raise Edge0Error(f"generate_batch: {problem}")
     if not isinstance(prompts, (list, tuple)) or not prompts:
@@ -439,6 +592,4 @@ def check_batch(engine, prompts, max_tokens, temperature, top_p, top_k, seed) ->
         raise Edge0Error(f"generate_batch: {len(limits)} max_tokens for {len(prompts)} prompts; give one per prompt")
     if any(isinstance(m, bool) or not isinstance(m, int) or m < 1 for m in limits):
         raise Edge0Error(f"max_tokens must be integers >= 1 (got {max_tokens!r})")
-    check_sampling(temperature, top_p, seed, top_k=top_k)
-    tokens = [engine.encode(p) for p in prompts]
-    return tokens, limits
+    return [engine.encode(p) for p in prompts], limits

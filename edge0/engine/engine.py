@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,24 +18,16 @@ from edge0.engine.diagnostics import decode_logits, logits, observe_routes, prer
 from edge0.engine.hooks import StepHooks
 from edge0.engine.kv import PromptCache
 from edge0.engine.prefill import Prefiller
-from edge0.engine.reply import Reply
-from edge0.engine.sampler import RequestSampler
+from edge0.engine.request import Request
 from edge0.engine.speculative import check_speculation
-from edge0.engine.stats import call_stats, engine_stats
+from edge0.engine.stats import engine_stats
 from edge0.engine.step import Stepper
 from edge0.errors import Edge0Error
 from edge0.formats import detect
-from edge0.sampling import check_sampling
 from edge0.store.format import manifest_hash, sha256_file
 from edge0.store.promptcache import DiskPromptCaches
 from edge0.units import format_size
 from edge0.version import __version__
-
-# mlx-lm's quantized KV cache needs key widths its group size divides
-KV_GROUP = (
-    "--kv-group-size {group} does not divide this model's attention key width; use --kv-group-size 32 "
-    "(or drop --kv-bits)"
-)
 
 
 @dataclass
@@ -228,117 +219,41 @@ class Engine:
         `logits_processors` and `logprobs`: see edge0/engine/sampler.py. `cache_namespace`: with
         reuse_cache, only prompt caches of this namespace are reused (edge0/engine/kv.py)."""
         self._leads()
-        tokens = self.encode(prompt)
-        if max_tokens < 1:
-            raise Edge0Error(f"max_tokens must be >= 1 (got {max_tokens})")
-        check_sampling(temperature, top_p, seed, top_k=top_k)
-        if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0):
-            raise Edge0Error(f"logprobs {logprobs!r}: must be None or an integer >= 0 (the top log-probs per token)")
-        if seed is not None:
+        request = Request(
+            self.encode(prompt),
+            max_tokens,
+            temperature,
+            top_p,
+            top_k,
+            seed,
+            stop,
+            list(logits_processors or []),
+            logprobs,
+            ignore_eos,
+            reuse_cache,
+            cache_namespace,
+        )
+        request.check()
+        if seed is not None:  # a sampled verify's draws (speculative.py) come from the global stream
             B.seed(seed)
-        sampler = RequestSampler(temperature, top_p, top_k, logits_processors, logprobs)
-        eos = set(self.tokenizer.eos_token_ids) if not ignore_eos else set()
-        hooks = self.hooks
-        self.generating = True
-        try:
-            yield from sampler.annotate(
-                self._generate(tokens, max_tokens, sampler, eos, stop, reuse_cache, should_stop, cache_namespace)
-            )
-        finally:
-            hooks.finish(self)
-            self.generating = False
+        finished = False
+        with self.batching() as batch:  # a lone request is a batch of one (batch.py)
+            batch.interrupt = should_stop
+            seq = batch.join(request)
+            while not finished:
+                made = batch.advance()
+                for _, step in made:
+                    if isinstance(step, Exception):
+                        raise step
+                    finished = bool(step.finish_reason)
+                    yield step
+                # nothing made: should_stop() stopped the prefill (the batch's interrupt)
+                if not finished and should_stop and (not made or should_stop()):
+                    batch.leave(seq)
+                    return
         # Reached only by a caller that iterates past the last Step (generate(), the chat REPL), so
         # the reply is out before the save; the server, which closes early, saves between requests.
         self.persist_prompt_cache()
-
-    def _prefill(
-        self, tokens: list[int], reuse: bool, sampler, should_stop, namespace: str = ""
-    ) -> tuple[int | None, int, dict | None]:
-        """Feed the prompt (all but the part the KV cache already holds); returns (the first
-        generated token, or None if `should_stop` said so during the prefill, tokens prefilled,
-        executor totals after the prefill but before the prompt's last token)."""
-        kv = self.kv
-        new = tokens[kv.prepare(tokens, reuse, namespace) :]
-        kv.begin()
-        try:
-            try:
-                fed = self.prefiller(new[:-1], kv.cache, should_stop)
-            except Exception as e:
-                kv.failed(e)  # the forward on the KV: a cache restored from disk that fails is not restored again
-                raise
-            kv.receipt = None  # a forward on the restored cache went through
-            if fed < len(new) - 1 or (should_stop and should_stop()):
-                # Cancelled: what went into every layer stays, so a retry of the request resumes there.
-                kv.keep(new[:fed])
-                return None, fed, None
-            prefilled = self.streaming.stats.totals()
-            kv.advance(new[:-1])
-            y = self.stepper.decode(new[-1:], 0, sampler)
-        except ValueError as e:  # mlx-lm's quantized cache needs key widths the group size divides
-            if kv.kv_bits and "group size" in str(e):
-                kv.reset()
-                raise Edge0Error(KV_GROUP.format(group=kv.kv_group_size)) from None
-            raise
-        kv.mark_prompt_end()
-        return y, len(new), prefilled
-
-    def _decode(self, prompt, generated, sampler, max_tokens, eos):
-        """The tokens after `generated` (whose last token is not fed yet): plain one-token steps,
-        or speculative ones when a drafter is attached and the request samples plainly."""
-        if self.speculation is not None:
-            if sampler.plain:
-                yield from self.speculation.decode(self.stepper, prompt, generated, sampler, max_tokens, eos)
-                return
-            # a verify samples its rows without the request's processors, top-k or log-probs
-            self.speculation.counts["unsupported_requests"] += 1
-        while True:  # the step makes token len(generated) + 1
-            yield self.stepper.decode(generated[-1:], len(generated), sampler, len(generated) + 1 >= max_tokens)
-
-    def _generate(self, tokens, max_tokens, sampler, eos, stop, reuse_cache, should_stop, namespace=""):
-        before = self.streaming.stats.totals()
-        spec_before = self.speculation.snapshot() if self.speculation else None
-        io_before = self.store.io_stats()
-        B.reset_peak_memory()
-        t0 = time.perf_counter()
-        self.hooks.start(self)
-        y, n_prefill, prefilled = self._prefill(tokens, reuse_cache, sampler, should_stop, namespace)
-        if y is None:  # cancelled during the prefill: the cache keeps what it fed (PromptCache.keep)
-            return
-        t_prefill = time.perf_counter() - t0
-
-        reply = Reply(self.tokenizer, self.control_ids, eos, stop, max_tokens)
-        generated = reply.tokens
-        source = None  # the decode steps, started after the first token
-        t1 = time.perf_counter()
-        while True:
-            step = reply.add(y)
-            if step.finish_reason:
-                step.stats = call_stats(
-                    before,
-                    prefilled,
-                    self.streaming.stats.totals(),
-                    io_before,
-                    self.store.io_stats(),
-                    len(tokens),
-                    n_prefill,
-                    len(generated),
-                    t_prefill,
-                    time.perf_counter() - t1,
-                )
-                if self.speculation is not None:
-                    stats = step.stats
-                    decode_bytes = stats["expert_bytes_read"] - stats["prefill_expert_bytes_read"]
-                    stats["speculation"] = self.speculation.call_stats(
-                        spec_before, before, self.streaming.stats.totals(), len(generated), decode_bytes
-                    )
-                yield step
-                return
-            yield step
-            if should_stop and should_stop():
-                return
-            if source is None:
-                source = self._decode(tokens, generated, sampler, max_tokens, eos)
-            y = next(source)
 
     def generate(self, prompt, max_tokens: int = 256, **kwargs) -> GenerationResult:
         """Run to completion; returns text, generated token ids, finish_reason and stats."""
@@ -362,11 +277,14 @@ class Engine:
         those it gets alone; every result's stats hold the batch's (`batch`). `max_tokens`: one
         limit for all, or one per prompt."""
         self._leads()
-        tokens, limits = check_batch(self, prompts, max_tokens, temperature, top_p, top_k, seed)
-        # each row samples from its own stream: a seeded row gets what it gets alone
-        samplers = [RequestSampler(temperature, top_p, top_k, seed=seed) for _ in tokens]
+        tokens, limits = check_batch(self, prompts, max_tokens)
+        requests = [
+            Request(t, m, temperature, top_p, top_k, seed, ignore_eos=ignore_eos) for t, m in zip(tokens, limits)
+        ]
+        for r in requests:
+            r.check()
         eos = set(self.tokenizer.eos_token_ids) if not ignore_eos else set()
-        seqs, stats = generate_batch(self, tokens, limits, samplers, eos)
+        seqs, stats = generate_batch(self, requests)
         return [
             GenerationResult(
                 self._text(s.tokens, eos),
@@ -381,13 +299,21 @@ class Engine:
         """Why this engine cannot decode sequences together (None if it can)."""
         return batch_problem(self)
 
+    def spare_contexts(self) -> int | None:
+        """How many contexts' KV caches the prompt caches' memory holds beside the working one
+        (each sequence of a batch beyond the first takes one while it runs); None: no KV
+        footprint known."""
+        kv = self.kv
+        if not kv.context_bytes:
+            return None
+        return (kv.pool.max_bytes if kv.pool is not None else 0) // kv.context_bytes
+
     @contextmanager
     def batching(self):
         """A Batch (batch.py) that sequences join and leave between steps; no other generation runs
-        until the block ends (resizing the expert cache waits for it, as for a generation)."""
+        until the block ends (resizing the expert cache waits for it, as for a generation). A
+        lone sequence runs on any engine; a second one joins only where `batch_problem()` is None."""
         self._leads()
-        if problem := batch_problem(self):
-            raise Edge0Error(f"batching: {problem}")
         self.generating = True
         batch = Batch(self)
         try:

@@ -178,6 +178,16 @@ class PromptCache:
         self.reset()  # the cache is the sequence's now: nothing else continues or parks it
         return cache, held, receipt
 
+    def take(self) -> list | None:
+        """The working cache leaves to become a batch sequence's own (batch.py: the lone sequence
+        when another joins); its end-of-prompt snapshot, if any, joins the pool."""
+        cache = self.cache
+        if self.snapshot is not None and self.pool is not None:
+            tokens, copy = self.snapshot
+            self.evicted += self.pool.put(tokens, copy, prompt_end=len(tokens), namespace=self.namespace)
+        self.reset()
+        return cache
+
     def failed(self, error, receipt=None) -> None:
         """A forward raised `error`: on a batch sequence's own cache, restored from disk as
         `receipt`, or (None) on the working cache, which is dropped. A cache restored from disk is

@@ -9,8 +9,9 @@ from edge0.backend import assemble as bas
 from edge0.backend import core as B
 from edge0.backend import io as bio
 from edge0.backend import kvcache as bkv
-from edge0.engine.engine import KV_GROUP, Engine
+from edge0.engine.engine import Engine
 from edge0.engine.prefill import default_span
+from edge0.engine.solo import KV_GROUP
 from edge0.errors import Edge0Error
 from edge0.families import supported
 from edge0.spec import MoESpec, model_dims, moe_dims

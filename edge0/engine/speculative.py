@@ -124,8 +124,9 @@ class Speculator:
 
     # -- the decode loop -----------------------------------------------------------------------
     def decode(self, stepper, prompt, generated, sampler, max_tokens, eos=frozenset()):
-        """The tokens after `generated` (its last token not yet fed), one at a time, through the
-        engine's `stepper` (step.py); at each yield the KV cache holds exactly the tokens fed.
+        """The tokens after `generated` (its last token not yet fed), a step's at a time (a verify's
+        accepted drafts and one more, or a plain step's token), through the engine's `stepper`
+        (step.py); at each yield the KV cache holds exactly the tokens fed.
         `sampler`: a plain RequestSampler (temperature and top-p only); `eos`: the end-of-sequence
         ids, where drafts are cut."""
         temp, top_p = sampler.temperature, sampler.top_p
@@ -148,7 +149,7 @@ class Speculator:
                     self.decide(self.k)
                     if explore:
                         self.explored()
-                    yield from out
+                    yield out
                     continue
             if k > 0 and not self.on and shadow is None and (self.drafter.cheap or since_probe >= PROBE_EVERY):
                 tokens, since_probe = self.drafter.draft(context, k, temp, top_p).until(eos).tokens, 0
@@ -166,7 +167,7 @@ class Speculator:
                 shadow = self._check_shadow(shadow, y)
             if k > 0:
                 self.decide(self.k)
-            yield y
+            yield [y]
 
     def _check_shadow(self, shadow: tuple, y: int) -> tuple | None:
         """One plain token `y` against the pending shadow draft (tokens, how many matched so far):

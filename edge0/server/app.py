@@ -14,6 +14,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from edge0.backend.memory import available as memory_available
+from edge0.engine.api import EngineAPI
 from edge0.server import anthropic, hosts, metrics, responses_api, ui
 from edge0.server.admission import Tokenizing
 from edge0.server.batching import make_scheduler
@@ -31,7 +32,7 @@ from edge0.server.scheduler import Scheduler
 log = logging.getLogger("edge0.server")
 
 
-def create_app(engine, config: ServerConfig | None = None, read_memory=memory_available) -> FastAPI:
+def create_app(engine: EngineAPI, config: ServerConfig | None = None, read_memory=memory_available) -> FastAPI:
     """The app serving `engine` (anything implementing docs/engine-api.md). `read_memory()` ->
     (bytes available, source) feeds the memory watcher when `config.memory_low` is set."""
     config = config or ServerConfig()

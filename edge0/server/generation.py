@@ -8,10 +8,10 @@ calls out of a chat reply here.
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass, field, replace
-from typing import Callable, Generator, Union
+from typing import Callable, Union
 
+from edge0.engine.api import EngineAPI
 from edge0.formats import Reasoning
 
 
@@ -86,10 +86,9 @@ class Run:
 
 class Events:
     """One generation's Steps turned into response events: log-probs, reasoning, content strings
-    and tool calls as they are decided, then one Finish (the single path below and the batch's,
-    batching.py)."""
+    and tool calls as they are decided, then one Finish (scheduler.py)."""
 
-    def __init__(self, engine, run: Run):
+    def __init__(self, engine: EngineAPI, run: Run):
         self.run = run
         self.splitter = engine.chat_format.splitter(run.tools, run.opened) if run.chat else None
         self.eos = set(engine.tokenizer.eos_token_ids)
@@ -122,50 +121,6 @@ class Events:
         cached = len(prompt) - stats.get("prefill_tokens", len(prompt))
         usage = Usage(len(prompt), self.n_tokens, max(cached, 0), self.n_reasoning)
         return out + [Finish(reason, usage, step.stop)]
-
-
-def generation_events(engine, run: Run, cancelled: threading.Event) -> Generator[Union[Segment, Finish], None, None]:
-    """Yield the events of one generation (Events), then one Finish.
-
-    Returns without a Finish once `cancelled` is set; the engine checks it between prefill
-    chunks, and closing this generator closes the engine's, so the engine stops at once.
-    """
-    params = run.params
-    # reuse_cache: the engine keeps the KV of the longest prefix shared with the previous request.
-    steps = engine.stream_generate(
-        run.prompt,
-        max_tokens=params.max_tokens,
-        temperature=params.temperature,
-        top_p=params.top_p,
-        seed=params.seed,
-        stop=params.stop or None,
-        reuse_cache=True,
-        cache_namespace=run.namespace,
-        should_stop=cancelled.is_set,
-        **_options(params, run),
-    )
-    events = Events(engine, run)
-    try:
-        for step in steps:
-            if cancelled.is_set():
-                return
-            yield from events.step(step)
-            if step.finish_reason:
-                return
-    finally:
-        steps.close()
-
-
-def _options(params: Params, run: Run) -> dict:
-    """The engine options of the newer request fields, given only when used."""
-    out = {}
-    if params.top_k:
-        out["top_k"] = params.top_k
-    if run.processors:
-        out["logits_processors"] = run.processors
-    if params.logprobs is not None:
-        out["logprobs"] = params.logprobs
-    return out
 
 
 def _entry(step, token_bytes: Callable[[int], bytes]) -> TokenLogprob:

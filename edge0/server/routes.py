@@ -70,7 +70,7 @@ async def stats(request: Request) -> dict:
             "requests_in_flight": state.scheduler.admitted,
             **state.scheduler.counters,
             "between_errors": state.scheduler.between_errors,
-            "batching": {**state.batching, **(state.scheduler.stats() if hasattr(state.scheduler, "stats") else {})},
+            "batching": {**state.batching, **state.scheduler.stats()},
             "sampling": dict(state.grammars.stats),
             "adapted": dict(state.adapted),
             **state.tokenizing.stats(),

@@ -1,12 +1,17 @@
-"""One generation at a time: a FIFO queue in front of a single engine thread.
+"""The server's one scheduler: requests decode together on the engine thread, joining the engine's
+running batch (edge0/engine/batch.py) between steps and leaving when they end or their client
+goes; up to `slots` at once (--max-batch; 1 where the engine cannot batch), more wait in the
+queue, up to `max_queue`.
 
-The engine is synchronous (a Python generator) and owns one KV cache, so every engine call runs
-on one dedicated thread, in arrival order. Work that must not overlap a generation (saving the
-KV cache, resizing the expert cache) runs on that thread too, between jobs (`between`,
-`run_between`). Each job's events are handed to the event loop
-through an asyncio queue. Cancelling a job (client gone) makes the thread stop iterating the
-engine generator, and the engine checks for it between prefill chunks, which frees the engine
-for the next job.
+The engine owns its KV caches and is synchronous, so every engine call runs on one dedicated
+thread. A coordinator runs there while any request is in flight (`_coordinate`): it joins
+arrivals to the batch, drops cancelled ones, and calls `advance()`, which prefills one span of a
+joining request and runs one decode step of the rest, so a long prompt does not hold up the
+others; a lone request is a batch of one. Each Step becomes the request's events (Events). A
+request whose own work fails (its prefill, its sampler, its events) ends alone; a failure of the
+shared step ends every request with one error that names none of them. Work that must not
+overlap a generation (saving the last conversation's KV cache, the memory watcher) runs on that
+thread each time the batch is empty (`between`, `run_between`).
 """
 
 from __future__ import annotations
@@ -14,12 +19,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from functools import partial
-from typing import AsyncIterator, Callable, Generator
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable
 
+from edge0.engine.api import EngineAPI
+from edge0.engine.request import Request
 from edge0.server.errors import APIError
-from edge0.server.generation import generation_events
+from edge0.server.generation import Events, Run
 
 _END = object()
 log = logging.getLogger("edge0.server")
@@ -55,13 +63,24 @@ class Job:
             yield item
 
 
+class BatchFailed(RuntimeError):
+    """The shared step of a batch failed; what each of its requests is told."""
+
+
+@dataclass
+class _Request:
+    job: Job
+    run: Run
+    events: Events
+    seq: object = None  # its engine Sequence, once joined
+
+
 class Scheduler:
-    """Runs jobs one at a time, FIFO; at most `max_queue` wait behind the running one."""
+    """Runs up to `slots` generations together (module docstring); at most `max_queue` wait."""
 
-    slots = 1  # generations running at once (a BatchScheduler's --max-batch)
-
-    def __init__(self, max_queue: int):
+    def __init__(self, max_queue: int, slots: int = 1):
         self.max_queue = max_queue
+        self.slots = slots
         self.loop: asyncio.AbstractEventLoop | None = None  # the server's, set when it starts
         self.stopping = False
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edge0-engine")
@@ -71,23 +90,47 @@ class Scheduler:
         self.between: list[Callable[[], None]] = []  # run on the engine thread after every job
         self.between_errors = 0
         self._soon: set[Callable[[], None]] = set()  # run_between calls queued, not yet run
+        self._arrivals: deque[_Request] = deque()
+        self._coordinating = False
+        self._batch = None  # the engine's Batch while one runs
+        self._done = {
+            "batches": 0,
+            "steps": 0,
+            "row_steps": 0,
+            "spans": 0,
+            "spans_dropped": 0,
+            "most_rows": 0,
+            "failed_batches": 0,
+        }
 
     @property
     def admitted(self) -> int:
         """Requests waiting or running."""
         return len(self._jobs)
 
-    def generate(self, engine, run) -> Job:
-        """Queue the generation `run` (generation.Run) on `engine`; its events come from the Job."""
-        return self.submit(partial(generation_events, engine, run))
+    def stats(self) -> dict:
+        """Batches run, decode steps, rows fed (row_steps / steps: the mean batch), prefill spans
+        interleaved with them (and spans dropped for a newcomer) and the most rows at once, the
+        running batch included."""
+        out = dict(self._done, max_batch=self.slots)
+        if (batch := self._batch) is not None:
+            c = batch.counts
+            out.update({k: out[k] + c[k] for k in ("steps", "row_steps", "spans", "spans_dropped")})
+            out["most_rows"] = max(out["most_rows"], c["most_rows"])
+        out["mean_rows"] = out["row_steps"] / out["steps"] if out["steps"] else None
+        return out
 
-    def submit(self, produce: Callable[[threading.Event], Generator]) -> Job:
-        """Queue `produce(cancelled)`, a generator of events run on the engine thread.
+    def generate(self, engine: EngineAPI, run: Run) -> Job:
+        """Queue the generation `run` on `engine`; its events come from the Job.
 
-        Raises APIError 429 when `max_queue` requests are already waiting, 503 once stopping.
-        """
+        Raises APIError 429 when `max_queue` requests are already waiting, 503 once stopping."""
         job = self._admit()
-        self._executor.submit(self._run, job, produce)
+        request = _Request(job, run, Events(engine, run))
+        with self._lock:
+            self._arrivals.append(request)
+            start, self._coordinating = not self._coordinating, True
+        if start:
+            self._executor.submit(self._coordinate, engine)
         return job
 
     def _admit(self) -> Job:
@@ -106,29 +149,108 @@ class Scheduler:
             self._jobs.add(job)
         return job
 
-    def _run(self, job: Job, produce: Callable[[threading.Event], Generator]) -> None:
-        outcome = "cancelled"
+    # -- the engine thread -------------------------------------------------------------------------
+    def _coordinate(self, engine: EngineAPI) -> None:
+        """Batches until no request is left; each time one is empty, the between-request work."""
+        more = True
+        while more:
+            more = self._run_batch(engine)
+            for fn in self.between:
+                self._call(fn)
+
+    def _run_batch(self, engine: EngineAPI) -> bool:
+        """One batch, from its first request until it is empty; returns whether requests wait."""
+        live: list[_Request] = []
         try:
-            if not job.cancelled.is_set():  # skip jobs whose client left while queued
-                events = produce(job.cancelled)
-                try:
-                    for event in events:
-                        if job.cancelled.is_set():
-                            break
-                        job._put(event)
-                finally:
-                    events.close()  # stops the engine generator mid-generation
-                outcome = "cancelled" if job.cancelled.is_set() else "completed"
-        except Exception as e:  # reported to the waiting request; the thread keeps serving
-            outcome = "failed"
-            job._put(e)
-        finally:
-            job._put(_END)
+            with engine.batching() as batch:
+                self._batch = batch
+                self._done["batches"] += 1
+                # a long span alone gives way to a request that can join, or to its client leaving
+                batch.interrupt = lambda: (
+                    (bool(self._arrivals) and len(batch) < self.slots) or any(r.job.cancelled.is_set() for r in live)
+                )
+                while True:
+                    self._admit_arrivals(batch, live)
+                    for r in [r for r in live if r.job.cancelled.is_set()]:
+                        batch.leave(r.seq)
+                        self._end(r, live, "cancelled")
+                    if not batch.busy:
+                        break
+                    by_seq = {id(r.seq): r for r in live}
+                    for seq, step in batch.advance():
+                        self._deliver(batch, by_seq[id(seq)], step, live)
+                    if not batch.busy:  # empty: the between-request work runs before the next one
+                        break
+        except Exception:  # the batch's cache is lost: every request in it or waiting for it fails
+            self._done["failed_batches"] += 1
+            log.exception("batch failed")
             with self._lock:
-                self._jobs.discard(job)
-                self.counters[outcome] += 1
-        for fn in self.between:  # after _END: the response is complete
-            self._call(fn)
+                waiting = list(self._arrivals)
+                self._arrivals.clear()
+            # one error for all, naming none of them: the cause may be another client's request
+            error = BatchFailed("the batch this request was decoding in failed (the server log has the cause); retry")
+            for r in live + waiting:
+                r.job._put(error)
+                self._end(r, live, "failed")
+        finally:
+            if self._batch is not None:
+                self._count(self._batch)
+                self._batch = None
+        with self._lock:
+            if self._arrivals:
+                return True
+            self._coordinating = False
+            return False
+
+    def _admit_arrivals(self, batch, live: list[_Request]) -> None:
+        """Join arrivals while the batch has room."""
+        while True:
+            with self._lock:
+                if not self._arrivals or len(batch) >= self.slots:
+                    return
+                r = self._arrivals.popleft()
+            if r.job.cancelled.is_set():  # its client left while it waited
+                self._end(r, live, "cancelled")
+                continue
+            try:
+                r.seq = batch.join(engine_request(r.run))
+            except Exception as e:  # this request's settings; the batch goes on
+                r.job._put(e)
+                self._end(r, live, "failed")
+                continue
+            live.append(r)
+
+    def _deliver(self, batch, r: _Request, step, live: list[_Request]) -> None:
+        """A Step of `r` becomes its events. Its own failure (a Step that is an exception: its
+        prefill or sampler raised; or its events: a parser) ends it alone."""
+        try:
+            if isinstance(step, Exception):
+                raise step
+            for event in r.events.step(step):
+                r.job._put(event)
+        except Exception as e:  # noqa: BLE001 - this request's own: the batch goes on
+            log.error("a request in the batch failed: %s: %s", type(e).__name__, e)
+            if r.seq is not None and not r.seq.finish:
+                batch.leave(r.seq)
+            r.job._put(e)
+            self._end(r, live, "failed")
+            return
+        if step.finish_reason:
+            self._end(r, live, "completed")
+
+    def _end(self, r: _Request, live: list[_Request], outcome: str) -> None:
+        r.job._put(_END)
+        if r in live:
+            live.remove(r)
+        with self._lock:
+            self._jobs.discard(r.job)
+            self.counters[outcome] += 1
+
+    def _count(self, batch) -> None:
+        c, s = batch.counts, self._done
+        for k in ("steps", "row_steps", "spans", "spans_dropped"):
+            s[k] += c[k]
+        s["most_rows"] = max(s["most_rows"], c["most_rows"])
 
     def run_between(self, fn: Callable[[], None]) -> None:
         """Run `fn` on the engine thread once the jobs queued now are done (at once when idle);
@@ -187,3 +309,22 @@ class Scheduler:
             for job in self._jobs:
                 job.cancel()
         self._executor.shutdown(wait=False)
+
+
+def engine_request(run: Run) -> Request:
+    """The engine's Request for `run`: its prompt, limit, sampling (its own seeded stream,
+    processors and log-probs) and stop strings, reusing the prompt caches of its namespace."""
+    p = run.params
+    return Request(
+        run.prompt,
+        p.max_tokens,
+        p.temperature,
+        p.top_p,
+        p.top_k,
+        p.seed,
+        p.stop or None,
+        run.processors,
+        p.logprobs,
+        reuse=True,
+        namespace=run.namespace,
+    )

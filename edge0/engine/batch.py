@@ -29,11 +29,11 @@ from dataclasses import dataclass, field
 
 from edge0.backend import core as B
 from edge0.backend import kvcache as bkv
-from edge0.backend import speculative as bsp
 from edge0.engine.reply import Reply, Step
 from edge0.engine.request import Request
 from edge0.engine.sampler import RequestSampler
 from edge0.engine.solo import Solo
+from edge0.engine.speculative import accept
 from edge0.engine.stats import call_stats
 from edge0.engine.step import sample_row
 from edge0.errors import Edge0Error
@@ -368,7 +368,7 @@ class Batch:
         else:
             out = self._verify(drafts, previous)
         if self.spec is not None:
-            self._observe(drafts, out, time.perf_counter() - t0)
+            self.spec.observe_batch(drafts, out, time.perf_counter() - t0)
         self._count_step(len(rows))
         made, done, failed = [], [], []
         prompt_copies = e.kv.needs_prompt_copy(self.cache)
@@ -456,30 +456,21 @@ class Batch:
     # -- speculation ---------------------------------------------------------------------------
     def _drafts(self) -> list[list[int]] | None:
         """Each row's draft for this step (empty for a row that does not draft), or None for a
-        plain step: no row drafts, or the switch is off (engine/speculative.py)."""
+        plain step: no row drafts, or the speculator's switch says so (engine/speculative.py)."""
         spec = self.spec
-        if spec is None or not any(s.drafter for s in self.rows):
-            return None
-        explore = not spec.on and spec.should_explore()
-        if not (spec.on or explore):
-            spec.off_steps += 1
+        if spec is None or not any(s.drafter for s in self.rows) or not spec.plan_step():
             return None
         drafts = []
         for seq in self.rows:
             k = min(spec.k, seq.reply.max_tokens - len(seq.tokens) - 1)
-            if seq.drafter is None or k < 1:
-                drafts.append([])
-                continue
-            t0 = time.perf_counter()
-            drafts.append(seq.drafter.draft(seq.prompt + seq.tokens, k).until(seq.reply.eos).tokens)
-            spec.seconds["draft"] += time.perf_counter() - t0
-        if explore and any(drafts):
-            spec.explored()
+            drafts.append(
+                spec.draft(seq.drafter, seq.prompt + seq.tokens, k, seq.reply.eos) if seq.drafter and k > 0 else []
+            )
         return drafts if any(drafts) else None
 
     def _verify(self, drafts: list[list[int]], previous: list) -> list[list[int]]:
         """One step feeding each row its last token and its draft (rows without one: the last
-        token alone); each row keeps its draft up to the first token that is not the argmax, then
+        token alone); each row keeps what the verify rule accepts (speculative.accept, greedy) and
         one more token (its own sampler's, for a row that did not draft). Returns each row's tokens."""
         rows = self.rows
 
@@ -490,35 +481,13 @@ class Batch:
                     out.append([sample_row(seq.sampler, logprobs[i, 0])])
                     kept.append(1)
                     continue
-                best = bsp.greedy_tokens(logprobs[i, : len(draft) + 1])
-                n = next((j for j in range(len(draft)) if best[j] != draft[j]), len(draft))
-                out.append(draft[:n] + [best[n]])
+                n, nxt = accept(draft, logprobs[i])
+                out.append(draft[:n] + [nxt])
                 kept.append(n + 1)
             return out, kept
 
         inputs = [[y] + d for y, d in zip(self.inputs, drafts)]
         return self.engine.stepper.verify_batch(inputs, self.steps, decide, self.cache, previous)
-
-    def _observe(self, drafts, out, seconds: float) -> None:
-        """The switch's estimates and the counts, after a step of the batch."""
-        spec, c = self.spec, self.spec.counts
-        if drafts is None:
-            spec.estimates.observe_plain(seconds)
-            spec.seconds["plain"] += seconds
-            c["plain_steps"] += 1
-        else:
-            width = 1 + max(len(d) for d in drafts)
-            spec.estimates.observe_cycle(width, seconds)
-            spec.seconds["verify"] += seconds
-            c["verifies"] += 1
-            c["verify_tokens"] += width * len(drafts)
-            for d, ys in zip(drafts, out):
-                if d:
-                    spec.estimates.observe_acceptance(len(ys) - 1, len(d))
-                    c["drafted"] += len(d)
-                    c["accepted"] += len(ys) - 1
-                    c["yielded"] += len(ys)
-        spec.decide(spec.k)
 
     def _drop_rows(self, done: list[int], failed: list[int] = ()) -> None:
         """Rows `done` leave; a row that asked for reuse gives its cache (its prompt and reply but

@@ -112,6 +112,7 @@ class Speculator:
         self.retime_every = EXPLORE_EVERY
         self.counts = dict.fromkeys(COUNTERS, 0)
         self.seconds = {"draft": 0.0, "verify": 0.0, "plain": 0.0}
+        self._exploring = False  # a batch's verify planned while off (plan_step)
 
     def for_batches(self) -> Speculator:
         """The speculator a batch's rows draft through (batch.py): the same drafter and k, with its
@@ -187,16 +188,10 @@ class Speculator:
         """One verify step of `generated[-1]` + the draft: the tokens it yields (the accepted draft
         tokens and one more)."""
         k = len(draft.tokens)
-
-        def decide(logprobs):
-            if temp == 0:
-                best = bsp.greedy_tokens(logprobs)
-                n = next((i for i in range(k) if best[i] != draft.tokens[i]), k)
-                return n, best[n]
-            return bsp.accept_reject(bsp.sampling_probs(logprobs, temp, top_p), draft.tokens, draft.probs)
-
         inputs = [generated[-1]] + draft.tokens
-        n, nxt, replayed = stepper.verify(len(generated), inputs, decide)
+        n, nxt, replayed = stepper.verify(
+            len(generated), inputs, lambda logprobs: accept(draft.tokens, logprobs, temp, top_p, draft.probs)
+        )
         self.counts["replays"] += replayed
         c = self.counts
         c["verifies"] += 1
@@ -206,6 +201,47 @@ class Speculator:
         c["yielded"] += n + 1
         self.estimates.observe_acceptance(n, k)
         return draft.tokens[:n] + [nxt]
+
+    # -- a batch's steps (batch.py) -------------------------------------------------------------
+    def plan_step(self) -> bool:
+        """Whether a batch's next step verifies drafts: the switch is on, or a verify is timed
+        while it is off (should_explore); a plain step while off is counted."""
+        self._exploring = not self.on and self.should_explore()
+        if not (self.on or self._exploring):
+            self.off_steps += 1
+        return self.on or self._exploring
+
+    def draft(self, drafter: Drafter, context: list[int], k: int, eos) -> list[int]:
+        """A batch row's greedy draft of at most `k` tokens after `context`, cut at `eos`; timed."""
+        t0 = time.perf_counter()
+        tokens = drafter.draft(context, k).until(eos).tokens
+        self.seconds["draft"] += time.perf_counter() - t0
+        return tokens
+
+    def observe_batch(self, drafts: list[list[int]] | None, out: list[list[int]], seconds: float) -> None:
+        """A batch's step took `seconds`: plain (`drafts` None) or a verify of each row's draft
+        (empty for a row that did not draft), row i keeping `out[i]`; the estimates, the counts
+        and the switch."""
+        c = self.counts
+        if drafts is None:
+            self.estimates.observe_plain(seconds)
+            self.seconds["plain"] += seconds
+            c["plain_steps"] += 1
+        else:
+            if self._exploring:
+                self.explored()
+            width = 1 + max(len(d) for d in drafts)
+            self.estimates.observe_cycle(width, seconds)
+            self.seconds["verify"] += seconds
+            c["verifies"] += 1
+            c["verify_tokens"] += width * len(drafts)
+            for d, ys in zip(drafts, out):
+                if d:
+                    self.estimates.observe_acceptance(len(ys) - 1, len(d))
+                    c["drafted"] += len(d)
+                    c["accepted"] += len(ys) - 1
+                    c["yielded"] += len(ys)
+        self.decide(self.k)
 
     def should_explore(self) -> bool:
         """While off: time a verify now? Once when none was timed yet, and again while the estimated
@@ -287,6 +323,19 @@ class Speculator:
                 "estimated_gain": est.gain(self.k),
             }
         }
+
+
+def accept(draft: list[int], logprobs, temperature: float = 0.0, top_p: float = 1.0, draft_probs=None):
+    """The verify's rule, for one sequence and for each row of a batch: how many tokens of `draft`
+    (k) a step keeps, and the token after them, from the target's log-probs [k + 1, V]. Greedy: the
+    draft while each token is the argmax, then the argmax (the plain greedy tokens, exactly);
+    sampled: the accept/reject rule, which keeps the target's distribution (backend/speculative.py;
+    `draft_probs` [k, V] the drafter's, None for a deterministic one). Returns (n, next token)."""
+    if temperature == 0:
+        best = bsp.greedy_tokens(logprobs[: len(draft) + 1])
+        n = next((i for i in range(len(draft)) if best[i] != draft[i]), len(draft))
+        return n, best[n]
+    return bsp.accept_reject(bsp.sampling_probs(logprobs, temperature, top_p), draft, draft_probs)
 
 
 def check_speculation(engine) -> None:

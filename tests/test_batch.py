@@ -546,7 +546,7 @@ def test_a_model_that_cannot_trim_its_cache_resumes_from_the_end_of_its_prompt_i
 def test_a_long_span_alone_gives_way_to_a_newcomer_and_the_tokens_stay_the_same(store_for, monkeypatch):
     from edge0.engine import batch as batch_module
 
-    monkeypatch.setattr(batch_module, "INTERLEAVE_SPAN", 16)  # spans with others in the batch
+    monkeypatch.setattr(batch_module, "STEP_TOKENS", 16)  # a step's budget with others in the batch
     engine = edge0.load(store_for("qwen3_moe"), prerouter=False)
     engine.prefiller.span_tokens = 1000  # alone: the whole prompt in one span
     prompts = [LONG, PROMPTS[0]]
@@ -582,3 +582,30 @@ def test_a_small_temperature_on_float16_log_probs_draws_the_likely_tokens():
     sampler = RequestSampler(2e-5, 1.0, seed=7)
     draws = {int(sampler(logprobs).item()) for _ in range(20)}
     assert draws == {5}
+
+
+def test_a_step_spends_its_token_budget_over_every_waiting_sequence(store_for, monkeypatch):
+    """One step's budget (STEP_TOKENS) goes to the rows' decode tokens and then to the waiting
+    prompts, fewest tokens left first, several in one step; a smaller budget spreads them over
+    more steps, with the same tokens."""
+    from edge0.engine import batch as batch_module
+
+    engine = edge0.load(store_for("qwen3_moe"), prerouter=False)
+    tok = [engine.encode(p) for p in PROMPTS]
+    alone = [engine.generate(t, max_tokens=6, ignore_eos=True).tokens for t in tok]
+    with engine.batching() as batch:
+        seqs = [batch.join(Request(t, 6, ignore_eos=True)) for t in tok]
+        made = batch.advance()  # every prompt in one step, then the first decode step of all three
+        assert len(batch.rows) == 3 and batch.counts["spans"] == 3 and [s for s, _ in made] == seqs
+        while batch.busy:
+            batch.advance()
+    assert [s.tokens for s in seqs] == alone
+    monkeypatch.setattr(batch_module, "STEP_TOKENS", 12)
+    with engine.batching() as batch:
+        seqs = [batch.join(Request(t, 6, ignore_eos=True)) for t in tok]
+        batch.advance()
+        # the shortest prompt whole (all but its last token), the next one cut at the budget
+        assert [s.fed for s in seqs] == [len(tok[0]) - 1, 12 - (len(tok[0]) - 1), 0]
+        while batch.busy:
+            batch.advance()
+    assert [s.tokens for s in seqs] == alone

@@ -38,9 +38,10 @@ from edge0.engine.stats import call_stats
 from edge0.engine.step import sample_row
 from edge0.errors import Edge0Error
 
-# The longest prefill span while other sequences run or wait: they wait at most one span between
-# their steps (mlx-lm's server prefills in chunks of this size too).
-INTERLEAVE_SPAN = 2048
+# Tokens one step feeds while other sequences run or wait (vLLM's per-step token budget): each
+# row's decode token first, then prefill spans of the waiting sequences, fewest tokens left first;
+# so a request waits at most one step's budget (mlx-lm's server prefills in chunks of this size).
+STEP_TOKENS = 2048
 
 
 class _OwnFailure(Exception):
@@ -255,26 +256,25 @@ class Batch:
         self._fit_pool()
 
     def advance(self, prefill: bool = True) -> list[tuple[Sequence, Step | Exception]]:
-        """One span of the waiting sequence with the fewest prompt tokens left (it joins the rows
-        once its prompt but the last token is in), then one decode step of the rows. Returns the
-        Steps made, each with its sequence; a sequence's last Step has its finish_reason and stats.
+        """One step: its token budget (STEP_TOKENS) spent on one decode token of every row and
+        prefill spans of the waiting sequences, the one with the fewest prompt tokens left first
+        (each joins the rows once its prompt but the last token is in). Returns the Steps made,
+        each with its sequence; a sequence's last Step has its finish_reason and stats.
 
-        With other sequences in the batch a span is at most INTERLEAVE_SPAN tokens, so they wait
-        at most that long; alone, a sequence takes its whole span (each span reads the experts
-        again), and `interrupt()`, if set, is checked between its layers: when it says a request
-        is waiting to join, the span is dropped (the cache cut back to the spans before it) and
-        goes again in shorter spans once the newcomer has joined.
+        A sequence alone in the batch has the step to itself: its whole span (each span reads the
+        experts again), and `interrupt()`, if set, is checked between its layers: when it says a
+        request is waiting to join, the span is dropped (the cache cut back to the spans before
+        it) and the step ends, so the newcomer joins at once and the rest goes in budgeted spans.
 
         A sequence whose own work fails (its prefill span, its sampler) ends alone: its pair holds
         the exception instead of a Step, its cache is dropped, and the others go on."""
         failed = []
-        if prefill and self.waiting:
-            seq = min(self.waiting, key=lambda s: len(s.prompt) - s.fed)
+        budget = max(1, STEP_TOKENS - len(self.rows))
+        for seq in sorted(self.waiting, key=lambda s: len(s.prompt) - s.fed) if prefill else ():
+            if budget <= 0:
+                break
             try:
-                if seq.lone:
-                    self._prefill_lone(seq)
-                else:
-                    self._prefill_span(seq, interleave=True)
+                budget -= self._prefill_lone(seq) if seq.lone else self._prefill_span(seq, budget)
             except _OwnFailure as own:  # in its own cache: this sequence ends, the rows go on
                 if seq.receipt is not None:
                     self.engine.kv.failed(own.error, seq.receipt)
@@ -297,12 +297,13 @@ class Batch:
             if seq.lone:
                 self._prefill_lone(seq)
             else:
-                self._prefill_span(seq, interleave=False)
+                self._prefill_span(seq, None)
 
-    def _prefill_lone(self, seq: Sequence) -> None:
-        """The lone sequence's prompt, whole unless `interrupt()` says a request waits to join."""
+    def _prefill_lone(self, seq: Sequence) -> int:
+        """The lone sequence's prompt, whole unless `interrupt()` says a request waits to join;
+        returns the tokens fed."""
         p = self.engine.prefiller
-        spans = p.spans + p.chunked_spans
+        spans, fed = p.spans + p.chunked_spans, seq.fed
         try:
             done = self.solo.prefill(seq, self.interrupt)
         except Exception as error:  # noqa: BLE001 - the forward of its own cache: its failure alone
@@ -312,19 +313,23 @@ class Batch:
             self._ready(seq)
         else:  # a newcomer is waiting (or its client left): what went into every layer stays
             self.counts["spans_dropped"] += 1
+        return seq.fed - fed
 
     # -- inside ----------------------------------------------------------------------------------
-    def _prefill_span(self, seq: Sequence, interleave: bool) -> None:
+    def _prefill_span(self, seq: Sequence, budget: int | None) -> int:
+        """One span of `seq`'s prompt into its own cache, at most `budget` tokens while others run
+        or wait (None: its whole span); returns the tokens fed."""
         e = self.engine
         todo = seq.prompt[seq.fed : -1]
+        fed = 0
         if todo:
             n = min(len(todo), e.prefiller.span_for(seq.cache))
             stop = None
-            if interleave and n > INTERLEAVE_SPAN:
+            if budget is not None and n > budget:
                 if len(self) > 1 or not bkv.can_trim_prompt_cache(seq.cache):
-                    n = INTERLEAVE_SPAN  # others wait at most this; or a span could not be dropped
+                    n = budget  # others wait at most one step's budget; or a span could not be dropped
                 else:
-                    stop = self.interrupt
+                    stop = self.interrupt  # alone: its whole span, unless a request arrives
             try:
                 fed = e.prefiller(todo[:n], seq.cache, stop)
             except Exception as error:  # noqa: BLE001 - the forward of its own cache: its failure alone
@@ -338,10 +343,11 @@ class Batch:
             seq.receipt = None  # a forward on its restored cache went through
         if seq.fed < len(seq.prompt) - 1:
             self._fit_pool()
-            return
+            return fed
         self.cache = bkv.join_rows(self.cache, seq.cache)
         seq.cache = None  # a row of the batch's cache now
         self._ready(seq)
+        return fed
 
     def _ready(self, seq: Sequence) -> None:
         """`seq`'s prompt but its last token is in: it decodes from the next step."""

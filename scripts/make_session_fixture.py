@@ -1,7 +1,7 @@
 """The long-context fixture of the agent-session measurements: the tests' tiny qwen3_moe checkpoint
 (tests/fixtures/make.py) with a 131,072-token context, as an edge0 store and as mlx-lm's own
-`convert -q` output of the same weights, in DIR/store and DIR/mlx (the layout scripts/ab_prefill.py
-and scripts/bench_session.py take).
+`convert -q` output of the same weights, in DIR/store and DIR/mlx (the layout scripts/bench_session.py
+and `edge0 bench --concurrency 1 --long-prompt N --model DIR` take; docs/bench-suite.md).
 
     python scripts/make_session_fixture.py DIR
 """

@@ -334,7 +334,8 @@ def admission_order(ids: np.ndarray) -> list[int]:
 
 
 # a call's weight in `use` halves in about 7 calls: a batch's experts of the last few steps
-# (0.8-0.95 read within 2% of each other in scripts/sim_batch_reads.py; this call's counts alone 12% more)
+# (0.8-0.95 read within 2% of each other in the slot simulation, docs/benchmarks.md "Several sequences at once";
+# this call's counts alone 12% more)
 USE_DECAY = 0.9
 
 
@@ -351,7 +352,7 @@ def overflow_split(order: list[int], cached, use: np.ndarray, n_slots: int) -> t
     for the slots with the cached experts this call does not route, by recent use: a miss is
     admitted only if it was routed more lately than a cached expert it would displace (ties keep
     the cached one; misses of equal use go in admission order). Against admitting misses into
-    every free slot, a batch of 4 reads 11% fewer experts a token (scripts/sim_batch_reads.py)."""
+    every free slot, a batch of 4 reads 11% fewer experts a token (the slot simulation in docs/benchmarks.md)."""
     hits, misses = split_cached(order, cached)
     routed = set(order)
     others = [e for e in cached if e not in routed]

@@ -603,9 +603,12 @@ def test_a_step_spends_its_token_budget_over_every_waiting_sequence(store_for, m
     monkeypatch.setattr(batch_module, "STEP_TOKENS", 12)
     with engine.batching() as batch:
         seqs = [batch.join(Request(t, 6, ignore_eos=True)) for t in tok]
-        batch.advance()
-        # the shortest prompt whole (all but its last token), the next one cut at the budget
-        assert [s.fed for s in seqs] == [len(tok[0]) - 1, 12 - (len(tok[0]) - 1), 0]
+        made = batch.advance()
+        # the shortest prompt whole (all but its last token) and its first token; the next one
+        # does not fit the rest of the budget, so it waits for the next step
+        assert [s.fed for s in seqs] == [len(tok[0]) - 1, 0, 0] and [s for s, _ in made] == seqs[:1]
+        batch.advance()  # one decode token, then 11 prompt tokens of the next one
+        assert [s.fed for s in seqs] == [len(tok[0]) - 1, min(11, len(tok[1]) - 1), 0]
         while batch.busy:
             batch.advance()
     assert [s.tokens for s in seqs] == alone

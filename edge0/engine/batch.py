@@ -258,7 +258,8 @@ class Batch:
     def advance(self, prefill: bool = True) -> list[tuple[Sequence, Step | Exception]]:
         """One step: its token budget (STEP_TOKENS) spent on one decode token of every row and
         prefill spans of the waiting sequences, the one with the fewest prompt tokens left first
-        (each joins the rows once its prompt but the last token is in). Returns the Steps made,
+        (each joins the rows once its prompt but the last token is in; once one has, only
+        prompts that complete within the budget follow, so its first token does not wait). Returns the Steps made,
         each with its sequence; a sequence's last Step has its finish_reason and stats.
 
         A sequence alone in the batch has the step to itself: its whole span (each span reads the
@@ -268,13 +269,16 @@ class Batch:
 
         A sequence whose own work fails (its prefill span, its sampler) ends alone: its pair holds
         the exception instead of a Step, its cache is dropped, and the others go on."""
-        failed = []
+        failed, ready = [], False
         budget = max(1, STEP_TOKENS - len(self.rows))
         for seq in sorted(self.waiting, key=lambda s: len(s.prompt) - s.fed) if prefill else ():
-            if budget <= 0:
+            # a row made ready in this step gets its first token now, not after a span that
+            # does not complete the next prompt
+            if budget <= 0 or (ready and len(seq.prompt) - 1 - seq.fed > budget):
                 break
             try:
                 budget -= self._prefill_lone(seq) if seq.lone else self._prefill_span(seq, budget)
+                ready = ready or seq in self.rows
             except _OwnFailure as own:  # in its own cache: this sequence ends, the rows go on
                 if seq.receipt is not None:
                     self.engine.kv.failed(own.error, seq.receipt)

@@ -41,6 +41,11 @@ for run in runs:
     else:
         res = engine.generate(run["prompt"], max_tokens=run["max_tokens"], ignore_eos=run["ignore_eos"])
         stats = engine.stats()
+        # requests that reuse the KV cache one after another (a conversation, another, the first again)
+        out["turns"] = [
+            engine.generate(p, max_tokens=run["max_tokens"], ignore_eos=True, reuse_cache=True).tokens
+            for p in run.get("turns", [])
+        ]
         out.update(tokens=res.tokens, layer_stats=stats["layers"], ranks=stats["ranks"], prerouter=stats["prerouter"])
     engine.close()
     out["opened"] = list(opened)

@@ -30,6 +30,23 @@ TOKENS = 10
 # rank 0 runs the last layers: deepseek_v3's layer 0 is dense, so "1,2" puts MoE layer 1 (a head's
 # owner) on rank 1 and its consumer, MoE layer 2, on rank 0
 SPLITS = {"qwen3_moe": "1,1", "deepseek_v3": "1,2"}
+# deepseek_v41's stages pass on more than a hidden state: its hc_mult residual streams and the mix
+# that collapses them, and what its compressed layers read from earlier ones (the compressed KV, the
+# top-k rows). A stage that passed on the collapsed hidden state alone gave other tokens from the
+# third on, with no error. The zoo fixture's 2 streams and uncompressed layers hide that (the streams
+# stay nearly equal), so these have 4 streams and compressed layers; V41_WIDE adds a middle stage,
+# which receives and sends the message, and a candidate mask that crosses a stage boundary.
+V41 = {"hc_mult": 4, "compress_ratios": (4, 4), "kv_source_layer_ids": (0,), "index_source_layer_ids": (0,)}
+V41_WIDE = {
+    "num_hidden_layers": 4,
+    "hc_mult": 4,
+    "compress_ratios": (4, 4, 4, 4),
+    "kv_source_layer_ids": (0, 2),
+    "index_source_layer_ids": (0, 2),
+    "candidate_source_layer_id": 0,
+    "candidate_topk_blocks": 2,
+    "candidate_block_size": 2,
+}
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +136,6 @@ def single(store, **options):
 @pytest.mark.parametrize("family", [f if f == "qwen3_moe" else pytest.param(f, marks=pytest.mark.slow) for f in SPLITS])
 def test_two_ranks_give_the_single_process_tokens_reading_only_their_layers(family, store_for, heads, tmp_path):
     store = store_for(family)
-    manifest = json.loads((store / "edge0-manifest.json").read_text())
     runs = [
         {"store": str(store), "options": {"prerouter": False}},  # split balanced by bytes
         {"store": str(store), "options": {"prerouter": str(heads[family]), "pipeline_split": SPLITS[family]}},
@@ -130,8 +146,15 @@ def test_two_ranks_give_the_single_process_tokens_reading_only_their_layers(fami
         runs.append({"store": str(store), "options": {"prerouter": False, "lora": str(adapter)}})
         # a tied head: the embedding on rank 1, and again on rank 0 as the head
         runs.append({"store": str(store_for(family, tie_word_embeddings=True)), "options": {"prerouter": False}})
+        # deepseek_v41 rides along (a launch's start-up is most of its cost): its stages pass on
+        # their residual streams and compressed state (V41)
+        runs.append({"store": str(store_for("deepseek_v41", **V41)), "options": {"prerouter": False}})
     for run in runs:
         run.update(prompt=PROMPT, max_tokens=TOKENS, ignore_eos=True)
+    # reused KV across requests: a conversation, an unrelated one, the first one extended (a cache
+    # of another conversation taken from the memory pool gave other tokens across ranks)
+    turns = [PROMPT * 12, "an unrelated request about disks " * 16, PROMPT * 12 + " and then"]  # over a pool block
+    runs[0]["turns"] = runs[-1]["turns"] = turns
     (tmp_path / "runs.json").write_text(json.dumps(runs))
     argv = [sys.executable, str(ROOT / "tests" / "dist_worker.py"), str(tmp_path / "runs.json")]
     done = launch(tmp_path, [argv + [str(tmp_path / f"out-{r}.json")] for r in range(2)])
@@ -141,7 +164,13 @@ def test_two_ranks_give_the_single_process_tokens_reading_only_their_layers(fami
     for i, run in enumerate(runs):
         want, want_stats = single(run["store"], **{k: v for k, v in run["options"].items() if k != "pipeline_split"})
         got = out[0][i]
-        assert got["tokens"] == want, f"run {i}"
+        manifest = json.loads((Path(run["store"]) / "edge0-manifest.json").read_text())
+        assert got["tokens"] == want, f"run {i} ({Path(run['store']).name})"
+        if "turns" in run:
+            cold = edge0.load(run["store"], **run["options"])
+            cold.prefiller.layerwise = False
+            want_turns = [cold.generate(t, max_tokens=TOKENS, ignore_eos=True).tokens for t in run["turns"]]
+            assert got["turns"] == want_turns, f"run {i} turns"
         # the same routes, hits, misses, host syncs and drops per layer as in one process
         keys = ("calls", "host_syncs", "hits", "misses", "loads", "dropped")
         assert {int(l): [s[k] for k in keys] for l, s in got["layer_stats"].items()} == {
@@ -162,6 +191,36 @@ def test_two_ranks_give_the_single_process_tokens_reading_only_their_layers(fami
     boundary = str(out[0][1]["moe_layers"][0])
     assert out[0][1]["prerouter"]["routed_by_head"][boundary] == TOKENS - 1
     assert out[0][1]["layer_stats"][boundary]["dropped"] == 0
+
+
+@pytest.mark.slow  # 7-11 s of launches: behind -m slow to keep the suite under 5 minutes on 2 cores
+def test_deepseek_v41_three_ranks_carry_the_streams_and_compressed_state_through_a_middle_stage(store_for, tmp_path):
+    # rank 1 runs layers 1-2: it receives the message of layer 0's stage and sends layer 2's on
+    store = store_for("deepseek_v41", **V41_WIDE)
+    options = {"prerouter": False, "pipeline_split": "1,2,1"}
+    (tmp_path / "runs.json").write_text(
+        json.dumps(
+            [{"store": str(store), "options": options, "prompt": PROMPT, "max_tokens": TOKENS, "ignore_eos": True}]
+        )
+    )
+    argv = [sys.executable, str(ROOT / "tests" / "dist_worker.py"), str(tmp_path / "runs.json")]
+    done = launch(tmp_path, [argv + [str(tmp_path / f"out-{r}.json")] for r in range(3)], ranks=3)
+    assert [rc for rc, _, _ in done] == [0, 0, 0], [err[-2000:] for _, _, err in done]
+    out = [json.loads((tmp_path / f"out-{r}.json").read_text())[0] for r in range(3)]
+    assert [o["layers"] for o in out] == [[3], [1, 2], [0]]
+    assert out[0]["tokens"] == single(store, prerouter=False)[0]
+
+
+def test_a_family_whose_stages_pass_on_more_than_the_hidden_state_is_refused_without_an_adapter(store_for):
+    from edge0.backend import distributed as bdist
+    from edge0.backend import io as bio
+
+    config = json.loads((store_for("deepseek_v41") / "config.json").read_text())
+    model = bio.build_model(config, store_for("deepseek_v41"))
+    assert bdist.num_layers(model) == 2  # carried: its stages run HyperConnectionStage
+    model.model_type = "deepseek_v41_next"  # the same exchange, but no adapter here
+    with pytest.raises(Edge0Error, match=r"'deepseek_v41_next': mlx-lm's pipeline passes more than the hidden state"):
+        bdist.num_layers(model)
 
 
 @pytest.mark.slow  # 7-11 s of launches: behind -m slow to keep the suite under 5 minutes on 2 cores

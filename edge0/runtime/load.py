@@ -28,6 +28,10 @@ def load_engine(path, options: LoadOptions) -> Engine:
     engine = open_engine(root, options, stage_planner(group, options))
     if engine.stage is not None:
         join(engine, group)
+        # the other ranks mirror rank 0's working cache by its token count alone: a cache taken from
+        # the memory pool or the disk tier (another conversation's) would leave them trimming a
+        # different one, so across ranks only the last conversation's is kept (describe() says so)
+        engine.kv.use_pool(0)
     heads = heads_path(root, options.prerouter, engine.spec)
     if heads is not None:
         attach_prerouter(engine, heads, diagnostics=options.prerouter_diagnostics)
@@ -40,7 +44,7 @@ def load_engine(path, options: LoadOptions) -> Engine:
     drafter = make_drafter(options.draft, options.draft_ngram, engine.tokenizer, engine.model_id, options.dtype)
     if drafter is not None:  # speculation does not change outputs: not part of the prompt cache's identity
         engine.use_speculation(Speculator(drafter, options.num_draft or DEFAULT_NUM_DRAFT, options.draft_adaptive))
-    if options.prompt_cache_dir:  # last: its identity includes the heads and the adapter
+    if options.prompt_cache_dir and engine.pipeline is None:  # last: its identity includes the heads and the adapter
         engine.use_prompt_cache_dir(options.prompt_cache_dir, options.prompt_cache_bytes())
     if engine.pipeline is not None:
         ready(engine)

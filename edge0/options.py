@@ -182,8 +182,9 @@ class LoadOptions:
     prompt_cache_memory: int | str | None = _opt(
         None,
         "memory for the KV caches of other conversations, kept beside the one in flight (an agent's "
-        "main thread, side requests, subagents), e.g. 1GB; 0 keeps only the last (default: 2 contexts' "
-        "KV cache at --context-tokens, at most a quarter of the memory left for the expert cache)",
+        "main thread, side requests, subagents), e.g. 1GB; 0 keeps only the last (default: the KV cache of "
+        "two conversations at the context served: the model's own, or --context-tokens if longer; at most a "
+        "quarter of the memory left for the expert cache)",
         "size",
     )
     pipeline_split: str | tuple | None = _opt(

@@ -5,6 +5,7 @@ The KV bytes `edge0 plan` and the budget count are those the engine's caches hol
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -16,7 +17,9 @@ from edge0.backend import memory
 from edge0.backend.kvcache import prompt_cache_nbytes
 from edge0.errors import Edge0Error
 from edge0.planning.forecast import read_checkpoint, summarize
+from edge0.server.config import DEFAULT_MAX_PROMPT_TOKENS
 from edge0.streaming import budget as bud
+from edge0.units import format_size
 from tests.fixtures import ALL_FAMILIES, fixture_dir
 
 MB = 10**6
@@ -72,29 +75,83 @@ def test_kv_footprint_with_kv_bits_and_windows():
 
 
 ROOM = 500 * MB - 100 * MB - 170 * MB - bud.HEADROOM_MIN  # 500 MB available, less KV, prefill and headroom
+# the working KV at a 4096-token context (100 MB), the other conversations' at the 16,384 tokens served (400 MB each)
+RESERVE = bud.Reserve(kv=100 * MB, context=4096, served_kv=400 * MB, served=16384)
 
 
 @pytest.mark.parametrize(
-    "available, total, want",
+    "available, total, want, sized_for",
     [
-        (20_000 * MB, 2_000 * MB, 2_000 * MB),  # every expert fits
+        (20_000 * MB, 2_000 * MB, 2_000 * MB, "two 16,384-token contexts"),  # every expert fits
         # the 64 MiB headroom floor; the other conversations' caches take a quarter of what is left
-        (500 * MB, 2_000 * MB, ROOM - ROOM // 4),
-        (5_000 * MB, 9_000 * MB, 5_000 * MB - 100 * MB - 170 * MB - 500 * MB - 200 * MB),  # 10%; 2 contexts' KV
-        (300 * MB, 2_000 * MB, 0),  # nothing left
+        (
+            500 * MB,
+            2_000 * MB,
+            ROOM - ROOM // 4,
+            "a quarter of the memory left for experts; two 16,384-token contexts would take 800.00 MB",
+        ),
+        # 10% headroom; two served contexts' KV (800 MB), not two at the 4096-token context (200 MB)
+        (5_000 * MB, 9_000 * MB, 5_000 * MB - 100 * MB - 170 * MB - 500 * MB - 800 * MB, "two 16,384-token contexts"),
+        (
+            300 * MB,
+            2_000 * MB,
+            0,
+            "a quarter of the memory left for experts; two 16,384-token contexts would take 800.00 MB",
+        ),
     ],
 )
-def test_default_budget_leaves_kv_prompt_caches_prefill_and_headroom(monkeypatch, available, total, want):
+def test_default_budget_leaves_kv_prompt_caches_prefill_and_headroom(monkeypatch, available, total, want, sized_for):
     monkeypatch.setattr(memory, "available", lambda: (available, "cgroup limit 1.40 GB (test)"))
-    b = bud.default_budget(total, 100 * MB, 4096, 170 * MB)
+    b = bud.default_budget(total, RESERVE, 170 * MB)
     assert b.bytes == want
     assert b.headroom == max(bud.HEADROOM_MIN, available // 10)
     room = max(0, available - 100 * MB - 170 * MB - b.headroom)
-    assert b.prompt_caches == min(bud.POOL_CONTEXTS * 100 * MB, room // 4)
+    assert b.prompt_caches == min(bud.POOL_CONTEXTS * 400 * MB, room // 4) and b.prompt_caches_for == sized_for
     d = b.describe()
-    assert "cgroup limit 1.40 GB (test)" in d and "at 4096 tokens" in d and "(--prompt-cache-memory)" in d
-    given = bud.default_budget(total, 100 * MB, 4096, 170 * MB, prompt_caches=0)
+    assert "cgroup limit 1.40 GB (test)" in d and "at 4096 tokens" in d and f"({sized_for}; --prompt-cache-memory)" in d
+    given = bud.default_budget(total, replace(RESERVE, prompt_caches=0), 170 * MB)
     assert given.prompt_caches == 0 and given.bytes == min(total, max(0, room))
+    assert "prompt caches 0 B (--prompt-cache-memory)" in given.describe()
+
+
+def test_the_served_context_is_the_models_own_or_a_longer_context_tokens():
+    assert bud.served_context({"max_position_embeddings": 65536}, None) == 65536
+    assert bud.served_context({"max_position_embeddings": 65536}, 4096) == 65536
+    assert bud.served_context({"max_position_embeddings": 1024}, 9000) == 9000
+    assert bud.served_context({"text_config": {"max_position_embeddings": 40960}}, None) == 40960
+    # a model that declares none: the context the server takes for it
+    assert bud.served_context({}, None) == bud.UNDECLARED_CONTEXT == DEFAULT_MAX_PROMPT_TOKENS
+
+
+def test_the_prompt_caches_default_is_two_served_contexts_and_shrinks_the_expert_cache(monkeypatch, store_for):
+    """A 65,536-token model's prompt caches hold two conversations of its whole context, not two of
+    the 4096 tokens the working KV is sized for (issue 48: 6.29 MB held none of 11 caches of a
+    39k-token conversation); the expert cache's default gives that room up; a given
+    --prompt-cache-memory is kept as given, and --expert-cache leaves the default share as it is."""
+    store = store_for("qwen3_moe", max_position_embeddings=65536)
+    monkeypatch.setattr(memory, "available", lambda: (10_000 * MB, "MemAvailable"))
+    e = edge0.load(store, prerouter=False, lora=False)
+    fp = bkv.kv_footprint(e.model, None, 64, e.compute_dtype)
+    want = 2 * fp.bytes_at(65536)
+    assert want == 32 * fp.bytes_at(4096) > 0  # its KV grows with the tokens: 16 times the 4096-token context, twice
+    b = e.streaming.default
+    assert (b.context, b.kv, b.prompt_caches, b.prompt_caches_for) == (
+        4096,
+        fp.bytes_at(4096),
+        want,
+        "two 65,536-token contexts",
+    )
+    assert b.free == 10_000 * MB - b.kv - b.prefill - b.headroom - want
+    assert e.kv.pool.max_bytes == want and e.kv.context_bytes == fp.bytes_at(4096)
+    assert f"prompt caches: memory {format_size(want)} (two 65,536-token contexts; --prompt-cache-memory)" in (
+        e.describe()
+    )
+    given = edge0.load(store, prerouter=False, lora=False, prompt_cache_memory="32MB")
+    assert given.kv.pool.max_bytes == 32 * MB and given.streaming.default.prompt_caches == 32 * MB
+    assert "prompt caches: memory 32.00 MB (--prompt-cache-memory)" in given.describe()
+    assert given.streaming.default.free - b.free == want - 32 * MB  # the expert cache's room, given back
+    fixed = edge0.load(store, prerouter=False, lora=False, expert_cache="2MB")
+    assert fixed.kv.pool.max_bytes == want and "(two 65,536-token contexts; --prompt-cache-memory)" in fixed.describe()
 
 
 def test_no_room_for_one_route_names_the_expert_cache_that_would_fit(monkeypatch, store_for):

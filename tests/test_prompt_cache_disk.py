@@ -54,6 +54,21 @@ def test_a_restarted_engine_prefills_only_the_new_tokens(store, tmp_path):
     assert (disk(plain)["restored"], disk(plain)["saved"]) == (0, 0)
 
 
+def test_a_conversation_whose_client_renders_the_replies_keeps_one_file(store, tmp_path):
+    """Each turn's prompt holds the last one's, then the reply as the client renders it (not the
+    tokens generated), then a new turn: each save replaces the last (issue 48: 12 files, none
+    replaced), and a restarted engine resumes from the one left."""
+    engine = edge0.load(store, prompt_cache_dir=tmp_path, prompt_cache_memory=0)
+    prompt = PROMPT
+    for turn in range(3):
+        engine.generate(prompt, max_tokens=8, reuse_cache=True, ignore_eos=True)  # saved after it
+        assert (disk(engine)["saved"], disk(engine)["entries"], disk(engine)["replaced"]) == (turn + 1, 1, turn)
+        prompt = prompt + [5, 6, 7] + [(11 * i + turn) % 200 + 10 for i in range(60)]
+    restarted = edge0.load(store, prompt_cache_dir=tmp_path)
+    r = restarted.generate(prompt, max_tokens=1, reuse_cache=True)
+    assert r.stats["prefill_tokens"] == 63 and disk(restarted)["restored"] == 1
+
+
 def test_a_restarted_server_reuses_the_saved_conversation(store, tmp_path):
     """The server saves between requests (after the response) and a new server process reuses it."""
     messages = [{"role": "user", "content": "hello world, " * 20}]
@@ -114,14 +129,19 @@ def test_the_size_bound_removes_the_least_recently_used(store, tmp_path):
     )
     for prompt in (a, b):
         engine.generate(prompt, max_tokens=8, reuse_cache=True)
-    # a + NEW restores a's cache from disk (a is the most recently used now); saving it goes over
-    # the bound, so b, the least recently used, is removed; c then removes a.
+    # a branch inside a's prompt (another conversation) restores a's cache from disk (a is the most
+    # recently used now); saving it goes over the bound, so b, the least recently used, is removed
+    branch = a[:200] + [t + 3 for t in NEW]
+    r = engine.generate(branch, max_tokens=8, reuse_cache=True)
+    assert r.stats["prefill_tokens"] == len(NEW) and disk(engine)["restored"] == 1
+    assert (disk(engine)["evicted"], disk(engine)["replaced"], disk(engine)["entries"]) == (1, 0, 2)
+    # a's next turn restores a's cache and its save replaces a's file; c then removes the branch
     extended = engine.generate(a + NEW, max_tokens=8, reuse_cache=True)
-    assert extended.stats["prefill_tokens"] == len(NEW) and disk(engine)["restored"] == 1
-    assert disk(engine)["evicted"] == 1 and disk(engine)["entries"] == 2
+    assert extended.stats["prefill_tokens"] == len(NEW) and disk(engine)["restored"] == 2
+    assert (disk(engine)["evicted"], disk(engine)["replaced"], disk(engine)["entries"]) == (1, 1, 2)
     engine.generate(c, max_tokens=8, reuse_cache=True)
     st = disk(engine)
-    assert (st["saved"], st["evicted"], st["entries"]) == (4, 2, 2) and st["bytes"] <= 2.5 * one
+    assert (st["saved"], st["evicted"], st["entries"]) == (5, 2, 2) and st["bytes"] <= 2.5 * one
     restarted = edge0.load(store, prompt_cache_dir=tmp_path / "pc")
     assert restarted.generate(b + NEW, max_tokens=2, reuse_cache=True).stats["prefill_tokens"] == len(b + NEW)
     assert restarted.generate(a + NEW + [5], max_tokens=2, reuse_cache=True).stats["prefill_tokens"] == 1

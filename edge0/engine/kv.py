@@ -14,6 +14,7 @@ from edge0.backend import kvcache as bkv
 from edge0.engine.kvpool import BLOCK, KVPool
 from edge0.errors import Edge0Error
 from edge0.store.promptcache import DiskPromptCaches
+from edge0.streaming.budget import pool_reason
 from edge0.units import format_size
 
 
@@ -237,12 +238,12 @@ class PromptCache:
         evicted, self.evicted = self.evicted, []
         for entry in evicted if self.disk is not None else ():
             if not entry.on_disk:
-                self.disk.save(entry.tokens, entry.cache, namespace=entry.namespace)
+                self.disk.save(entry.tokens, entry.cache, namespace=entry.namespace, prompt_end=entry.prompt_end)
         if self.disk is None or not self.persistable or self.cache is None or self.dirty or not self.tokens:
             return False
         if self.tokens == self.on_disk[: len(self.tokens)]:
             return False
-        if not self.disk.save(self.tokens, self.cache, namespace=self.namespace):
+        if not self.disk.save(self.tokens, self.cache, namespace=self.namespace, prompt_end=self.prompt_end):
             return False
         self.on_disk = list(self.tokens)
         return True
@@ -255,7 +256,7 @@ class PromptCache:
         saved = int(self.persist())
         pooled = sorted(self.pool.entries(), key=lambda e: e.used) if self.pool is not None else []
         for entry in [e for e in self.evicted if not e.on_disk] + pooled:
-            if not entry.on_disk and self.disk.save(entry.tokens, entry.cache, namespace=entry.namespace):
+            if not entry.on_disk and self.disk.save(entry.tokens, entry.cache, entry.namespace, entry.prompt_end):
                 entry.on_disk, saved = True, saved + 1
         self.evicted = []
         return saved
@@ -264,7 +265,9 @@ class PromptCache:
         """The tiers that keep conversations' KV caches, for the engine's describe line."""
         pool = self.pool
         memory = (
-            f"memory {format_size(pool.max_bytes)} (--prompt-cache-memory)" if pool is not None else "the last only"
+            f"memory {format_size(pool.configured_bytes)} ({pool_reason(pool.sized_for)})"
+            if pool is not None
+            else "the last only"
         )
         disk = f"disk {self.disk.root} up to {format_size(self.disk.max_bytes)}" if self.disk else "no disk"
         return f"prompt caches: {memory}, {disk}"

@@ -52,6 +52,7 @@ class KVPool:
 
     def __init__(self, max_bytes: int):
         self.max_bytes = self.configured_bytes = max_bytes
+        self.sized_for = ""  # what a default bound was sized for (engine/load.py), for the describe line
         self._entries: dict[int, Entry] = {}
         self._index: dict[int, set[int]] = {}  # block-prefix hash -> ids of the entries holding it
         self._ids = itertools.count()

@@ -19,7 +19,7 @@ from edge0.store import ExpertStore, open_manifest
 from edge0.store.consistency import check_config
 from edge0.store.format import RESIDENT_FILE
 from edge0.store.resident import check_resident
-from edge0.streaming.budget import context_tokens, prompt_cache_memory
+from edge0.streaming.budget import Reserve, context_tokens, served_context
 from edge0.streaming.dispatch import Streaming
 from edge0.units import parse_size
 
@@ -85,10 +85,12 @@ def open_engine(root: Path, options, stage_for=None) -> Engine:
     streaming = Streaming(store, compute, k or _native_k(config), options, reserve)
     bas.attach_executors(model, streaming.layers)
     engine = Engine(root, model, tokenizer, store, streaming, spec, k, compute, stage)
-    # the other conversations' KV caches: the default budget's share, else what was given (or the default)
-    pool = streaming.default.prompt_caches if streaming.default else prompt_cache_memory(reserve[0], reserve[3], None)
+    # the other conversations' KV caches: what was given, else the default budget's share
+    pool, sized_for = streaming.prompt_caches
     engine.kv.use_pool(pool)
-    engine.kv.context_bytes = reserve[0]
+    if engine.kv.pool is not None:
+        engine.kv.pool.sized_for = sized_for
+    engine.kv.context_bytes = reserve.kv
     return engine
 
 
@@ -106,19 +108,22 @@ def _load_tokenizer(root: Path, trust_remote_code: bool):
         ) from None
 
 
-def _reserve(built, config: dict, compute: str, options) -> tuple[int, int, int, int | None]:
-    """(KV cache bytes at the context, context tokens, prefill activations at that context, the
-    --prompt-cache-memory given or None) for the default expert cache. The KV bytes are those the
-    family's own caches hold in the compute dtype, measured on `built`, the whole model built from
-    config.json (backend.kvcache: latent attention, sliding windows and recurrent states as the
-    family lays them out; a pipeline stage's own model would exchange with other ranks in its
-    forward); the activations follow
-    docs/long-prompts.md ("Memory"): 6 x T x D x 4 bytes."""
+def _reserve(built, config: dict, compute: str, options) -> Reserve:
+    """What the default expert cache leaves memory for: the KV cache at the context
+    (--context-tokens), prefill activations at that context, the --prompt-cache-memory given or
+    None, and one KV cache at the context served (the default prompt caches' unit). The KV bytes
+    are those the family's own caches hold in the compute dtype, measured on `built`, the whole
+    model built from config.json (backend.kvcache: latent attention, sliding windows and recurrent
+    states as the family lays them out; a pipeline stage's own model would exchange with other
+    ranks in its forward); the activations follow docs/long-prompts.md ("Memory"): 6 x T x D x 4
+    bytes."""
     context = context_tokens(config, options.context_tokens)
+    served = served_context(config, options.context_tokens)
     hidden = model_dims(config)[0]
     span = min(context, options.prefill_span or default_span(hidden))
     try:
-        kv = bkv.kv_footprint(built, options.kv_bits, options.kv_group_size, compute).bytes_at(context)
+        footprint = bkv.kv_footprint(built, options.kv_bits, options.kv_group_size, compute)
+        kv, served_kv = footprint.bytes_at(context), footprint.bytes_at(served)
     except (ValueError, TypeError, AttributeError) as e:
         if options.kv_bits and "group size" in str(e):  # mlx-lm's quantized cache needs key widths it divides
             raise Edge0Error(KV_GROUP.format(group=options.kv_group_size)) from None
@@ -129,7 +134,7 @@ def _reserve(built, config: dict, compute: str, options) -> tuple[int, int, int,
             ) from None
         raise
     pool = None if options.prompt_cache_memory is None else parse_size(options.prompt_cache_memory)
-    return kv, context, 6 * span * hidden * 4, pool
+    return Reserve(kv, context, 6 * span * hidden * 4, pool, served_kv, served)
 
 
 REBUILD = "convert the checkpoint again (edge0 convert --hf-path SRC -o DIR)"

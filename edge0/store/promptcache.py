@@ -51,7 +51,27 @@ def _entry_ok(e) -> bool:
         and _tokens_ok(e.get("tokens"))
         and isinstance(e.get("used"), (int, float))
         and math.isfinite(e["used"])
+        and _prompt_end_ok(e.get("prompt_end", 0))
     )
+
+
+def _prompt_end_ok(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _prompt_end(entry: dict) -> int:
+    """Where the prompt of the request that filled an entry's cache ended: its `prompt_end`, or
+    (unknown: 0, an older edge0's file) all of its tokens."""
+    end = entry.get("prompt_end", 0)
+    return end if 0 < end <= len(entry["tokens"]) else len(entry["tokens"])
+
+
+def _continues(tokens: list[int], entry: dict) -> bool:
+    """Whether `tokens` continue the conversation of a saved `entry`: they hold its whole prompt
+    (then its reply as the client renders it, a new turn; or its reply as generated), so the
+    entry's file serves no request that a file of `tokens`, trimmed, does not serve."""
+    end = _prompt_end(entry)
+    return len(tokens) >= end and tokens[:end] == entry["tokens"][:end]
 
 
 def _check_namespace(namespace) -> None:
@@ -96,6 +116,7 @@ class DiskPromptCaches:
             "restored_tokens": 0,
             "evicted": 0,
             "replaced": 0,
+            "redundant": 0,
             "too_large": 0,
             "damaged": 0,
             "index_rebuilt": 0,
@@ -245,11 +266,12 @@ class DiskPromptCaches:
                 "identity": meta.get("identity"),
                 "namespace": meta.get("namespace"),
                 "tokens": json.loads(meta.get("tokens", "null")),
+                "prompt_end": json.loads(meta.get("prompt_end", "0")),  # 0: unknown (an older edge0's file)
                 "bytes": st.st_size,
                 "used": st.st_mtime,
             }
             if not _entry_ok(entry) or not isinstance(meta.get("checksum"), str):
-                raise ValueError("no identity, namespace, tokens or checksum in its metadata")
+                raise ValueError("no identity, namespace, tokens, prompt end or checksum in its metadata")
         except OSError as e:  # unreadable now (another user's file, EMFILE): not damage, left as it is
             self.counts["failed"] += 1
             self.note = f"reading {self.root / name} failed: {e}; left as it is"
@@ -401,11 +423,17 @@ class DiskPromptCaches:
             return False
         return True
 
-    def save(self, tokens: list[int], cache, namespace: str = "") -> bool:
-        """Store `cache` (holding exactly `tokens`) in `namespace`, drop the stored caches of this
-        identity and namespace it extends (it can be trimmed to them), then the least recently used
-        beyond the size bound. Returns whether it was stored."""
+    def save(self, tokens: list[int], cache, namespace: str = "", prompt_end: int = 0) -> bool:
+        """Store `cache` (holding exactly `tokens`, the first `prompt_end` of them the prompt of the
+        request that filled it; 0: unknown) in `namespace`, so that a conversation keeps one file: a
+        cache that can be trimmed replaces the stored caches of this identity and namespace whose
+        conversation it continues (it holds their whole prompt, `_continues`), removed only once its
+        own file is in place and indexed (`replaced`); and it is not written at all when a stored
+        one holds all of `tokens` (`redundant`: that file, trimmed, serves what this one would; its
+        last use is renewed). Then the least recently used beyond the size bound go. Returns whether
+        `tokens` are on disk."""
         _check_namespace(namespace)
+        prompt_end = prompt_end if 0 < prompt_end <= len(tokens) else 0
         size = bkv.prompt_cache_nbytes(cache)
         if size > self.max_bytes:
             self.counts["too_large"] += 1
@@ -415,9 +443,21 @@ class DiskPromptCaches:
         name = f"{self.dir.name}/{digest}.safetensors"
         path = self.root / name
         tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp.safetensors")
-        t0, placed = time.perf_counter(), False
+        t0, placed, trimmable = time.perf_counter(), False, bkv.can_trim_prompt_cache(cache)
         try:
             with self._locked() as index:
+                ours = [k for k, e in index.items() if e["identity"] == self.identity and e["namespace"] == namespace]
+                holding = [
+                    k
+                    for k in ours
+                    if index[k]["tokens"][: len(tokens)] == tokens
+                    and (trimmable or len(index[k]["tokens"]) == len(tokens))
+                ]
+                if holding:
+                    index[holding[0]]["used"] = time.time()
+                    self._write(index)
+                    self.counts["redundant"] += 1
+                    return True
                 self._make_dir()
                 for p in (path, tmp):  # a link, FIFO or folder there is not the cache's: never written through
                     if os.path.lexists(p) and not stat.S_ISREG(os.lstat(p).st_mode):
@@ -428,35 +468,36 @@ class DiskPromptCaches:
                     "identity": self.identity,
                     "namespace": namespace,
                     "tokens": json.dumps(tokens),
+                    "prompt_end": json.dumps(prompt_end),
                     "checksum": bkv.prompt_cache_digest(cache),
                 }
                 bkv.save_prompt_cache(str(tmp), cache, meta)
                 os.chmod(tmp, 0o600)
                 os.replace(tmp, path)
                 placed = True
+                # its conversation's older files leave the index now and the directory once it is written
+                replaced = [k for k in ours if k != name and trimmable and _continues(tokens, index[k])]
+                older = {k: index.pop(k) for k in replaced}
                 index[name] = {
                     "identity": self.identity,
                     "namespace": namespace,
                     "tokens": tokens,
+                    "prompt_end": prompt_end,
                     "bytes": os.lstat(path).st_size,
                     "used": time.time(),
                 }
-                if bkv.can_trim_prompt_cache(cache):
-                    for other, e in list(index.items()):
-                        if (
-                            other != name
-                            and e["identity"] == self.identity
-                            and e["namespace"] == namespace
-                            and len(e["tokens"]) < len(tokens)
-                            and tokens[: len(e["tokens"])] == e["tokens"]
-                        ):
-                            self._remove(index, other, "replaced")
                 total = self._evict(index, keep=name)
                 stored = total <= self.max_bytes  # else the file alone (header included) is over the bound
                 if not stored:
                     self.note = f"{path}: {total} bytes, more than --prompt-cache-size ({self.max_bytes}); removed"
                     self._remove(index, name, "too_large")
+                    index.update(older)  # its conversation keeps the files it has
+                    replaced = []
                 self._write(index)
+                placed = False
+                for other in replaced:
+                    self._unlink(other)
+                    self.counts["replaced"] += 1
         except Exception as e:  # noqa: BLE001 - a full disk, DIR removed, a cache mlx-lm cannot save: keep serving
             unlink_regular(tmp)
             if placed:  # renamed into place, but the index could not be written: it would be held unbounded

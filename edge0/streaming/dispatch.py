@@ -15,7 +15,7 @@ from edge0.backend import core as B
 from edge0.cache.flashmoe import FlashMoEModel, load_model
 from edge0.errors import Edge0Error
 from edge0.store.format import manifest_hash
-from edge0.streaming.budget import PREFILL_LAYERS, default_budget
+from edge0.streaming.budget import PREFILL_LAYERS, Reserve, default_budget
 from edge0.streaming.exact import ExactExecutor
 from edge0.streaming.hot import HotExecutor
 from edge0.streaming.pool import SlotSet, slots_per_layer
@@ -55,7 +55,8 @@ def _no_room(b, k: int, n_layers: int, need: int) -> str:
     """The one-line error when the default budget cannot hold one route in every MoE layer."""
     return (
         f"the expert cache does not fit in memory: {format_size(b.available)} available ({b.source}) leaves "
-        f"{format_size(max(0, b.free))} after the KV cache ({format_size(b.kv)} at {b.context} tokens), prefill "
+        f"{format_size(max(0, b.free))} after the KV cache ({format_size(b.kv)} at {b.context} tokens), prompt caches "
+        f"({format_size(b.prompt_caches)}, --prompt-cache-memory), prefill "
         f"({format_size(b.prefill)}) and headroom ({format_size(b.headroom)}), and a decode step needs {k} experts "
         f"in each of {n_layers} MoE layers ({format_size(need)}); --expert-cache {math.ceil(need / 1e6)}MB would hold "
         f"them if memory allows (or free memory, raise the limit, or lower --context-tokens)"
@@ -126,22 +127,19 @@ class LayerDispatch:
 class Streaming:
     """All executors of one engine, the expert pool they share, and their statistics."""
 
-    def __init__(
-        self, store, compute_dtype: str, k: int, options, reserve: tuple[int, int, int, int | None] = (0, 0, 0, 0)
-    ):
+    def __init__(self, store, compute_dtype: str, k: int, options, reserve: Reserve | None = None):
         """`options`: the engine's validated LoadOptions (expert cache, policy, executors).
-        `reserve` = (KV cache bytes at the context, context tokens, prefill activation bytes at it,
-        the other conversations' KV caches (None: the default share)): what the default budget
-        leaves room for besides two layers of experts and the headroom."""
+        `reserve`: what the default budget leaves room for besides two layers of experts and the
+        headroom (None: nothing); its prompt caches' share is sized as the default budget sizes it
+        even when --expert-cache is given (`prompt_caches`: bytes, what they were sized for)."""
         self.store, self.options = store, options
         self.stats = ExecutorStats()
         total = sum(store.expert_nbytes(l) * int(v["num_experts"]) for l, v in store.layers.items())
         largest = max((store.expert_nbytes(l) * int(v["num_experts"]) for l, v in store.layers.items()), default=0)
-        self.default = (
-            None
-            if options.expert_cache is not None
-            else default_budget(total, reserve[0], reserve[1], PREFILL_LAYERS * largest + reserve[2], reserve[3])
-        )
+        reserve = reserve or Reserve(prompt_caches=0)
+        budget = default_budget(total, reserve, PREFILL_LAYERS * largest + reserve.prefill)
+        self.default = None if options.expert_cache is not None else budget
+        self.prompt_caches = (budget.prompt_caches, budget.prompt_caches_for)
         self.budget = parse_size(options.expert_cache) if self.default is None else self.default.bytes
         self.total_expert_bytes = total
         layers = sorted(store.layers)

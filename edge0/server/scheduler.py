@@ -161,6 +161,7 @@ class Scheduler:
     def _run_batch(self, engine: EngineAPI) -> bool:
         """One batch, from its first request until it is empty; returns whether requests wait."""
         live: list[_Request] = []
+        closing: list[_Request] = []  # finished with the batch's last step: answered once it has ended
         try:
             with engine.batching() as batch:
                 self._batch = batch
@@ -177,10 +178,16 @@ class Scheduler:
                     if not batch.busy:
                         break
                     by_seq = {id(r.seq): r for r in live}
+                    done = []
                     for seq, step in batch.advance():
-                        self._deliver(batch, by_seq[id(seq)], step, live)
-                    if not batch.busy:  # empty: the between-request work runs before the next one
+                        r = by_seq[id(seq)]
+                        if self._deliver(batch, r, step, live):
+                            done.append(r)
+                    if not batch.busy:  # empty: the batch ends (every rank's books settle), then the between work
+                        closing = done
                         break
+                    for r in done:
+                        self._end(r, live, "completed")
         except Exception:  # the batch's cache is lost: every request in it or waiting for it fails
             self._done["failed_batches"] += 1
             log.exception("batch failed")
@@ -196,6 +203,8 @@ class Scheduler:
             if self._batch is not None:
                 self._count(self._batch)
                 self._batch = None
+            for r in closing:  # after the batch's end, so /v1/stats read on the answer includes it
+                self._end(r, live, "completed")
         with self._lock:
             if self._arrivals:
                 return True
@@ -220,9 +229,10 @@ class Scheduler:
                 continue
             live.append(r)
 
-    def _deliver(self, batch, r: _Request, step, live: list[_Request]) -> None:
-        """A Step of `r` becomes its events. Its own failure (a Step that is an exception: its
-        prefill or sampler raised; or its events: a parser) ends it alone."""
+    def _deliver(self, batch, r: _Request, step, live: list[_Request]) -> bool:
+        """A Step of `r` becomes its events; True when it was `r`'s last (the caller ends it). Its
+        own failure (a Step that is an exception: its prefill or sampler raised; or its events: a
+        parser) ends it alone."""
         try:
             if isinstance(step, Exception):
                 raise step
@@ -234,9 +244,8 @@ class Scheduler:
                 batch.leave(r.seq)
             r.job._put(e)
             self._end(r, live, "failed")
-            return
-        if step.finish_reason:
-            self._end(r, live, "completed")
+            return False
+        return bool(step.finish_reason)
 
     def _end(self, r: _Request, live: list[_Request], outcome: str) -> None:
         r.job._put(_END)

@@ -34,7 +34,7 @@ from edge0.engine.request import Request
 from edge0.engine.sampler import RequestSampler
 from edge0.engine.solo import Solo
 from edge0.engine.speculative import accept
-from edge0.engine.stats import call_stats
+from edge0.engine.stats import sequence_stats
 from edge0.engine.step import sample_row
 from edge0.errors import Edge0Error
 
@@ -434,34 +434,9 @@ class Batch:
             made.append((seq, step))
             if step.finish_reason:
                 seq.finish = step.finish_reason
-                step.stats = self._stats(seq)
+                step.stats = sequence_stats(self.engine, seq)
                 return True
         return False
-
-    def _stats(self, seq: Sequence) -> dict:
-        """A finished sequence's stats (engine/stats.py): the executors' and the store's counts
-        from its joining to its end (while it shared steps, the batch's), and its own timings."""
-        e = self.engine
-        totals, io = e.streaming.stats.totals(), e.store.io_stats()
-        before, io_before, spec_before = seq.before
-        first = seq.first_token_s or 0.0
-        stats = call_stats(
-            before,
-            seq.prefilled or before,
-            totals,
-            io_before,
-            io,
-            len(seq.prompt),
-            len(seq.prompt) - seq.held,
-            len(seq.tokens),
-            first,
-            time.perf_counter() - seq.joined - first,
-        )
-        stats["first_token_s"] = seq.first_token_s
-        if e.speculation is not None and spec_before is not None:
-            decode_bytes = stats["expert_bytes_read"] - stats["prefill_expert_bytes_read"]
-            stats["speculation"] = e.speculation.call_stats(spec_before, before, totals, len(seq.tokens), decode_bytes)
-        return stats
 
     # -- speculation ---------------------------------------------------------------------------
     def _drafts(self) -> list[list[int]] | None:
@@ -519,56 +494,3 @@ class Batch:
         else:
             self.cache = None
         self._fit_pool()
-
-
-def generate_batch(engine, requests: list[Request]):
-    """Every request in one batch, prefilled first; returns (sequences, stats of the run)."""
-    totals0, io0 = engine.streaming.stats.totals(), engine.store.io_stats()
-    t0 = time.perf_counter()
-    with engine.batching() as batch:
-        seqs = [batch.join(r) for r in requests]
-        batch.prefill_all()
-        t_prefill = time.perf_counter() - t0
-        t_first = None
-        while batch.busy:
-            for _, step in batch.advance():
-                if isinstance(step, Exception):
-                    raise step
-            if t_first is None:
-                t_first = time.perf_counter() - t0 - t_prefill
-        steps = batch.steps
-    totals, io = engine.streaming.stats.totals(), engine.store.io_stats()
-    prefilled = [s.prefilled for s in seqs if s.prefilled is not None]
-    routes = totals["multi_routes"] - totals0["multi_routes"]
-    stats = {
-        "batch_size": len(seqs),
-        "batch_steps": steps,
-        "prompt_tokens": sum(len(r.prompt) for r in requests),
-        "generated_tokens": sum(len(s.tokens) for s in seqs),
-        "prefill_s": t_prefill,
-        "decode_s": time.perf_counter() - t0 - t_prefill,
-        "first_step_s": t_first,  # feeds every prompt's last token: alone, the prefill's last step
-        "expert_bytes_read": totals["bytes_read"] - totals0["bytes_read"],
-        "prefill_expert_bytes_read": max(p["bytes_read"] for p in prefilled) - totals0["bytes_read"],
-        "store_bytes_read": io["bytes_read"] - io0["bytes_read"],
-        "multi_union": totals["multi_union"] - totals0["multi_union"],
-        "multi_routes": routes,
-        "union_per_routed": (totals["multi_union"] - totals0["multi_union"]) / routes if routes else None,
-    }
-    return seqs, stats
-
-
-def check_batch(engine, prompts, max_tokens) -> tuple[list[list[int]], list[int]]:
-    """The prompts encoded and each one's max_tokens (one int for all, or one per prompt), after
-    the checks a batch needs (Edge0Error naming the problem); each request's own fields are
-    checked as it joins (Request.check)."""
-    if problem := batch_problem(engine):
-        raise Edge0Error(f"generate_batch: {problem}")
-    if not isinstance(prompts, (list, tuple)) or not prompts:
-        raise Edge0Error("generate_batch: no prompts (pass a list of strings or token-id lists)")
-    limits = list(max_tokens) if isinstance(max_tokens, (list, tuple)) else [max_tokens] * len(prompts)
-    if len(limits) != len(prompts):
-        raise Edge0Error(f"generate_batch: {len(limits)} max_tokens for {len(prompts)} prompts; give one per prompt")
-    if any(isinstance(m, bool) or not isinstance(m, int) or m < 1 for m in limits):
-        raise Edge0Error(f"max_tokens must be integers >= 1 (got {max_tokens!r})")
-    return [engine.encode(p) for p in prompts], limits

@@ -13,8 +13,9 @@ from pathlib import Path
 from edge0.backend import core as B
 from edge0.backend import io as bio
 from edge0.backend import modules as bmod
-from edge0.engine.batch import Batch, batch_problem, check_batch, generate_batch
+from edge0.engine.batch import Batch, batch_problem
 from edge0.engine.diagnostics import decode_logits, logits, observe_routes, prerouted_logits
+from edge0.engine.generate_batch import check_batch, generate_batch
 from edge0.engine.hooks import StepHooks
 from edge0.engine.kv import PromptCache
 from edge0.engine.prefill import Prefiller

@@ -2,7 +2,35 @@
 
 from __future__ import annotations
 
+import time
+
 from edge0.backend import core as B
+
+
+def sequence_stats(engine, seq) -> dict:
+    """A finished sequence's stats (a batch's, batch.py): the executors' and the store's counts
+    from its joining to its end (while it shared steps, the batch's), and its own timings."""
+    totals, io = engine.streaming.stats.totals(), engine.store.io_stats()
+    before, io_before, spec_before = seq.before
+    first = seq.first_token_s or 0.0
+    stats = call_stats(
+        before,
+        seq.prefilled or before,
+        totals,
+        io_before,
+        io,
+        len(seq.prompt),
+        len(seq.prompt) - seq.held,
+        len(seq.tokens),
+        first,
+        time.perf_counter() - seq.joined - first,
+    )
+    stats["first_token_s"] = seq.first_token_s
+    spec = engine.speculation
+    if spec is not None and spec_before is not None:
+        decode_bytes = stats["expert_bytes_read"] - stats["prefill_expert_bytes_read"]
+        stats["speculation"] = spec.call_stats(spec_before, before, totals, len(seq.tokens), decode_bytes)
+    return stats
 
 
 def call_stats(

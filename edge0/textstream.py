@@ -7,7 +7,7 @@ next delta decides it. Nothing here splits a character: deltas are `str`, never 
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Collection, Iterable
 
 
 def partial_suffix_len(text: str, patterns: Iterable[str]) -> int:
@@ -25,6 +25,17 @@ def find_first(text: str, patterns: Iterable[str]) -> tuple[int, str] | None:
     """(index, pattern) of the earliest occurrence of any pattern in `text`, or None."""
     hits = [(i, p) for p in patterns if (i := text.find(p)) >= 0]
     return min(hits, key=lambda h: h[0]) if hits else None
+
+
+def split_at_first(text: str, patterns: Collection[str]) -> tuple[str, str | None, str]:
+    """(text before the earliest pattern, that pattern, text after it); with no pattern in `text`:
+    (the text that cannot be the start of one, None, the rest, held back until more text decides it)."""
+    found = find_first(text, patterns)
+    if found is None:
+        cut = len(text) - partial_suffix_len(text, patterns)
+        return text[:cut], None, text[cut:]
+    i, pattern = found
+    return text[:i], pattern, text[i + len(pattern) :]
 
 
 class StopMatcher:
@@ -45,14 +56,12 @@ class StopMatcher:
         """Add a delta; returns (text safe to emit, True if a stop string ended the stream)."""
         if self.stopped:
             return "", True
-        buf = self._held + text
-        hit = find_first(buf, self.stops)
-        if hit is not None:
-            self.stopped, self.matched, self._held = True, hit[1], ""
-            return buf[: hit[0]], True
-        keep = partial_suffix_len(buf, self.stops)
-        self._held = buf[len(buf) - keep :]
-        return buf[: len(buf) - keep], False
+        out, matched, rest = split_at_first(self._held + text, self.stops)
+        if matched is not None:
+            self.stopped, self.matched, self._held = True, matched, ""
+            return out, True
+        self._held = rest
+        return out, False
 
     def flush(self, text: str = "") -> str:
         """Add a final delta and release everything held back (still cut at a stop string)."""

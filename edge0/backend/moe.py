@@ -12,20 +12,8 @@ from edge0.backend.modules import get_module
 from edge0.backend.routing import expert_scores, route
 
 
-class StreamingExperts(nn.Module):
-    """Stands in for an mlx-lm SwitchGLU/SwitchMLP whose stacked expert tensors stay on disk.
-
-    Per call, `executor(indices, scores)` returns parts, each one of:
-    - (tensors of some experts, the route's indices mapped into them): every (token, k) pair is
-      computed, pairs another part owns pointing at a zero expert; such parts are summed;
-    - (tensors, rows [N], pairs [N]): only the N (token, k) pairs at flat positions `pairs` (host
-      ints) are computed, with expert rows `rows`; such parts together cover every pair once;
-    - a callable returning one of those: its experts are still being read, so the parts before it
-      start computing first (hits compute while misses are in flight).
-    The original mlx-lm module runs its own math on each; then `executor.done(output)`. `scores`
-    (router scores over all experts, lazy) come from a SpecMoEBlock's gate; mlx-lm's own blocks
-    pass none.
-    """
+class _Streamed(nn.Module):
+    """A module whose tensors stay on disk: `inner` runs on the tensors its executor gives each call."""
 
     def __init__(self, inner: nn.Module, layer: int):
         super().__init__()
@@ -42,6 +30,22 @@ class StreamingExperts(nn.Module):
     def use_executor(self, executor) -> None:
         """Where this layer's expert tensors come from (a streaming LayerDispatch)."""
         object.__setattr__(self, "executor", executor)
+
+
+class StreamingExperts(_Streamed):
+    """Stands in for an mlx-lm SwitchGLU/SwitchMLP whose stacked expert tensors stay on disk.
+
+    Per call, `executor(indices, scores)` returns parts, each one of:
+    - (tensors of some experts, the route's indices mapped into them): every (token, k) pair is
+      computed, pairs another part owns pointing at a zero expert; such parts are summed;
+    - (tensors, rows [N], pairs [N]): only the N (token, k) pairs at flat positions `pairs` (host
+      ints) are computed, with expert rows `rows`; such parts together cover every pair once;
+    - a callable returning one of those: its experts are still being read, so the parts before it
+      start computing first (hits compute while misses are in flight).
+    The original mlx-lm module runs its own math on each; then `executor.done(output)`. `scores`
+    (router scores over all experts, lazy) come from a SpecMoEBlock's gate; mlx-lm's own blocks
+    pass none.
+    """
 
     def __call__(self, x, indices, scores=None):
         # T tokens (any leading shape), K routed each, D hidden, N pairs of a part
@@ -78,23 +82,11 @@ class StreamingExperts(nn.Module):
         return y.reshape(*shape, y.shape[-1])
 
 
-class StreamingExpertList(nn.Module):
+class StreamingExpertList(_Streamed):
     """Stands in for a list of per-expert modules (DBRX's `experts`), whose tensors the store holds
     stacked like a SwitchGLU's. The family's block calls `experts[e](x)`; each call asks the
-    executor for expert e (a route of one expert) and runs `template`, a copy of one expert's
-    module, on its tensors. `template` is quantized like the stored tensors by the caller."""
-
-    def __init__(self, template: nn.Module, layer: int):
-        super().__init__()
-        blank = tree_map(lambda _: mx.zeros((0,)), template.parameters())
-        template.update(blank)
-        object.__setattr__(self, "inner", template)
-        object.__setattr__(self, "blank", blank)
-        object.__setattr__(self, "executor", None)
-        self.layer = layer
-
-    def use_executor(self, executor) -> None:
-        object.__setattr__(self, "executor", executor)
+    executor for expert e (a route of one expert) and runs `inner`, a copy of one expert's module
+    (quantized like the stored tensors by the caller), on its tensors."""
 
     def __getitem__(self, key):
         if isinstance(key, int):  # the block's `self.experts[e]`; string keys are the module's own

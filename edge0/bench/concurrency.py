@@ -26,7 +26,7 @@ import sys
 import time
 
 from edge0.bench.child import RESULT_PREFIX, prompts_for
-from edge0.bench.report import _f
+from edge0.bench.report import _f, table_head
 
 
 def parse_batches(text: str) -> list[int]:
@@ -226,11 +226,10 @@ def run_concurrency(args, model, batches: list[int]) -> dict:
 
 def concurrency_markdown(result: dict) -> str:
     """The tables: per setting and B, then the servers' (when run)."""
-    lines = [
-        "| setting | B | one after another, tok/s | batched, tok/s | per stream | speedup | B-token step cost "
-        "| ceiling | of ceiling | MB read / token, one after another | batched | union / routed | same tokens |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
+    lines = table_head(
+        "setting | B | one after another, tok/s | batched, tok/s | per stream | speedup | B-token step cost "
+        "| ceiling | of ceiling | MB read / token, one after another | batched | union / routed | same tokens"
+    )
     for s in result["concurrency"]:
         for r in s.get("rows", []):
             same = {True: "yes", False: "**no**", None: "-"}[r["tokens_identical"]]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 
 from edge0.bench.arms import BASES, Arm
-from edge0.bench.report import _f, _gb
+from edge0.bench.report import _f, _gb, table_head
 from edge0.bench.runner import run_suite
 
 CURVE_ARMS = (
@@ -49,11 +49,10 @@ def run_curve(args, model, lengths: list[int]) -> dict:
 
 def curve_markdown(result: dict) -> str:
     """The TTFT-against-prompt-length table."""
-    lines = [
-        "| prompt tokens | arm | prefill tok/s | vs resident | TTFT s | expert reads / store | prefill stall s "
-        "| MLX peak | peak RSS |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
+    lines = table_head(
+        "prompt tokens | arm | prefill tok/s | vs resident | TTFT s | expert reads / store | prefill stall s "
+        "| MLX peak | peak RSS"
+    )
     for p in result["prompt_curve"]:
         experts = p["settings"]["expert_bytes"]
         ref = next((a for a in p["arms"] if a["name"] == "mlx-lm-resident" and a["status"] == "ok"), None)

@@ -26,6 +26,11 @@ def _f(x, fmt="{:.2f}") -> str:
     return "-" if x is None else fmt.format(x)
 
 
+def table_head(columns: str) -> list[str]:
+    """A markdown table's header row (`columns`: the names, between " | ") and the rule under it."""
+    return [f"| {columns} |", "|---" * (columns.count("|") + 1) + "|"]
+
+
 def summary(result: dict) -> dict:
     arms = {a["name"]: a for a in result["arms"]}
 
@@ -82,11 +87,10 @@ def markdown(result: dict) -> str:
     s = result["settings"]
     ref = next((a for a in result["arms"] if a["name"] == "mlx-lm-resident" and a["status"] == "ok"), None)
     ref_tps = ref["metrics"]["decode_tps"] if ref else None
-    lines = [
-        "| arm | storage | decode tok/s | vs resident | prefill tok/s | TTFT s | MLX peak | MLX peak (decode) "
-        "| peak RSS | expert bytes read | hit rate | stall ms/step | reads/step (reader) | tokens = resident |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
+    lines = table_head(
+        "arm | storage | decode tok/s | vs resident | prefill tok/s | TTFT s | MLX peak | MLX peak (decode) "
+        "| peak RSS | expert bytes read | hit rate | stall ms/step | reads/step (reader) | tokens = resident"
+    )
     rate = (s.get("read_limit") or {}).get("rate_bytes_per_s")
     for a in result["arms"]:
         m = a["metrics"]
@@ -150,8 +154,9 @@ def _roofline_lines(result: dict) -> list[str]:
         f"the store's disk measured at {_f((device.get('bytes_per_s') or 0) / 1e6, '{:.0f}')} MB/s "
         f"({device.get('read_size')} B reads, {device.get('queue_depth')} at a time), --read-limit for capped arms.",
         "",
-        "| arm | expert bytes / token | read rate achieved | read rate | roofline tok/s | bound | efficiency |",
-        "|---|---|---|---|---|---|---|",
+        *table_head(
+            "arm | expert bytes / token | read rate achieved | read rate | roofline tok/s | bound | efficiency"
+        ),
     ]
     for a in rows:
         r = a["roofline"]

@@ -21,7 +21,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from edge0.bench.report import _f
+from edge0.bench.report import _f, table_head
 from edge0.errors import Edge0Error
 
 SERVERS = ("edge0", "mlx-lm")
@@ -213,10 +213,9 @@ def _strip(row: dict) -> dict:
 
 def servers_markdown(s: dict) -> str:
     """The servers' table (and the long-and-short line, when run)."""
-    lines = [
-        "| C | edge0 serve, tok/s | mlx_lm.server, tok/s | ratio | first token, edge0 s | mlx-lm s | same text |",
-        "|---|---|---|---|---|---|---|",
-    ]
+    lines = table_head(
+        "C | edge0 serve, tok/s | mlx_lm.server, tok/s | ratio | first token, edge0 s | mlx-lm s | same text"
+    )
     for r, same in zip(s["rows"], s["texts_identical"]):
         e, m = r["edge0"], r["mlx-lm"]
         lines.append(

@@ -16,10 +16,6 @@ from statistics import NormalDist
 
 import numpy as np
 
-# The routing regimes benchmarks offer: the model's own gates (a random-weight bench model routes
-# nearly uniformly, the worst case for caching) or these synthetic routes.
-ROUTINGS = ("uniform", "qwen3-like")
-
 
 @dataclass(frozen=True)
 class RoutingParams:

@@ -20,8 +20,7 @@ from edge0.bench.model import resolve_model
 from edge0.bench.report import SCHEMA, append_docs, git_commit, machine_info, markdown, package_versions, plot, summary
 from edge0.bench.roofline import add_rooflines, measure_read_rate
 from edge0.bench.runner import run_suite
-from edge0.cache.synthetic import ROUTINGS
-from edge0.cli.common import OneLineParser
+from edge0.cli.common import OneLineParser, add_routing_option
 from edge0.errors import Edge0Error
 from edge0.units import parse_rate
 
@@ -97,13 +96,7 @@ def parse_args(argv):
         metavar="FLAG",
         help="--concurrency: an extra `edge0 serve` flag, e.g. --edge0-arg=--prefill-span=512 (repeatable)",
     )
-    g.add_argument(
-        "--routing",
-        default="uniform",
-        choices=ROUTINGS,
-        help="uniform (default): the bench model's own gates, which route nearly uniformly (the worst case); "
-        "qwen3-like: synthetic routes fitted to Qwen3-30B-A3B's cache statistics (docs/synthetic-routing.md)",
-    )
+    add_routing_option(g, "uniform", "the bench model's own gates, which route nearly uniformly (the worst case)")
     g.add_argument(
         "--expert-cache", default="20%", help="edge0 expert cache: a share of all experts (20%%) or a size (400MB)"
     )

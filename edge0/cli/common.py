@@ -68,6 +68,18 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
             )
 
 
+def add_routing_option(p, own: str, own_help: str, synthetic: str = "") -> None:
+    """--routing: `own` (the default; `own_help` says what it routes by) or qwen3-like, synthetic
+    routes fitted to Qwen3-30B-A3B's cache statistics (`synthetic`: what more the help says of them)."""
+    p.add_argument(
+        "--routing",
+        choices=[own, "qwen3-like"],
+        default=own,
+        help=f"{own} (default): {own_help}; qwen3-like: synthetic routes fitted to Qwen3-30B-A3B's cache "
+        f"statistics{synthetic} (docs/synthetic-routing.md)",
+    )
+
+
 def add_sampling_options(p: argparse.ArgumentParser, max_tokens: int, what: str) -> None:
     """--max-tokens (default `max_tokens`, most tokens per `what`), --temp, --top-p, --seed."""
     p.add_argument("--max-tokens", type=int, default=max_tokens, help=f"most tokens per {what} (default {max_tokens})")

@@ -15,7 +15,7 @@ import edge0
 from edge0.cache import POLICIES, tracefile
 from edge0.cache.record import record, record_file, synthetic_record
 from edge0.cache.replay import parse_budgets, simulate
-from edge0.cli.common import OneLineParser, add_model_options, load_options, run_main
+from edge0.cli.common import OneLineParser, add_model_options, add_routing_option, load_options, run_main
 from edge0.errors import Edge0Error
 from edge0.planning.budget import PROMPTS, measure_decode, measure_reads, per_layer, predict, recommend
 from edge0.store.format import manifest_hash
@@ -34,12 +34,8 @@ def main(argv=None) -> int:
         "--prompt-tokens", type=int, default=256, help="teacher-forced tokens per prompt when recording from --data"
     )
     p.add_argument("--max-tokens", type=int, default=64, help="generated tokens per prompt when recording (default 64)")
-    p.add_argument(
-        "--routing",
-        choices=["model", "qwen3-like"],
-        default="model",
-        help="model (default): simulate on the model's own routes (--trace, or recorded now); qwen3-like: on synthetic "
-        "routes fitted to Qwen3-30B-A3B's cache statistics, with this model's shape (docs/synthetic-routing.md)",
+    add_routing_option(
+        p, "model", "simulate on the model's own routes (--trace, or recorded now)", ", with this model's shape"
     )
     p.add_argument(
         "--budget", default="1/8,1/4,3/8,1/2,3/4,1/1", help="experts cached per layer (default 1/8,1/4,3/8,1/2,3/4,1/1)"

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from edge0.cache import tracefile
 from edge0.cache.record import record_file, synthetic_record
-from edge0.cli.common import OneLineParser, add_model_options, load_options, run_main
+from edge0.cli.common import OneLineParser, add_model_options, add_routing_option, load_options, run_main
 from edge0.errors import Edge0Error
 
 
@@ -23,13 +23,11 @@ def main(argv=None) -> int:
     p.add_argument(
         "--max-tokens", type=int, default=64, help="tokens generated after each prompt (default 64; 0: none)"
     )
-    p.add_argument(
-        "--routing",
-        choices=["model", "qwen3-like"],
-        default="model",
-        help="model (default): record the model's own routes on --data; qwen3-like: write synthetic routes fitted to "
-        "Qwen3-30B-A3B's cache statistics, with this model's shape, one per token of prompts x (prompt-tokens + "
-        "max-tokens) (docs/synthetic-routing.md)",
+    add_routing_option(
+        p,
+        "model",
+        "record the model's own routes on --data",
+        ", with this model's shape, one per token of prompts x (prompt-tokens + max-tokens)",
     )
     p.add_argument("--routing-seed", type=int, default=0, help="seed of the synthetic routes (default 0)")
     args = p.parse_args(argv)

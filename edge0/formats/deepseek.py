@@ -10,14 +10,11 @@ emitted once its own end marker is in, not when the whole block of calls ends.""
 from __future__ import annotations
 
 import json
-import logging
 import re
 
 from edge0.formats.base import ChatFormat
-from edge0.formats.markup import Reasoning, ReasoningSplitter, Segment, openai_call
-from edge0.textstream import find_first, partial_suffix_len
-
-log = logging.getLogger("edge0.server")
+from edge0.formats.markup import Reasoning, ReasoningSplitter, Segment, parsed_calls
+from edge0.textstream import split_at_first
 
 CALLS_BEGIN, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 CALL_BEGIN, CALL_END, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
@@ -216,15 +213,11 @@ class BlockSplitter:
                 continue
             outside = self._block_end is None
             markers = [*(b for b, _ in self.fmt.blocks), start] if outside else [start, self._block_end]
-            found = find_first(self._buf, markers)
-            cut = found[0] if found else len(self._buf) - partial_suffix_len(self._buf, markers)
-            text, self._buf = self._buf[:cut], self._buf[cut:]
+            text, marker, self._buf = split_at_first(self._buf, markers)
             if text and (outside or text.strip()):
                 out.append(text)
-            if not found:
+            if marker is None:
                 break
-            marker = found[1]
-            self._buf = self._buf[len(marker) :]
             if marker == start:
                 self._in_call = True
             elif outside:
@@ -242,10 +235,8 @@ class BlockSplitter:
         return [rest] if rest and (self._block_end is None or rest.strip()) else []
 
     def _parse(self, raw: str) -> list[Segment]:
-        try:
-            calls = [openai_call(c, self.fmt) for c in self.fmt.parse(raw, self.tools)]
-        except Exception as e:  # malformed model output raises many types
-            log.warning("could not parse a tool call (%s: %s); returning it as text", type(e).__name__, e)
+        calls = parsed_calls(self.fmt, raw, self.tools)
+        if calls is None:
             return [raw]
         self.calls += len(calls)
         return calls

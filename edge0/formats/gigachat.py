@@ -35,13 +35,10 @@ separators: a template with GCML is not this format."""
 from __future__ import annotations
 
 import json
-import logging
 
 from edge0.formats.base import ChatFormat
-from edge0.formats.markup import Segment, openai_call
-from edge0.textstream import find_first, partial_suffix_len
-
-log = logging.getLogger("edge0.server")
+from edge0.formats.markup import Segment, StepSplitter, parsed_calls
+from edge0.textstream import split_at_first
 
 ROLE_SEP, MESSAGE_SEP = "<|role_sep|>", "<|message_sep|>"  # the tokens add their own newlines
 FUNCTION_CALL = "<|function_call|>"  # GigaChat3.1
@@ -88,14 +85,12 @@ class GigaChatFormat(ChatFormat):
         return GigaChatSplitter(self, tools)
 
 
-class GigaChatSplitter:
+class GigaChatSplitter(StepSplitter):
     """A reply's Segments: the assistant's text up to its message's end, then (with tools) the call
     of GigaChat3's `function call` message or GigaChat3.1's `<|function_call|>`, emitted once its
     JSON object closes. A call that does not parse comes back as its text; text after the call or
     after a message that is no call (another role's) is dropped. Text that may be the start of a
     marker is held back until it is decided."""
-
-    inside = False  # no reasoning markup
 
     def __init__(self, fmt: GigaChatFormat, tools: list[dict] | None):
         self.fmt, self.tools = fmt, tools
@@ -104,13 +99,6 @@ class GigaChatSplitter:
         self._mode = TEXT
         self._head = ""  # the markup before the call's JSON, given back if the call does not parse
         self._decoder = json.JSONDecoder(strict=False)
-
-    def feed(self, text: str) -> list[Segment]:
-        self._buf += text
-        out: list[Segment] = []
-        while self._step(out):
-            pass
-        return out
 
     def finish(self) -> list[Segment]:
         """End of generation: held text is released, an open call parsed as it is."""
@@ -135,17 +123,11 @@ class GigaChatSplitter:
         return False
 
     def _text(self, out: list[Segment]) -> bool:
-        found = find_first(self._buf, (MESSAGE_SEP, FUNCTION_CALL))
-        if found is None:
-            cut = len(self._buf) - partial_suffix_len(self._buf, (MESSAGE_SEP, FUNCTION_CALL))
-            if cut:
-                out.append(self._buf[:cut])
-                self._buf = self._buf[cut:]
+        text, marker, self._buf = split_at_first(self._buf, (MESSAGE_SEP, FUNCTION_CALL))
+        if text:
+            out.append(text)
+        if marker is None:
             return False
-        i, marker = found
-        if i:
-            out.append(self._buf[:i])
-        self._buf = self._buf[i + len(marker) :]
         if not self.tools:
             self._mode = DONE
         elif marker == FUNCTION_CALL:
@@ -188,10 +170,8 @@ class GigaChatSplitter:
         return False
 
     def _call(self, raw: str) -> list[Segment]:
-        try:
-            calls = [openai_call(c, self.fmt) for c in self.fmt.parse(raw, self.tools)]
-        except Exception as e:  # malformed model output raises many types
-            log.warning("could not parse a tool call (%s: %s); returning it as text", type(e).__name__, e)
+        calls = parsed_calls(self.fmt, raw, self.tools)
+        if calls is None:
             return [self._head + raw]
         self.calls += len(calls)
         return calls

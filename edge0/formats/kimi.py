@@ -8,8 +8,8 @@ from __future__ import annotations
 import re
 
 from edge0.formats.base import ChatFormat
-from edge0.formats.markup import MarkupSplitter, Segment
-from edge0.textstream import find_first, partial_suffix_len
+from edge0.formats.markup import MarkupSplitter, Segment, tokenizer_calls
+from edge0.textstream import split_at_first
 
 SECTION_BEGIN, SECTION_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
 ARGUMENTS = "<|tool_call_argument_begin|>"
@@ -38,11 +38,7 @@ class KimiFormat(ChatFormat):
         return SECTION_BEGIN in template and ARGUMENTS in template
 
     def parse(self, raw: str, tools: list[dict] | None) -> list[dict]:
-        parser = getattr(self.tokenizer, "tool_parser", None)
-        if parser is None:
-            raise ValueError("the tokenizer has no kimi_k2 tool parser")
-        parsed = parser(raw, tools)
-        return parsed if isinstance(parsed, list) else [parsed]
+        return tokenizer_calls(self.tokenizer, "kimi_k2", raw, tools)
 
     def splitter(self, tools: list[dict] | None, opened: bool):
         return KimiSplitter(self, tools, opened)
@@ -81,39 +77,29 @@ class KimiFormat(ChatFormat):
         return call
 
 
-class KimiSplitter:
+class KimiSplitter(MarkupSplitter):
     """MarkupSplitter on the text without the section markers. The section's start also closes a
     reasoning block left open: K2-Thinking may go from its reasoning to its calls without </think>."""
 
     def __init__(self, fmt: KimiFormat, tools: list[dict] | None, opened: bool):
-        self.fmt, self.inner = fmt, MarkupSplitter(fmt, tools, opened)
+        super().__init__(fmt, tools, opened)
+        self.fmt = fmt
         self._buf = ""
-
-    @property
-    def calls(self) -> int:
-        return self.inner.calls
-
-    @property
-    def inside(self) -> bool:
-        return self.inner.inside
 
     def feed(self, text: str) -> list[Segment]:
         self._buf += text
         out: list[Segment] = []
-        while found := find_first(self._buf, (SECTION_BEGIN, SECTION_END)):
-            i, marker = found
-            out += self._inner(self._buf[:i])
-            if marker == SECTION_BEGIN and self.inner.inside:
-                out += self.inner.feed(self.fmt.think[1])
-            self._buf = self._buf[i + len(marker) :]
-        cut = len(self._buf) - partial_suffix_len(self._buf, (SECTION_BEGIN, SECTION_END))
-        out += self._inner(self._buf[:cut])
-        self._buf = self._buf[cut:]
-        return out
+        while True:
+            before, marker, self._buf = split_at_first(self._buf, (SECTION_BEGIN, SECTION_END))
+            out += self._markup(before)
+            if marker is None:
+                return out
+            if marker == SECTION_BEGIN and self.inside:
+                out += super().feed(self.fmt.think[1])
 
     def finish(self) -> list[Segment]:
         rest, self._buf = self._buf, ""
-        return self._inner(rest) + self.inner.finish()
+        return self._markup(rest) + super().finish()
 
-    def _inner(self, text: str) -> list[Segment]:
-        return self.inner.feed(text) if text else []
+    def _markup(self, text: str) -> list[Segment]:
+        return super().feed(text) if text else []

@@ -19,7 +19,7 @@ import json
 import logging
 
 from edge0.formats.base import ChatFormat
-from edge0.formats.markup import Segment, openai_call
+from edge0.formats.markup import Segment, StepSplitter, openai_call
 from edge0.textstream import partial_suffix_len
 
 log = logging.getLogger("edge0.server")
@@ -64,11 +64,9 @@ class Llama4Format(ChatFormat):
         return Llama4Splitter(self, tools)
 
 
-class Llama4Splitter:
+class Llama4Splitter(StepSplitter):
     """A reply's text and calls as Segments, each call emitted once it is complete (its JSON or
     list closes, or its block ends). Without tools the reply is text as it is."""
-
-    inside = False  # no reasoning markup
 
     def __init__(self, fmt: Llama4Format, tools: list[dict] | None):
         self.fmt, self.tools = fmt, tools
@@ -78,13 +76,6 @@ class Llama4Splitter:
         self._mode = LEAD if tools else TEXT
         self._ws = ""  # whitespace before a bare candidate, given back if it is text
         self._first = True  # nothing decided yet: leading text keeps its whitespace
-
-    def feed(self, text: str) -> list[Segment]:
-        self._buf += text
-        out: list[Segment] = []
-        while self._step(out):
-            pass
-        return out
 
     def finish(self) -> list[Segment]:
         """End of generation: an open block or bare candidate is parsed as it is, held text released."""

@@ -13,7 +13,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Iterator, Union
 
-from edge0.textstream import partial_suffix_len
+from edge0.textstream import partial_suffix_len, split_at_first
 
 log = logging.getLogger("edge0.server")
 
@@ -100,16 +100,12 @@ class ToolCallSplitter:
         self._buf += text
         while True:
             if not self._in_call:
-                i = self._buf.find(self.start)
-                if i < 0:
-                    cut = len(self._buf) - partial_suffix_len(self._buf, [self.start])
-                    out, self._buf = self._buf[:cut], self._buf[cut:]
-                    if out:
-                        yield out
+                out, marker, self._buf = split_at_first(self._buf, (self.start,))
+                if out:
+                    yield out
+                if marker is None:
                     return
-                if i:
-                    yield self._buf[:i]
-                self._buf, self._in_call = self._buf[i + len(self.start) :], True
+                self._in_call = True
             else:
                 j = self._buf.find(self.end) if self.end else -1
                 if j < 0:
@@ -127,10 +123,8 @@ class ToolCallSplitter:
             yield rest
 
     def _parse(self, raw: str) -> Iterator[Segment]:
-        try:
-            calls = [openai_call(c, self.fmt) for c in self.fmt.parse(raw, self.tools)]
-        except Exception as e:  # parsers raise many types on malformed model output
-            log.warning("could not parse a tool call (%s: %s); returning it as text", type(e).__name__, e)
+        calls = parsed_calls(self.fmt, raw, self.tools)
+        if calls is None:
             yield self.start + raw + self.end
             return
         self.calls += len(calls)
@@ -199,6 +193,47 @@ class MarkupSplitter:
             else:
                 out += self.tools.feed(part)
         return out
+
+
+class StepSplitter:
+    """A splitter run as a state machine over its buffer: `_step(out)` decides what the buffer's
+    start is, appends the Segments that decides and returns True while something changed."""
+
+    inside = False  # no reasoning markup
+    _buf = ""
+
+    def feed(self, text: str) -> list[Segment]:
+        out: list[Segment] = []
+        self._steps(text, out)
+        return out
+
+    def _steps(self, text: str, out: list[Segment]) -> None:
+        """Add `text` to the buffer and step until nothing more can be decided."""
+        self._buf += text
+        while self._step(out):
+            pass
+
+    def _step(self, out: list[Segment]) -> bool:
+        raise NotImplementedError
+
+
+def parsed_calls(fmt, raw: str, tools: list[dict] | None) -> list[dict] | None:
+    """The calls `fmt` reads in `raw`, in OpenAI's shape; None (with a warning) where the model's
+    text does not parse as calls, for the splitter to return as text."""
+    try:
+        return [openai_call(c, fmt) for c in fmt.parse(raw, tools)]
+    except Exception as e:  # parsers raise many types on malformed model output
+        log.warning("could not parse a tool call (%s: %s); returning it as text", type(e).__name__, e)
+        return None
+
+
+def tokenizer_calls(tokenizer, parser_name: str, raw: str, tools: list[dict] | None) -> list[dict]:
+    """The calls the tokenizer's own tool parser (mlx-lm's `parser_name` module) reads in `raw`."""
+    parser = getattr(tokenizer, "tool_parser", None)
+    if parser is None:
+        raise ValueError(f"the tokenizer has no {parser_name} tool parser")
+    parsed = parser(raw, tools)
+    return parsed if isinstance(parsed, list) else [parsed]
 
 
 def openai_call(call: dict, fmt) -> dict:

@@ -11,7 +11,7 @@ import re
 import string
 
 from edge0.formats.base import ChatFormat
-from edge0.formats.markup import MarkupSplitter, ShortIds, ToolCallSplitter
+from edge0.formats.markup import MarkupSplitter, ShortIds, ToolCallSplitter, tokenizer_calls
 
 ALPHANUMERIC = string.ascii_letters + string.digits
 IDS = ShortIds(ALPHANUMERIC, 9)
@@ -51,11 +51,7 @@ class MistralFormat(ChatFormat):
         return self._parser(f"[{raw}]" if raw.startswith("{") else raw, tools)
 
     def _parser(self, raw: str, tools: list[dict] | None) -> list[dict]:
-        parser = getattr(self.tokenizer, "tool_parser", None)
-        if parser is None:
-            raise ValueError("the tokenizer has no mistral tool parser")
-        parsed = parser(raw, tools)
-        return parsed if isinstance(parsed, list) else [parsed]
+        return tokenizer_calls(self.tokenizer, "mistral", raw, tools)
 
     def splitter(self, tools: list[dict] | None, opened: bool):
         split = MarkupSplitter(self, tools, opened)

@@ -7,6 +7,7 @@ are; the special tokens a marker is spelled with, and those a parser reads, stay
 from __future__ import annotations
 
 from edge0.formats.base import ChatFormat
+from edge0.formats.markup import tokenizer_calls
 
 # Special tokens a parser reads inside a call besides its markers (mlx_lm/tool_parsers/NAME.py):
 # Gemma 4's string delimiter, `call:get_weather{city:<|"|>Paris<|"|>}`.
@@ -30,8 +31,7 @@ class MlxLmFormat(ChatFormat):
         self.visible = (*_pieces(tokenizer, self.markers()), *PARSER_TOKENS.get(self.name, ()))
 
     def parse(self, raw: str, tools: list[dict] | None) -> list[dict]:
-        parsed = self.tokenizer.tool_parser(raw, tools)
-        return parsed if isinstance(parsed, list) else [parsed]
+        return tokenizer_calls(self.tokenizer, self.name, raw, tools)
 
 
 def _pieces(tokenizer, markers: tuple[str, ...]) -> tuple[str, ...]:

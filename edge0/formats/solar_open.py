@@ -42,14 +42,11 @@ from __future__ import annotations
 
 import ast
 import json
-import logging
 import string
 
 from edge0.formats.base import ChatFormat
-from edge0.formats.markup import Reasoning, ReasoningSplitter, Segment, ShortIds, openai_call
-from edge0.textstream import find_first, partial_suffix_len
-
-log = logging.getLogger("edge0.server")
+from edge0.formats.markup import Reasoning, ReasoningSplitter, Segment, ShortIds, StepSplitter, parsed_calls
+from edge0.textstream import split_at_first
 
 BEGIN, END, THINK, CONTENT = "<|begin|>", "<|end|>", "<|think|>", "<|content|>"
 FLUSH, CALLS = "<|flush|>", "<|calls|>"  # the turn's end after an answer, after calls
@@ -121,7 +118,7 @@ def _arguments(text: str) -> dict:
     return value
 
 
-class SolarOpenSplitter:
+class SolarOpenSplitter(StepSplitter):
     """A reply's Segments: the reasoning block first (ReasoningSplitter; <|content|> or
     <|tool_calls|> also ends one left open), then its messages: an answer after <|content|>, calls
     in a <|tool_calls|> section (with tools), each call parsed once its <|tool_call:end|> is in.
@@ -147,17 +144,14 @@ class SolarOpenSplitter:
         """A body marker also ends a reasoning block left open (Upstage's parser ends it there)."""
         self._pending += text
         out: list[Segment] = []
-        while found := find_first(self._pending, BODY):
-            i, marker = found
-            out += self._reasoned(self._pending[:i])
+        while True:
+            before, marker, self._pending = split_at_first(self._pending, BODY)
+            out += self._reasoned(before)
+            if marker is None:
+                return out
             if self.thinking.inside:
                 out += self._reasoned(END)
             out += self._reasoned(marker)
-            self._pending = self._pending[i + len(marker) :]
-        cut = len(self._pending) - partial_suffix_len(self._pending, BODY)
-        out += self._reasoned(self._pending[:cut])
-        self._pending = self._pending[cut:]
-        return out
 
     def _reasoned(self, text: str) -> list[Segment]:
         return self._answer(self.thinking.feed(text)) if text else []
@@ -181,9 +175,7 @@ class SolarOpenSplitter:
             if isinstance(part, Reasoning):
                 out.append(part)
             else:
-                self._buf += part
-                while self._step(out):
-                    pass
+                self._steps(part, out)
         return out
 
     def _step(self, out: list[Segment]) -> bool:
@@ -229,21 +221,14 @@ class SolarOpenSplitter:
 
     def _text(self, out: list[Segment]) -> bool:
         markers = [END, FLUSH, CALLS] + ([TOOL_CALLS, CALL_BEGIN] if self.tools else [])
-        found = find_first(self._buf, markers)
-        if found is None:
-            cut = len(self._buf) - partial_suffix_len(self._buf, markers)
-            if cut:
-                out.append(self._buf[:cut])
-                self._buf = self._buf[cut:]
+        text, marker, self._buf = split_at_first(self._buf, markers)
+        if text:
+            out.append(text)
+        if marker is None:
             return False
-        i, marker = found
-        if i:
-            out.append(self._buf[:i])
-        if marker == CALL_BEGIN:
-            self._buf, self._mode = self._buf[i:], SECTION
-        else:
-            self._buf = self._buf[i + len(marker) :]
-            self._mode = {END: HEAD, TOOL_CALLS: SECTION}.get(marker, DONE)
+        if marker == CALL_BEGIN:  # a call with no section marker: the section reads it, marker and all
+            self._buf = marker + self._buf
+        self._mode = {END: HEAD, TOOL_CALLS: SECTION, CALL_BEGIN: SECTION}.get(marker, DONE)
         return True
 
     def _section(self, out: list[Segment]) -> bool:
@@ -259,10 +244,8 @@ class SolarOpenSplitter:
         return True
 
     def _call(self, raw: str) -> list[Segment]:
-        try:
-            calls = [openai_call(c, self.fmt) for c in self.fmt.parse(raw, self.tools)]
-        except Exception as e:  # malformed model output raises many types
-            log.warning("could not parse a tool call (%s: %s); returning it as text", type(e).__name__, e)
+        calls = parsed_calls(self.fmt, raw, self.tools)
+        if calls is None:
             return [CALL_BEGIN + raw + CALL_END]
         for call in calls:
             while call["id"] in self._ids:  # greedy sampling can repeat the model's "random" id

@@ -13,7 +13,7 @@ import json
 from typing import Annotated, Literal, Optional, Union
 
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, Discriminator, Field, Tag
+from pydantic import BaseModel, Field
 
 from edge0.server.errors import APIError
 from edge0.server.pipeline import Prompt, check_model, chosen_tools, respond, sampling_params
@@ -28,6 +28,7 @@ from edge0.server.schemas import (
     TokenCount,
     TopP,
     join_text,
+    tagged_union,
 )
 from edge0.server.structured import format_constraint, thinking_switch, tool_constraint
 
@@ -78,27 +79,25 @@ class ReasoningItem(Strict):
         return join_text(self.content) if self.content else join_text(self.summary)
 
 
-def _item_type(item) -> str | None:
+def _item_kind(item) -> str | None:
     # A message item may leave out its type, as OpenAI's API allows; None (not an object) is a 400.
-    kind = item.get("type", "message") if isinstance(item, dict) else getattr(item, "type", None)
-    # "type=" marks the tag in an error's location, which errors.py leaves out of the field's name
-    return f"type={kind}" if isinstance(item, (dict, BaseModel)) else None
+    if isinstance(item, dict):
+        return item.get("type", "message")
+    return getattr(item, "type", None) if isinstance(item, BaseModel) else None
 
 
-InputItem = Annotated[
-    Union[
-        Annotated[MessageItem, Tag("type=message")],
-        Annotated[FunctionCallItem, Tag("type=function_call")],
-        Annotated[FunctionCallOutputItem, Tag("type=function_call_output")],
-        Annotated[ReasoningItem, Tag("type=reasoning")],
-    ],
-    Discriminator(
-        _item_type,
-        custom_error_type="invalid_input_item",
-        custom_error_message="an input item must be an object whose type is message (the default), function_call, "
-        "function_call_output or reasoning",
-    ),
-]
+InputItem = tagged_union(
+    _item_kind,
+    {
+        "message": MessageItem,
+        "function_call": FunctionCallItem,
+        "function_call_output": FunctionCallOutputItem,
+        "reasoning": ReasoningItem,
+    },
+    "invalid_input_item",
+    "an input item must be an object whose type is message (the default), function_call, function_call_output "
+    "or reasoning",
+)
 
 
 class TextOptions(Strict):

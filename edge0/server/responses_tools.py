@@ -10,13 +10,13 @@ only when `tool_choice` forces one.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Optional, Union
+from typing import Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+from pydantic import BaseModel, ConfigDict, Field
 
 from edge0.server.errors import APIError
 from edge0.server.grammar import ToolSpec
-from edge0.server.schemas import Strict
+from edge0.server.schemas import Strict, tagged_union
 
 NAMESPACE_DELIMITER = "__"
 HOSTED_TOOLS_LEFT_OUT = (
@@ -56,25 +56,19 @@ def _tag(value) -> str | None:
     return getattr(value, "type", None) if isinstance(value, BaseModel) else None
 
 
-def _tool_type(tool) -> str | None:
+def _tool_kind(tool) -> str | None:
     if not isinstance(tool, (dict, BaseModel)):
         return None
     kind = _tag(tool)
-    return f"type={kind if kind in ('function', 'namespace') else 'hosted'}"  # "type=": errors.py drops tags
+    return kind if kind in ("function", "namespace") else "hosted"
 
 
-Tool = Annotated[
-    Union[
-        Annotated[FunctionTool, Tag("type=function")],
-        Annotated[NamespaceTool, Tag("type=namespace")],
-        Annotated[HostedTool, Tag("type=hosted")],
-    ],
-    Discriminator(
-        _tool_type,
-        custom_error_type="invalid_tool",
-        custom_error_message="a tool must be an object with a type (function, namespace, or a hosted tool's)",
-    ),
-]
+Tool = tagged_union(
+    _tool_kind,
+    {"function": FunctionTool, "namespace": NamespaceTool, "hosted": HostedTool},
+    "invalid_tool",
+    "a tool must be an object with a type (function, namespace, or a hosted tool's)",
+)
 
 
 class NamedFunction(Strict):
@@ -89,26 +83,20 @@ class NamedHosted(BaseModel):
     type: str
 
 
-def _choice_type(choice) -> str | None:
+def _choice_kind(choice) -> str | None:
     if isinstance(choice, str):
-        return "type=mode"
+        return "mode"
     if not isinstance(choice, (dict, BaseModel)):
         return None
-    return "type=function" if _tag(choice) == "function" else "type=hosted"
+    return "function" if _tag(choice) == "function" else "hosted"
 
 
-ToolChoice = Annotated[
-    Union[
-        Annotated[Literal["auto", "none", "required"], Tag("type=mode")],
-        Annotated[NamedFunction, Tag("type=function")],
-        Annotated[NamedHosted, Tag("type=hosted")],
-    ],
-    Discriminator(
-        _choice_type,
-        custom_error_type="invalid_tool_choice",
-        custom_error_message="tool_choice must be 'auto', 'none', 'required' or an object with a type",
-    ),
-]
+ToolChoice = tagged_union(
+    _choice_kind,
+    {"mode": Literal["auto", "none", "required"], "function": NamedFunction, "hosted": NamedHosted},
+    "invalid_tool_choice",
+    "tool_choice must be 'auto', 'none', 'required' or an object with a type",
+)
 
 
 def flat_name(namespace: str | None, name: str) -> str:

@@ -8,9 +8,9 @@ unknown fields are ignored so that clients sending options we do not implement s
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal, Optional, Union
+from typing import Annotated, Any, Callable, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, StrictBool, Tag
 
 from edge0.sampling import SEED_MAX
 from edge0.server.errors import APIError
@@ -20,6 +20,22 @@ from edge0.server.pipeline import ToolChoice
 
 class Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
+
+
+def tagged_union(kind_of: Callable[[Any], Optional[str]], members: dict[str, Any], error_type: str, message: str):
+    """The union of `members` (kind -> type) that pydantic validates a value as the member
+    `kind_of(value)` names; a value it names none for (None: not an object) is a 400 of
+    `error_type` saying `message`. The tags read "type=KIND": errors.py leaves such a tag out of
+    the field names in an error's location."""
+
+    def tag(value) -> Optional[str]:
+        kind = kind_of(value)
+        return None if kind is None else f"type={kind}"
+
+    return Annotated[
+        Union[tuple(Annotated[member, Tag(f"type={kind}")] for kind, member in members.items())],
+        Discriminator(tag, custom_error_type=error_type, custom_error_message=message),
+    ]
 
 
 # Sampling fields with edge0.sampling's ranges (check_sampling), so the engine never sees a value
@@ -250,6 +266,17 @@ class AssistantMessage(BaseModel):
     tool_calls: Optional[list[ResponseToolCall]] = None
 
 
+class CompletionResponse(BaseModel):
+    """The response both completion APIs send; each names its object and the shape of its choices."""
+
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list
+    usage: Usage
+
+
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
@@ -257,13 +284,9 @@ class ChatChoice(BaseModel):
     logprobs: Optional[dict[str, Any]] = None
 
 
-class ChatCompletion(BaseModel):
-    id: str
+class ChatCompletion(CompletionResponse):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
     choices: list[ChatChoice]
-    usage: Usage
 
 
 class CompletionChoice(BaseModel):
@@ -273,13 +296,9 @@ class CompletionChoice(BaseModel):
     logprobs: Optional[dict[str, Any]] = None
 
 
-class Completion(BaseModel):
-    id: str
+class Completion(CompletionResponse):
     object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
     choices: list[CompletionChoice]
-    usage: Usage
 
 
 class ModelCard(BaseModel):

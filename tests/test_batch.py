@@ -10,7 +10,6 @@ import pytest
 
 import edge0
 from edge0.backend import kvcache as bkv
-from edge0.backend.kvcache import prompt_cache_nbytes
 from edge0.engine import StepHooks
 from edge0.engine.drafters import Draft, Drafter
 from edge0.engine.request import Request
@@ -377,23 +376,6 @@ def run(batch, joins: dict[int, list], max_steps=200):
     return seqs, steps, firsts
 
 
-def test_sequences_that_join_between_steps_get_the_tokens_they_get_alone(store_for):
-    engine = edge0.load(store_for("qwen3_moe"), prerouter=False)
-    engine.prefiller.span_tokens = 8
-    prompts, limits = [PROMPTS[0], LONG, PROMPTS[1]], [40, 6, 20]
-    alone = [engine.generate(p, max_tokens=m, ignore_eos=True).tokens for p, m in zip(prompts, limits)]
-    tok = [engine.encode(p) for p in prompts]
-    with engine.batching() as batch:  # the first decodes while the others prefill, the short one first
-        joins = {n: [Request(tok[i], limits[i], ignore_eos=True)] for i, n in enumerate([0, 2, 4])}
-        seqs, steps, firsts = run(batch, joins)
-        assert batch.counts["most_rows"] == 3 and batch.counts["spans"] > len(tok[1]) // 8
-    assert [s.tokens for s in seqs.values()] == alone
-    # the short third prompt joined during the long one's prefill and started before it
-    assert firsts == [seqs[0], seqs[2], seqs[1]]
-    last = steps[id(seqs[1])][-1]
-    assert last.finish_reason == "length" and last.stats["prefill_tokens"] == len(tok[1])
-
-
 def test_a_sequence_that_leaves_early_changes_nothing_for_the_others(store_for):
     engine = edge0.load(store_for("qwen3_moe"), prerouter=False)
     alone = [engine.generate(p, max_tokens=6, ignore_eos=True).tokens for p in PROMPTS]
@@ -494,83 +476,6 @@ def test_a_tiny_temperature_is_greedy_and_a_mask_always_holds(store_for):
         assert set(out) <= set(allowed), (temperature, out)
 
 
-def test_a_conversation_continues_from_its_cached_prefix_in_a_batch(store_for):
-    engine = edge0.load(store_for("qwen3_moe"), prerouter=False, prompt_cache_memory=5 << 20)
-    first = engine.encode(LONG)
-    with engine.batching() as batch:
-        a = batch.join(Request(first, 5, reuse=True, ignore_eos=True))
-        b = batch.join(Request(engine.encode(PROMPTS[1]), 5, reuse=True, ignore_eos=True))
-        # the budget counts one sequence's KV (here: none); the batch's comes out of the pool's share
-        context, engine.kv.context_bytes = engine.kv.context_bytes, 0
-        batch.advance()
-        held = prompt_cache_nbytes(batch.cache) + sum(prompt_cache_nbytes(s.cache) for s in batch.waiting)
-        assert held > 0 and engine.kv.pool.max_bytes == (5 << 20) - held
-        while batch.busy:
-            batch.advance()
-        engine.kv.context_bytes = context
-    assert engine.kv.pool.max_bytes == 5 << 20
-    follow = first + a.tokens + engine.encode(" and then")
-    expected = engine.generate(follow, max_tokens=5, ignore_eos=True).tokens
-    engine.reset_cache()  # that generation's working cache; the batch's two are in the pool
-    with engine.batching() as batch:
-        c = batch.join(Request(follow, 5, reuse=True, ignore_eos=True))
-        while batch.busy:
-            made = batch.advance()
-    assert c.tokens == expected and b.tokens
-    assert c.held == len(first) + len(a.tokens) - 1  # its prompt and reply but the last token
-    assert made[-1][1].stats["prefill_tokens"] == len(follow) - c.held
-
-
-def test_a_model_that_cannot_trim_its_cache_resumes_from_the_end_of_its_prompt_in_a_batch(store_for):
-    store = store_for("qwen3_5_moe")  # gated-delta linear attention: recurrent state
-    engine = edge0.load(store, dtype="float32", prerouter=False, prompt_cache_memory="64MB")
-    conv, other = engine.encode(LONG), engine.encode(PROMPTS[1] * 3)
-
-    def batch_of(*prompts):
-        with engine.batching() as batch:
-            seqs = [batch.join(Request(p, 4, reuse=True, ignore_eos=True)) for p in prompts]
-            while batch.busy:
-                batch.advance()
-        return seqs
-
-    first, _ = batch_of(conv, other)
-    # the client sends the reply back rendered its own way (one token differs), then a turn
-    follow = conv + [first.tokens[0] + 1] + first.tokens[1:] + engine.encode(" and then")
-    (again,) = batch_of(follow)
-    assert again.held == len(conv)  # from the copy made at the end of its prompt, not from zero
-    engine.kv.pool.clear()
-    engine.reset_cache()
-    assert again.tokens == engine.generate(follow, max_tokens=4, ignore_eos=True).tokens
-
-
-def test_a_long_span_alone_gives_way_to_a_newcomer_and_the_tokens_stay_the_same(store_for, monkeypatch):
-    from edge0.engine import batch as batch_module
-
-    monkeypatch.setattr(batch_module, "STEP_TOKENS", 16)  # a step's budget with others in the batch
-    engine = edge0.load(store_for("qwen3_moe"), prerouter=False)
-    engine.prefiller.span_tokens = 1000  # alone: the whole prompt in one span
-    prompts = [LONG, PROMPTS[0]]
-    alone = [engine.generate(p, max_tokens=5, ignore_eos=True).tokens for p in prompts]
-    checks = []
-    with engine.batching() as batch:
-        batch.interrupt = lambda: checks.append(1) or len(checks) == 3  # a newcomer, during the span
-        long = batch.join(Request(engine.encode(LONG), 5, ignore_eos=True))
-        assert batch.advance() == [] and long.fed == 0  # the span was dropped
-        # alone, it ran in the engine's working cache (engine/solo.py): cut back to where it began
-        assert batch.counts["spans_dropped"] == 1 and not bkv_offset(engine.kv.cache)
-        short = batch.join(Request(engine.encode(PROMPTS[0]), 5, ignore_eos=True))
-        firsts = []
-        while batch.busy:
-            firsts += [s for s, _ in batch.advance() if s not in firsts]
-        assert firsts == [short, long]  # the newcomer went first
-        assert batch.counts["spans"] > 2  # the long one in 16-token spans while the short one ran
-    assert [long.tokens, short.tokens] == alone
-
-
-def bkv_offset(cache) -> int:
-    return max(c.offset for c in cache)
-
-
 def test_a_small_temperature_on_float16_log_probs_draws_the_likely_tokens():
     """float16 overflows to -inf for every token once |logprob| / temperature passes 65504: the
     sampler scales in float32, so a temperature of 2e-5 is (nearly) greedy, not uniform."""
@@ -582,33 +487,3 @@ def test_a_small_temperature_on_float16_log_probs_draws_the_likely_tokens():
     sampler = RequestSampler(2e-5, 1.0, seed=7)
     draws = {int(sampler(logprobs).item()) for _ in range(20)}
     assert draws == {5}
-
-
-def test_a_step_spends_its_token_budget_over_every_waiting_sequence(store_for, monkeypatch):
-    """One step's budget (STEP_TOKENS) goes to the rows' decode tokens and then to the waiting
-    prompts, fewest tokens left first, several in one step; a smaller budget spreads them over
-    more steps, with the same tokens."""
-    from edge0.engine import batch as batch_module
-
-    engine = edge0.load(store_for("qwen3_moe"), prerouter=False)
-    tok = [engine.encode(p) for p in PROMPTS]
-    alone = [engine.generate(t, max_tokens=6, ignore_eos=True).tokens for t in tok]
-    with engine.batching() as batch:
-        seqs = [batch.join(Request(t, 6, ignore_eos=True)) for t in tok]
-        made = batch.advance()  # every prompt in one step, then the first decode step of all three
-        assert len(batch.rows) == 3 and batch.counts["spans"] == 3 and [s for s, _ in made] == seqs
-        while batch.busy:
-            batch.advance()
-    assert [s.tokens for s in seqs] == alone
-    monkeypatch.setattr(batch_module, "STEP_TOKENS", 12)
-    with engine.batching() as batch:
-        seqs = [batch.join(Request(t, 6, ignore_eos=True)) for t in tok]
-        made = batch.advance()
-        # the shortest prompt whole (all but its last token) and its first token; the next one
-        # does not fit the rest of the budget, so it waits for the next step
-        assert [s.fed for s in seqs] == [len(tok[0]) - 1, 0, 0] and [s for s, _ in made] == seqs[:1]
-        batch.advance()  # one decode token, then 11 prompt tokens of the next one
-        assert [s.fed for s in seqs] == [len(tok[0]) - 1, min(11, len(tok[1]) - 1), 0]
-        while batch.busy:
-            batch.advance()
-    assert [s.tokens for s in seqs] == alone

@@ -280,8 +280,7 @@ def test_rows_that_draft_get_the_tokens_they_get_alone(bits, store_for):
     # the rows went back to the prompt caches as they fed them: the next turn resumes exactly
     follow = prompts[0] + stopped.tokens + engine.encode(" and then")
     engine.use_speculation(None)
-    want = engine.generate(follow, max_tokens=4, ignore_eos=True).tokens
-    engine.reset_cache()
+    want = engine.generate(follow, max_tokens=4, ignore_eos=True, reuse_cache=False).tokens  # takes no cache
     with engine.batching() as batch:
         again = batch.join(Request(follow, 4, reuse=True, ignore_eos=True))
         while batch.busy:

@@ -39,8 +39,8 @@ def test_a_long_span_alone_gives_way_to_a_newcomer_and_the_tokens_stay_the_same(
         batch.interrupt = lambda: checks.append(1) or len(checks) == 3  # a newcomer, during the span
         long = batch.join(Request(engine.encode(LONG), 5, ignore_eos=True))
         assert batch.advance() == [] and long.fed == 0  # the span was dropped
-        # alone, it ran in the engine's working cache (engine/solo.py): cut back to where it began
-        assert batch.counts["spans_dropped"] == 1 and not bkv_offset(engine.kv.cache)
+        # alone, it ran in its own cache (engine/solo.py): cut back to where it began
+        assert batch.counts["spans_dropped"] == 1 and not bkv_offset(long.cache)
         short = batch.join(Request(engine.encode(PROMPTS[0]), 5, ignore_eos=True))
         firsts = []
         while batch.busy:

@@ -103,8 +103,7 @@ def test_cancellation_is_seen_between_layers(store_for):
     steps = list(engine.stream_generate(PROMPT, max_tokens=4, should_stop=lambda: checks.append(1) or len(checks) > 2))
     # checks: layer 0 starts, its attention chunk, its MoE chunk -> stop: the second layer never ran
     assert steps == [] and len(checks) == 3
-    # layer 0's attention wrote the span's keys; trimmed back, the cache holds nothing of it
-    assert engine.kv.tokens == [] and {c.offset for c in engine.kv.cache} == {0}
+    assert engine.kv.newest is None  # nothing was fed into every layer: no cache went back to the prompt caches
     calls = engine.streaming.stats.totals()["calls"]
     assert calls == 0  # layer 0's MoE chunk was not computed either
     again = engine.generate(PROMPT, max_tokens=4)
@@ -128,7 +127,7 @@ def test_a_cancelled_prefill_keeps_the_spans_fed_into_every_layer_and_a_retry_re
     spans0 = engine.prefiller.spans
     assert list(engine.stream_generate(prompt, max_tokens=6, reuse_cache=True, should_stop=stop)) == []
     kept = 2 * (256 if layerwise else 512)
-    assert engine.kv.tokens == prompt[:kept] and {c.offset for c in engine.kv.cache} == {kept}
+    assert engine.kv.newest.tokens == prompt[:kept] and {c.offset for c in engine.kv.newest.cache} == {kept}
     again = engine.generate(prompt, max_tokens=6, reuse_cache=True)
     assert again.stats["prefill_tokens"] == len(prompt) - kept  # the retry resumed
     assert again.tokens == expected.tokens
@@ -178,7 +177,7 @@ def test_quantized_kv_cache_round_trip(store_for, tmp_path):
     engine = edge0.load(store, **opts)
     assert all(getattr(c, "bits", None) == 8 for c in engine.kv.make())
     first = engine.generate(PROMPT, max_tokens=6, reuse_cache=True)
-    assert engine.kv.cache[0].bits == 8 and len(engine.kv.tokens) == len(PROMPT) + 5
+    assert engine.kv.newest.cache[0].bits == 8 and len(engine.kv.newest.tokens) == len(PROMPT) + 5
     follow = engine.generate(PROMPT + first.tokens[:3] + [11, 12], max_tokens=3, reuse_cache=True)
     assert follow.stats["prefill_tokens"] == 2  # the quantized cache is trimmed and reused
     messages = [{"role": "user", "content": "hello world, " * 20}]
@@ -203,7 +202,7 @@ def test_quantized_kv_cache_round_trip(store_for, tmp_path):
     restarted = edge0.load(store, prompt_cache_dir=tmp_path / "pc", **opts)
     n = len(restarted.chat_prompt(follow))
     assert restarted.chat(follow, max_tokens=2, reuse_cache=True).stats["prefill_tokens"] < n - 40
-    assert restarted.stats()["prompt_cache"]["restored"] == 1 and restarted.kv.cache[0].bits == 8
+    assert restarted.stats()["prompt_cache"]["restored"] == 1 and restarted.kv.newest.cache[0].bits == 8
     float_engine = edge0.load(store, prompt_cache_dir=tmp_path / "pc", dtype="float32", prerouter=False)
     assert float_engine.identity() != restarted.identity()
     assert float_engine.chat(follow, max_tokens=2, reuse_cache=True).stats["prefill_tokens"] == n

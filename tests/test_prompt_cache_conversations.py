@@ -35,8 +35,8 @@ def caches(store_for):
     out = {}
     for tokens in (G1, G2, G3, OTHER, BRANCH, T1, T2, T3):
         engine.generate(tokens, max_tokens=1, reuse_cache=True)
-        assert engine.kv.tokens == tokens
-        out[tuple(tokens)] = bkv.copy_cache(engine.kv.cache)
+        assert engine.kv.newest.tokens == tokens
+        out[tuple(tokens)] = bkv.copy_cache(engine.kv.newest.cache)
     return lambda tokens: bkv.copy_cache(out[tuple(tokens)])
 
 

@@ -33,8 +33,8 @@ def caches(store_for):
     out = {}
     for tokens in (PROMPT, OTHER, PROMPT + [3] * 40):
         engine.generate(tokens, max_tokens=1, reuse_cache=True)
-        assert engine.kv.tokens == tokens
-        out[tuple(tokens)] = bkv.copy_cache(engine.kv.cache)
+        assert engine.kv.newest.tokens == tokens
+        out[tuple(tokens)] = bkv.copy_cache(engine.kv.newest.cache)
     return lambda tokens: bkv.copy_cache(out[tuple(tokens)])
 
 

@@ -90,7 +90,7 @@ def test_greedy_tokens_identical_for_every_executor_and_drafter(family, executor
         if name == "controlled":
             assert 0 < sp["accepted"] < sp["drafted"]  # accepted and rejected drafts both happened
             assert sp["union_per_routed"] < 1  # the tokens of a verify shared experts
-            if bkv.rewind_point(engine.kv.cache) is not None:  # recurrent layers: rejected verifies fed again
+            if bkv.rewind_point(engine.kv.newest.cache) is not None:  # recurrent layers: rejected verifies fed again
                 assert sp["replays"] > 0
     if executors != "exact":
         assert engine.stats()["totals"]["fallbacks"] > 0  # the staged layers met unions wider than their slots
@@ -415,5 +415,5 @@ def test_drafts_are_cut_at_the_end_of_sequence(store_for):
     res = e.generate(prompt, max_tokens=8, reuse_cache=True)
     assert res.tokens == want[:4] and res.finish_reason == "stop"
     assert res.stats["speculation"]["drafted"] == 2  # one verify: want[1:3], not 6 tokens
-    assert e.kv.tokens == prompt + want[:3]  # the end was never fed, as in plain decoding
+    assert e.kv.newest.tokens == prompt + want[:3]  # the end was never fed, as in plain decoding
     assert Draft([5, 7, 9, 7], "pq").until({7}) == Draft([5], "p")

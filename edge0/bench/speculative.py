@@ -69,9 +69,9 @@ def forward_cost(
         raise ValueError(
             f"forward_cost: a reference of {len(reference)} tokens has no timed step of {tokens} after {warmup}"
         )
-    engine.kv.prepare(prompt + [0], reuse=False)
+    cache = engine.kv.make()
     engine.hooks.start(engine)  # synthetic routes start over: step i routes as a generation's step i
-    bfw.prefill(engine.model, prompt, engine.kv.cache)
+    bfw.prefill(engine.model, prompt, cache)
     if before_steps is not None:
         before_steps()
     times = []
@@ -80,13 +80,12 @@ def forward_cost(
         engine.stepper.run(
             i,
             tokens,
-            lambda i=i: bfw.forward_all(engine.model, reference[i * tokens : (i + 1) * tokens], engine.kv.cache),
+            lambda i=i: bfw.forward_all(engine.model, reference[i * tokens : (i + 1) * tokens], cache),
             lambda logprobs: (bsp.greedy_tokens(logprobs), tokens - 1 if tokens > 1 else None),  # all kept
         )
         if i >= warmup:
             times.append(time.perf_counter() - t0)
     engine.hooks.finish(engine)
-    engine.kv.reset()
     return statistics.median(times)
 
 

@@ -70,6 +70,7 @@ class Pipeline:
         self.bytes_sent = 0
         self.forwards = 0
         self.ranks: list[dict] = []  # rank 0: the other ranks' statistics, from the last FINISH
+        self.cache = None  # a follower: its stage's KV cache, in step with rank 0's (_sync)
         # where a rank waits for the next message without spinning (see bdist.ring_sockets); none
         # found means MLX's spinning receive, reported in the stats
         self.sockets = bdist.ring_sockets()
@@ -154,7 +155,7 @@ class Pipeline:
                 "decode_logits); logits, prerouted_logits and traces run in one process"
             )
         t = int(inputs.shape[-1])
-        offset = bkv.cache_offset(self.engine.kv.cache)
+        offset = bkv.cache_offset(self.engine.kv.in_use)
         with self._op():
             self._send_header(FORWARD, tokens=t, offset=offset, step=self.step)
             self._send(inputs.reshape(-1).astype(B.dtype("int32")))
@@ -324,12 +325,12 @@ class Pipeline:
         received = time.perf_counter()
         self.wait_s += received - t0
         self.forwards += 1
-        engine.kv.sync(h[OFFSET])
+        cache = self._sync(h[OFFSET])
         routed = {}
 
         def forward():
             routed.update(self._route_predictions(preds))
-            out = engine.model(x, cache=engine.kv.cache)
+            out = engine.model(x, cache=cache)
             routed.update(self.outgoing())
             return out
 
@@ -349,11 +350,26 @@ class Pipeline:
             self._send(out)
 
         if step >= 0:  # the same step as rank 0's (edge0/engine/step.py)
-            engine.stepper.follow(step, t, forward, send)
+            engine.stepper.follow(step, t, forward, send, cache)
             return
         out = forward()  # a prefill chunk: not a step, no hooks
-        B.eval(out, [c.state for c in engine.kv.cache])
+        B.eval(out, [c.state for c in cache])
         send(out)
+
+    def _sync(self, offset: int):
+        """This stage's cache holding exactly `offset` tokens, as rank 0's does before the forward
+        (a new cache at 0; trimmed where rank 0's prompt caches trimmed theirs)."""
+        held = bkv.cache_offset(self.cache) if self.cache is not None else 0
+        if offset == 0:
+            self.cache = self.engine.kv.make()
+        elif held > offset and bkv.can_trim_prompt_cache(self.cache):
+            bkv.trim_prompt_cache(self.cache, held - offset)
+        elif held != offset:
+            raise Edge0Error(
+                f"this stage's KV cache holds {held} tokens, rank 0's {offset}: the ranks are out of step; "
+                "restart every rank"
+            )
+        return self.cache
 
 
 class LeaderHooks(StepHooks):

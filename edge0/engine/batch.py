@@ -2,10 +2,10 @@
 leaving when they end. A lone request is a batch of one (`Engine.stream_generate`, the CLI, the
 bench); the server's continuous batching and `Engine.generate_batch` join several.
 
-A sequence that joins an empty batch is the lone sequence (solo.py): it runs in the engine's
-working cache, prefilled whole and stepped as one plain sequence (speculative steps included),
-so a batch of one costs what one generation costs. When a second one joins, the lone sequence's
-cache becomes its own and the batch goes on as below.
+A sequence that joins an empty batch is the lone sequence (solo.py): in the cache it checked out
+of the prompt caches, prefilled whole and stepped as one plain sequence (speculative steps
+included), so a batch of one costs what one generation costs. When a second one joins, the
+batch goes on as below.
 
 A sequence that joins is prefilled alone into its own KV cache (a conversation's cached prefix
 first, from the prompt caches), one span per `advance`, so the running sequences keep decoding
@@ -64,9 +64,10 @@ class Sequence:
     held: int = 0  # of those, the ones a cached prefix held when it joined
     receipt: object = None  # the disk file its cache was restored from, until its prefill succeeds
     drafter: object | None = None  # its own drafter (a greedy plain request while the engine speculates)
-    lone: bool = False  # in the engine's working cache (solo.py), until a second sequence joins
-    prepared: bool = False  # a lone sequence: the working cache holds its cached prefix
+    lone: bool = False  # alone in the batch (solo.py), until a second sequence joins
+    prepared: bool = False  # a lone sequence: its cache holds its cached prefix
     lane: object = None  # a lone row's steps (Solo.steps)
+    made: list[int] = field(default_factory=list)  # the tokens a lone row's steps made (Solo.fed)
     before: tuple = ()  # executor totals, store reads and speculation counts when it joined
     prefilled: dict | None = None  # executor totals once its prompt but the last token was in
     joined: float = field(default_factory=time.perf_counter)
@@ -132,32 +133,27 @@ class Batch:
         spec = engine.batch_speculation
         rows_draft = engine.prerouting is None and bkv.rows_can_drop_tails(engine.kv.make())
         self.spec = spec if spec is not None and rows_draft else None
-        pool = engine.kv.pool
-        self._pool_bound = pool.max_bytes if pool is not None else None
+        self.stepping = False  # an advance is in flight (an exception out of it leaves caches half fed)
 
     def close(self) -> None:
-        """The batch is over: what is left of it goes, and the prompt caches' memory bound is back."""
-        if self.lone is not None and self.lone.lane is not None:
-            self.lone.lane.close()
-        self.lone = None
+        """The batch is over: a lone sequence still in it leaves as `leave` has it (unless an
+        advance broke off, when its cache may be half fed), what is left of it goes, and the
+        prompt caches' memory bound is back."""
+        if self.lone is not None:
+            if self.stepping:
+                self.lone.cache = None
+            self.leave(self.lone)
         self.waiting, self.rows, self.last_rows, self.inputs, self.cache = [], [], [], [], None
-        if self._pool_bound is not None:
-            self.engine.kv.pool.max_bytes = self._pool_bound
+        self.engine.kv.lend(0)
 
     def _fit_pool(self) -> None:
         """The memory budget counts one sequence's KV at the context: what the batch holds beyond
         that (its rows with their padding, and the waiting sequences' own caches) comes out of the
         prompt caches' pool while it runs (what the pool pushes out waits for the disk tier, as at
         any eviction)."""
-        if self._pool_bound is None:
-            return
         kv = self.engine.kv
         held = sum(bkv.prompt_cache_nbytes(c) for c in [self.cache] + [s.cache for s in self.waiting] if c)
-        bound = max(0, self._pool_bound - max(0, held - kv.context_bytes))
-        if bound < kv.pool.max_bytes:
-            kv.evicted += kv.pool.shrink(bound)
-        else:
-            kv.pool.max_bytes = bound
+        kv.lend(max(0, held - kv.context_bytes))
         self.counts["most_kv_bytes"] = max(self.counts["most_kv_bytes"], held)
 
     @property
@@ -196,11 +192,7 @@ class Batch:
 
     def _own_cache(self, seq: Sequence) -> None:
         """`seq`'s own cache (the prompt caches' longest prefix of it, with reuse) and its drafter."""
-        e = self.engine
-        if seq.reuse:
-            seq.cache, seq.held, seq.receipt = e.kv.checkout(seq.prompt, seq.namespace)
-        else:
-            seq.cache = e.kv.make()
+        seq.cache, seq.held, seq.receipt = self.engine.kv.checkout(seq.prompt, seq.namespace, seq.reuse)
         seq.fed = seq.held
         self._draft_for(seq)
 
@@ -215,36 +207,37 @@ class Batch:
             e.batch_speculation.counts["unsupported_requests"] += 1
 
     def _end_lone(self) -> None:
-        """A second sequence joins: the lone one's cache leaves the working cache and is its own
-        (a row of the batch's cache, once it decodes)."""
+        """A second sequence joins: the lone one goes on as any other (its cache a row of the
+        batch's, once it decodes)."""
         seq, self.lone = self.lone, None
-        seq.lone = False
-        kv = self.engine.kv
+        seq.lone, self.engine.kv.in_use = False, None
         if seq in self.waiting:
             if not seq.prepared:
                 self._own_cache(seq)
                 return
-            seq.receipt = kv.receipt
-            seq.cache = kv.take()
         else:
             if seq.lane is not None:
                 seq.lane.close()
                 seq.lane = None
-            self.cache = bkv.join_rows(None, kv.take())
+            self.cache, seq.cache = bkv.join_rows(None, seq.cache), None
             self.last_rows = []  # its steps were not a batch's rows
         self._draft_for(seq)
 
     def leave(self, seq: Sequence) -> None:
         """Drop `seq` (its client is gone) wherever it is. With reuse, what it fed goes back to the
         prompt caches, so a retry of the request resumes there (as a single generation's does)."""
-        if seq.lone:  # the working cache holds what it fed (solo.py)
-            self.lone = None
+        if seq.lone:
+            self.lone, self.engine.kv.in_use = None, None
             if seq.lane is not None:
                 seq.lane.close()
             if seq in self.waiting:
                 self.waiting.remove(seq)
             else:
                 self.rows, self.inputs = [], []
+            fed = Solo.fed(seq)
+            if seq.reuse and seq.cache is not None and fed:
+                self.engine.kv.checkin(fed, seq.cache, len(seq.prompt) if seq.made else 0, seq.namespace)
+            seq.cache = None
         elif seq in self.waiting:
             self.waiting.remove(seq)
             if seq.reuse and seq.fed:
@@ -269,6 +262,12 @@ class Batch:
 
         A sequence whose own work fails (its prefill span, its sampler) ends alone: its pair holds
         the exception instead of a Step, its cache is dropped, and the others go on."""
+        self.stepping = True
+        made = self._advance(prefill)
+        self.stepping = False
+        return made
+
+    def _advance(self, prefill: bool) -> list[tuple[Sequence, Step | Exception]]:
         failed, ready = [], False
         budget = max(1, STEP_TOKENS - len(self.rows))
         for seq in sorted(self.waiting, key=lambda s: len(s.prompt) - s.fed) if prefill else ():
@@ -288,7 +287,7 @@ class Batch:
 
     def _fail_waiting(self, seq: Sequence) -> None:
         if seq.lone:
-            self.lone = None
+            self.lone, self.engine.kv.in_use = None, None
         self.waiting.remove(seq)
         seq.cache, seq.finish = None, "error"
         self.counts["failed"] += 1
@@ -400,21 +399,29 @@ class Batch:
         return made
 
     def _lone_step(self, seq: Sequence) -> list[tuple[Sequence, Step | Exception]]:
-        """A step of the lone row in the working cache (solo.py): one token, or a verify's."""
+        """A step of the lone row in its own cache (solo.py): one token, or a verify's. When it
+        ends, with reuse, its cache goes back to the prompt caches holding its prompt and reply
+        but the last token, as a row's does."""
         if seq.lane is None:
             seq.lane = self.solo.steps(seq)
         try:
             ys = next(seq.lane)
         except Exception as error:  # noqa: BLE001 - its own step, the only one: it ends with the error
-            self.engine.kv.reset()  # the step may have fed part of it
-            seq.finish, self.lone, self.rows, self.inputs = "error", None, [], []
+            seq.cache, seq.finish = None, "error"  # the step may have fed part of it
+            self.lone, self.rows, self.inputs, self.engine.kv.in_use = None, [], [], None
             self.counts["failed"] += 1
             return [(seq, error)]
         self._count_step(1)
         made: list = []
         if self._add_tokens(seq, ys, made):
             seq.lane.close()
-            self.lone, self.rows, self.inputs = None, [], []
+            self.lone, self.rows, self.inputs, self.engine.kv.in_use = None, [], [], None
+            if seq.reuse:
+                fed = seq.prompt + seq.tokens[:-1]
+                if not bkv.trim_to(seq.cache, len(fed)):  # recurrent state holds what its steps fed
+                    fed = Solo.fed(seq)
+                self.engine.kv.checkin(fed, seq.cache, len(seq.prompt), seq.namespace)
+            seq.cache = None
         else:
             self.inputs[0] = ys[-1]  # what a step of the batch feeds, if others join
         return made

@@ -32,14 +32,14 @@ def decode_logits(engine, prompt):
         kept.append(logprobs)
         return B.argmax(logprobs, axis=-1)
 
-    engine.kv.fresh()
+    cache = engine.kv.in_use = engine.kv.make()  # nothing reuses it
     engine.hooks.start(engine)
     try:
         for i, t in enumerate(tokens):
-            engine.stepper.decode([t], i, keep)
+            engine.stepper.decode([t], i, keep, cache)
     finally:
         engine.hooks.finish(engine)
-        engine.kv.reset()
+        engine.kv.in_use = None
     out = B.to_numpy(B.concatenate(kept, axis=0).astype(B.float32))
     return out.reshape(len(tokens), -1)
 

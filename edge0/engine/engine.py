@@ -159,8 +159,8 @@ class Engine:
 
     # -- generation ----------------------------------------------------------------------------
     def reset_cache(self) -> None:
-        """Drop the reusable KV cache."""
-        self.kv.reset()
+        """Drop the last request's KV cache (the next request does not continue it)."""
+        self.kv.drop_newest()
 
     # -- prompt caches on disk -------------------------------------------------------------------
     def identity(self) -> str:
@@ -307,7 +307,7 @@ class Engine:
         kv = self.kv
         if not kv.context_bytes:
             return None
-        return (kv.pool.max_bytes if kv.pool is not None else 0) // kv.context_bytes
+        return kv.pool.max_bytes // kv.context_bytes
 
     @contextmanager
     def batching(self):
@@ -345,21 +345,17 @@ class Engine:
         return self.streaming.cache_info()
 
     def free_prompt_caches(self, nbytes: int) -> int:
-        """Memory pressure, between generations: drop (to the disk tier, if any) the least recently
-        used conversations' KV caches kept in memory until `nbytes` are freed or none is left, and
-        keep the pool's bound that much lower until `restore_prompt_caches()`. Returns bytes freed."""
-        pool = self.kv.pool
-        if pool is None or not pool.bytes:
-            return 0
-        before = pool.bytes
-        self.kv.evicted += pool.shrink(max(0, before - nbytes))
-        B.release_cached_memory()
-        return before - pool.bytes
+        """Memory pressure, between generations: the least recently used conversations' KV caches
+        leave memory (to the disk tier, if any) until `nbytes` are freed or none is left, and the
+        bound stays that much lower until `restore_prompt_caches()`. Returns bytes freed."""
+        freed = self.kv.evict(nbytes)
+        if freed:
+            B.release_cached_memory()
+        return freed
 
     def restore_prompt_caches(self) -> None:
-        """Memory is back: the pool's bound as configured again."""
-        if self.kv.pool is not None:
-            self.kv.pool.max_bytes = self.kv.pool.configured_bytes
+        """Memory is back: the prompt caches' bound as configured again."""
+        self.kv.restore_bound()
 
     def resize_expert_cache(self, n_slots: int) -> None:
         """Give each MoE layer `n_slots` expert slots, between generations only; outputs do not

@@ -3,12 +3,16 @@ thread, side requests, subagents) whose requests interleave; each next request o
 everything before it. The pool keeps the caches of finished requests, bounded in bytes; a request
 takes the one sharing its longest prefix: the cache itself when the request extends all of it, a
 trimmed copy when it branches off inside it (the original stays for its own conversation). The
-least recently used go first beyond the bound (to the disk tier, if the engine has one).
+least recently used go first beyond the bound (to the disk tier, if the engine has one). The
+newest entry, the cache the last request checked in, stays outside the bound (the memory budget
+reserves one context for it) until the next one comes: it is what mlx-lm keeps as "the prompt
+cache", found whatever the length it shares with a request.
 
 Lookup walks the request's tokens in blocks of BLOCK: each block's prefix hash maps to the entries
 holding that prefix, so finding the longest shared prefix costs a dict lookup per block, not a
-comparison with every cached conversation. The hashes start from the entry's namespace (a request's
-cache_salt, its API key): requests of different namespaces never find each other's caches.
+comparison with every cached conversation; entries shorter than a block sit under the namespace's
+root key. The hashes start from the entry's namespace (a request's cache_salt, its API key):
+requests of different namespaces never find each other's caches.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from dataclasses import dataclass, field
 
 from edge0.backend import kvcache as bkv
 
-BLOCK = 64  # tokens per lookup block; a shared prefix shorter than one block is not reused
+BLOCK = 64  # tokens per lookup block; a shared prefix shorter than one block is found in the newest entry only
 
 
 @dataclass
@@ -39,6 +43,11 @@ class Entry:
     namespace: str = ""  # only requests of the same namespace find it
 
 
+def _root(namespace: str) -> int:
+    """The index key of `namespace`'s entries shorter than a block."""
+    return hash(("short", namespace))
+
+
 def _block_hashes(tokens: list[int], namespace: str = ""):
     """The hash of each whole block's prefix in `namespace`: tokens[:BLOCK], tokens[:2 BLOCK], ..."""
     h = hash(namespace)
@@ -56,62 +65,63 @@ class KVPool:
         self._entries: dict[int, Entry] = {}
         self._index: dict[int, set[int]] = {}  # block-prefix hash -> ids of the entries holding it
         self._ids = itertools.count()
-        self.bytes = 0
+        self.bytes = 0  # of the entries under the bound (all but the newest)
+        self.newest: Entry | None = None  # the last one put with newest=True, outside the bound
         self.counts = {"hits": 0, "misses": 0, "copies": 0, "evicted": 0, "evicted_bytes": 0, "too_large": 0}
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._entries) - (self.newest is not None)
 
     # -- in and out ------------------------------------------------------------------------------
-    def put(self, tokens: list[int], cache, prompt_end: int, on_disk: bool = False, namespace: str = "") -> list[Entry]:
-        """Keep `cache` (holding exactly `tokens`) in `namespace`. Entries it makes redundant (a
-        trimmable cache holds their tokens and more) go; then the least recently used beyond the
-        bound. Returns the entries evicted by the bound, oldest first (for the disk tier)."""
+    def put(
+        self, tokens: list[int], cache, prompt_end: int, on_disk: bool = False, namespace: str = "", newest=False
+    ) -> list[Entry]:
+        """Keep `cache` (holding exactly `tokens`) in `namespace`, as the newest entry or under the
+        bound. Entries it makes redundant (a trimmable cache holds their tokens and more) go; then
+        the least recently used beyond the bound. Returns the entries evicted by the bound, oldest
+        first (for the disk tier)."""
         nbytes, trimmable = bkv.prompt_cache_nbytes(cache), bkv.can_trim_prompt_cache(cache)
         entry = Entry(list(tokens), cache, nbytes, prompt_end, trimmable, on_disk=on_disk, namespace=namespace)
-        if len(tokens) < BLOCK:  # too short to be found (and to be worth keeping)
-            return []
-        if entry.nbytes > self.max_bytes:
-            self.counts["too_large"] += 1
-            return [entry]
         if entry.trimmable:
             for other in self._holding(tokens, namespace):
                 if len(other.tokens) <= len(tokens) and tokens[: len(other.tokens)] == other.tokens:
                     self._drop(other)
         entry.eid = next(self._ids)
-        entry.keys = list(_block_hashes(entry.tokens, namespace))
+        entry.keys = list(_block_hashes(entry.tokens, namespace)) or [_root(namespace)]
         for h in entry.keys:
             self._index.setdefault(h, set()).add(entry.eid)
         self._entries[entry.eid] = entry
+        if newest:
+            entry, self.newest = self.newest, entry  # the one before joins the bounded entries
+            if entry is None:
+                return []
+        if entry.nbytes > self.max_bytes:  # it alone is over the bound: it goes, the others stay
+            self.counts["too_large"] += 1
+            self.bytes += entry.nbytes
+            self._drop(entry)
+            return [entry]
         self.bytes += entry.nbytes
-        evicted = []
-        for old in sorted(self._entries.values(), key=lambda e: e.used):
-            if self.bytes <= self.max_bytes:
-                break
-            if old is not entry:
-                self._drop(old)
-                self.counts["evicted"] += 1
-                self.counts["evicted_bytes"] += old.nbytes
-                evicted.append(old)
-        return evicted
+        return self.shrink(self.max_bytes)
 
     def best(self, tokens: list[int], namespace: str = "") -> tuple[Entry | None, int]:
         """The entry of `namespace` sharing the longest usable prefix with `tokens` and that
         prefix's length: a trimmable cache at any point, another only where its tokens end (it
         cannot be cut back)."""
-        candidates: set[int] = set()
-        depth = 0
+        candidates, depth = set(self._index.get(_root(namespace), ())), 0
         for h in _block_hashes(tokens, namespace):
             found = self._index.get(h)
             if not found:
                 break
             candidates, depth = found, depth + BLOCK
+        at = {eid: depth for eid in candidates}
+        if self.newest is not None:
+            at.setdefault(self.newest.eid, 0)
         best, n = None, 0
-        for eid in candidates:
+        for eid, d in at.items():
             e = self._entries[eid]
             if e.namespace != namespace:  # a hash collision must never cross namespaces
                 continue
-            k = depth + bkv.common_prefix_len(e.tokens[depth:], tokens[depth:])
+            k = d + bkv.common_prefix_len(e.tokens[d:], tokens[d:])
             if not e.trimmable and k < len(e.tokens):
                 continue
             if k > n or (k == n and best is not None and e.used > best.used):
@@ -120,12 +130,13 @@ class KVPool:
 
     def take(self, entry: Entry, n: int):
         """The cache of `entry` holding its first `n` tokens, for a request to write into: the
-        entry itself (out of the pool) when `n` covers it, or the next turn of its conversation
-        branches after its prompt (the tail is that turn's own reply); else a trimmed copy, and the
-        entry stays."""
+        entry itself (out of the pool) when `n` covers it, the request continues its conversation
+        (it shares the prompt, whose last token its first step feeds; the tail is that turn's own
+        reply), or the bound could not keep it anyway; else a trimmed copy, and the entry stays."""
         self.counts["hits"] += 1
         entry.used = time.monotonic()
-        if n == len(entry.tokens) or (entry.trimmable and n >= entry.prompt_end):
+        own = n >= entry.prompt_end - 1 or entry.nbytes > self.max_bytes or len(entry.tokens) < BLOCK
+        if n == len(entry.tokens) or (entry.trimmable and own):
             self._drop(entry)
             if n < len(entry.tokens):
                 bkv.trim_to(entry.cache, n)
@@ -136,14 +147,14 @@ class KVPool:
         return cache
 
     def count(self, what: str) -> None:
-        """A lookup the working cache answered (hits, copies) or nothing did (misses)."""
+        """A lookup that no tier answered (misses)."""
         self.counts[what] += 1
 
     def shrink(self, max_bytes: int) -> list[Entry]:
         """A new bound (memory pressure): the least recently used go until it holds. Returns them."""
         self.max_bytes = max_bytes
         evicted = []
-        for old in sorted(self._entries.values(), key=lambda e: e.used):
+        for old in sorted(self.entries(), key=lambda e: e.used):
             if self.bytes <= self.max_bytes:
                 break
             self._drop(old)
@@ -153,9 +164,15 @@ class KVPool:
         return evicted
 
     def entries(self) -> list[Entry]:
-        return list(self._entries.values())
+        """The entries under the bound (not the newest)."""
+        return [e for e in self._entries.values() if e is not self.newest]
+
+    def remove(self, entry: Entry) -> None:
+        """`entry` goes (nothing reuses it, nothing saves it)."""
+        self._drop(entry)
 
     def clear(self) -> None:
+        """Every entry goes, the newest too."""
         for e in list(self._entries.values()):
             self._drop(e)
 
@@ -174,7 +191,10 @@ class KVPool:
                 if not ids:
                     del self._index[h]
         del self._entries[entry.eid]
-        self.bytes -= entry.nbytes
+        if entry is self.newest:
+            self.newest = None
+        else:
+            self.bytes -= entry.nbytes
 
     def stats(self) -> dict:
-        return {"entries": len(self._entries), "bytes": self.bytes, "max_bytes": self.max_bytes, **self.counts}
+        return {"entries": len(self), "bytes": self.bytes, "max_bytes": self.max_bytes, **self.counts}

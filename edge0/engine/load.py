@@ -87,9 +87,7 @@ def open_engine(root: Path, options, stage_for=None) -> Engine:
     engine = Engine(root, model, tokenizer, store, streaming, spec, k, compute, stage)
     # the other conversations' KV caches: what was given, else the default budget's share
     pool, sized_for = streaming.prompt_caches
-    engine.kv.use_pool(pool)
-    if engine.kv.pool is not None:
-        engine.kv.pool.sized_for = sized_for
+    engine.kv.use_pool(pool, sized_for)
     engine.kv.context_bytes = reserve.kv
     return engine
 

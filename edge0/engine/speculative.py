@@ -124,10 +124,10 @@ class Speculator:
         return f"speculative decoding: {self.drafter.describe()}, {self.k} draft tokens, {switch}"
 
     # -- the decode loop -----------------------------------------------------------------------
-    def decode(self, stepper, prompt, generated, sampler, max_tokens, eos=frozenset()):
+    def decode(self, stepper, cache, prompt, generated, sampler, max_tokens, eos=frozenset()):
         """The tokens after `generated` (its last token not yet fed), a step's at a time (a verify's
         accepted drafts and one more, or a plain step's token), through the engine's `stepper`
-        (step.py); at each yield the KV cache holds exactly the tokens fed.
+        (step.py) and the sequence's `cache`; at each yield the cache holds exactly the tokens fed.
         `sampler`: a plain RequestSampler (temperature and top-p only); `eos`: the end-of-sequence
         ids, where drafts are cut."""
         temp, top_p = sampler.temperature, sampler.top_p
@@ -143,7 +143,7 @@ class Speculator:
                 draft = self.drafter.draft(context, k, temp, top_p).until(eos)
                 self.seconds["draft"] += time.perf_counter() - t0
                 if draft.tokens:
-                    out = self._verify(stepper, generated, draft, temp, top_p)
+                    out = self._verify(stepper, cache, generated, draft, temp, top_p)
                     self.estimates.observe_cycle(len(draft.tokens) + 1, time.perf_counter() - t0)
                     self.seconds["verify"] += time.perf_counter() - t0
                     self.off_steps, shadow = 0, None  # a pending shadow draft no longer lines up
@@ -157,7 +157,7 @@ class Speculator:
                 self.counts["shadow_drafted"] += len(tokens)
                 shadow = (tokens, 0) if tokens else None
             t0 = time.perf_counter()
-            y = stepper.decode([generated[-1]], len(generated), sampler)
+            y = stepper.decode([generated[-1]], len(generated), sampler, cache)
             dt = time.perf_counter() - t0
             self.estimates.observe_plain(dt)
             self.seconds["plain"] += dt
@@ -184,13 +184,13 @@ class Speculator:
             self.estimates.observe_acceptance(run, run + 1)
         return None
 
-    def _verify(self, stepper, generated, draft, temp, top_p) -> list[int]:
+    def _verify(self, stepper, cache, generated, draft, temp, top_p) -> list[int]:
         """One verify step of `generated[-1]` + the draft: the tokens it yields (the accepted draft
         tokens and one more)."""
         k = len(draft.tokens)
         inputs = [generated[-1]] + draft.tokens
         n, nxt, replayed = stepper.verify(
-            len(generated), inputs, lambda logprobs: accept(draft.tokens, logprobs, temp, top_p, draft.probs)
+            len(generated), inputs, lambda logprobs: accept(draft.tokens, logprobs, temp, top_p, draft.probs), cache
         )
         self.counts["replays"] += replayed
         c = self.counts

@@ -1,8 +1,8 @@
 """One decode step, in one place: T new tokens of a sequence through the model (T = 1 for a plain
 step, the last token and k drafts for a speculative verify), or one token of each of B sequences
-(a batch, batch.py), with the step hooks in their order
-and the KV cache's books. The engine's decode loop, the speculative verify, a pipeline follower
-and the bench's verify timing all run their steps here; nothing else calls the step hooks.
+(a batch, batch.py), through the cache the caller hands it, with the step hooks in their order.
+The engine's decode loop, the speculative verify, a pipeline follower and the bench's verify
+timing all run their steps here; nothing else calls the step hooks.
 
 Step n, in order (edge0/engine/hooks.py): before_step (n > 0: the previous step was evaluated
 whole), multi_token (T > 1), rows (a batch's step: which row each row was), before_forward, the
@@ -67,21 +67,18 @@ class Stepper:
         return result
 
     # -- the engine's steps ----------------------------------------------------------------------
-    def decode(self, tokens: list[int], step: int, sampler, last: bool = False) -> int:
-        """A plain step: `tokens` (the prompt's last token or the last generated one) fed, one
-        token sampled with `sampler`; the cache then also holds `tokens`. `last`: the sequence's
-        token limit is reached with this token."""
+    def decode(self, tokens: list[int], step: int, sampler, cache, last: bool = False) -> int:
+        """A plain step: `tokens` (the prompt's last token or the last generated one) fed through
+        `cache`, one token sampled with `sampler`; the cache then also holds `tokens`. `last`: the
+        sequence's token limit is reached with this token."""
         e = self.engine
-        e.kv.begin()
-        y = self.run(
+        return self.run(
             step,
             1,
-            lambda: bfw.forward(e.model, tokens, e.kv.cache),
+            lambda: bfw.forward(e.model, tokens, cache),
             lambda logprobs: (bfw.sample(sampler, logprobs), None),
             last=last,
         )
-        e.kv.advance(tokens)
-        return y
 
     def decode_batch(
         self, tokens: list[int], step: int, samplers: list, cache, previous: list, ending: list[int] = ()
@@ -127,39 +124,35 @@ class Stepper:
             previous=previous,
         )
 
-    def verify(self, step: int, inputs: list[int], decide: Callable) -> tuple[int, int, bool]:
-        """A multi-token step of `inputs` (the last token and a draft): `decide(logprobs [T, V])`
-        returns (n, next) where the first n draft tokens are kept; the cache is taken back to
-        `inputs[: n + 1]`. Returns (n, next, whether the kept tokens were fed again: recurrent
-        layers cannot be trimmed, so they went back to before the step)."""
+    def verify(self, step: int, inputs: list[int], decide: Callable, cache) -> tuple[int, int, bool]:
+        """A multi-token step of `inputs` (the last token and a draft) through `cache`:
+        `decide(logprobs [T, V])` returns (n, next) where the first n draft tokens are kept; the
+        cache is taken back to `inputs[: n + 1]`. Returns (n, next, whether the kept tokens were
+        fed again: recurrent layers cannot be trimmed, so they went back to before the step)."""
         e = self.engine
-        kv = e.kv
-        point = bkv.rewind_point(kv.cache)
+        point = bkv.rewind_point(cache)
         replayed = False
 
         def finish(logprobs):
             nonlocal replayed
             n, nxt = decide(logprobs)
             keep = inputs[: n + 1]
-            if len(keep) < len(inputs) and bkv.rewind(kv.cache, len(inputs) - len(keep), len(inputs), point):
+            if len(keep) < len(inputs) and bkv.rewind(cache, len(inputs) - len(keep), len(inputs), point):
                 with e.streaming.decoding():
-                    bfw.prefill(e.model, keep, kv.cache)
+                    bfw.prefill(e.model, keep, cache)
                 replayed = True
             return (n, nxt), n
 
-        kv.begin()
-        n, nxt = self.run(step, len(inputs), lambda: bfw.forward_all(e.model, inputs, kv.cache), finish)
-        kv.advance(inputs[: n + 1])
+        n, nxt = self.run(step, len(inputs), lambda: bfw.forward_all(e.model, inputs, cache), finish)
         return n, nxt, replayed
 
-    def follow(self, step: int, n_tokens: int, forward: Callable, send: Callable):
+    def follow(self, step: int, n_tokens: int, forward: Callable, send: Callable, cache):
         """A pipeline follower's step of `n_tokens` tokens: this stage's forward (`forward()`,
-        evaluated here with the cache) and `send(out)` to the next rank between after_forward
+        evaluated here with its `cache`) and `send(out)` to the next rank between after_forward
         and step_done."""
-        e = self.engine
 
         def finish(out):
-            B.eval(out, [c.state for c in e.kv.cache])
+            B.eval(out, [c.state for c in cache])
             send(out)
             return out, None
 

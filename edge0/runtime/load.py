@@ -28,9 +28,9 @@ def load_engine(path, options: LoadOptions) -> Engine:
     engine = open_engine(root, options, stage_planner(group, options))
     if engine.stage is not None:
         join(engine, group)
-        # the other ranks mirror rank 0's working cache by its token count alone: a cache taken from
-        # the memory pool or the disk tier (another conversation's) would leave them trimming a
-        # different one, so across ranks only the last conversation's is kept (describe() says so)
+        # the other ranks mirror rank 0's cache by its token count alone: a cache taken from the
+        # memory pool or the disk tier (another conversation's) would leave them trimming a
+        # different one, so across ranks only the newest is kept (describe() says so)
         engine.kv.use_pool(0)
     heads = heads_path(root, options.prerouter, engine.spec)
     if heads is not None:

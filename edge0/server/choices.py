@@ -2,7 +2,7 @@
 
 Choice 0 is queued first; the others once its first event comes, that is once its prompt is
 prefilled and kept in the prompt cache, so they reuse that prefix instead of prefilling it again
-(the working cache on the one-at-a-time path, the memory pool's blocks when batching). With a
+(the prompt caches' memory tier, engine/kv.py). With a
 `seed`, choice i samples with seed + i: the same request gives the same choices. Streamed, each
 chunk carries its choice's `index`; usage counts the prompt once and every choice's tokens."""
 

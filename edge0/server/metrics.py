@@ -101,7 +101,9 @@ def _prompt_caches(caches: dict):
         yield _counter("edge0_prompt_cache_disk_saved", "Prompt caches saved to --prompt-cache-dir", caches["saved"])
         yield _counter("edge0_prompt_cache_disk_damaged", "Saved prompt caches found damaged", caches["damaged"])
     yield GaugeMetricFamily(
-        "edge0_prompt_cache_working_tokens", "Tokens the working KV cache holds", value=caches["tokens"]
+        "edge0_prompt_cache_working_tokens",
+        "Tokens the newest prompt cache (the last request's) holds",
+        value=caches["tokens"],
     )
 
 

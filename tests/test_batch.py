@@ -136,19 +136,19 @@ class BatchReads(StepHooks):
     """Per batched step: each layer's route (the observer's [B, K] indices) and the expert loads
     and bytes it read during the step."""
 
-    def __init__(self):
-        self.steps, self.before, self.routes = [], None, {}
+    def __init__(self, engine):
+        self.steps, self.before, self.routes, self.layers = [], None, {}, engine.streaming.stats.layers
 
     def observe(self, layer, inds, _scores):
         if self.before is not None:
             self.routes[layer] = inds
 
-    def rows(self, engine, step, previous):
-        self.before = {l: (s.loads, s.bytes_read) for l, s in engine.streaming.stats.layers.items()}
+    def rows(self, step, previous):
+        self.before = {l: (s.loads, s.bytes_read) for l, s in self.layers.items()}
 
-    def step_done(self, engine, step):
+    def step_done(self, step):
         if self.before is not None:
-            now = engine.streaming.stats.layers
+            now = self.layers
             reads = {l: (now[l].loads - a, now[l].bytes_read - b) for l, (a, b) in self.before.items()}
             self.steps.append((self.routes, reads))
             self.before, self.routes = None, {}
@@ -156,7 +156,7 @@ class BatchReads(StepHooks):
 
 def test_a_batched_step_reads_each_expert_of_its_union_once(store_for):
     engine = edge0.load(store_for("qwen3_moe"), prerouter=False, decode_executor="exact", prefill_executor="exact")
-    engine.hooks = hooks = BatchReads()
+    engine.hooks = hooks = BatchReads(engine)
     engine.observe_routes(hooks.observe)
     engine.generate_batch(PROMPTS, max_tokens=4, ignore_eos=True)
     assert len(hooks.steps) == 4

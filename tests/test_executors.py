@@ -172,11 +172,11 @@ class OracleStager(StepHooks):
     """Stages each decode step's true route ahead of time (as the pre-router will), optionally
     issuing step t+1's reads before step t computes."""
 
-    def __init__(self, routes: dict, ahead: bool):
-        self.routes, self.ahead = routes, ahead
+    def __init__(self, engine, routes: dict, ahead: bool):
+        self.staged, self.routes, self.ahead = engine.streaming.staged, routes, ahead
 
-    def before_step(self, engine, step):
-        for layer, ex in engine.streaming.staged().items():
+    def before_step(self, step):
+        for layer, ex in self.staged().items():
             if self.ahead:
                 if step == 1:
                     ex.stage(self.routes[layer][1])
@@ -204,7 +204,7 @@ def test_staged_covered_route_does_zero_host_syncs(store_for):
     prompt = ref.encode("hello world, once upon a time")
     routes, want = record_decode_routes(ref, prompt, 12)
     e = edge0.load(store, decode_executor="staged", prefill_executor="exact")
-    e.hooks = OracleStager(routes, ahead=False)
+    e.hooks = OracleStager(e, routes, ahead=False)
     res = e.generate(prompt, max_tokens=12, ignore_eos=True)
     assert res.tokens == want
     n_layers = len(e.store.layers)
@@ -223,7 +223,7 @@ def test_unstaged_experts_are_counted_exactly_as_dropped(store_for):
     wrong = {layer: r[1:] + r[:1] for layer, r in routes.items()}  # each step staged with another step's route
     per_slot = sum(ref.store.expert_nbytes(l) for l in ref.store.layers)
     e = edge0.load(store, decode_executor="staged", prefill_executor="exact", expert_cache=ref.spec.top_k * per_slot)
-    e.hooks = OracleStager(wrong, ahead=False)  # k slots: the slot set is exactly the staged route
+    e.hooks = OracleStager(e, wrong, ahead=False)  # k slots: the slot set is exactly the staged route
     used, _ = record_decode_routes(e, prompt, 12)
     per_layer = {l: sum(len(set(u) - set(s)) for u, s in zip(used[l][1:], wrong[l][1:])) for l in used}
     assert sum(per_layer.values()) > 0
@@ -239,7 +239,7 @@ def test_stress_background_reads_with_constant_eviction(store_for):
     per_slot = sum(ref.store.expert_nbytes(l) for l in ref.store.layers)
     e = edge0.load(store, decode_executor="staged", prefill_executor="exact", expert_cache=k * per_slot)
     assert e.streaming.n_slots == k  # every new expert evicts one
-    e.hooks = OracleStager(routes, ahead=True)
+    e.hooks = OracleStager(e, routes, ahead=True)
     res = e.generate(prompt, max_tokens=64, ignore_eos=True)
     assert res.tokens == want
     t = e.stats()["totals"]
@@ -260,7 +260,7 @@ def test_in_place_slot_writes_match_the_scatter_reference(store_for):
         if path == "scatter":  # the reference: every rewrite makes new slot tensors on the device
             for ex in e.streaming.staged().values():
                 ex.slots.views = {p: dict.fromkeys(parts) for p, parts in ex.slots.params.items()}
-        e.hooks = OracleStager(routes, ahead=True)
+        e.hooks = OracleStager(e, routes, ahead=True)
         assert e.generate(prompt, max_tokens=24, ignore_eos=True).tokens == want
         totals[path] = e.stats()["totals"]
     assert totals["in place"]["slot_rewrites"] == totals["scatter"]["slot_rewrites"] > 24

@@ -192,6 +192,6 @@ def test_only_the_stepper_calls_the_step_hooks():
 
 
 def test_the_step_check_catches_a_copy(tmp_path):
-    (tmp_path / "loop.py").write_text("def run(e, s):\n    e.hooks.before_forward(e, s)\n    e.streaming.end_step()\n")
-    (tmp_path / "wrap.py").write_text("def step_done(self, e, s):\n    self.inner.step_done(e, s)\n")
+    (tmp_path / "loop.py").write_text("def run(e, s):\n    e.hooks.before_forward(s)\n    e.streaming.end_step()\n")
+    (tmp_path / "wrap.py").write_text("def step_done(self, s):\n    self.inner.step_done(s)\n")
     assert step_protocol_calls(tmp_path) == {"loop.py": ["before_forward", "end_step"]}

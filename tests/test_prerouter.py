@@ -78,7 +78,7 @@ def test_reads_for_next_step_issued_before_step_finishes(store_for, heads_file):
     ev, hooks = [], e.hooks  # the order of stage() calls and step ends, recorded from outside
     for layer, ex in hooks.staged.items():
         ex.stage = lambda *a, layer=layer, orig=ex.stage: (ev.append(("issue", layer)), orig(*a))[1]
-    hooks.step_done = lambda engine, step, orig=hooks.step_done: (ev.append(("done", step)), orig(engine, step))[1]
+    hooks.step_done = lambda step, orig=hooks.step_done: (ev.append(("done", step)), orig(step))[1]
     e.generate(PROMPT, max_tokens=8, ignore_eos=True)
     consumers = set(e.prerouting.consumer.values())
     start = 0

@@ -29,7 +29,7 @@ class SlowSteps(StepHooks):
     def __init__(self, delay_s: float):
         self.delay_s = delay_s
 
-    def before_forward(self, engine, step):
+    def before_forward(self, step):
         time.sleep(self.delay_s)
 
 

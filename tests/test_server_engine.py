@@ -140,10 +140,10 @@ def test_real_engine_stops_during_prefill_and_between_steps_and_stays_consistent
         def __init__(self):
             self.events = []
 
-        def start(self, engine):
+        def start(self):
             self.events.append("start")
 
-        def finish(self, engine):
+        def finish(self):
             self.events.append("finish")
 
     engine = edge0.load(store_for("qwen3_moe"), prerouter=False)

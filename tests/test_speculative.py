@@ -105,14 +105,14 @@ def test_an_overflowing_verify_admits_the_experts_most_of_its_tokens_route_then_
 class VerifyReads(StepHooks):
     """Per multi-token step: expert loads and bytes read by each layer during it."""
 
-    def __init__(self):
-        self.steps = []
+    def __init__(self, engine):
+        self.steps, self.layers = [], engine.streaming.stats.layers
 
-    def multi_token(self, engine, step, n):
-        self.before = {l: (s.loads, s.bytes_read) for l, s in engine.streaming.stats.layers.items()}
+    def multi_token(self, step, n):
+        self.before = {l: (s.loads, s.bytes_read) for l, s in self.layers.items()}
 
-    def kept(self, engine, step, position):
-        now = engine.streaming.stats.layers
+    def kept(self, step, position):
+        now = self.layers
         self.steps.append({l: (now[l].loads - a, now[l].bytes_read - b) for l, (a, b) in self.before.items()})
 
 
@@ -124,7 +124,7 @@ def test_verify_reads_each_expert_of_its_union_once(executor, store_for):
     want = e.generate(prompt, max_tokens=12, ignore_eos=True).tokens
     routes = []  # every forward's route per layer; verifies are the 5-token ones
     e.observe_routes(lambda layer, inds, _: routes.append((layer, inds)))
-    e.hooks = hooks = VerifyReads()
+    e.hooks = hooks = VerifyReads(e)
     e.use_speculation(sp := Speculator(Controlled(want, 1.0), num_draft=4, adaptive=False))
     assert e.generate(prompt, max_tokens=12, ignore_eos=True).tokens == want
     # handed the engine's stepper for each generation, the speculator keeps nothing of the engine

@@ -120,10 +120,10 @@ class SyntheticHooks(StepHooks):
     def __init__(self, routes: SyntheticRoutes):
         self.routes = routes
 
-    def start(self, engine) -> None:
+    def start(self) -> None:
         self.routes.restart()
 
-    def kept(self, engine, step: int, position: int) -> None:
+    def kept(self, step: int, position: int) -> None:
         self.routes.keep(position)
 
 
@@ -135,18 +135,18 @@ class LookaheadStager(SyntheticHooks):
         super().__init__(routes)
         self.staged = staged
 
-    def start(self, engine) -> None:
-        super().start(engine)
+    def start(self) -> None:
+        super().start()
         self.last, self.ending = False, []
         self.early, self.nxt = set(), None  # layers staged during the forward; the next routes [L, B, K]
 
-    def last_step(self, engine, step: int, rows: list[int] | None = None) -> None:
+    def last_step(self, step: int, rows: list[int] | None = None) -> None:
         if rows is None:
             self.last = True  # no step follows: nothing to stage
         else:
             self.ending = rows  # these rows' last token: their next routes are not staged
 
-    def before_forward(self, engine, step: int) -> None:
+    def before_forward(self, step: int) -> None:
         self.early, self.nxt = set(), None
         if not self.last:
             follow_routes(self.staged.values(), self._stage_early)
@@ -166,7 +166,7 @@ class LookaheadStager(SyntheticHooks):
         i = routes.row[layer]
         self.staged[layer].stage(self.nxt[i, 0] if rows == 1 else self.nxt[i])
 
-    def after_forward(self, engine, step: int, launched) -> None:
+    def after_forward(self, step: int, launched) -> None:
         B.async_eval(launched)
         follow_routes(self.staged.values(), None)
         if not self.last:
@@ -175,11 +175,11 @@ class LookaheadStager(SyntheticHooks):
                     self._stage_layer(layer)
         self.last, self.ending = False, []
 
-    def before_step(self, engine, step: int) -> None:
+    def before_step(self, step: int) -> None:
         for ex in self.staged.values():
             ex.swap()
 
-    def finish(self, engine) -> None:
+    def finish(self) -> None:
         follow_routes(self.staged.values(), None)  # a forward that raised never reached after_forward
         for ex in self.staged.values():
             ex.settle()

@@ -70,7 +70,7 @@ def forward_cost(
             f"forward_cost: a reference of {len(reference)} tokens has no timed step of {tokens} after {warmup}"
         )
     cache = engine.kv.make()
-    engine.hooks.start(engine)  # synthetic routes start over: step i routes as a generation's step i
+    engine.hooks.start()  # synthetic routes start over: step i routes as a generation's step i
     bfw.prefill(engine.model, prompt, cache)
     if before_steps is not None:
         before_steps()
@@ -85,7 +85,7 @@ def forward_cost(
         )
         if i >= warmup:
             times.append(time.perf_counter() - t0)
-    engine.hooks.finish(engine)
+    engine.hooks.finish()
     return statistics.median(times)
 
 

@@ -296,11 +296,11 @@ class Pipeline:
                 self.wait_s += time.perf_counter() - t0
                 self._forward(h)
             elif op == START:
-                engine.hooks.start(engine)
+                engine.hooks.start()
                 B.reset_peak_memory()
                 self._send_header(START)
             elif op == FINISH:
-                engine.hooks.finish(engine)
+                engine.hooks.finish()
                 ranks = json.loads(bytes(B.to_numpy(self._recv((h[PAYLOAD],), "uint8")))) if h[PAYLOAD] else []
                 blob = json.dumps(ranks + [self.own_stats()]).encode()
                 self._send_header(FINISH, payload=len(blob))
@@ -379,33 +379,33 @@ class LeaderHooks(StepHooks):
     def __init__(self, inner: StepHooks, pipeline: Pipeline):
         self.inner, self.pipeline = inner, pipeline
 
-    def start(self, engine) -> None:
+    def start(self) -> None:
         self.pipeline.start()
-        self.inner.start(engine)
+        self.inner.start()
 
-    def before_step(self, engine, step: int) -> None:
-        self.inner.before_step(engine, step)
+    def before_step(self, step: int) -> None:
+        self.inner.before_step(step)
 
-    def last_step(self, engine, step: int, rows: list[int] | None = None) -> None:
+    def last_step(self, step: int, rows: list[int] | None = None) -> None:
         if rows is None:
-            self.inner.last_step(engine, step)
+            self.inner.last_step(step)
         else:
-            self.inner.last_step(engine, step, rows)
+            self.inner.last_step(step, rows)
 
-    def before_forward(self, engine, step: int) -> None:
+    def before_forward(self, step: int) -> None:
         self.pipeline.step = step
-        self.inner.before_forward(engine, step)
+        self.inner.before_forward(step)
 
-    def after_forward(self, engine, step: int, outputs) -> None:
+    def after_forward(self, step: int, outputs) -> None:
         self.pipeline.step = -1
-        self.inner.after_forward(engine, step, outputs)
+        self.inner.after_forward(step, outputs)
 
-    def step_done(self, engine, step: int) -> None:
+    def step_done(self, step: int) -> None:
         self.pipeline.compute_s += time.perf_counter() - self.pipeline.received_at
-        self.inner.step_done(engine, step)
+        self.inner.step_done(step)
 
-    def finish(self, engine) -> None:
-        self.inner.finish(engine)
+    def finish(self) -> None:
+        self.inner.finish()
         if self.pipeline.generating:
             self.pipeline.finish()
 

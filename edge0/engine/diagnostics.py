@@ -33,12 +33,12 @@ def decode_logits(engine, prompt):
         return B.argmax(logprobs, axis=-1)
 
     cache = engine.kv.in_use = engine.kv.make()  # nothing reuses it
-    engine.hooks.start(engine)
+    engine.hooks.start()
     try:
         for i, t in enumerate(tokens):
             engine.stepper.decode([t], i, keep, cache)
     finally:
-        engine.hooks.finish(engine)
+        engine.hooks.finish()
         engine.kv.in_use = None
     out = B.to_numpy(B.concatenate(kept, axis=0).astype(B.float32))
     return out.reshape(len(tokens), -1)

@@ -68,8 +68,9 @@ class Engine:
         self.kv = PromptCache(model, o.kv_bits, o.kv_group_size)
         # one process: layer-major prefill spans; across ranks each stage runs chunks (distributed/)
         self.prefiller = Prefiller(model, compute_dtype, o.prefill_span, layerwise=stage is None)
-        self.hooks = StepHooks()  # the pre-router's stager once attached, or a test's oracle
-        self.stepper = Stepper(self)  # every decode step runs there (step.py)
+        # every decode step runs there (step.py), with the step hooks: the pre-router's stager
+        # once attached, or a test's oracle
+        self.stepper = Stepper(model, streaming, StepHooks())
         # the pre-router, when attached (use_prerouter)
         self.prerouting = None
         self.heads_path: Path | None = None
@@ -86,6 +87,15 @@ class Engine:
         self.pipeline = None
 
     # -- features ------------------------------------------------------------------------------
+    @property
+    def hooks(self) -> StepHooks:
+        """The step hooks features attach (the stepper calls them)."""
+        return self.stepper.hooks
+
+    @hooks.setter
+    def hooks(self, hooks: StepHooks) -> None:
+        self.stepper.hooks = hooks
+
     def use_prerouter(self, prerouting, hooks: StepHooks, path: Path | None, meta: dict | None) -> None:
         """Route pre-routed layers with `prerouting` (already installed in the MoE blocks) and run
         `hooks` (its stager) in the generation loop."""
@@ -318,11 +328,11 @@ class Engine:
         self.generating = True
         batch = Batch(self)
         try:
-            self.hooks.start(self)
+            self.hooks.start()
             yield batch
         finally:
             batch.close()
-            self.hooks.finish(self)
+            self.hooks.finish()
             self.generating = False
 
     def _text(self, tokens: list[int], eos: set[int]) -> str:

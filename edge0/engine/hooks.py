@@ -15,40 +15,40 @@ class StepHooks:
     rows after before_step (and multi_token when its rows verify drafts); a plain step that
     makes the last token of a sequence (its token limit) calls last_step before before_forward."""
 
-    def start(self, engine) -> None:
+    def start(self) -> None:
         """A generation or a teacher-forced pass begins: forget per-sequence state."""
 
-    def before_step(self, engine, step: int) -> None:
+    def before_step(self, step: int) -> None:
         """Step boundary: the previous step was evaluated whole."""
 
-    def multi_token(self, engine, step: int, n_tokens: int) -> None:
+    def multi_token(self, step: int, n_tokens: int) -> None:
         """Step `step` feeds `n_tokens` > 1 tokens of a sequence (the last token and a draft; in a
         batch, each row's: no `kept` follows there)."""
 
-    def rows(self, engine, step: int, previous: list) -> None:
+    def rows(self, step: int, previous: list) -> None:
         """Step `step` is a batch's: row i was row `previous[i]` of the batch's last step, or
         None when it joined since (rows leave and join between steps)."""
 
-    def last_step(self, engine, step: int, rows: list[int] | None = None) -> None:
+    def last_step(self, step: int, rows: list[int] | None = None) -> None:
         """Step `step` makes the last token (the token limit) of the batch's rows `rows`, or of
         every sequence in it (None): no step of theirs follows, so nothing needs reading ahead for
         them."""
 
-    def kept(self, engine, step: int, position: int) -> None:
+    def kept(self, step: int, position: int) -> None:
         """Multi-token step `step` kept its inputs up to `position` (the rest were rejected drafts);
         what it computed at that position carries to the next step."""
 
-    def before_forward(self, engine, step: int) -> None:
+    def before_forward(self, step: int) -> None:
         """Step `step`'s forward is about to run (every step, 0 included; prefill chunks are not
         steps)."""
 
-    def after_forward(self, engine, step: int, outputs) -> None:
+    def after_forward(self, step: int, outputs) -> None:
         """Step `step`'s graph is built; `outputs` are its (unevaluated) log-probabilities."""
 
-    def step_done(self, engine, step: int) -> None:
+    def step_done(self, step: int) -> None:
         """Step `step` was evaluated and its token sampled."""
 
-    def finish(self, engine) -> None:
+    def finish(self) -> None:
         """The generation ended (or was abandoned): complete anything in flight."""
 
     def teacher_forcing(self):

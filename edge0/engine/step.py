@@ -21,10 +21,11 @@ from edge0.backend import kvcache as bkv
 
 
 class Stepper:
-    """An engine's steps (the speculator and a follower are handed this, not the engine)."""
+    """An engine's steps (the speculator, a batch and a follower are handed this, not the
+    engine): its model, its executors (`streaming`) and the step hooks features attach."""
 
-    def __init__(self, engine):
-        self.engine = engine
+    def __init__(self, model, streaming, hooks):
+        self.model, self.streaming, self.hooks = model, streaming, hooks
 
     def run(
         self,
@@ -42,28 +43,27 @@ class Stepper:
         A batch's step passes its tokens per row (`per_row`) and each row's `previous` index;
         `last`: the step makes every sequence's last token; `ending`: the rows whose last token it
         makes (some of a batch's)."""
-        e = self.engine
-        hooks = e.hooks
+        hooks = self.hooks
         if step > 0:
-            hooks.before_step(e, step)
+            hooks.before_step(step)
         if (per_row or n_tokens) > 1:  # T > 1 tokens of a sequence (a verify), not one token per row
-            hooks.multi_token(e, step, n_tokens)
+            hooks.multi_token(step, n_tokens)
         if previous is not None:
-            hooks.rows(e, step, previous)
+            hooks.rows(step, previous)
         if last:
-            hooks.last_step(e, step)
+            hooks.last_step(step)
         elif ending:
-            hooks.last_step(e, step, list(ending))
-        hooks.before_forward(e, step)
+            hooks.last_step(step, list(ending))
+        hooks.before_forward(step)
         # T tokens of one sequence are one decode call: each MoE layer reads their union once
-        with e.streaming.decoding() if n_tokens > 1 else nullcontext():
+        with self.streaming.decoding() if n_tokens > 1 else nullcontext():
             out = forward()
-        hooks.after_forward(e, step, out)
+        hooks.after_forward(step, out)
         result, kept = finish(out)
         if kept is not None:
-            hooks.kept(e, step, kept)
-        hooks.step_done(e, step)
-        e.streaming.end_step()
+            hooks.kept(step, kept)
+        hooks.step_done(step)
+        self.streaming.end_step()
         return result
 
     # -- the engine's steps ----------------------------------------------------------------------
@@ -71,11 +71,10 @@ class Stepper:
         """A plain step: `tokens` (the prompt's last token or the last generated one) fed through
         `cache`, one token sampled with `sampler`; the cache then also holds `tokens`. `last`: the
         sequence's token limit is reached with this token."""
-        e = self.engine
         return self.run(
             step,
             1,
-            lambda: bfw.forward(e.model, tokens, cache),
+            lambda: bfw.forward(self.model, tokens, cache),
             lambda logprobs: (bfw.sample(sampler, logprobs), None),
             last=last,
         )
@@ -88,11 +87,10 @@ class Stepper:
         `previous[i]` of the last step (None: it joined since); `ending`: the rows whose token
         limit is reached with this step. A row whose sampler raised gets the exception instead of
         a token (sample_row)."""
-        e = self.engine
         return self.run(
             step,
             len(tokens),
-            lambda: bfw.forward_rows(e.model, tokens, cache),
+            lambda: bfw.forward_rows(self.model, tokens, cache),
             lambda logprobs: (sample_rows(samplers, logprobs), None),
             per_row=1,
             previous=previous,
@@ -105,7 +103,6 @@ class Stepper:
         last token alone; shorter rows are padded with their last token, positions nothing reads).
         `decide(logprobs [B, T, V])` returns (result, kept: how many of its inputs each row keeps);
         each row's cache then drops the rest."""
-        e = self.engine
         width = max(len(r) for r in rows)
         padded = [r + [r[-1]] * (width - len(r)) for r in rows]
 
@@ -118,7 +115,7 @@ class Stepper:
         return self.run(
             step,
             len(rows) * width,
-            lambda: bfw.forward_rows_all(e.model, padded, cache),
+            lambda: bfw.forward_rows_all(self.model, padded, cache),
             finish,
             per_row=width,
             previous=previous,
@@ -129,7 +126,6 @@ class Stepper:
         `decide(logprobs [T, V])` returns (n, next) where the first n draft tokens are kept; the
         cache is taken back to `inputs[: n + 1]`. Returns (n, next, whether the kept tokens were
         fed again: recurrent layers cannot be trimmed, so they went back to before the step)."""
-        e = self.engine
         point = bkv.rewind_point(cache)
         replayed = False
 
@@ -138,12 +134,12 @@ class Stepper:
             n, nxt = decide(logprobs)
             keep = inputs[: n + 1]
             if len(keep) < len(inputs) and bkv.rewind(cache, len(inputs) - len(keep), len(inputs), point):
-                with e.streaming.decoding():
-                    bfw.prefill(e.model, keep, cache)
+                with self.streaming.decoding():
+                    bfw.prefill(self.model, keep, cache)
                 replayed = True
             return (n, nxt), n
 
-        n, nxt = self.run(step, len(inputs), lambda: bfw.forward_all(e.model, inputs, cache), finish)
+        n, nxt = self.run(step, len(inputs), lambda: bfw.forward_all(self.model, inputs, cache), finish)
         return n, nxt, replayed
 
     def follow(self, step: int, n_tokens: int, forward: Callable, send: Callable, cache):

@@ -30,11 +30,11 @@ class PreRouterStager(StepHooks):
         self.ending: list[int] = []  # the batch's rows whose last token this step makes: not staged
         self.early: set[int] = set()  # layers whose next step was staged during this step's forward
 
-    def start(self, engine) -> None:
+    def start(self) -> None:
         self.pr.reset()
         self.last, self.ending = False, []
 
-    def last_step(self, engine, step: int, rows: list[int] | None = None) -> None:
+    def last_step(self, step: int, rows: list[int] | None = None) -> None:
         """No step follows (for `rows`, or for every sequence): their experts would be read for
         nothing (and waited for at the end)."""
         if rows is None:
@@ -42,11 +42,11 @@ class PreRouterStager(StepHooks):
         else:
             self.ending = rows
 
-    def multi_token(self, engine, step: int, n_tokens: int) -> None:
+    def multi_token(self, step: int, n_tokens: int) -> None:
         """A verify: pre-routed layers route each position as plain decoding would."""
         self.pr.verifying = True
 
-    def rows(self, engine, step: int, previous: list) -> None:
+    def rows(self, step: int, previous: list) -> None:
         """A batch's step: each row takes its own row's predictions; a row that joined since has
         none (it routes with the gate), so no layer may trust the staged route without a sync."""
         self.pr.select_rows(previous)
@@ -54,7 +54,7 @@ class PreRouterStager(StepHooks):
             for ex in self.staged.values():
                 ex.trusted = False
 
-    def before_forward(self, engine, step: int) -> None:
+    def before_forward(self, step: int) -> None:
         self.pr.stepping = True
         self.early = set()
         if not self.pr.verifying and not self.last:
@@ -68,7 +68,7 @@ class PreRouterStager(StepHooks):
             self._stage_layer(layer, self.pr.next[layer][0])
             self.early.add(layer)
 
-    def after_forward(self, engine, step: int, launched) -> None:
+    def after_forward(self, step: int, launched) -> None:
         """Step `step`'s graph is built and `launched` (its outputs) is being evaluated: issue the
         reads for step + 1 now (after a multi-token step: once it is known which position is kept),
         in the layers that did not start them during the forward."""
@@ -77,7 +77,7 @@ class PreRouterStager(StepHooks):
         if not self.pr.verifying and not self.last:
             self._stage(step)
 
-    def kept(self, engine, step: int, position: int) -> None:
+    def kept(self, step: int, position: int) -> None:
         """The verify kept its inputs up to `position`: the heads' predictions there are the next
         step's routes; read their experts."""
         self.pr.keep(position)
@@ -105,19 +105,19 @@ class PreRouterStager(StepHooks):
         stays a batch, [rows left, ...], even with one row left); one sequence's as it is."""
         return np.delete(per_row, self.ending, axis=0) if self.ending and per_row.ndim == 2 else per_row
 
-    def step_done(self, engine, step: int) -> None:
+    def step_done(self, step: int) -> None:
         self.pr.stepping = False
         self.last, self.ending = False, []
         self._collect_recall()
 
-    def before_step(self, engine, step: int) -> None:
+    def before_step(self, step: int) -> None:
         """Boundary: swap the staged experts in; the predictions become this step's routes."""
         for layer in self.pr.next_indices():
             if layer in self.staged:
                 self.staged[layer].swap()
         self.pr.advance()
 
-    def finish(self, engine) -> None:
+    def finish(self) -> None:
         """End of a generation: complete any reads in flight and forget predictions."""
         follow_routes(self.staged.values(), None)  # a forward that raised never reached after_forward
         for ex in self.staged.values():

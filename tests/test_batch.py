@@ -58,7 +58,7 @@ class Oracle(Drafter):
     def start(self, prompt):
         self.n0, self.ref = len(prompt), self.continuations[tuple(prompt)]
 
-    def draft(self, context, k, temp=0.0, top_p=1.0):
+    def draft(self, context, k, temp=0.0, top_p=1.0, key=None):
         i = len(context) - self.n0
         return Draft([t + (j % 3 == 2) for j, t in enumerate(self.ref[i : i + k])])
 

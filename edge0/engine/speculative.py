@@ -4,9 +4,10 @@ their experts once) checks them, and the KV cache is taken back to the last kept
 
 Greedy output is the plain greedy output (the argmax of each position is compared with the draft);
 with sampling, the standard accept/reject rule keeps the model's distribution
-(edge0.backend.speculative). An adaptive switch turns drafting off while the measured acceptance
-and the measured cost of a verify make it slower than plain steps, and back on when they no
-longer do (docs/speculative.md)."""
+(edge0.backend.speculative). A seeded request's sampled drafts and verify draws come from its own
+random stream (RequestSampler.key). An adaptive switch turns drafting off while the measured
+acceptance and the measured cost of a verify make it slower than plain steps, and back on when
+they no longer do (docs/speculative.md)."""
 
 from __future__ import annotations
 
@@ -140,10 +141,10 @@ class Speculator:
             explore = not self.on and self.should_explore()
             if k > 0 and (self.on or not self.adaptive or explore):
                 t0 = time.perf_counter()
-                draft = self.drafter.draft(context, k, temp, top_p).until(eos)
+                draft = self.drafter.draft(context, k, temp, top_p, sampler.key()).until(eos)
                 self.seconds["draft"] += time.perf_counter() - t0
                 if draft.tokens:
-                    out = self._verify(stepper, generated, draft, temp, top_p)
+                    out = self._verify(stepper, generated, draft, sampler)
                     self.estimates.observe_cycle(len(draft.tokens) + 1, time.perf_counter() - t0)
                     self.seconds["verify"] += time.perf_counter() - t0
                     self.off_steps, shadow = 0, None  # a pending shadow draft no longer lines up
@@ -153,7 +154,7 @@ class Speculator:
                     yield out
                     continue
             if k > 0 and not self.on and shadow is None and (self.drafter.cheap or since_probe >= PROBE_EVERY):
-                tokens, since_probe = self.drafter.draft(context, k, temp, top_p).until(eos).tokens, 0
+                tokens, since_probe = self.drafter.draft(context, k, temp, top_p, sampler.key()).until(eos).tokens, 0
                 self.counts["shadow_drafted"] += len(tokens)
                 shadow = (tokens, 0) if tokens else None
             t0 = time.perf_counter()
@@ -184,13 +185,17 @@ class Speculator:
             self.estimates.observe_acceptance(run, run + 1)
         return None
 
-    def _verify(self, stepper, generated, draft, temp, top_p) -> list[int]:
+    def _verify(self, stepper, generated, draft, sampler) -> list[int]:
         """One verify step of `generated[-1]` + the draft: the tokens it yields (the accepted draft
         tokens and one more)."""
         k = len(draft.tokens)
         inputs = [generated[-1]] + draft.tokens
         n, nxt, replayed = stepper.verify(
-            len(generated), inputs, lambda logprobs: accept(draft.tokens, logprobs, temp, top_p, draft.probs)
+            len(generated),
+            inputs,
+            lambda logprobs: accept(
+                draft.tokens, logprobs, sampler.temperature, sampler.top_p, draft.probs, sampler.key()
+            ),
         )
         self.counts["replays"] += replayed
         c = self.counts
@@ -325,17 +330,18 @@ class Speculator:
         }
 
 
-def accept(draft: list[int], logprobs, temperature: float = 0.0, top_p: float = 1.0, draft_probs=None):
+def accept(draft: list[int], logprobs, temperature: float = 0.0, top_p: float = 1.0, draft_probs=None, key=None):
     """The verify's rule, for one sequence and for each row of a batch: how many tokens of `draft`
     (k) a step keeps, and the token after them, from the target's log-probs [k + 1, V]. Greedy: the
     draft while each token is the argmax, then the argmax (the plain greedy tokens, exactly);
     sampled: the accept/reject rule, which keeps the target's distribution (backend/speculative.py;
-    `draft_probs` [k, V] the drafter's, None for a deterministic one). Returns (n, next token)."""
+    `draft_probs` [k, V] the drafter's, None for a deterministic one; `key` its draws', None: the
+    global generator). Returns (n, next token)."""
     if temperature == 0:
         best = bsp.greedy_tokens(logprobs[: len(draft) + 1])
         n = next((i for i in range(len(draft)) if best[i] != draft[i]), len(draft))
         return n, best[n]
-    return bsp.accept_reject(bsp.sampling_probs(logprobs, temperature, top_p), draft, draft_probs)
+    return bsp.accept_reject(bsp.sampling_probs(logprobs, temperature, top_p), draft, draft_probs, key)
 
 
 def check_speculation(engine) -> None:

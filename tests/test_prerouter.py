@@ -282,7 +282,7 @@ def test_speculation_with_heads_gives_the_plain_prerouted_tokens(store_for, head
         def start(self, prompt):
             self.n0, self.calls = len(prompt), 0
 
-        def draft(self, context, k, temp=0.0, top_p=1.0):
+        def draft(self, context, k, temp=0.0, top_p=1.0, key=None):
             self.calls += 1
             i = len(context) - self.n0
             return Draft([t if (i + j) % 3 else (t + 1) % 200 for j, t in enumerate(want[i : i + k])])

@@ -68,13 +68,8 @@ def test_requests_sent_together_decode_together_and_get_what_they_get_alone(engi
     requests[3].update(logprobs=True, top_logprobs=2)
     requests[4].update(stop=["e"])
     requests[5].update(response_format={"type": "json_object"}, max_tokens=24, logit_bias={"40": 5})  # a grammar
-    with running_server(engine, ServerConfig(max_batch=1)) as base:
-        b = stats(base)["batching"]
-        assert (b["max_batch"], b["why"], b["batches"]) == (1, "--max-batch", 0)
-        client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
-        alone = [client.chat.completions.create(model="m", **r) for r in requests]
-    engine.hooks = SlowSteps(0.02)
-    if drafts:  # speculative decoding (--draft): the greedy plain rows draft, the others ride along
+    if drafts:  # speculative decoding (--draft): the plain rows draft (the seeded sampled ones from
+        # their own streams, as alone), the others ride along
         from edge0.engine.drafters import ModelDrafter
         from edge0.engine.speculative import Speculator
         from tests.fixtures.make import reference_dir
@@ -82,6 +77,12 @@ def test_requests_sent_together_decode_together_and_get_what_they_get_alone(engi
         drafter = ModelDrafter(reference_dir("qwen3_moe"), engine.tokenizer, "qwen3_moe")
         engine.use_speculation(Speculator(drafter, num_draft=3, adaptive=False))
     try:
+        with running_server(engine, ServerConfig(max_batch=1)) as base:
+            b = stats(base)["batching"]
+            assert (b["max_batch"], b["why"], b["batches"]) == (1, "--max-batch", 0)
+            client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
+            alone = [client.chat.completions.create(model="m", **r) for r in requests]
+        engine.hooks = SlowSteps(0.02)
         with running_server(engine, ServerConfig(max_batch=4)) as base:
             client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=120)
             batched = together(lambda r: client.chat.completions.create(model="m", **r), requests)
@@ -91,7 +92,7 @@ def test_requests_sent_together_decode_together_and_get_what_they_get_alone(engi
         engine.hooks = StepHooks()
         engine.use_speculation(None)
     if drafts:
-        assert spec["verifies"] > 0 and spec["accepted"] > 0 and spec["unsupported_requests"] == 4
+        assert spec["verifies"] > 0 and spec["accepted"] > 0 and spec["unsupported_requests"] == 2
     for a, b in zip(alone, batched):
         assert b.choices[0].message.content == a.choices[0].message.content
         assert b.choices[0].finish_reason == a.choices[0].finish_reason

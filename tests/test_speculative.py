@@ -38,7 +38,7 @@ class Controlled(Drafter):
     def start(self, prompt):
         self.n0 = len(prompt)
 
-    def draft(self, context, k, temp=0.0, top_p=1.0):
+    def draft(self, context, k, temp=0.0, top_p=1.0, key=None):
         i = len(context) - self.n0
         return Draft([t if self.rng.random() < self.p else (t + 1) % 200 for t in self.ref[i : i + k]])
 

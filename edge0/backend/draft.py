@@ -45,10 +45,12 @@ class DraftModel:
             self.tokens = self.tokens[:held]
         return context[held:]
 
-    def draft(self, context: list[int], k: int, temp: float = 0.0, top_p: float = 1.0, vocab_size: int = 0):
+    def draft(self, context: list[int], k: int, temp: float = 0.0, top_p: float = 1.0, vocab_size: int = 0, key=None):
         """(k token ids, their distributions [k, vocab_size] or None when greedy). Sampled drafts
-        come from the same temperature and nucleus as the target's sampler."""
+        come from the same temperature and nucleus as the target's sampler, drawn from `key` (a
+        seeded request's own stream; None: the global generator)."""
         feed = self._sync(context)
+        keys = mx.random.split(key, k) if key is not None and temp != 0 else [None] * k
         if len(feed) > 1:
             prefill(self.model, feed[:-1], self.cache)
         y = mx.array(feed[-1:])
@@ -60,7 +62,7 @@ class DraftModel:
                 y = mx.argmax(logprobs, axis=-1)
             else:
                 q = sampling_probs(logprobs, temp, top_p)
-                y = mx.random.categorical(mx.log(q))
+                y = mx.random.categorical(mx.log(q), key=keys[i])
                 probs.append(q)
             mx.async_eval(y)
             tokens.append(y)

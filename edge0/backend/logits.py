@@ -11,6 +11,7 @@ from edge0.backend.forward import make_sampler
 
 __all__ = [
     "sampler",
+    "Keys",
     "apply_token_mask",
     "LogitBias",
     "token_logprobs",
@@ -21,32 +22,43 @@ __all__ = [
 ]
 
 
-def sampler(temperature: float, top_p: float, top_k: int, vocab: int, seed: int | None = None):
-    """mlx-lm's sampler; a `top_k` of 0 or at least the vocabulary keeps every token. With a
-    `seed`, a sampler with its own random stream (KeyedSampler), so what else draws random
-    numbers (other rows of a batch) does not change its samples."""
+def sampler(temperature: float, top_p: float, top_k: int, vocab: int, keys: Keys | None = None):
+    """mlx-lm's sampler; a `top_k` of 0 or at least the vocabulary keeps every token. With `keys`
+    (a request's own random stream), a sampler drawing from them (KeyedSampler), so what else
+    draws random numbers (other rows of a batch) does not change its samples."""
     top_k = top_k if 0 < top_k < vocab else 0
-    if seed is not None and temperature > 0:
-        return KeyedSampler(temperature, top_p, top_k, seed)
+    if keys is not None and temperature > 0:
+        return KeyedSampler(temperature, top_p, top_k, keys)
     return make_sampler(temp=temperature, top_p=top_p, top_k=top_k)
+
+
+class Keys:
+    """A seeded random stream of its own: each `next()` a fresh key, split off as the global
+    generator splits its key. One request's sampler and its speculative draws (a sampled draft,
+    the verify rule) share it, so a seeded request's draws do not depend on what else draws."""
+
+    def __init__(self, seed: int):
+        self.key = mx.random.key(seed)
+
+    def next(self) -> mx.array:
+        self.key, draw = mx.random.split(self.key)
+        return draw
 
 
 class KeyedSampler:
     """mlx-lm's sampling chain (top-p, then top-k, then a categorical draw at the temperature) on
-    its own key: the draws are those of mlx-lm's sampler after `mx.random.seed(seed)` with nothing
+    its own keys: the draws are those of mlx-lm's sampler after `mx.random.seed(seed)` with nothing
     else drawing (the global generator splits its key the same way), tested against it."""
 
-    def __init__(self, temperature: float, top_p: float, top_k: int, seed: int):
-        self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
-        self.key = mx.random.key(seed)
+    def __init__(self, temperature: float, top_p: float, top_k: int, keys: Keys):
+        self.temperature, self.top_p, self.top_k, self.keys = temperature, top_p, top_k, keys
 
     def __call__(self, logprobs: mx.array) -> mx.array:
         if 0 < self.top_p < 1.0:
             logprobs = apply_top_p(logprobs, self.top_p)
         if self.top_k > 0:
             logprobs = apply_top_k(logprobs, self.top_k)
-        self.key, draw = mx.random.split(self.key)
-        return mx.random.categorical(logprobs * (1.0 / self.temperature), key=draw)
+        return mx.random.categorical(logprobs * (1.0 / self.temperature), key=self.keys.next())
 
 
 def apply_token_mask(logprobs: mx.array, bitmask: np.ndarray) -> mx.array:

@@ -24,11 +24,12 @@ def sampling_probs(logprobs, temp: float, top_p: float):
     return mx.softmax(logprobs.astype(mx.float32) * (1 / temp), axis=-1)
 
 
-def accept_reject(p, draft: list[int], q=None) -> tuple[int, int]:
+def accept_reject(p, draft: list[int], q=None, key=None) -> tuple[int, int]:
     """Verify `draft` (k tokens) against the target distributions `p` [k + 1, V]: draft token i is
     accepted with probability min(1, p_i(d) / q_i(d)); at the first rejection the next token is
     drawn from max(p_i - q_i, 0), renormalised; if all are accepted, from p_k. `q` [k, V] is the
-    drafter's distribution (None: a deterministic drafter, q_i one-hot at d_i).
+    drafter's distribution (None: a deterministic drafter, q_i one-hot at d_i). `key`: the random
+    key the rule draws from (a seeded request's own stream); None: the global generator.
     Returns (accepted draft tokens n, the next token)."""
     k = len(draft)
     if q is not None and q.shape[-1] != p.shape[-1]:
@@ -39,7 +40,8 @@ def accept_reject(p, draft: list[int], q=None) -> tuple[int, int]:
     rows, d = mx.arange(k), mx.array(draft)
     pd = p[rows, d]
     qd = q[rows, d] if q is not None else mx.ones_like(pd)
-    u = mx.random.uniform(shape=(k,))
+    k_uniform, k_token = mx.random.split(key) if key is not None else (None, None)
+    u = mx.random.uniform(shape=(k,), key=k_uniform)
     accepted = np.array(u * qd < pd)  # u < p/q without dividing by a zero q
     n = int(np.argmin(accepted)) if not accepted.all() else k
     if n == k:
@@ -48,5 +50,5 @@ def accept_reject(p, draft: list[int], q=None) -> tuple[int, int]:
         resid = mx.maximum(p[n] - q[n], 0) if q is not None else p[n] * (mx.arange(p.shape[-1]) != draft[n])
         total = resid.sum()
         dist = mx.where(total > 0, resid / mx.maximum(total, 1e-30), p[n])
-    token = mx.random.categorical(mx.log(dist)).item()
+    token = mx.random.categorical(mx.log(dist), key=k_token).item()
     return n, int(token)

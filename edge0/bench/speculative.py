@@ -30,7 +30,7 @@ class ControlledDrafter(Drafter):
     def start(self, prompt: list[int]) -> None:
         self.n0 = len(prompt)
 
-    def draft(self, context, k, temp=0.0, top_p=1.0) -> Draft:
+    def draft(self, context, k, temp=0.0, top_p=1.0, key=None) -> Draft:
         i = len(context) - self.n0
         true = self.reference[i : i + k]
         return Draft([t if self.rng.random() < self.p else (t + 1) % self.vocab for t in true])

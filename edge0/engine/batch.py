@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 from edge0.backend import core as B
 from edge0.backend import kvcache as bkv
+from edge0.engine.drafters import Draft
 from edge0.engine.reply import Reply, Step
 from edge0.engine.request import Request
 from edge0.engine.sampler import RequestSampler
@@ -63,7 +64,7 @@ class Sequence:
     fed: int = 0  # prompt tokens its own cache holds (reused or prefilled)
     held: int = 0  # of those, the ones a cached prefix held when it joined
     receipt: object = None  # the disk file its cache was restored from, until its prefill succeeds
-    drafter: object | None = None  # its own drafter (a greedy plain request while the engine speculates)
+    drafter: object | None = None  # its own drafter (a plain request while the engine speculates)
     lone: bool = False  # alone in the batch (solo.py), until a second sequence joins
     prepared: bool = False  # a lone sequence: its cache holds its cached prefix
     lane: object = None  # a lone row's steps (Solo.steps)
@@ -197,13 +198,16 @@ class Batch:
         self._draft_for(seq)
 
     def _draft_for(self, seq: Sequence) -> None:
-        """`seq`'s own drafter, when the batch's rows speculate and it samples greedily."""
+        """`seq`'s own drafter, when the batch's rows speculate and its sampler is plain (greedy,
+        or temperature and top-p: what a verify samples exactly, as for the lone sequence). A
+        seeded row's drafts and verify draws come from its own stream in the lone sequence's order
+        (a plain first step, then draft and verify), so it gets the tokens it gets alone under the
+        same switch decisions (speculative.py)."""
         e = self.engine
-        if self.spec is not None and seq.sampler.plain and seq.sampler.temperature == 0:
-            # greedy only: an accepted draft token is the argmax, so a seeded row's stream is untouched
+        if self.spec is not None and seq.sampler.plain:
             seq.drafter = self.spec.drafter.fork()
             seq.drafter.start(seq.prompt)
-        elif e.batch_speculation is not None:  # a sampled or processed row, or caches rows cannot cut
+        elif e.batch_speculation is not None:  # processors, top-k or log-probs, or caches rows cannot cut
             e.batch_speculation.counts["unsupported_requests"] += 1
 
     def _end_lone(self) -> None:
@@ -446,39 +450,43 @@ class Batch:
         return False
 
     # -- speculation ---------------------------------------------------------------------------
-    def _drafts(self) -> list[list[int]] | None:
+    def _drafts(self) -> list[Draft] | None:
         """Each row's draft for this step (empty for a row that does not draft), or None for a
-        plain step: no row drafts, or the speculator's switch says so (engine/speculative.py)."""
+        plain step: no row drafts, or the speculator's switch says so (engine/speculative.py). A
+        row drafts from its second step on, as the lone sequence does: its first step feeds its
+        prompt's last token alone."""
         spec = self.spec
         if spec is None or not any(s.drafter for s in self.rows) or not spec.plan_step():
             return None
         drafts = []
         for seq in self.rows:
             k = min(spec.k, seq.reply.max_tokens - len(seq.tokens) - 1)
-            drafts.append(
-                spec.draft(seq.drafter, seq.prompt + seq.tokens, k, seq.reply.eos) if seq.drafter and k > 0 else []
-            )
-        return drafts if any(drafts) else None
+            if seq.drafter and seq.tokens and k > 0:
+                drafts.append(spec.draft(seq.drafter, seq.prompt + seq.tokens, k, seq.reply.eos, seq.sampler))
+            else:
+                drafts.append(Draft([]))
+        return drafts if any(d.tokens for d in drafts) else None
 
-    def _verify(self, drafts: list[list[int]], previous: list) -> list[list[int]]:
+    def _verify(self, drafts: list[Draft], previous: list) -> list[list[int]]:
         """One step feeding each row its last token and its draft (rows without one: the last
-        token alone); each row keeps what the verify rule accepts (speculative.accept, greedy) and
-        one more token (its own sampler's, for a row that did not draft). Returns each row's tokens."""
+        token alone); each row keeps what the verify rule accepts (speculative.accept, the lone
+        sequence's: greedy, or sampled at its temperature and top-p) and one more token (its own
+        sampler's, for a row that did not draft). Returns each row's tokens."""
         rows = self.rows
 
         def decide(logprobs):
             out, kept = [], []
             for i, (seq, draft) in enumerate(zip(rows, drafts)):
-                if not draft:
+                if not draft.tokens:
                     out.append([sample_row(seq.sampler, logprobs[i, 0])])
                     kept.append(1)
                     continue
-                n, nxt = accept(draft, logprobs[i])
-                out.append(draft[:n] + [nxt])
+                n, nxt = accept(seq.sampler, draft, logprobs[i])
+                out.append(draft.tokens[:n] + [nxt])
                 kept.append(n + 1)
             return out, kept
 
-        inputs = [[y] + d for y, d in zip(self.inputs, drafts)]
+        inputs = [[y] + d.tokens for y, d in zip(self.inputs, drafts)]
         return self.engine.stepper.verify_batch(inputs, self.steps, decide, self.cache, previous)
 
     def _drop_rows(self, done: list[int], failed: list[int] = ()) -> None:

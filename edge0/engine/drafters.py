@@ -38,8 +38,9 @@ class Draft:
 
 
 class Drafter:
-    """The interface. `draft(context, k, temp, top_p)`: up to k tokens that may follow `context`
-    (the prompt and the generated tokens, the last not yet fed to the model)."""
+    """The interface. `draft(context, k, temp, top_p, key)`: up to k tokens that may follow `context`
+    (the prompt and the generated tokens, the last not yet fed to the model); a drafter that samples
+    draws from `key` (a seeded request's own stream; None: the global one)."""
 
     name = "drafter"
     cheap = True  # drafting costs next to nothing: shadow drafts measure acceptance while off
@@ -47,7 +48,7 @@ class Drafter:
     def start(self, prompt: list[int]) -> None:
         """A generation begins with `prompt`."""
 
-    def draft(self, context: list[int], k: int, temp: float = 0.0, top_p: float = 1.0) -> Draft:
+    def draft(self, context: list[int], k: int, temp: float = 0.0, top_p: float = 1.0, key=None) -> Draft:
         raise NotImplementedError
 
     def fork(self) -> Drafter:
@@ -83,7 +84,7 @@ class PromptLookup(Drafter):
         self.n = len(context)
         return self.buf[: self.n]
 
-    def draft(self, context: list[int], k: int, temp: float = 0.0, top_p: float = 1.0) -> Draft:
+    def draft(self, context: list[int], k: int, temp: float = 0.0, top_p: float = 1.0, key=None) -> Draft:
         ctx = self._context(context)
         for n in range(min(self.max_n, len(ctx) - 1), 0, -1):
             tail = ctx[-n:]
@@ -124,8 +125,8 @@ class ModelDrafter(Drafter):
         self.name = f"model {path.name}"
         self.path = path
 
-    def draft(self, context: list[int], k: int, temp: float = 0.0, top_p: float = 1.0) -> Draft:
-        tokens, probs = self.model.draft(context, k, temp, top_p, self.vocab_size)
+    def draft(self, context: list[int], k: int, temp: float = 0.0, top_p: float = 1.0, key=None) -> Draft:
+        tokens, probs = self.model.draft(context, k, temp, top_p, self.vocab_size, key)
         return Draft(tokens, probs)
 
     def fork(self) -> ModelDrafter:

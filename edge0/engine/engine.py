@@ -245,8 +245,6 @@ class Engine:
             cache_namespace,
         )
         request.check()
-        if seed is not None:  # a sampled verify's draws (speculative.py) come from the global stream
-            B.seed(seed)
         finished = False
         with self.batching() as batch:  # a lone request is a batch of one (batch.py)
             batch.interrupt = should_stop

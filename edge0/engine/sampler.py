@@ -33,7 +33,8 @@ class RequestSampler:
         """`seed`: draw from this sampler's own random stream (a batch row's samples then do not
         depend on the other rows); None: from the global one. A temperature below
         edge0.sampling.GREEDY_BELOW is greedy."""
-        self.temperature, self.top_p, self.top_k, self.seed = effective_temperature(temperature), top_p, top_k, seed
+        self.temperature, self.top_p, self.top_k = effective_temperature(temperature), top_p, top_k
+        self._keys = blog.Keys(seed) if seed is not None and self.temperature > 0 else None
         self.processors = list(processors or [])
         self.n_top = logprobs
         self.generated: list[int] = []
@@ -45,9 +46,16 @@ class RequestSampler:
         """Temperature and top-p only: what a speculative verify can sample exactly."""
         return not self.processors and self.n_top is None and not self.top_k
 
+    def key(self):
+        """A fresh key of this sampler's own stream for a draw a speculative step makes for it (a
+        sampled draft, the verify rule), taken in the same order in a batch's row as alone, so a
+        seeded request's tokens do not depend on what else draws; None without a seed (the global
+        stream) or when greedy (nothing is drawn)."""
+        return self._keys.next() if self._keys is not None else None
+
     def __call__(self, logprobs):
         if self._sample is None:  # the vocabulary is known once a row arrives
-            self._sample = blog.sampler(self.temperature, self.top_p, self.top_k, logprobs.shape[-1], self.seed)
+            self._sample = blog.sampler(self.temperature, self.top_p, self.top_k, logprobs.shape[-1], self._keys)
         if not self.processors and self.n_top is None:
             return self._sample(blog.sampling_dtype(logprobs))
         row = logprobs

@@ -4,9 +4,11 @@ their experts once) checks them, and the KV cache is taken back to the last kept
 
 Greedy output is the plain greedy output (the argmax of each position is compared with the draft);
 with sampling, the standard accept/reject rule keeps the model's distribution
-(edge0.backend.speculative). An adaptive switch turns drafting off while the measured acceptance
-and the measured cost of a verify make it slower than plain steps, and back on when they no
-longer do (docs/speculative.md)."""
+(edge0.backend.speculative), for a lone sequence and for each row of a batch alike (`accept`). A
+seeded request's sampled drafts and verify draws come from its own random stream
+(RequestSampler.key), taken in the same order alone and as a batch's row. An adaptive switch
+turns drafting off while the measured acceptance and the measured cost of a verify make it slower
+than plain steps, and back on when they no longer do (docs/speculative.md)."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import time
 
 from edge0.backend import kvcache as bkv
 from edge0.backend import speculative as bsp
-from edge0.engine.drafters import DEFAULT_NUM_DRAFT, Drafter
+from edge0.engine.drafters import DEFAULT_NUM_DRAFT, Draft, Drafter
 from edge0.errors import Edge0Error
 
 DECAY = 0.9  # weight of the past in the running acceptance and cost estimates, per observation
@@ -140,10 +142,10 @@ class Speculator:
             explore = not self.on and self.should_explore()
             if k > 0 and (self.on or not self.adaptive or explore):
                 t0 = time.perf_counter()
-                draft = self.drafter.draft(context, k, temp, top_p).until(eos)
+                draft = self.drafter.draft(context, k, temp, top_p, sampler.key()).until(eos)
                 self.seconds["draft"] += time.perf_counter() - t0
                 if draft.tokens:
-                    out = self._verify(stepper, cache, generated, draft, temp, top_p)
+                    out = self._verify(stepper, cache, generated, draft, sampler)
                     self.estimates.observe_cycle(len(draft.tokens) + 1, time.perf_counter() - t0)
                     self.seconds["verify"] += time.perf_counter() - t0
                     self.off_steps, shadow = 0, None  # a pending shadow draft no longer lines up
@@ -153,7 +155,7 @@ class Speculator:
                     yield out
                     continue
             if k > 0 and not self.on and shadow is None and (self.drafter.cheap or since_probe >= PROBE_EVERY):
-                tokens, since_probe = self.drafter.draft(context, k, temp, top_p).until(eos).tokens, 0
+                tokens, since_probe = self.drafter.draft(context, k, temp, top_p, sampler.key()).until(eos).tokens, 0
                 self.counts["shadow_drafted"] += len(tokens)
                 shadow = (tokens, 0) if tokens else None
             t0 = time.perf_counter()
@@ -184,13 +186,13 @@ class Speculator:
             self.estimates.observe_acceptance(run, run + 1)
         return None
 
-    def _verify(self, stepper, cache, generated, draft, temp, top_p) -> list[int]:
+    def _verify(self, stepper, cache, generated, draft, sampler) -> list[int]:
         """One verify step of `generated[-1]` + the draft: the tokens it yields (the accepted draft
         tokens and one more)."""
         k = len(draft.tokens)
         inputs = [generated[-1]] + draft.tokens
         n, nxt, replayed = stepper.verify(
-            len(generated), inputs, lambda logprobs: accept(draft.tokens, logprobs, temp, top_p, draft.probs), cache
+            len(generated), inputs, lambda logprobs: accept(sampler, draft, logprobs), cache
         )
         self.counts["replays"] += replayed
         c = self.counts
@@ -211,14 +213,16 @@ class Speculator:
             self.off_steps += 1
         return self.on or self._exploring
 
-    def draft(self, drafter: Drafter, context: list[int], k: int, eos) -> list[int]:
-        """A batch row's greedy draft of at most `k` tokens after `context`, cut at `eos`; timed."""
+    def draft(self, drafter: Drafter, context: list[int], k: int, eos, sampler) -> Draft:
+        """A batch row's draft of at most `k` tokens after `context`, cut at `eos`, at its plain
+        `sampler`'s temperature and top-p (drawn from its own stream when seeded, as `decode`
+        draws); timed."""
         t0 = time.perf_counter()
-        tokens = drafter.draft(context, k).until(eos).tokens
+        draft = drafter.draft(context, k, sampler.temperature, sampler.top_p, sampler.key()).until(eos)
         self.seconds["draft"] += time.perf_counter() - t0
-        return tokens
+        return draft
 
-    def observe_batch(self, drafts: list[list[int]] | None, out: list[list[int]], seconds: float) -> None:
+    def observe_batch(self, drafts: list[Draft] | None, out: list[list[int]], seconds: float) -> None:
         """A batch's step took `seconds`: plain (`drafts` None) or a verify of each row's draft
         (empty for a row that did not draft), row i keeping `out[i]`; the estimates, the counts
         and the switch."""
@@ -230,15 +234,15 @@ class Speculator:
         else:
             if self._exploring:
                 self.explored()
-            width = 1 + max(len(d) for d in drafts)
+            width = 1 + max(len(d.tokens) for d in drafts)
             self.estimates.observe_cycle(width, seconds)
             self.seconds["verify"] += seconds
             c["verifies"] += 1
             c["verify_tokens"] += width * len(drafts)
             for d, ys in zip(drafts, out):
-                if d:
-                    self.estimates.observe_acceptance(len(ys) - 1, len(d))
-                    c["drafted"] += len(d)
+                if d.tokens:
+                    self.estimates.observe_acceptance(len(ys) - 1, len(d.tokens))
+                    c["drafted"] += len(d.tokens)
                     c["accepted"] += len(ys) - 1
                     c["yielded"] += len(ys)
         self.decide(self.k)
@@ -325,17 +329,21 @@ class Speculator:
         }
 
 
-def accept(draft: list[int], logprobs, temperature: float = 0.0, top_p: float = 1.0, draft_probs=None):
+def accept(sampler, draft: Draft, logprobs) -> tuple[int, int]:
     """The verify's rule, for one sequence and for each row of a batch: how many tokens of `draft`
-    (k) a step keeps, and the token after them, from the target's log-probs [k + 1, V]. Greedy: the
-    draft while each token is the argmax, then the argmax (the plain greedy tokens, exactly);
-    sampled: the accept/reject rule, which keeps the target's distribution (backend/speculative.py;
-    `draft_probs` [k, V] the drafter's, None for a deterministic one). Returns (n, next token)."""
-    if temperature == 0:
-        best = bsp.greedy_tokens(logprobs[: len(draft) + 1])
-        n = next((i for i in range(len(draft)) if best[i] != draft[i]), len(draft))
+    (k) a step keeps, and the token after them, from the target's log-probs [k + 1, V] (a batch
+    row's may run longer: padding, not read), at the request's plain `sampler`'s temperature and
+    top-p. Greedy: the draft while each token is the argmax, then the argmax (the plain greedy
+    tokens, exactly); sampled: the accept/reject rule, which keeps the target's distribution
+    (backend/speculative.py; `draft.probs` [k, V] the drafter's, None for a deterministic one),
+    drawn from the sampler's own stream when it is seeded. Returns (n, next token)."""
+    tokens, logprobs = draft.tokens, logprobs[: len(draft.tokens) + 1]
+    if sampler.temperature == 0:
+        best = bsp.greedy_tokens(logprobs)
+        n = next((i for i in range(len(tokens)) if best[i] != tokens[i]), len(tokens))
         return n, best[n]
-    return bsp.accept_reject(bsp.sampling_probs(logprobs, temperature, top_p), draft, draft_probs)
+    p = bsp.sampling_probs(logprobs, sampler.temperature, sampler.top_p)
+    return bsp.accept_reject(p, tokens, draft.probs, sampler.key())
 
 
 def check_speculation(engine) -> None:

@@ -2,7 +2,7 @@
 with MLX_HOSTFILE and MLX_RANK like mlx.launch does. For each run (load keywords and a prompt) it
 loads the engine, generates on rank 0 (follows elsewhere) and writes what this rank saw: the
 generated tokens (rank 0), the expert files it opened, its layers, MoE layers and adapted linears,
-and rank 0's stats."""
+and rank 0's stats; or the one-line refusal of a load that is refused across ranks."""
 
 import json
 import os
@@ -11,6 +11,7 @@ from pathlib import Path
 
 import edge0
 from edge0.backend import lora as blora
+from edge0.errors import Edge0Error
 
 opened: list[str] = []
 _open = os.open
@@ -29,7 +30,11 @@ runs = json.loads(Path(sys.argv[1]).read_text())
 results = []
 for run in runs:
     opened.clear()
-    engine = edge0.load(run["store"], **run["options"])
+    try:
+        engine = edge0.load(run["store"], **run["options"])
+    except Edge0Error as e:  # a family refused across ranks: every rank says so, and goes on
+        results.append({"refused": str(e)})
+        continue
     out = {
         "rank": engine.stage.rank,
         "moe_layers": sorted(engine.store.layers),

@@ -227,6 +227,59 @@ def test_a_family_whose_stages_pass_on_more_than_the_hidden_state_is_refused_wit
         bdist.num_layers(model)
 
 
+# families refused across ranks, each with its one-line reason (every other family of the fixtures
+# must give the single process's tokens on 2 ranks)
+_NAMES = "no module with embed_tokens, a list of layers and norm"  # other names for the ends of the model
+_STATE = "some layers keep state other than a KV cache"  # linear attention, SSM state, several caches in one
+_SHARED = "which a stage boundary would cut"  # layers that share KV across layers
+REFUSED: dict[str, str] = {
+    **dict.fromkeys(("bailing_moe", "bailing_hybrid", "bailing_moe_linear", "bailing_moe_v3", "dbrx"), _NAMES),
+    **dict.fromkeys(("jamba", "lfm2_moe", "longcat_flash_ngram", "nemotron_h", "phixtral"), _NAMES),
+    **dict.fromkeys(("qwen3_5_moe", "qwen3_next", "qwen3_5", "granitemoehybrid", "kimi_k3", "kimi_linear"), _STATE),
+    **dict.fromkeys(("deepseek_v32", "glm_moe_dsa", "longcat_flash", "minimax_m3_vl"), _STATE),
+    **dict.fromkeys(("gemma4", "gemma4_text", "hunyuan"), _SHARED),
+}
+# a sample in the default suite (mlx-lm pipelines none of them: Edge0 stands SkipLayers in for the
+# other stage's layers); every fixture family behind -m slow
+SAMPLE = ("mixtral", "olmoe", "gpt_oss", "minimax")
+
+
+def _families_across_two_ranks(families, store_for, tmp_path):
+    runs = [{"store": str(store_for(f)), "options": {"prerouter": False}} for f in families]
+    for run in runs:
+        run.update(prompt=PROMPT, max_tokens=TOKENS, ignore_eos=True)
+    (tmp_path / "runs.json").write_text(json.dumps(runs))
+    argv = [sys.executable, str(ROOT / "tests" / "dist_worker.py"), str(tmp_path / "runs.json")]
+    done = launch(tmp_path, [argv + [str(tmp_path / f"out-{r}.json")] for r in range(2)], timeout=60 + 15 * len(runs))
+    assert [rc for rc, _, _ in done] == [0, 0], [err[-2000:] for _, _, err in done]
+    out = [json.loads((tmp_path / f"out-{r}.json").read_text()) for r in range(2)]
+    wrong = {}
+    for i, family in enumerate(families):
+        got = [o[i] for o in out]
+        if family in REFUSED:
+            assert all(REFUSED[family] in g.get("refused", "") for g in got), (family, got)
+            continue
+        assert "refused" not in got[0], (family, got[0]["refused"])
+        layers = got[1]["layers"] + got[0]["layers"]  # rank 1 the first stage, rank 0 the last
+        assert got[0]["layers"] and got[1]["layers"] and layers == list(range(len(layers))), (family, layers)
+        want = single(runs[i]["store"], prerouter=False)[0]
+        if got[0]["tokens"] != want:
+            wrong[family] = (got[0]["tokens"], want)
+    assert not wrong, wrong
+
+
+def test_families_mlx_lm_does_not_pipeline_give_the_single_process_tokens_on_two_ranks(store_for, tmp_path):
+    _families_across_two_ranks(SAMPLE, store_for, tmp_path)
+
+
+@pytest.mark.slow  # one launch over every fixture family: about a minute and a half
+def test_every_family_gives_the_single_process_tokens_on_two_ranks_or_is_refused_with_its_reason(store_for, tmp_path):
+    from tests.fixtures import ALL_FAMILIES
+
+    assert set(REFUSED) <= set(ALL_FAMILIES)
+    _families_across_two_ranks(ALL_FAMILIES, store_for, tmp_path)
+
+
 @pytest.mark.slow  # 7-11 s of launches: behind -m slow to keep the suite under 5 minutes on 2 cores
 def test_three_ranks_pass_the_hidden_state_through_a_middle_stage(store_for, heads, tmp_path):
     # deepseek_v3: rank 2 runs the dense layer 0 (no experts at all), rank 1 the head's owner

@@ -6,6 +6,7 @@ stage forward of a family whose stages pass on more than the hidden state)."""
 from __future__ import annotations
 
 import importlib
+import inspect
 import json
 import os
 import resource
@@ -19,7 +20,7 @@ import time
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import ChunkedKVCache, KVCache, QuantizedKVCache, RotatingKVCache, make_prompt_cache
 from mlx_lm.models.pipeline import PipelineMixin
 
 from edge0.errors import Edge0Error
@@ -168,7 +169,10 @@ class StageEmbedding(nn.Module):
         object.__setattr__(self, "source", source)
 
     def __call__(self, inputs):
-        return self.embedding(inputs) if self.embeds else self.source(inputs)
+        if self.embeds:
+            return self.embedding(inputs)
+        object.__setattr__(self, "received", self.source(inputs))  # for a StageInput layer
+        return self.received
 
     def as_linear(self, x):
         return self.embedding.as_linear(x) if self.heads else x
@@ -182,28 +186,89 @@ class PassThrough(nn.Module):
         return x
 
 
+class SkipLayer(nn.Module):
+    """A decoder layer that another stage runs, in a family mlx-lm does not pipeline: the hidden
+    state passes through, and the layer's cache is fed placeholder keys one wide (a quantized
+    cache: one group wide), so its offset, ring position and masks stay rank 0's (a family's mask
+    comes from whichever layer's cache it names). Attributes a family reads from its layers
+    (which kind of attention, for its caches) come from the layer it stands for, whose weights are
+    never loaded."""
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        names = [n for n in inspect.signature(type(layer).__call__).parameters if n != "self"]
+        object.__setattr__(self, "stands_for", layer)
+        object.__setattr__(self, "cache_at", names.index("cache") - 1 if "cache" in names else None)
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(object.__getattribute__(self, "stands_for"), name)
+
+    def __call__(self, x, *args, **kwargs):
+        at = self.cache_at
+        cache = kwargs.get("cache", args[at] if at is not None and at < len(args) else None)
+        if cache is not None:
+            width = cache.group_size if isinstance(cache, QuantizedKVCache) else 1
+            z = mx.zeros((x.shape[0], 1, x.shape[1], width), dtype=x.dtype)
+            cache.update_and_fetch(z, z)
+        return x
+
+
+# the caches a SkipLayer keeps in step (each keeps its offset from the keys it is fed)
+_SKIPPABLE = (KVCache, RotatingKVCache, ChunkedKVCache, QuantizedKVCache)
+# families mlx-lm does not pipeline whose layers hand each other more than the hidden state
+_SHARED_ACROSS_LAYERS = {
+    "gemma4": "its later layers attend with the KV an earlier layer computed (KV sharing)",
+    "gemma4_text": "its later layers attend with the KV an earlier layer computed (KV sharing)",
+    "hunyuan": "its layers share KV with the layer before them (cross-layer attention)",
+}
+
+
 def _pipeline_module(model) -> tuple[str, nn.Module]:
+    """The module holding the decoder layers: mlx-lm's PipelineMixin model, or, for a family mlx-lm
+    does not pipeline, the one module with embed_tokens, a list of layers and norm (Edge0 runs a
+    stage by standing SkipLayers in for the other stages' layers)."""
     found = [(p, m) for p, m in model.named_modules() if isinstance(m, PipelineMixin)]
-    if len(found) != 1 or not all(hasattr(found[0][1], a) for a in ("embed_tokens", "norm", "layers")):
+    ends = ("embed_tokens", "norm", "layers")
+    if not found:
+        found = [(p, m) for p, m in model.named_modules() if all(hasattr(m, a) for a in ends)]
+        found = [(p, m) for p, m in found if isinstance(m.layers, list)]
+    if len(found) != 1 or not all(hasattr(found[0][1], a) for a in ends):
         raise Edge0Error(
-            f"model_type {getattr(model, 'model_type', '?')!r}: mlx-lm has no pipeline support for "
-            "this family (no PipelineMixin model with embed_tokens, layers and norm); run it in one process"
+            f"model_type {getattr(model, 'model_type', '?')!r}: no module with embed_tokens, a list of "
+            "layers and norm to split across ranks; run it in one process"
         )
     return found[0]
 
 
 def num_layers(model) -> int:
-    """Decoder layers of a pipeline-capable mlx-lm model (an Edge0Error for other families):
-    mlx-lm pipelines it, what its stages pass on is a hidden state or a boundary Edge0 carries
-    (`_boundary`), and every layer's cache has an offset that says how many tokens it holds (what
-    the stage exchange keeps in step across ranks)."""
+    """Decoder layers of a model a stage can hold (an Edge0Error for others): what its stages
+    pass on is a hidden state or a boundary Edge0 carries (`_boundary`), and every layer's cache
+    has an offset that says how many tokens it holds (what the stage exchange keeps in step across
+    ranks); a family mlx-lm does not pipeline also needs caches a SkipLayer keeps in step."""
     inner = _pipeline_module(model)[1]
     n = len(inner.layers)
     _boundary(model, inner)
-    if not all(hasattr(c, "offset") for c in make_prompt_cache(model)):
+    caches = make_prompt_cache(model)
+    odd = sorted({type(c).__name__ for c in caches if not isinstance(c, _SKIPPABLE)})
+    if not isinstance(inner, PipelineMixin) and odd and all(hasattr(c, "offset") for c in caches):
+        raise Edge0Error(
+            f"model_type {getattr(model, 'model_type', '?')!r}: its layers keep {', '.join(odd)} caches, which "
+            "a stage cannot keep in step for the layers other ranks run; run it in one process"
+        )
+    stateful = sorted({type(c).__name__ for c in caches if not hasattr(c, "offset")})
+    if stateful:
         raise Edge0Error(
             f"model_type {getattr(model, 'model_type', '?')!r}: some layers keep state other than a KV "
-            "cache (linear attention), which the stage exchange does not keep in step across ranks; "
+            f"cache ({', '.join(stateful)}: linear attention, SSM state or several caches in one), which the "
+            "stage exchange does not keep in step across ranks; run it in one process"
+        )
+    model_type = getattr(model, "model_type", "?")
+    if not isinstance(inner, PipelineMixin) and model_type in _SHARED_ACROSS_LAYERS:
+        raise Edge0Error(
+            f"model_type {model_type!r}: {_SHARED_ACROSS_LAYERS[model_type]}, which a stage boundary would cut; "
             "run it in one process"
         )
     return n
@@ -224,8 +289,13 @@ def keep_stage_layers(model, rank: int, size: int, split: list[int], first: bool
     exchange replaces it. Returns the parameter-name prefixes of the ends this stage does not
     hold (embedding, final norm, head), whose weights are not loaded."""
     inner, _, pre, head_pre, tied = _ends(model)
-    inner.pipeline(_Ranks(rank, size), split)
-    inner.pipeline_rank, inner.pipeline_size = 0, 1
+    if isinstance(inner, PipelineMixin):
+        inner.pipeline(_Ranks(rank, size), split)
+        inner.pipeline_rank, inner.pipeline_size = 0, 1
+    else:  # mlx-lm's order: rank r runs the layers after those of ranks r + 1 ... size - 1
+        start = sum(split[rank + 1 :])
+        for i in [i for i in range(len(inner.layers)) if not start <= i < start + split[rank]]:
+            inner.layers[i] = SkipLayer(inner.layers[i])
     skip = set()
     if not first and not (last and tied):
         skip.add(f"{pre}embed_tokens.")
@@ -248,6 +318,8 @@ def replace_stage_ends(model, first: bool, last: bool) -> None:
         inner.norm = PassThrough()
         if not tied:
             owner.lm_head = PassThrough()
+    if not isinstance(inner, PipelineMixin):
+        _mark_stage_layers(inner, first, last)
     staged = _boundary(model, inner)
     if staged is not None:
         module = importlib.import_module(type(inner).__module__)
@@ -258,6 +330,43 @@ def replace_stage_ends(model, first: bool, last: bool) -> None:
         # sent on), as mlx-lm's pipeline() computes it
         crossing = (module._crossing(inner.args, inner.start_idx), module._crossing(inner.args, inner.end_idx))
         object.__setattr__(inner, "crossing", crossing)
+
+
+class StageInput:
+    """Mixed into a stage's first layer (a family mlx-lm does not pipeline, not the first stage):
+    its input is the hidden state the previous stage sent, as received, whatever the family's
+    forward did to its embedding's output (granitemoe multiplies it, afmoe scales it)."""
+
+    def __call__(self, x, *args, **kwargs):
+        return super().__call__(self.stage_embedding.received, *args, **kwargs)
+
+
+class StageOutput:
+    """Mixed into a stage's last layer (not the last stage): its output is what the stage sends on,
+    before anything the family's forward does after its layers (granitemoe divides its logits)."""
+
+    def __call__(self, *args, **kwargs):
+        out = super().__call__(*args, **kwargs)
+        object.__setattr__(self, "sent", out)
+        return out
+
+
+def _mark_stage_layers(inner, first: bool, last: bool) -> None:
+    """StageInput and StageOutput mixed into the stage's first and last layers (their parameter
+    names stay the same)."""
+    held = [layer for layer in inner.layers if not isinstance(layer, SkipLayer)]
+    for layer, mixin, needed in ((held[0], StageInput, not first), (held[-1], StageOutput, not last)):
+        if needed:
+            layer.__class__ = type(f"{mixin.__name__}{type(layer).__name__}", (mixin, type(layer)), {})
+    object.__setattr__(held[0], "stage_embedding", inner.embed_tokens)
+    object.__setattr__(inner, "stage_output", held[-1] if not last else None)
+
+
+def stage_output(model, out):
+    """What a stage that is not the last sends on after `model(...)` returned `out`: its last
+    layer's output (a family mlx-lm does not pipeline), else `out`."""
+    layer = getattr(_pipeline_module(model)[1], "stage_output", None)
+    return layer.sent if layer is not None else out
 
 
 def set_stage_source(model, source) -> None:

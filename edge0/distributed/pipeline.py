@@ -330,7 +330,7 @@ class Pipeline:
 
         def forward():
             routed.update(self._route_predictions(preds))
-            out = engine.model(x, cache=cache)
+            out = bdist.stage_output(engine.model, engine.model(x, cache=cache))
             routed.update(self.outgoing())
             return out
 

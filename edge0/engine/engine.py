@@ -87,14 +87,11 @@ class Engine:
         self.pipeline = None
 
     # -- features ------------------------------------------------------------------------------
-    @property
-    def hooks(self) -> StepHooks:
-        """The step hooks features attach (the stepper calls them)."""
-        return self.stepper.hooks
-
-    @hooks.setter
-    def hooks(self, hooks: StepHooks) -> None:
-        self.stepper.hooks = hooks
+    hooks = property(
+        lambda self: self.stepper.hooks,
+        lambda self, hooks: setattr(self.stepper, "hooks", hooks),
+        doc="The step hooks features attach (StepHooks; the stepper calls them).",
+    )
 
     def use_prerouter(self, prerouting, hooks: StepHooks, path: Path | None, meta: dict | None) -> None:
         """Route pre-routed layers with `prerouting` (already installed in the MoE blocks) and run

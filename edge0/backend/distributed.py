@@ -226,19 +226,30 @@ _SHARED_ACROSS_LAYERS = {
 }
 
 
+# what the families call the embedding, the decoder layers and the final norm of their model
+_EMBED, _LAYERS, _NORM = ("embed_tokens", "word_embeddings", "wte"), ("layers", "blocks"), ("norm", "norm_f")
+
+
+def _names(module) -> tuple[str, str, str] | None:
+    """(embedding, layers, final norm) attribute names of `module`, or None when it lacks one (or
+    its layers are not a list)."""
+    found = [next((n for n in names if n in module), None) for names in (_EMBED, _LAYERS, _NORM)]
+    if None in found or not isinstance(module[found[1]], list):
+        return None
+    return tuple(found)
+
+
 def _pipeline_module(model) -> tuple[str, nn.Module]:
     """The module holding the decoder layers: mlx-lm's PipelineMixin model, or, for a family mlx-lm
-    does not pipeline, the one module with embed_tokens, a list of layers and norm (Edge0 runs a
-    stage by standing SkipLayers in for the other stages' layers)."""
+    does not pipeline, the one module with an embedding, a list of layers and a final norm (Edge0
+    runs a stage by standing SkipLayers in for the other stages' layers)."""
     found = [(p, m) for p, m in model.named_modules() if isinstance(m, PipelineMixin)]
-    ends = ("embed_tokens", "norm", "layers")
     if not found:
-        found = [(p, m) for p, m in model.named_modules() if all(hasattr(m, a) for a in ends)]
-        found = [(p, m) for p, m in found if isinstance(m.layers, list)]
-    if len(found) != 1 or not all(hasattr(found[0][1], a) for a in ends):
+        found = [(p, m) for p, m in model.named_modules() if _names(m) is not None]
+    if len(found) != 1 or _names(found[0][1]) is None:
         raise Edge0Error(
-            f"model_type {getattr(model, 'model_type', '?')!r}: no module with embed_tokens, a list of "
-            "layers and norm to split across ranks; run it in one process"
+            f"model_type {getattr(model, 'model_type', '?')!r}: no module with an embedding, a list of "
+            "layers and a final norm to split across ranks; run it in one process"
         )
     return found[0]
 
@@ -249,7 +260,7 @@ def num_layers(model) -> int:
     has an offset that says how many tokens it holds (what the stage exchange keeps in step across
     ranks); a family mlx-lm does not pipeline also needs caches a SkipLayer keeps in step."""
     inner = _pipeline_module(model)[1]
-    n = len(inner.layers)
+    n = len(inner[_names(inner)[1]])
     _boundary(model, inner)
     caches = make_prompt_cache(model)
     odd = sorted({type(c).__name__ for c in caches if not isinstance(c, _SKIPPABLE)})
@@ -289,18 +300,19 @@ def keep_stage_layers(model, rank: int, size: int, split: list[int], first: bool
     exchange replaces it. Returns the parameter-name prefixes of the ends this stage does not
     hold (embedding, final norm, head), whose weights are not loaded."""
     inner, _, pre, head_pre, tied = _ends(model)
+    embed, layers, norm = _names(inner)
     if isinstance(inner, PipelineMixin):
         inner.pipeline(_Ranks(rank, size), split)
         inner.pipeline_rank, inner.pipeline_size = 0, 1
     else:  # mlx-lm's order: rank r runs the layers after those of ranks r + 1 ... size - 1
-        start = sum(split[rank + 1 :])
-        for i in [i for i in range(len(inner.layers)) if not start <= i < start + split[rank]]:
-            inner.layers[i] = SkipLayer(inner.layers[i])
+        start, held = sum(split[rank + 1 :]), inner[layers]
+        for i in [i for i in range(len(held)) if not start <= i < start + split[rank]]:
+            held[i] = SkipLayer(held[i])
     skip = set()
     if not first and not (last and tied):
-        skip.add(f"{pre}embed_tokens.")
+        skip.add(f"{pre}{embed}.")
     if not last:
-        skip.add(f"{pre}norm.")
+        skip.add(f"{pre}{norm}.")
         if not tied:
             skip.add(f"{head_pre}lm_head.")
     return skip
@@ -313,9 +325,10 @@ def replace_stage_ends(model, first: bool, last: bool) -> None:
     forward from `_BOUNDARIES` (the message it sends and receives stands where the hidden state
     does)."""
     inner, owner, _, _, tied = _ends(model)
-    inner.embed_tokens = StageEmbedding(inner.embed_tokens, first, last and tied, lambda h: h)
+    embed, _, norm = _names(inner)
+    inner[embed] = StageEmbedding(inner[embed], first, last and tied, lambda h: h)
     if not last:
-        inner.norm = PassThrough()
+        inner[norm] = PassThrough()
         if not tied:
             owner.lm_head = PassThrough()
     if not isinstance(inner, PipelineMixin):
@@ -354,11 +367,12 @@ class StageOutput:
 def _mark_stage_layers(inner, first: bool, last: bool) -> None:
     """StageInput and StageOutput mixed into the stage's first and last layers (their parameter
     names stay the same)."""
-    held = [layer for layer in inner.layers if not isinstance(layer, SkipLayer)]
+    embed, layers, _ = _names(inner)
+    held = [layer for layer in inner[layers] if not isinstance(layer, SkipLayer)]
     for layer, mixin, needed in ((held[0], StageInput, not first), (held[-1], StageOutput, not last)):
         if needed:
             layer.__class__ = type(f"{mixin.__name__}{type(layer).__name__}", (mixin, type(layer)), {})
-    object.__setattr__(held[0], "stage_embedding", inner.embed_tokens)
+    object.__setattr__(held[0], "stage_embedding", inner[embed])
     object.__setattr__(inner, "stage_output", held[-1] if not last else None)
 
 
@@ -372,7 +386,8 @@ def stage_output(model, out):
 def set_stage_source(model, source) -> None:
     """Where a stage that does not embed gets its hidden state: `source(inputs)`, called when the
     model runs (rank 0 receives it from the previous stage there)."""
-    object.__setattr__(_pipeline_module(model)[1].embed_tokens, "source", source)
+    inner = _pipeline_module(model)[1]
+    object.__setattr__(inner[_names(inner)[0]], "source", source)
 
 
 # -- stage boundaries that carry more than the hidden state ----------------------------------------

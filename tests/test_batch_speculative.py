@@ -12,23 +12,17 @@ import pytest
 from scipy.stats import chisquare
 
 import edge0
-from edge0.engine.drafters import Draft, Drafter, ModelDrafter
+from edge0.engine.drafters import Draft, ModelDrafter
 from edge0.engine.request import Request
 from edge0.engine.sampler import RequestSampler
 from edge0.engine.speculative import Speculator, accept
 from tests.fixtures.make import reference_dir
-from tests.test_batch import PROMPTS
+from tests.test_batch import PROMPTS, Oracle
 
 
-class Greedy(Drafter):
+class Greedy(Oracle):
     """Drafts each prompt's plain greedy continuation (deterministic: no draft distribution); a
     sampled row leaves it, so its drafts are both kept and rejected. Its forks share the table."""
-
-    def __init__(self, continuations: dict):
-        self.continuations, self.n0, self.ref = continuations, 0, []
-
-    def start(self, prompt):
-        self.n0, self.ref = len(prompt), self.continuations[tuple(prompt)]
 
     def draft(self, context, k, temp=0.0, top_p=1.0, key=None):
         i = len(context) - self.n0

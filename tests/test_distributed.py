@@ -216,15 +216,15 @@ def test_deepseek_v41_three_ranks_carry_the_streams_and_compressed_state_through
 
 
 def test_a_family_whose_stages_pass_on_more_than_the_hidden_state_is_refused_without_an_adapter(store_for):
-    from edge0.backend import distributed as bdist
     from edge0.backend import io as bio
+    from edge0.backend import stages as bstages
 
     config = json.loads((store_for("deepseek_v41") / "config.json").read_text())
     model = bio.build_model(config, store_for("deepseek_v41"))
-    assert bdist.num_layers(model) == 2  # carried: its stages run HyperConnectionStage
+    assert bstages.num_layers(model) == 2  # carried: its stages run HyperConnectionStage
     model.model_type = "deepseek_v41_next"  # the same exchange, but no adapter here
     with pytest.raises(Edge0Error, match=r"'deepseek_v41_next': mlx-lm's pipeline passes more than the hidden state"):
-        bdist.num_layers(model)
+        bstages.num_layers(model)
 
 
 # families refused across ranks, each with its one-line reason (every other family of the fixtures

@@ -9,8 +9,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from edge0.backend import distributed as bdist
 from edge0.backend import io as bio
+from edge0.backend import stages as bstages
 from edge0.backend.modules import get_module, set_module
 from edge0.backend.moe import SpecMoEBlock, StreamingExpertList, StreamingExperts
 
@@ -63,7 +63,7 @@ def assemble(
     keep = None
     if stage is not None:
         rank, size, split = stage
-        skip = bdist.keep_stage_layers(model, rank, size, split, rank == size - 1, rank == 0)
+        skip = bstages.keep_stage_layers(model, rank, size, split, rank == size - 1, rank == 0)
         keep = {n for n, _ in tree_flatten(model.parameters()) if not any(n.startswith(p) for p in skip)}
         missing = keep - set(resident)
         if missing:
@@ -77,7 +77,7 @@ def assemble(
     model.eval()
     model.load_weights(weights, strict=keep is None)
     if stage is not None:
-        bdist.replace_stage_ends(model, rank == size - 1, rank == 0)
+        bstages.replace_stage_ends(model, rank == size - 1, rank == 0)
     evaluate_all(model)
     return model
 

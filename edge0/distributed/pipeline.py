@@ -36,6 +36,7 @@ import numpy as np
 from edge0.backend import core as B
 from edge0.backend import distributed as bdist
 from edge0.backend import kvcache as bkv
+from edge0.backend import stages as bstages
 from edge0.engine.hooks import StepHooks
 from edge0.engine.stats import engine_stats
 from edge0.errors import Edge0Error
@@ -213,7 +214,7 @@ class Pipeline:
         """Rank 0: wrap the engine's hooks so that generations start, step and end on every rank,
         and take the hidden state from the exchange."""
         engine.hooks = LeaderHooks(engine.hooks, self)
-        bdist.set_stage_source(engine.model, self.source)
+        bstages.set_stage_source(engine.model, self.source)
 
     # -- every rank ------------------------------------------------------------------------------
     def own_stats(self) -> dict:
@@ -330,7 +331,7 @@ class Pipeline:
 
         def forward():
             routed.update(self._route_predictions(preds))
-            out = bdist.stage_output(engine.model, engine.model(x, cache=cache))
+            out = bstages.stage_output(engine.model, engine.model(x, cache=cache))
             routed.update(self.outgoing())
             return out
 

@@ -8,6 +8,7 @@ import json
 
 from edge0.backend import distributed as bdist
 from edge0.backend import io as bio
+from edge0.backend import stages as bstages
 from edge0.distributed.pipeline import Pipeline
 from edge0.distributed.split import Stage, plan_split
 from edge0.errors import Edge0Error
@@ -54,7 +55,7 @@ def plan_stage(group, root, resident_file: str, manifest: dict, config: dict, op
             "every rank must load the same store: copy one store to every machine, or convert the same checkpoint on "
             "each",
         )
-    num_layers = bdist.num_layers(bio.build_model(config, root))
+    num_layers = bstages.num_layers(bio.build_model(config, root))
     ranks = group.size() if group is not None else 1
     split = plan_split(root, resident_file, manifest, num_layers, ranks, options.pipeline_split)
     if group is None:

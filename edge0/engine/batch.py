@@ -25,7 +25,6 @@ a pre-router's predictions are by row, and a row that joined since has none.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
 from edge0.backend import core as B
 from edge0.backend import kvcache as bkv
@@ -33,6 +32,7 @@ from edge0.engine.drafters import Draft
 from edge0.engine.reply import Reply, Step
 from edge0.engine.request import Request
 from edge0.engine.sampler import RequestSampler
+from edge0.engine.sequence import Sequence
 from edge0.engine.solo import Solo
 from edge0.engine.speculative import accept
 from edge0.engine.stats import sequence_stats
@@ -51,45 +51,6 @@ class _OwnFailure(Exception):
     def __init__(self, error: Exception):
         super().__init__(str(error))
         self.error = error
-
-
-@dataclass
-class Sequence:
-    """One sequence of a batch: its request, sampler and reply, and where its prefill is."""
-
-    request: Request
-    sampler: RequestSampler
-    reply: Reply
-    cache: list | None = None  # its own cache while it waits (prefills); then it is a row of the batch's
-    fed: int = 0  # prompt tokens its own cache holds (reused or prefilled)
-    held: int = 0  # of those, the ones a cached prefix held when it joined
-    receipt: object = None  # the disk file its cache was restored from, until its prefill succeeds
-    drafter: object | None = None  # its own drafter (a plain request while the engine speculates)
-    lone: bool = False  # alone in the batch (solo.py), until a second sequence joins
-    prepared: bool = False  # a lone sequence: its cache holds its cached prefix
-    lane: object = None  # a lone row's steps (Solo.steps)
-    made: list[int] = field(default_factory=list)  # the tokens a lone row's steps made (Solo.fed)
-    before: tuple = ()  # executor totals, store reads and speculation counts when it joined
-    prefilled: dict | None = None  # executor totals once its prompt but the last token was in
-    joined: float = field(default_factory=time.perf_counter)
-    first_token_s: float | None = None  # from joining to its first token
-    finish: str | None = None
-
-    @property
-    def prompt(self) -> list[int]:
-        return self.request.prompt
-
-    @property
-    def reuse(self) -> bool:
-        return self.request.reuse
-
-    @property
-    def namespace(self) -> str:
-        return self.request.namespace
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.reply.tokens
 
 
 def batch_problem(engine) -> str | None:

@@ -1,0 +1,396 @@
+"""The pipeline setup of an mlx-lm model for one stage (edge0.distributed): which layers,
+embedding, norm and head a stage holds, SkipLayers standing in for the other stages' layers of a
+family mlx-lm does not pipeline, and the stage forward of a family whose stages pass on more than
+the hidden state (deepseek_v41)."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import ChunkedKVCache, KVCache, QuantizedKVCache, RotatingKVCache, make_prompt_cache
+from mlx_lm.models.pipeline import PipelineMixin
+
+from edge0.errors import Edge0Error
+
+
+# -- the pipeline setup of an mlx-lm model ---------------------------------------------------------
+class _Ranks:
+    """What PipelineMixin.pipeline reads from a group."""
+
+    def __init__(self, rank: int, size: int):
+        self._rank, self._size = rank, size
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._size
+
+
+class StageEmbedding(nn.Module):
+    """The embedding position of a pipeline stage. The first stage embeds token ids; the others
+    return the hidden state `source(inputs)` from the previous stage. `as_linear` is the tied
+    head on the last stage and passes the hidden state through elsewhere."""
+
+    def __init__(self, embedding, embeds: bool, heads: bool, source):
+        super().__init__()
+        if embeds or heads:
+            self.embedding = embedding
+        object.__setattr__(self, "embeds", embeds)
+        object.__setattr__(self, "heads", heads)
+        object.__setattr__(self, "source", source)
+
+    def __call__(self, inputs):
+        if self.embeds:
+            return self.embedding(inputs)
+        object.__setattr__(self, "received", self.source(inputs))  # for a StageInput layer
+        return self.received
+
+    def as_linear(self, x):
+        return self.embedding.as_linear(x) if self.heads else x
+
+
+class PassThrough(nn.Module):
+    """Stands in for the final norm and the head on a stage that is not the last: its output is
+    the hidden state for the next stage."""
+
+    def __call__(self, x):
+        return x
+
+
+class SkipLayer(nn.Module):
+    """A decoder layer that another stage runs, in a family mlx-lm does not pipeline: the hidden
+    state passes through, and the layer's cache is fed placeholder keys one wide (a quantized
+    cache: one group wide), so its offset, ring position and masks stay rank 0's (a family's mask
+    comes from whichever layer's cache it names). Attributes a family reads from its layers
+    (which kind of attention, for its caches) come from the layer it stands for, whose weights are
+    never loaded."""
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        names = [n for n in inspect.signature(type(layer).__call__).parameters if n != "self"]
+        object.__setattr__(self, "stands_for", layer)
+        object.__setattr__(self, "cache_at", names.index("cache") - 1 if "cache" in names else None)
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(object.__getattribute__(self, "stands_for"), name)
+
+    def __call__(self, x, *args, **kwargs):
+        at = self.cache_at
+        cache = kwargs.get("cache", args[at] if at is not None and at < len(args) else None)
+        if cache is not None:
+            width = cache.group_size if isinstance(cache, QuantizedKVCache) else 1
+            z = mx.zeros((x.shape[0], 1, x.shape[1], width), dtype=x.dtype)
+            cache.update_and_fetch(z, z)
+        return x
+
+
+# the caches a SkipLayer keeps in step (each keeps its offset from the keys it is fed)
+_SKIPPABLE = (KVCache, RotatingKVCache, ChunkedKVCache, QuantizedKVCache)
+# families mlx-lm does not pipeline whose layers hand each other more than the hidden state
+_SHARED_ACROSS_LAYERS = {
+    "gemma4": "its later layers attend with the KV an earlier layer computed (KV sharing)",
+    "gemma4_text": "its later layers attend with the KV an earlier layer computed (KV sharing)",
+    "hunyuan": "its layers share KV with the layer before them (cross-layer attention)",
+}
+
+
+# what the families call the embedding, the decoder layers and the final norm of their model
+_EMBED, _LAYERS, _NORM = ("embed_tokens", "word_embeddings", "wte"), ("layers", "blocks"), ("norm", "norm_f")
+
+
+def _names(module) -> tuple[str, str, str] | None:
+    """(embedding, layers, final norm) attribute names of `module`, or None when it lacks one (or
+    its layers are not a list)."""
+    found = [next((n for n in names if n in module), None) for names in (_EMBED, _LAYERS, _NORM)]
+    if None in found or not isinstance(module[found[1]], list):
+        return None
+    return tuple(found)
+
+
+def _pipeline_module(model) -> tuple[str, nn.Module]:
+    """The module holding the decoder layers: mlx-lm's PipelineMixin model, or, for a family mlx-lm
+    does not pipeline, the one module with an embedding, a list of layers and a final norm (Edge0
+    runs a stage by standing SkipLayers in for the other stages' layers)."""
+    found = [(p, m) for p, m in model.named_modules() if isinstance(m, PipelineMixin)]
+    if not found:
+        found = [(p, m) for p, m in model.named_modules() if _names(m) is not None]
+    if len(found) != 1 or _names(found[0][1]) is None:
+        raise Edge0Error(
+            f"model_type {getattr(model, 'model_type', '?')!r}: no module with an embedding, a list of "
+            "layers and a final norm to split across ranks; run it in one process"
+        )
+    return found[0]
+
+
+def num_layers(model) -> int:
+    """Decoder layers of a model a stage can hold (an Edge0Error for others): what its stages
+    pass on is a hidden state or a boundary Edge0 carries (`_boundary`), and every layer's cache
+    has an offset that says how many tokens it holds (what the stage exchange keeps in step across
+    ranks); a family mlx-lm does not pipeline also needs caches a SkipLayer keeps in step."""
+    inner = _pipeline_module(model)[1]
+    n = len(inner[_names(inner)[1]])
+    _boundary(model, inner)
+    caches = make_prompt_cache(model)
+    odd = sorted({type(c).__name__ for c in caches if not isinstance(c, _SKIPPABLE)})
+    if not isinstance(inner, PipelineMixin) and odd and all(hasattr(c, "offset") for c in caches):
+        raise Edge0Error(
+            f"model_type {getattr(model, 'model_type', '?')!r}: its layers keep {', '.join(odd)} caches, which "
+            "a stage cannot keep in step for the layers other ranks run; run it in one process"
+        )
+    stateful = sorted({type(c).__name__ for c in caches if not hasattr(c, "offset")})
+    if stateful:
+        raise Edge0Error(
+            f"model_type {getattr(model, 'model_type', '?')!r}: some layers keep state other than a KV "
+            f"cache ({', '.join(stateful)}: linear attention, SSM state or several caches in one), which the "
+            "stage exchange does not keep in step across ranks; run it in one process"
+        )
+    model_type = getattr(model, "model_type", "?")
+    if not isinstance(inner, PipelineMixin) and model_type in _SHARED_ACROSS_LAYERS:
+        raise Edge0Error(
+            f"model_type {model_type!r}: {_SHARED_ACROSS_LAYERS[model_type]}, which a stage boundary would cut; "
+            "run it in one process"
+        )
+    return n
+
+
+def _ends(model):
+    """(the PipelineMixin module, the module that holds lm_head, their parameter-name prefixes,
+    whether the head is tied to the embedding)."""
+    path, inner = _pipeline_module(model)
+    parent = path.rpartition(".")[0]
+    owner = dict(model.named_modules())[parent] if parent else model
+    return inner, owner, (f"{path}." if path else ""), (f"{parent}." if parent else ""), "lm_head" not in owner
+
+
+def keep_stage_layers(model, rank: int, size: int, split: list[int], first: bool, last: bool) -> set[str]:
+    """Keep the layers of `rank` with mlx-lm's PipelineMixin bookkeeping (rank 0 runs the last
+    `split[0]` layers; a family's own adjustments run too), with mlx-lm's exchange off: the stage
+    exchange replaces it. Returns the parameter-name prefixes of the ends this stage does not
+    hold (embedding, final norm, head), whose weights are not loaded."""
+    inner, _, pre, head_pre, tied = _ends(model)
+    embed, layers, norm = _names(inner)
+    if isinstance(inner, PipelineMixin):
+        inner.pipeline(_Ranks(rank, size), split)
+        inner.pipeline_rank, inner.pipeline_size = 0, 1
+    else:  # mlx-lm's order: rank r runs the layers after those of ranks r + 1 ... size - 1
+        start, held = sum(split[rank + 1 :]), inner[layers]
+        for i in [i for i in range(len(held)) if not start <= i < start + split[rank]]:
+            held[i] = SkipLayer(held[i])
+    skip = set()
+    if not first and not (last and tied):
+        skip.add(f"{pre}{embed}.")
+    if not last:
+        skip.add(f"{pre}{norm}.")
+        if not tied:
+            skip.add(f"{head_pre}lm_head.")
+    return skip
+
+
+def replace_stage_ends(model, first: bool, last: bool) -> None:
+    """After loading: give the stage its StageEmbedding (taking the hidden state as the model's
+    input until `set_stage_source`), and a PassThrough for the final norm and head unless it is
+    the last stage. A family whose stages pass on more than the hidden state runs its stage's
+    forward from `_BOUNDARIES` (the message it sends and receives stands where the hidden state
+    does)."""
+    inner, owner, _, _, tied = _ends(model)
+    embed, _, norm = _names(inner)
+    inner[embed] = StageEmbedding(inner[embed], first, last and tied, lambda h: h)
+    if not last:
+        inner[norm] = PassThrough()
+        if not tied:
+            owner.lm_head = PassThrough()
+    if not isinstance(inner, PipelineMixin):
+        _mark_stage_layers(inner, first, last)
+    staged = _boundary(model, inner)
+    if staged is not None:
+        module = importlib.import_module(type(inner).__module__)
+        inner.__class__ = type(f"Staged{type(inner).__name__}", (staged, type(inner)), {})
+        object.__setattr__(inner, "stage_ends", (first, last))
+        object.__setattr__(inner, "family_module", module)
+        # what the layers of later stages read from this stage's and earlier ones (received here,
+        # sent on), as mlx-lm's pipeline() computes it
+        crossing = (module._crossing(inner.args, inner.start_idx), module._crossing(inner.args, inner.end_idx))
+        object.__setattr__(inner, "crossing", crossing)
+
+
+class StageInput:
+    """Mixed into a stage's first layer (a family mlx-lm does not pipeline, not the first stage):
+    its input is the hidden state the previous stage sent, as received, whatever the family's
+    forward did to its embedding's output (granitemoe multiplies it, afmoe scales it)."""
+
+    def __call__(self, x, *args, **kwargs):
+        return super().__call__(self.stage_embedding.received, *args, **kwargs)
+
+
+class StageOutput:
+    """Mixed into a stage's last layer (not the last stage): its output is what the stage sends on,
+    before anything the family's forward does after its layers (granitemoe divides its logits)."""
+
+    def __call__(self, *args, **kwargs):
+        out = super().__call__(*args, **kwargs)
+        object.__setattr__(self, "sent", out)
+        return out
+
+
+def _mark_stage_layers(inner, first: bool, last: bool) -> None:
+    """StageInput and StageOutput mixed into the stage's first and last layers (their parameter
+    names stay the same)."""
+    embed, layers, _ = _names(inner)
+    held = [layer for layer in inner[layers] if not isinstance(layer, SkipLayer)]
+    for layer, mixin, needed in ((held[0], StageInput, not first), (held[-1], StageOutput, not last)):
+        if needed:
+            layer.__class__ = type(f"{mixin.__name__}{type(layer).__name__}", (mixin, type(layer)), {})
+    object.__setattr__(held[0], "stage_embedding", inner[embed])
+    object.__setattr__(inner, "stage_output", held[-1] if not last else None)
+
+
+def stage_output(model, out):
+    """What a stage that is not the last sends on after `model(...)` returned `out`: its last
+    layer's output (a family mlx-lm does not pipeline), else `out`."""
+    layer = getattr(_pipeline_module(model)[1], "stage_output", None)
+    return layer.sent if layer is not None else out
+
+
+def set_stage_source(model, source) -> None:
+    """Where a stage that does not embed gets its hidden state: `source(inputs)`, called when the
+    model runs (rank 0 receives it from the previous stage there)."""
+    inner = _pipeline_module(model)[1]
+    object.__setattr__(inner[_names(inner)[0]], "source", source)
+
+
+# -- stage boundaries that carry more than the hidden state ----------------------------------------
+class HyperConnectionStage:
+    """deepseek_v41's stage forward (mixed into its mlx-lm TextModel on a pipeline stage).
+
+    Its layers keep `hc_mult` residual streams (hyper-connections) and the mix that collapses
+    them for the next layer's input, and layers from compressed ones on read the compressed KV,
+    the index keys and the top-k rows an earlier layer made (`shared`). mlx-lm's pipeline sends
+    all of that between stages (TextModel._send/_receive: the streams, the mix, the new entries
+    of what later layers read); a stage that received one collapsed hidden state and broadcast it
+    back to every stream would give other tokens than one process, with no error. Here the same
+    message, packed by mlx-lm's own layout, stands where the hidden state does: the stage returns
+    it (padded and viewed as `[B, T, W]` in the compute dtype, so the stage exchange sends and
+    receives it bit for bit as a hidden state) and the next stage's StageEmbedding returns it.
+    The rest is mlx-lm 0.32's TextModel.__call__ without its own send, receive and all-gather."""
+
+    def __call__(self, inputs, cache=None):
+        v41, (first, last) = self.family_module, self.stage_ends
+        args = self.args
+        cache = cache or self.make_cache()
+        start_pos = cache[0].offset
+        previous = 0 if cache[0].window is None else cache[0].window.shape[1]
+        h = self.embed_tokens(inputs)  # the embedded tokens, or the previous stage's message
+        batch, length = h.shape[:2]
+        window_idx = v41._window_indices(previous=previous, length=length, window=args.sliding_window)
+        window_idx = mx.broadcast_to(window_idx, (batch, *window_idx.shape))
+        shared = {}
+        if first:
+            streams = mx.broadcast_to(h[:, :, None, :], (batch, length, args.hc_mult, args.hidden_size))
+            pre_mix = mx.zeros((batch, length, args.hc_mult), dtype=mx.float32)
+            pre_mix[..., 0] = 1.0
+        else:
+            streams, pre_mix = self._unpack_stage(v41, h, start_pos, cache[0], shared)
+        for layer, layer_cache in zip(self.pipeline_layers, cache, strict=True):
+            streams, pre_mix = layer(
+                streams, pre_mix, start_pos=start_pos, window_idx=window_idx, cache=layer_cache, shared=shared
+            )
+        if not last:
+            return self._pack_stage(v41, streams, pre_mix, start_pos, shared)
+        return self.norm(v41._collapse(streams, pre_mix))
+
+    def _unpack_stage(self, v41, message, start_pos: int, cache, shared: dict):
+        """The streams and the mix from the previous stage's message; what later layers read goes
+        into `shared` and the first layer's cache (mlx-lm's TextModel._receive)."""
+        batch, length = message.shape[:2]
+        layout = v41._layout(self.args, self.crossing[0], batch, length, start_pos, message.dtype)
+        parts = v41._unpack(message.reshape(-1).view(mx.uint8), layout)
+        streams, pre_mix = parts.pop("streams"), parts.pop("pre_mix")
+        for key, part in parts.items():
+            if key in v41._CACHE_FIELDS:
+                # the first layer never writes this field: it keeps the previous stage's entries
+                if part.shape[1]:
+                    setattr(cache, key, v41._append(getattr(cache, key), part))
+                shared[key] = getattr(cache, key)
+            elif key == "candidates":
+                keys = v41._index_keys(self.args, self.crossing[0][key], start_pos + length)
+                mask = mx.repeat(part, self.args.candidate_block_size, axis=-1)
+                shared[key] = mask[..., :keys] if keys else None
+            else:
+                shared[key] = part
+        return streams, pre_mix
+
+    def _pack_stage(self, v41, streams, pre_mix, start_pos: int, shared: dict):
+        """The message for the next stage (mlx-lm's TextModel._send, packed by its layout), as
+        `[B, T, W]` in the streams' dtype."""
+        batch, length = streams.shape[:2]
+        layout = v41._layout(self.args, self.crossing[1], batch, length, start_pos, streams.dtype)
+        state = {**shared, "streams": streams, "pre_mix": pre_mix}
+        parts = []
+        for key, shape, dtype in layout:
+            part = state.get(key)
+            if part is None:  # not written yet, so the layout has no entries either
+                part = mx.zeros(shape, dtype)
+            elif key in v41._CACHE_FIELDS:  # all entries so far: only the new ones travel
+                part = part[:, part.shape[1] - shape[1] :]
+            elif key == "candidates":
+                part = part[..., :: self.args.candidate_block_size]
+            if part.shape != shape or part.dtype != dtype:
+                raise Edge0Error(
+                    f"deepseek_v41: the next pipeline stage expects {key} as {dtype} {shape}, not {part.dtype} "
+                    f"{part.shape}; run it in one process"
+                )
+            parts.append(part)
+        packed = v41._pack(parts)
+        row = batch * length * streams.dtype.size
+        pad = -packed.size % row
+        if pad:
+            packed = mx.concatenate([packed, mx.zeros((pad,), mx.uint8)])
+        return packed.view(streams.dtype).reshape(batch, length, -1)
+
+
+# model_type -> (the mixin that runs a stage's forward, what of mlx-lm's module it uses)
+_BOUNDARIES = {
+    "deepseek_v41": (
+        HyperConnectionStage,
+        (
+            "_window_indices",
+            "_layout",
+            "_pack",
+            "_unpack",
+            "_collapse",
+            "_append",
+            "_index_keys",
+            "_crossing",
+            "_CACHE_FIELDS",
+        ),
+    ),
+}
+
+
+def _boundary(model, inner):
+    """The mixin that runs a stage of this family (None: its stages pass on the hidden state
+    alone). A family whose mlx-lm pipeline exchanges more than that (its PipelineMixin model has
+    its own `_send` / `_receive`) without such a mixin here is refused: a stage that passed on the
+    hidden state alone would give other tokens than one process, with no error."""
+    model_type = getattr(model, "model_type", "?")
+    own = any(callable(getattr(type(inner), m, None)) for m in ("_send", "_receive"))
+    if not own:
+        return None
+    mixin, needs = _BOUNDARIES.get(model_type, (None, ()))
+    module = importlib.import_module(type(inner).__module__)
+    missing = [n for n in needs if not hasattr(module, n)]
+    if mixin is None or missing:
+        why = f" (mlx-lm's {module.__name__} lacks {', '.join(missing)})" if mixin is not None else ""
+        raise Edge0Error(
+            f"model_type {model_type!r}: mlx-lm's pipeline passes more than the hidden state between stages "
+            f"(its own stage messages), which the stage exchange does not carry for this family{why}; "
+            "run it in one process"
+        )
+    return mixin

@@ -244,8 +244,8 @@ REFUSED: dict[str, str] = {
 SAMPLE = ("mixtral", "olmoe", "gpt_oss", "minimax", "dbrx")  # dbrx: its ends are wte, blocks, norm_f
 
 
-def _families_across_two_ranks(families, store_for, tmp_path):
-    runs = [{"store": str(store_for(f)), "options": {"prerouter": False}} for f in families]
+def _families_across_two_ranks(families, store_for, tmp_path, **options):
+    runs = [{"store": str(store_for(f)), "options": {"prerouter": False, **options}} for f in families]
     for run in runs:
         run.update(prompt=PROMPT, max_tokens=TOKENS, ignore_eos=True)
     (tmp_path / "runs.json").write_text(json.dumps(runs))
@@ -262,7 +262,7 @@ def _families_across_two_ranks(families, store_for, tmp_path):
         assert "refused" not in got[0], (family, got[0]["refused"])
         layers = got[1]["layers"] + got[0]["layers"]  # rank 1 the first stage, rank 0 the last
         assert got[0]["layers"] and got[1]["layers"] and layers == list(range(len(layers))), (family, layers)
-        want = single(runs[i]["store"], prerouter=False)[0]
+        want = single(runs[i]["store"], **runs[i]["options"])[0]
         if got[0]["tokens"] != want:
             wrong[family] = (got[0]["tokens"], want)
     assert not wrong, wrong
@@ -272,12 +272,15 @@ def test_families_mlx_lm_does_not_pipeline_give_the_single_process_tokens_on_two
     _families_across_two_ranks(SAMPLE, store_for, tmp_path)
 
 
-@pytest.mark.slow  # one launch over every fixture family: about a minute and a half
-def test_every_family_gives_the_single_process_tokens_on_two_ranks_or_is_refused_with_its_reason(store_for, tmp_path):
+@pytest.mark.slow  # one launch over every fixture family per decode executor: about 25 s each
+@pytest.mark.parametrize("executor", ["staged", "exact", "hot"])
+def test_every_family_gives_the_single_process_tokens_on_two_ranks_or_is_refused_with_its_reason(
+    executor, store_for, tmp_path
+):
     from tests.fixtures import ALL_FAMILIES
 
     assert set(REFUSED) <= set(ALL_FAMILIES)
-    _families_across_two_ranks(ALL_FAMILIES, store_for, tmp_path)
+    _families_across_two_ranks(ALL_FAMILIES, store_for, tmp_path, decode_executor=executor)
 
 
 @pytest.mark.slow  # 7-11 s of launches: behind -m slow to keep the suite under 5 minutes on 2 cores

@@ -244,15 +244,21 @@ REFUSED: dict[str, str] = {
 SAMPLE = ("mixtral", "olmoe", "gpt_oss", "minimax", "dbrx")  # dbrx: its ends are wte, blocks, norm_f
 
 
-def _families_across_two_ranks(families, store_for, tmp_path, **options):
-    runs = [{"store": str(store_for(f)), "options": {"prerouter": False, **options}} for f in families]
+def _families_across_ranks(families, store_for, tmp_path, ranks=2, fixture=None, **options):
+    """Each of `families` (fixtures with `fixture` keywords) on `ranks` ranks in one launch: the
+    single process's greedy tokens, each rank running its own contiguous layers, or refused on
+    every rank with its REFUSED reason."""
+    runs = [
+        {"store": str(store_for(f, **(fixture or {}))), "options": {"prerouter": False, **options}} for f in families
+    ]
     for run in runs:
         run.update(prompt=PROMPT, max_tokens=TOKENS, ignore_eos=True)
     (tmp_path / "runs.json").write_text(json.dumps(runs))
     argv = [sys.executable, str(ROOT / "tests" / "dist_worker.py"), str(tmp_path / "runs.json")]
-    done = launch(tmp_path, [argv + [str(tmp_path / f"out-{r}.json")] for r in range(2)], timeout=60 + 15 * len(runs))
-    assert [rc for rc, _, _ in done] == [0, 0], [err[-2000:] for _, _, err in done]
-    out = [json.loads((tmp_path / f"out-{r}.json").read_text()) for r in range(2)]
+    argvs = [argv + [str(tmp_path / f"out-{r}.json")] for r in range(ranks)]
+    done = launch(tmp_path, argvs, ranks=ranks, timeout=60 + 15 * len(runs))
+    assert [rc for rc, _, _ in done] == [0] * ranks, [err[-2000:] for _, _, err in done]
+    out = [json.loads((tmp_path / f"out-{r}.json").read_text()) for r in range(ranks)]
     wrong = {}
     for i, family in enumerate(families):
         got = [o[i] for o in out]
@@ -260,8 +266,8 @@ def _families_across_two_ranks(families, store_for, tmp_path, **options):
             assert all(REFUSED[family] in g.get("refused", "") for g in got), (family, got)
             continue
         assert "refused" not in got[0], (family, got[0]["refused"])
-        layers = got[1]["layers"] + got[0]["layers"]  # rank 1 the first stage, rank 0 the last
-        assert got[0]["layers"] and got[1]["layers"] and layers == list(range(len(layers))), (family, layers)
+        layers = [layer for g in reversed(got) for layer in g["layers"]]  # the last rank runs the first stage
+        assert all(g["layers"] for g in got) and layers == list(range(len(layers))), (family, layers)
         want = single(runs[i]["store"], **runs[i]["options"])[0]
         if got[0]["tokens"] != want:
             wrong[family] = (got[0]["tokens"], want)
@@ -269,7 +275,7 @@ def _families_across_two_ranks(families, store_for, tmp_path, **options):
 
 
 def test_families_mlx_lm_does_not_pipeline_give_the_single_process_tokens_on_two_ranks(store_for, tmp_path):
-    _families_across_two_ranks(SAMPLE, store_for, tmp_path)
+    _families_across_ranks(SAMPLE, store_for, tmp_path)
 
 
 @pytest.mark.slow  # one launch over every fixture family per decode executor: about 25 s each
@@ -280,7 +286,15 @@ def test_every_family_gives_the_single_process_tokens_on_two_ranks_or_is_refused
     from tests.fixtures import ALL_FAMILIES
 
     assert set(REFUSED) <= set(ALL_FAMILIES)
-    _families_across_two_ranks(ALL_FAMILIES, store_for, tmp_path, decode_executor=executor)
+    _families_across_ranks(ALL_FAMILIES, store_for, tmp_path, decode_executor=executor)
+
+
+@pytest.mark.slow  # one launch of three ranks
+def test_families_mlx_lm_does_not_pipeline_give_the_single_process_tokens_on_three_ranks(store_for, tmp_path):
+    # three layers: the middle stage's first and last layer are the same one
+    _families_across_ranks(
+        ("mixtral", "olmoe", "minimax"), store_for, tmp_path, ranks=3, fixture={"num_hidden_layers": 3}
+    )
 
 
 @pytest.mark.slow  # 7-11 s of launches: behind -m slow to keep the suite under 5 minutes on 2 cores

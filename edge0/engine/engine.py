@@ -306,9 +306,9 @@ class Engine:
         return batch_problem(self)
 
     def spare_contexts(self) -> int | None:
-        """How many contexts' KV caches the prompt caches' memory holds beside the working one
-        (each sequence of a batch beyond the first takes one while it runs); None: no KV
-        footprint known."""
+        """How many contexts' KV caches the prompt caches' memory holds beside the newest (the
+        last request's; each sequence of a batch beyond the first takes one while it runs); None:
+        no KV footprint known."""
         kv = self.kv
         if not kv.context_bytes:
             return None

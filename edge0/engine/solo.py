@@ -44,6 +44,9 @@ class Solo:
         try:
             fed = e.prefiller(todo, seq.cache, stop)
         except Exception as error:
+            # a cache restored from disk that fails is not restored again, whoever catches this
+            e.kv.failed(error, seq.receipt)
+            seq.receipt = None
             if fix := _kv_group(e.kv, error):
                 raise fix from None
             raise

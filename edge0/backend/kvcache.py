@@ -63,8 +63,12 @@ def make_cache(model, kv_bits: int | None = None, group_size: int = 64) -> list:
 
 
 def cache_offset(cache) -> int:
-    """Tokens a prompt cache holds (0 for none)."""
-    return int(cache[0].offset) if cache else 0
+    """Tokens a prompt cache holds (0 for none): the first layer's that counts them (a hybrid
+    family's linear-attention state does not; a CacheList's first cache does)."""
+    for c in (leaf for layer in cache or () for leaf in _leaves(layer)):
+        if hasattr(c, "offset"):
+            return int(c.offset)
+    return 0
 
 
 def prompt_cache_nbytes(cache) -> int:
@@ -116,7 +120,8 @@ def trim_to(cache, n: int) -> bool:
     """Make every layer hold its first `n` tokens (a prefill cancelled between layers leaves the
     first layers ahead of the others). False, and nothing changed, when a layer holding more than
     `n` cannot be trimmed (recurrent state)."""
-    ahead = [c for c in cache if c.offset > n] if all(hasattr(c, "offset") for c in cache) else None
+    leaves = [leaf for layer in cache for leaf in _leaves(layer)]  # a CacheList's caches each hold tokens
+    ahead = [c for c in leaves if c.offset > n] if all(hasattr(c, "offset") for c in leaves) else None
     if ahead is None or not all(c.is_trimmable() for c in ahead):
         return False
     for c in ahead:

@@ -1,0 +1,43 @@
+"""Prompt-cache reuse on every kind of layer cache: a request that branches off inside the last
+reply reuses the shared prefix (fewer tokens prefilled) and gives the tokens of a cold run. A
+CacheList (deepseek_v32's attention and indexer caches in one layer) was not cut back before,
+so a reused prefix carried the old reply's tokens: other tokens, no error."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import CacheList, KVCache
+
+import edge0
+from edge0.backend import kvcache as bkv
+from tests.fixtures import ALL_FAMILIES
+
+PROMPT = "once upon a time, a tiny model " * 10
+# KV caches, a CacheList per layer, linear attention beside KV caches
+SAMPLE = ("qwen3_moe", "deepseek_v32", "qwen3_next")
+
+
+def test_trim_to_cuts_every_cache_of_a_cache_list_back():
+    cache = [CacheList(KVCache(), KVCache()), KVCache()]
+    for c in (cache[0][0], cache[0][1], cache[1]):
+        z = mx.zeros((1, 2, 10, 4))
+        c.update_and_fetch(z, z)
+    assert bkv.trim_to(cache, 6)
+    assert [c.offset for c in (cache[0][0], cache[0][1], cache[1])] == [6, 6, 6]
+    assert bkv.cache_offset(cache) == 6
+
+
+@pytest.mark.parametrize(
+    "family", SAMPLE + tuple(pytest.param(f, marks=pytest.mark.slow) for f in ALL_FAMILIES if f not in SAMPLE)
+)
+def test_a_request_branching_inside_the_last_reply_reuses_the_prefix_and_gives_the_cold_tokens(family, store_for):
+    store = store_for(family)
+    engine = edge0.load(store, prerouter=False)
+    first = engine.generate(PROMPT, max_tokens=8, ignore_eos=True, reuse_cache=True)
+    branch = engine.encode(PROMPT) + first.tokens[:3] + [11, 12, 13]
+    got = engine.generate(branch, max_tokens=8, ignore_eos=True, reuse_cache=True)
+    want = edge0.load(store, prerouter=False).generate(branch, max_tokens=8, ignore_eos=True)
+    assert got.tokens == want.tokens
+    if bkv.can_trim_prompt_cache(engine.kv.make()):  # recurrent state starts again (nothing to cut back)
+        assert got.stats["prefill_tokens"] < len(branch) - 8

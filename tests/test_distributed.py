@@ -230,52 +230,77 @@ def test_a_family_whose_stages_pass_on_more_than_the_hidden_state_is_refused_wit
 # families refused across ranks, each with its one-line reason (every other family of the fixtures
 # must give the single process's tokens on 2 ranks)
 _NAMES = "no module with an embedding, a list of layers and a final norm"  # a model laid out otherwise
-_STATE = "some layers keep state other than a KV cache"  # linear attention, SSM state, several caches in one
-_SHARED = "which a stage boundary would cut"  # layers that share KV across layers
+_SHARED = "which a stage boundary would cut"  # layers that hand each other KV or residual blocks
 REFUSED: dict[str, str] = {
     **dict.fromkeys(("jamba", "lfm2_moe", "longcat_flash_ngram", "nemotron_h", "phixtral"), _NAMES),
-    **dict.fromkeys(("qwen3_5_moe", "qwen3_next", "qwen3_5", "granitemoehybrid", "kimi_k3", "kimi_linear"), _STATE),
-    **dict.fromkeys(("bailing_hybrid", "bailing_moe_linear", "bailing_moe_v3"), _STATE),
-    **dict.fromkeys(("deepseek_v32", "glm_moe_dsa", "longcat_flash", "minimax_m3_vl"), _STATE),
-    **dict.fromkeys(("gemma4", "gemma4_text", "hunyuan"), _SHARED),
+    **dict.fromkeys(("gemma4", "gemma4_text", "hunyuan", "kimi_k3"), _SHARED),
 }
+# the hybrid families (linear attention or SSM state beside KV caches) and those with several caches
+# in one layer (CacheList): each stage keeps its own layers' state, the exchange counts the tokens
+HYBRID = ("qwen3_5_moe", "qwen3_next", "kimi_linear", "granitemoehybrid", "bailing_moe_linear", "deepseek_v32")
 # a sample in the default suite (mlx-lm pipelines none of them: Edge0 stands SkipLayers in for the
 # other stage's layers); every fixture family behind -m slow
 SAMPLE = ("mixtral", "olmoe", "gpt_oss", "minimax", "dbrx")  # dbrx: its ends are wte, blocks, norm_f
 
 
-def _families_across_ranks(families, store_for, tmp_path, ranks=2, fixture=None, **options):
+def _families_across_ranks(families, store_for, tmp_path, ranks=2, fixture=None, turns=(), **options):
     """Each of `families` (fixtures with `fixture` keywords) on `ranks` ranks in one launch: the
     single process's greedy tokens, each rank running its own contiguous layers, or refused on
-    every rank with its REFUSED reason."""
+    every rank with its REFUSED reason; then `turns`, prompts one after another reusing the KV
+    cache, each as one process gives it."""
     runs = [
         {"store": str(store_for(f, **(fixture or {}))), "options": {"prerouter": False, **options}} for f in families
     ]
     for run in runs:
-        run.update(prompt=PROMPT, max_tokens=TOKENS, ignore_eos=True)
+        run.update(prompt=PROMPT, max_tokens=TOKENS, ignore_eos=True, turns=list(turns))
     (tmp_path / "runs.json").write_text(json.dumps(runs))
     argv = [sys.executable, str(ROOT / "tests" / "dist_worker.py"), str(tmp_path / "runs.json")]
     argvs = [argv + [str(tmp_path / f"out-{r}.json")] for r in range(ranks)]
     done = launch(tmp_path, argvs, ranks=ranks, timeout=60 + 15 * len(runs))
     assert [rc for rc, _, _ in done] == [0] * ranks, [err[-2000:] for _, _, err in done]
     out = [json.loads((tmp_path / f"out-{r}.json").read_text()) for r in range(ranks)]
-    wrong = {}
+    wrong = {}  # every family that is not as expected, named at once
     for i, family in enumerate(families):
         got = [o[i] for o in out]
         if family in REFUSED:
-            assert all(REFUSED[family] in g.get("refused", "") for g in got), (family, got)
+            if not all(REFUSED[family] in g.get("refused", "") for g in got):
+                wrong[family] = ("not refused with its REFUSED reason", got[0].get("refused"))
             continue
-        assert "refused" not in got[0], (family, got[0]["refused"])
+        if "refused" in got[0]:
+            wrong[family] = ("refused", got[0]["refused"])
+            continue
         layers = [layer for g in reversed(got) for layer in g["layers"]]  # the last rank runs the first stage
-        assert all(g["layers"] for g in got) and layers == list(range(len(layers))), (family, layers)
+        if not all(g["layers"] for g in got) or layers != list(range(len(layers))):
+            wrong[family] = ("layers", layers)
+            continue
         want = single(runs[i]["store"], **runs[i]["options"])[0]
         if got[0]["tokens"] != want:
             wrong[family] = (got[0]["tokens"], want)
+        elif turns:
+            cold = edge0.load(runs[i]["store"], **runs[i]["options"])
+            cold.prefiller.layerwise = False
+            want = [cold.generate(t, max_tokens=TOKENS, ignore_eos=True).tokens for t in turns]
+            if got[0]["turns"] != want:
+                wrong[family] = ("turns", got[0]["turns"], want)
     assert not wrong, wrong
 
 
 def test_families_mlx_lm_does_not_pipeline_give_the_single_process_tokens_on_two_ranks(store_for, tmp_path):
     _families_across_ranks(SAMPLE, store_for, tmp_path)
+
+
+def test_hybrid_families_keep_each_stage_s_state_on_two_ranks_and_reuse_prefixes(store_for, tmp_path):
+    first = PROMPT * 12
+    # linear attention beside KV caches (the Qwen3.5 / 3.6 design), and several caches in one layer
+    _families_across_ranks(
+        ("qwen3_next", "deepseek_v32"), store_for, tmp_path, turns=[first, first + " and then", "unrelated " * 20]
+    )
+
+
+@pytest.mark.slow  # one launch of the hybrid and CacheList families, with turns that reuse the KV cache
+def test_every_hybrid_family_reuses_prefixes_on_two_ranks(store_for, tmp_path):
+    first = PROMPT * 12
+    _families_across_ranks(HYBRID, store_for, tmp_path, turns=[first, first + " and then", "unrelated " * 20])
 
 
 @pytest.mark.slow  # one launch over every fixture family per decode executor: about 25 s each
@@ -385,6 +410,39 @@ def test_the_server_listens_on_rank_0_and_the_other_rank_follows(store_for, tmp_
     assert "Traceback" not in done[0][2] + done[1][2]
 
 
+def test_the_server_exits_with_one_line_when_the_other_rank_is_killed_mid_request(store_for, tmp_path):
+    port = free_ports(1)[0]
+    argv = [sys.executable, "-m", "edge0.serve", "--model", str(store_for("qwen3_moe")), "--port", str(port)]
+    procs = start(tmp_path, [argv + ["--log-level", "warning"]] * 2)
+    url = f"http://127.0.0.1:{port}/v1"
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                urllib.request.urlopen(f"{url}/models", timeout=2)
+                break
+            except OSError:
+                assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "server did not start"
+                time.sleep(0.2)
+        body = json.dumps({"prompt": PROMPT, "max_tokens": 100000, "temperature": 0, "stream": True}).encode()
+        req = urllib.request.Request(f"{url}/completions", body, {"content-type": "application/json"})
+        stream = urllib.request.urlopen(req, timeout=30)
+        for _ in range(5):  # tokens are coming: the request runs on both ranks
+            assert stream.readline().startswith(b"data: {") and stream.readline() == b"\n"
+        os.killpg(procs[1].pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        rest = stream.read().decode()
+        _, err = procs[0].communicate(timeout=30)
+        waited = time.monotonic() - t0
+    finally:
+        finish(procs, 5)
+    assert procs[0].returncode == 2 and waited < 20, err[-2000:]
+    assert '"error"' in rest  # the open stream ends with an error event
+    ours = [line for line in err.splitlines() if not line.startswith("[ring]")]  # MLX's own lines aside
+    assert ours[-1].startswith("edge0: error: rank 0 of 2: lost a peer rank")
+    assert "Traceback" not in err and sum("error" in line.lower() for line in ours) == 1, err[-2000:]
+
+
 def test_a_missing_peer_is_a_one_line_error(store_for, tmp_path):
     argv = [
         sys.executable,
@@ -401,6 +459,36 @@ def test_a_missing_peer_is_a_one_line_error(store_for, tmp_path):
     [(rc, out, err)] = launch(tmp_path, [argv], ranks=2, timeout=30)  # rank 0 accepts: its timeout applies
     assert rc == 2 and out == ""
     assert err.count("\n") == 1 and "edge0: error: rank 0 of 2: could not reach its peers at 127.0.0.1:" in err
+
+
+@pytest.mark.parametrize("killed", [0, 1])
+def test_killing_either_rank_mid_request_stops_the_other_with_one_line(killed, store_for, tmp_path):
+    argv = [sys.executable, "-m", "edge0", "generate", "--model", str(store_for("qwen3_moe"))]
+    argv += ["--prompt", PROMPT, "--no-chat-template", "--max-tokens", "100000"]
+    procs = start(tmp_path, [argv, argv])
+    try:
+        fd = procs[0].stdout.fileno()
+        os.set_blocking(fd, False)
+        deadline, text = time.monotonic() + 90, b""
+        while len(text) < 40:  # rank 0 streams the reply: the request is under way on both ranks
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "no tokens came"
+            try:
+                text += os.read(fd, 4096)
+            except BlockingIOError:
+                time.sleep(0.05)
+        os.set_blocking(fd, True)
+        os.killpg(procs[killed].pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        other = procs[1 - killed]
+        _, err = other.communicate(timeout=30)
+        waited = time.monotonic() - t0
+    finally:
+        finish(procs, 5)
+    errors = [line for line in err.splitlines() if "error" in line.lower() and not line.startswith("[ring]")]
+    assert other.returncode == 2, err[-2000:]
+    assert waited < 20 and "Traceback" not in err
+    assert errors == [errors[0]] and errors[0].startswith(f"edge0: error: rank {1 - killed} of 2: lost a peer rank")
+    assert other.poll() is not None and procs[killed].poll() is not None  # nothing left running
 
 
 def test_ranks_with_different_stores_stop_with_one_line(store_for, tmp_path):

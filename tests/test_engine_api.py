@@ -4,11 +4,15 @@ with compatible signatures, so the fake cannot drift from what the server relies
 
 from __future__ import annotations
 
+import ast
+import dataclasses
 import inspect
+from pathlib import Path
 
 import edge0
 from edge0.engine.api import BatchAPI, EngineAPI
 from edge0.engine.batch import Batch
+from edge0.engine.parts import Parts
 from tests.fake_engine import FakeBatch, FakeEngine
 
 
@@ -54,6 +58,41 @@ def test_the_real_and_the_fake_engine_implement_the_engine_api(store_for):
         with engine.batching() as batch:
             assert drift(BatchAPI, batch) == [] and isinstance(batch, BatchAPI) and isinstance(batch, kind)
             assert not batch.busy and len(batch) == 0
+    # the engine is the composition root: what it hands over is its own parts, as they are now
+    parts = real.parts()
+    assert all(getattr(parts, f.name) is getattr(real, f.name) for f in dataclasses.fields(Parts))
+
+
+# where the engine's parts go instead of the engine (issue 48: the engine as the composition root)
+TAKES_PARTS = (
+    "engine/batch.py",
+    "engine/solo.py",
+    "engine/step.py",
+    "engine/diagnostics.py",
+    "distributed/pipeline.py",
+)
+
+
+def engine_uses(source: str) -> list[str]:
+    """Where `source` takes or reaches an engine: parameters named `engine`, `.engine` attributes."""
+    tree, found = ast.parse(source), []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            found += [f"line {node.lineno}: parameter engine" for a in node.args.args if a.arg == "engine"]
+        if isinstance(node, ast.Attribute) and node.attr == "engine":
+            found.append(f"line {node.lineno}: .engine")
+    return found
+
+
+def test_the_loop_diagnostics_and_the_pipeline_receive_parts_not_the_engine():
+    root = Path(edge0.__file__).parent
+    assert {name: engine_uses((root / name).read_text()) for name in TAKES_PARTS} == {n: [] for n in TAKES_PARTS}
+    assert engine_uses(
+        "def f(engine):\n    return engine.kv\n\nclass A:\n    def g(self):\n        self.engine = 1\n"
+    ) == [
+        "line 1: parameter engine",
+        "line 6: .engine",
+    ]
 
 
 def test_an_engine_that_drifts_is_named():

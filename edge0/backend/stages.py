@@ -10,7 +10,15 @@ import inspect
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import ChunkedKVCache, KVCache, QuantizedKVCache, RotatingKVCache, make_prompt_cache
+from mlx_lm.models.cache import (
+    ArraysCache,
+    CacheList,
+    ChunkedKVCache,
+    KVCache,
+    QuantizedKVCache,
+    RotatingKVCache,
+    make_prompt_cache,
+)
 from mlx_lm.models.pipeline import PipelineMixin
 
 from edge0.errors import Edge0Error
@@ -84,10 +92,12 @@ class SkipLayer(nn.Module):
     def __call__(self, x, *args, **kwargs):
         at = self.cache_at
         cache = kwargs.get("cache", args[at] if at is not None and at < len(args) else None)
-        if cache is not None:
-            width = cache.group_size if isinstance(cache, QuantizedKVCache) else 1
-            z = mx.zeros((x.shape[0], 1, x.shape[1], width), dtype=x.dtype)
-            cache.update_and_fetch(z, z)
+        # a CacheList's caches each count tokens; a recurrent state counts none and stays empty
+        for c in cache.caches if isinstance(cache, CacheList) else [cache] if cache is not None else []:
+            if isinstance(c, _SKIPPABLE):
+                width = c.group_size if isinstance(c, QuantizedKVCache) else 1
+                z = mx.zeros((x.shape[0], 1, x.shape[1], width), dtype=x.dtype)
+                c.update_and_fetch(z, z)
         return x
 
 
@@ -98,6 +108,7 @@ _SHARED_ACROSS_LAYERS = {
     "gemma4": "its later layers attend with the KV an earlier layer computed (KV sharing)",
     "gemma4_text": "its later layers attend with the KV an earlier layer computed (KV sharing)",
     "hunyuan": "its layers share KV with the layer before them (cross-layer attention)",
+    "kimi_k3": "its layers hand each other attention-residual blocks beside the hidden state",
 }
 
 
@@ -131,25 +142,24 @@ def _pipeline_module(model) -> tuple[str, nn.Module]:
 
 def num_layers(model) -> int:
     """Decoder layers of a model a stage can hold (an Edge0Error for others): what its stages
-    pass on is a hidden state or a boundary Edge0 carries (`_boundary`), and every layer's cache
-    has an offset that says how many tokens it holds (what the stage exchange keeps in step across
-    ranks); a family mlx-lm does not pipeline also needs caches a SkipLayer keeps in step."""
+    pass on is a hidden state or a boundary Edge0 carries (`_boundary`), and some layer's cache
+    counts the tokens it holds (the offset the stage exchange keeps in step across ranks; the
+    recurrent state of linear-attention or SSM layers follows from the same forwards); a family
+    mlx-lm does not pipeline also needs caches a SkipLayer keeps in step."""
     inner = _pipeline_module(model)[1]
     n = len(inner[_names(inner)[1]])
     _boundary(model, inner)
-    caches = make_prompt_cache(model)
-    odd = sorted({type(c).__name__ for c in caches if not isinstance(c, _SKIPPABLE)})
-    if not isinstance(inner, PipelineMixin) and odd and all(hasattr(c, "offset") for c in caches):
+    leaves = [leaf for c in make_prompt_cache(model) for leaf in _leaves(c)]
+    odd = sorted({type(c).__name__ for c in leaves if not isinstance(c, (*_SKIPPABLE, ArraysCache))})
+    if not isinstance(inner, PipelineMixin) and odd:
         raise Edge0Error(
             f"model_type {getattr(model, 'model_type', '?')!r}: its layers keep {', '.join(odd)} caches, which "
             "a stage cannot keep in step for the layers other ranks run; run it in one process"
         )
-    stateful = sorted({type(c).__name__ for c in caches if not hasattr(c, "offset")})
-    if stateful:
+    if not any(hasattr(c, "offset") for c in leaves):  # the exchange keeps caches in step by their token counts
         raise Edge0Error(
-            f"model_type {getattr(model, 'model_type', '?')!r}: some layers keep state other than a KV "
-            f"cache ({', '.join(stateful)}: linear attention, SSM state or several caches in one), which the "
-            "stage exchange does not keep in step across ranks; run it in one process"
+            f"model_type {getattr(model, 'model_type', '?')!r}: no layer keeps a KV cache that counts its tokens "
+            "(only recurrent state), which the stage exchange needs to keep the ranks in step; run it in one process"
         )
     model_type = getattr(model, "model_type", "?")
     if not isinstance(inner, PipelineMixin) and model_type in _SHARED_ACROSS_LAYERS:
@@ -158,6 +168,11 @@ def num_layers(model) -> int:
             "run it in one process"
         )
     return n
+
+
+def _leaves(cache) -> list:
+    """A layer's cache, or the caches a CacheList holds."""
+    return list(cache.caches) if isinstance(cache, CacheList) else [cache]
 
 
 def _ends(model):

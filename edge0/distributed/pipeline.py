@@ -38,8 +38,8 @@ from edge0.backend import distributed as bdist
 from edge0.backend import kvcache as bkv
 from edge0.backend import stages as bstages
 from edge0.engine.hooks import StepHooks
-from edge0.engine.stats import engine_stats
-from edge0.errors import Edge0Error
+from edge0.engine.parts import Parts
+from edge0.errors import Edge0Error, PeerLost
 from edge0.streaming.stats import COUNTERS
 
 FORWARD, START, FINISH, STOP = 1, 2, 3, 4
@@ -50,18 +50,19 @@ HEADER = 9
 
 
 class Pipeline:
-    """One rank's end of the stage exchange (`engine.pipeline`)."""
+    """One rank's end of the stage exchange (`engine.pipeline`): it runs the engine's `parts`;
+    `layer_stats()` is the engine's stats (a follower reports its layers' rows to rank 0)."""
 
-    def __init__(self, group, stage, engine):
-        self.group, self.stage, self.engine = group, stage, engine
+    def __init__(self, group, stage, parts: Parts, layer_stats):
+        self.group, self.stage, self.parts, self.layer_stats = group, stage, parts, layer_stats
         self.to = (stage.rank - 1) % stage.size  # where this rank's messages go
         self.frm = (stage.rank + 1) % stage.size  # where they come from
-        self.dtype = engine.compute_dtype
+        self.dtype = parts.compute_dtype
         self.outgoing = dict  # fn() -> {consumer layer: head logits [1, 1, E]}, set by the pre-router
         self.incoming = None  # fn(consumer layer, head logits), set by the pre-router
         self.generating = False
         self.closed = False
-        self.failed = False  # an exchange failed (a lost peer): nothing more is sent
+        self.lost: PeerLost | None = None  # an exchange failed (a lost peer): nothing more is sent
         self.lock = threading.Lock()  # rank 0: one op at a time (the server's engine thread, shutdown)
         self.step = -1  # rank 0: the step whose forward runs next (-1: a prefill chunk)
         self.seq = 0
@@ -72,6 +73,9 @@ class Pipeline:
         self.forwards = 0
         self.ranks: list[dict] = []  # rank 0: the other ranks' statistics, from the last FINISH
         self.cache = None  # a follower: its stage's KV cache, in step with rank 0's (_sync)
+        # the tokens that cache holds, counted here: a stage of only linear-attention or SSM layers
+        # keeps no cache that counts them
+        self.held = 0
         # where a rank waits for the next message without spinning (see bdist.ring_sockets); none
         # found means MLX's spinning receive, reported in the stats
         self.sockets = bdist.ring_sockets()
@@ -86,9 +90,8 @@ class Pipeline:
         t0 = time.perf_counter()
         try:
             bdist.send(x, self.to, self.group)
-        except Edge0Error:
-            self.failed = True
-            raise
+        except Edge0Error as e:
+            raise self._lost(e) from None
         self.send_s += time.perf_counter() - t0
         self.bytes_sent += x.nbytes
 
@@ -108,9 +111,14 @@ class Pipeline:
     def _recv(self, shape, dtype: str):
         try:
             return bdist.recv(shape, dtype, self.frm, self.group)
-        except Edge0Error:
-            self.failed = True
-            raise
+        except Edge0Error as e:
+            raise self._lost(e) from None
+
+    def _lost(self, error: Edge0Error) -> PeerLost:
+        """A failed exchange (a lost peer): nothing more is sent; the error names this rank."""
+        if self.lost is None:
+            self.lost = PeerLost(f"rank {self.stage.rank} of {self.stage.size}: {error}")
+        return PeerLost(str(self.lost))
 
     def _recv_header(self) -> list[int]:
         """The next op's header; its payload follows at once, but the header itself may be a
@@ -156,7 +164,7 @@ class Pipeline:
                 "decode_logits); logits, prerouted_logits and traces run in one process"
             )
         t = int(inputs.shape[-1])
-        offset = bkv.cache_offset(self.engine.kv.in_use)
+        offset = bkv.cache_offset(self.parts.kv.in_use)
         with self._op():
             self._send_header(FORWARD, tokens=t, offset=offset, step=self.step)
             self._send(inputs.reshape(-1).astype(B.dtype("int32")))
@@ -175,8 +183,10 @@ class Pipeline:
     def _op(self):
         """One op of rank 0's, numbered, while no other op is in flight."""
         with self.lock:
-            if self.closed or self.failed:
-                raise Edge0Error("the ranks' pipeline is " + ("closed" if self.closed else "broken (a peer was lost)"))
+            if self.closed:
+                raise Edge0Error("the ranks' pipeline is closed")
+            if self.lost is not None:  # the same line however many ops find the pipeline broken
+                raise PeerLost(str(self.lost))
             self.seq += 1
             yield
 
@@ -203,32 +213,33 @@ class Pipeline:
         """Rank 0: release the other ranks (they return from `follow`). A rank that is gone needs
         no release (it reported why itself, and the others stop on the lost peer), so losing one
         here is not an error: close runs while a Ctrl-C or another error unwinds."""
-        if self.leads and not self.closed and not self.failed:
+        if self.leads and not self.closed and self.lost is None:
             try:
                 self._round_trip(STOP)
             except Edge0Error:
                 return
             self.closed = True
 
-    def lead(self, engine) -> None:
-        """Rank 0: wrap the engine's hooks so that generations start, step and end on every rank,
+    def lead(self) -> None:
+        """Rank 0: wrap the stepper's hooks so that generations start, step and end on every rank,
         and take the hidden state from the exchange."""
-        engine.hooks = LeaderHooks(engine.hooks, self)
-        bstages.set_stage_source(engine.model, self.source)
+        stepper = self.parts.stepper
+        stepper.hooks = LeaderHooks(stepper.hooks, self)
+        bstages.set_stage_source(self.parts.model, self.source)
 
     # -- every rank ------------------------------------------------------------------------------
     def own_stats(self) -> dict:
         """This rank's summary (rank 0's FINISH gathers everyone's)."""
-        e, st = self.engine, self.engine.streaming
+        p, st = self.parts, self.parts.streaming
         totals = st.stats.totals()
         steps = max(1, st.stats.decode_steps)
-        full = engine_stats(e) if not self.leads else None
+        full = self.layer_stats() if not self.leads else None
         return {
             "rank": self.stage.rank,
             "stage": self.stage.describe(),
             "layers": [self.stage.start, self.stage.end - 1],
-            "moe_layers": sorted(e.store.layers),
-            "resident_bytes": e.resident_bytes,
+            "moe_layers": sorted(p.store.layers),
+            "resident_bytes": p.resident_bytes,
             "expert_bytes": st.total_expert_bytes,
             "expert_cache_bytes": st.budget,
             "peak_memory_bytes": B.peak_memory(),
@@ -287,7 +298,7 @@ class Pipeline:
     # -- the other ranks -------------------------------------------------------------------------
     def follow(self) -> None:
         """Run the ops rank 0 sends until it closes the pipeline."""
-        engine = self.engine
+        hooks = self.parts.stepper.hooks
         while True:
             t0 = time.perf_counter()
             h = self._recv_header()
@@ -297,11 +308,11 @@ class Pipeline:
                 self.wait_s += time.perf_counter() - t0
                 self._forward(h)
             elif op == START:
-                engine.hooks.start()
+                hooks.start()
                 B.reset_peak_memory()
                 self._send_header(START)
             elif op == FINISH:
-                engine.hooks.finish()
+                hooks.finish()
                 ranks = json.loads(bytes(B.to_numpy(self._recv((h[PAYLOAD],), "uint8")))) if h[PAYLOAD] else []
                 blob = json.dumps(ranks + [self.own_stats()]).encode()
                 self._send_header(FINISH, payload=len(blob))
@@ -315,7 +326,7 @@ class Pipeline:
 
     def _forward(self, h: list[int]) -> None:
         """One FORWARD on a follower: the same step as rank 0's (edge0/engine/step.py)."""
-        engine, step, t = self.engine, h[STEP], h[TOKENS]
+        model, step, t = self.parts.model, h[STEP], h[TOKENS]
         t0 = time.perf_counter()
         if self.stage.first:
             preds = {}
@@ -327,11 +338,12 @@ class Pipeline:
         self.wait_s += received - t0
         self.forwards += 1
         cache = self._sync(h[OFFSET])
+        self.held += t
         routed = {}
 
         def forward():
             routed.update(self._route_predictions(preds))
-            out = bstages.stage_output(engine.model, engine.model(x, cache=cache))
+            out = bstages.stage_output(model, model(x, cache=cache))
             routed.update(self.outgoing())
             return out
 
@@ -351,7 +363,7 @@ class Pipeline:
             self._send(out)
 
         if step >= 0:  # the same step as rank 0's (edge0/engine/step.py)
-            engine.stepper.follow(step, t, forward, send, cache)
+            self.parts.stepper.follow(step, t, forward, send, cache)
             return
         out = forward()  # a prefill chunk: not a step, no hooks
         B.eval(out, [c.state for c in cache])
@@ -360,9 +372,9 @@ class Pipeline:
     def _sync(self, offset: int):
         """This stage's cache holding exactly `offset` tokens, as rank 0's does before the forward
         (a new cache at 0; trimmed where rank 0's prompt caches trimmed theirs)."""
-        held = bkv.cache_offset(self.cache) if self.cache is not None else 0
+        held = self.held if self.cache is not None else 0
         if offset == 0:
-            self.cache = self.engine.kv.make()
+            self.cache = self.parts.kv.make()
         elif held > offset and bkv.can_trim_prompt_cache(self.cache):
             bkv.trim_prompt_cache(self.cache, held - offset)
         elif held != offset:
@@ -370,6 +382,7 @@ class Pipeline:
                 f"this stage's KV cache holds {held} tokens, rank 0's {offset}: the ranks are out of step; "
                 "restart every rank"
             )
+        self.held = offset
         return self.cache
 
 

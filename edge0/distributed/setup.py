@@ -68,7 +68,7 @@ def plan_stage(group, root, resident_file: str, manifest: dict, config: dict, op
 def join(engine, group) -> None:
     """Give a staged engine its end of the stage exchange (before the features attach: the
     pre-router connects its cross-stage predictions to it)."""
-    engine.pipeline = Pipeline(group, engine.stage, engine)
+    engine.pipeline = Pipeline(group, engine.stage, engine.parts(), engine.stats)
 
 
 def ready(engine) -> None:
@@ -89,4 +89,4 @@ def ready(engine) -> None:
         "start every rank with the same flags and the same sidecar files",
     )
     if pipe.leads:
-        pipe.lead(engine)
+        pipe.lead()

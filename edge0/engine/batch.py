@@ -29,6 +29,7 @@ import time
 from edge0.backend import core as B
 from edge0.backend import kvcache as bkv
 from edge0.engine.drafters import Draft
+from edge0.engine.parts import Parts
 from edge0.engine.reply import Reply, Step
 from edge0.engine.request import Request
 from edge0.engine.sampler import RequestSampler
@@ -37,7 +38,7 @@ from edge0.engine.solo import Solo
 from edge0.engine.speculative import accept
 from edge0.engine.stats import sequence_stats
 from edge0.engine.step import sample_row
-from edge0.errors import Edge0Error
+from edge0.errors import Edge0Error, PeerLost
 
 # Tokens one step feeds while other sequences run or wait (vLLM's per-step token budget): each
 # row's decode token first, then prefill spans of the waiting sequences, fewest tokens left first;
@@ -53,24 +54,24 @@ class _OwnFailure(Exception):
         self.error = error
 
 
-def batch_problem(engine) -> str | None:
-    """Why `engine` cannot decode a batch (None if it can)."""
-    if engine.pipeline is not None:
+def batch_problem(parts: Parts) -> str | None:
+    """Why an engine of these `parts` cannot decode a batch (None if it can)."""
+    if parts.pipeline is not None:
         return "a batch decodes in one process, not across ranks under mlx.launch"
-    problem = bkv.batch_problem(engine.kv.make())
-    return f"{engine.model_id}: {problem}" if problem else None
+    problem = bkv.batch_problem(parts.kv.make())
+    return f"{parts.model_id}: {problem}" if problem else None
 
 
 class Batch:
     """The running batch of an engine (Engine.batching): `join` sequences, `advance` (a prefill
     span and a decode step) until each one's last Step, `leave` to drop one early."""
 
-    def __init__(self, engine):
-        self.engine = engine
-        self.solo = Solo(engine)
+    def __init__(self, parts: Parts):
+        self.parts = parts
+        self.solo = Solo(parts)
         self.lone: Sequence | None = None  # the lone sequence (solo.py), while there is one
         # why sequences cannot share a step here (None: they can); a lone one always runs
-        self.merge_problem = batch_problem(engine)
+        self.merge_problem = batch_problem(parts)
         self.waiting: list[Sequence] = []  # prefilling, each in its own cache
         self.rows: list[Sequence] = []  # row i of the merged cache is rows[i]
         self.last_rows: list[Sequence] = []  # the rows of the last step (a pre-router's predictions are by row)
@@ -92,8 +93,8 @@ class Batch:
         # rows draft (and a step verifies them) when the engine speculates and each row's cache
         # can drop its rejected drafts on its own; not under a pre-router, whose verify routes
         # one sequence's tokens
-        spec = engine.batch_speculation
-        rows_draft = engine.prerouting is None and bkv.rows_can_drop_tails(engine.kv.make())
+        spec = parts.batch_speculation
+        rows_draft = parts.prerouting is None and bkv.rows_can_drop_tails(parts.kv.make())
         self.spec = spec if spec is not None and rows_draft else None
         self.stepping = False  # an advance is in flight (an exception out of it leaves caches half fed)
 
@@ -106,14 +107,14 @@ class Batch:
                 self.lone.cache = None
             self.leave(self.lone)
         self.waiting, self.rows, self.last_rows, self.inputs, self.cache = [], [], [], [], None
-        self.engine.kv.lend(0)
+        self.parts.kv.lend(0)
 
     def _fit_pool(self) -> None:
         """The memory budget counts one sequence's KV at the context: what the batch holds beyond
         that (its rows with their padding, and the waiting sequences' own caches) comes out of the
         prompt caches' pool while it runs (what the pool pushes out waits for the disk tier, as at
         any eviction)."""
-        kv = self.engine.kv
+        kv = self.parts.kv
         held = sum(bkv.prompt_cache_nbytes(c) for c in [self.cache] + [s.cache for s in self.waiting] if c)
         kv.lend(max(0, held - kv.context_bytes))
         self.counts["most_kv_bytes"] = max(self.counts["most_kv_bytes"], held)
@@ -130,7 +131,7 @@ class Batch:
         Sequence. The first to join an empty batch is the lone sequence; a request that asked for
         reuse starts from the prompt caches of its namespace and gives its cache back there."""
         request.check()
-        e = self.engine
+        e = self.parts
         eos = set() if request.ignore_eos else set(e.tokenizer.eos_token_ids)
         r = request
         sampler = RequestSampler(r.temperature, r.top_p, r.top_k, r.processors, r.logprobs, seed=r.seed)
@@ -154,7 +155,7 @@ class Batch:
 
     def _own_cache(self, seq: Sequence) -> None:
         """`seq`'s own cache (the prompt caches' longest prefix of it, with reuse) and its drafter."""
-        seq.cache, seq.held, seq.receipt = self.engine.kv.checkout(seq.prompt, seq.namespace, seq.reuse)
+        seq.cache, seq.held, seq.receipt = self.parts.kv.checkout(seq.prompt, seq.namespace, seq.reuse)
         seq.fed = seq.held
         self._draft_for(seq)
 
@@ -164,7 +165,7 @@ class Batch:
         seeded row's drafts and verify draws come from its own stream in the lone sequence's order
         (a plain first step, then draft and verify), so it gets the tokens it gets alone under the
         same switch decisions (speculative.py)."""
-        e = self.engine
+        e = self.parts
         if self.spec is not None and seq.sampler.plain:
             seq.drafter = self.spec.drafter.fork()
             seq.drafter.start(seq.prompt)
@@ -175,7 +176,7 @@ class Batch:
         """A second sequence joins: the lone one goes on as any other (its cache a row of the
         batch's, once it decodes)."""
         seq, self.lone = self.lone, None
-        seq.lone, self.engine.kv.in_use = False, None
+        seq.lone, self.parts.kv.in_use = False, None
         if seq in self.waiting:
             if not seq.prepared:
                 self._own_cache(seq)
@@ -192,7 +193,7 @@ class Batch:
         """Drop `seq` (its client is gone) wherever it is. With reuse, what it fed goes back to the
         prompt caches, so a retry of the request resumes there (as a single generation's does)."""
         if seq.lone:
-            self.lone, self.engine.kv.in_use = None, None
+            self.lone, self.parts.kv.in_use = None, None
             if seq.lane is not None:
                 seq.lane.close()
             if seq in self.waiting:
@@ -201,12 +202,12 @@ class Batch:
                 self.rows, self.inputs = [], []
             fed = Solo.fed(seq)
             if seq.reuse and seq.cache is not None and fed:
-                self.engine.kv.checkin(fed, seq.cache, len(seq.prompt) if seq.made else 0, seq.namespace)
+                self.parts.kv.checkin(fed, seq.cache, len(seq.prompt) if seq.made else 0, seq.namespace)
             seq.cache = None
         elif seq in self.waiting:
             self.waiting.remove(seq)
             if seq.reuse and seq.fed:
-                self.engine.kv.checkin(seq.prompt[: seq.fed], seq.cache, 0, seq.namespace)
+                self.parts.kv.checkin(seq.prompt[: seq.fed], seq.cache, 0, seq.namespace)
             seq.cache = None
         elif seq in self.rows:
             self._drop_rows([self.rows.index(seq)])
@@ -245,14 +246,14 @@ class Batch:
                 ready = ready or seq in self.rows
             except _OwnFailure as own:  # in its own cache: this sequence ends, the rows go on
                 if seq.receipt is not None:
-                    self.engine.kv.failed(own.error, seq.receipt)
+                    self.parts.kv.failed(own.error, seq.receipt)
                 self._fail_waiting(seq)
                 failed.append((seq, own.error))
         return failed + (self._step() if self.rows else [])
 
     def _fail_waiting(self, seq: Sequence) -> None:
         if seq.lone:
-            self.lone, self.engine.kv.in_use = None, None
+            self.lone, self.parts.kv.in_use = None, None
         self.waiting.remove(seq)
         seq.cache, seq.finish = None, "error"
         self.counts["failed"] += 1
@@ -270,10 +271,12 @@ class Batch:
     def _prefill_lone(self, seq: Sequence) -> int:
         """The lone sequence's prompt, whole unless `interrupt()` says a request waits to join;
         returns the tokens fed."""
-        p = self.engine.prefiller
+        p = self.parts.prefiller
         spans, fed = p.spans + p.chunked_spans, seq.fed
         try:
             done = self.solo.prefill(seq, self.interrupt)
+        except PeerLost:  # the model lost a rank: not this sequence's failure
+            raise
         except Exception as error:  # noqa: BLE001 - the forward of its own cache: its failure alone
             raise _OwnFailure(error) from error
         self.counts["spans"] += p.spans + p.chunked_spans - spans
@@ -287,7 +290,7 @@ class Batch:
     def _prefill_span(self, seq: Sequence, budget: int | None) -> int:
         """One span of `seq`'s prompt into its own cache, at most `budget` tokens while others run
         or wait (None: its whole span); returns the tokens fed."""
-        e = self.engine
+        e = self.parts
         todo = seq.prompt[seq.fed : -1]
         fed = 0
         if todo:
@@ -300,6 +303,8 @@ class Batch:
                     stop = self.interrupt  # alone: its whole span, unless a request arrives
             try:
                 fed = e.prefiller(todo[:n], seq.cache, stop)
+            except PeerLost:  # the model lost a rank: not this sequence's failure
+                raise
             except Exception as error:  # noqa: BLE001 - the forward of its own cache: its failure alone
                 raise _OwnFailure(error) from error
             if fed < n:  # a newcomer is waiting: the span's first layers go back to where it began
@@ -319,14 +324,14 @@ class Batch:
 
     def _ready(self, seq: Sequence) -> None:
         """`seq`'s prompt but its last token is in: it decodes from the next step."""
-        seq.prefilled = self.engine.streaming.stats.totals()
+        seq.prefilled = self.parts.streaming.stats.totals()
         self.waiting.remove(seq)
         self.rows.append(seq)
         self.inputs.append(seq.prompt[-1])
         self.counts["most_rows"] = max(self.counts["most_rows"], len(self.rows))
 
     def _step(self) -> list[tuple[Sequence, Step | Exception]]:
-        e = self.engine
+        e = self.parts
         rows = self.rows
         if rows[0].lone:
             return self._lone_step(rows[0])
@@ -371,21 +376,23 @@ class Batch:
             seq.lane = self.solo.steps(seq)
         try:
             ys = next(seq.lane)
+        except PeerLost:
+            raise
         except Exception as error:  # noqa: BLE001 - its own step, the only one: it ends with the error
             seq.cache, seq.finish = None, "error"  # the step may have fed part of it
-            self.lone, self.rows, self.inputs, self.engine.kv.in_use = None, [], [], None
+            self.lone, self.rows, self.inputs, self.parts.kv.in_use = None, [], [], None
             self.counts["failed"] += 1
             return [(seq, error)]
         self._count_step(1)
         made: list = []
         if self._add_tokens(seq, ys, made):
             seq.lane.close()
-            self.lone, self.rows, self.inputs, self.engine.kv.in_use = None, [], [], None
+            self.lone, self.rows, self.inputs, self.parts.kv.in_use = None, [], [], None
             if seq.reuse:
                 fed = seq.prompt + seq.tokens[:-1]
                 if not bkv.trim_to(seq.cache, len(fed)):  # recurrent state holds what its steps fed
                     fed = Solo.fed(seq)
-                self.engine.kv.checkin(fed, seq.cache, len(seq.prompt), seq.namespace)
+                self.parts.kv.checkin(fed, seq.cache, len(seq.prompt), seq.namespace)
             seq.cache = None
         else:
             self.inputs[0] = ys[-1]  # what a step of the batch feeds, if others join
@@ -406,7 +413,7 @@ class Batch:
             made.append((seq, step))
             if step.finish_reason:
                 seq.finish = step.finish_reason
-                step.stats = sequence_stats(self.engine, seq)
+                step.stats = sequence_stats(self.parts.streaming, self.parts.store, self.parts.speculation, seq)
                 return True
         return False
 
@@ -448,7 +455,7 @@ class Batch:
             return out, kept
 
         inputs = [[y] + d.tokens for y, d in zip(self.inputs, drafts)]
-        return self.engine.stepper.verify_batch(inputs, self.steps, decide, self.cache, previous)
+        return self.parts.stepper.verify_batch(inputs, self.steps, decide, self.cache, previous)
 
     def _drop_rows(self, done: list[int], failed: list[int] = ()) -> None:
         """Rows `done` leave; a row that asked for reuse gives its cache (its prompt and reply but
@@ -461,7 +468,7 @@ class Batch:
                 fed = seq.prompt + seq.tokens[:-1]
                 row = bkv.extract_row(self.cache, i)
                 bkv.trim_to(row, len(fed))  # a verify fed drafts past a stop its tokens ended on
-                self.engine.kv.checkin(fed, row, len(seq.prompt), seq.namespace)
+                self.parts.kv.checkin(fed, row, len(seq.prompt), seq.namespace)
         stay = [i for i in range(len(self.rows)) if i not in done and i not in failed]
         self.rows = [self.rows[i] for i in stay]
         self.inputs = [self.inputs[i] for i in stay]

@@ -6,51 +6,52 @@ from __future__ import annotations
 from edge0.backend import assemble as bas
 from edge0.backend import core as B
 from edge0.backend import forward as bfw
+from edge0.engine.parts import Parts
 from edge0.errors import Edge0Error
 
 
-def logits(engine, prompt):
+def logits(model, tokens: list[int]):
     """Float32 logits of every prompt position [T, V] (no cache; gate routing)."""
-    return bfw.full_logits(engine.model, engine.encode(prompt))
+    return bfw.full_logits(model, tokens)
 
 
-def prerouted_logits(engine, prompt):
+def prerouted_logits(model, hooks, tokens: list[int]):
     """Float32 logits [T, V] of every position in one forward pass, routed as decoding routes
     them: with a pre-router, each pre-routed layer uses at position t the route its head
     predicted at t-1 (position 0 uses the gate). Without one this is `logits`."""
-    with engine.hooks.teacher_forcing():
-        return bfw.full_logits(engine.model, engine.encode(prompt))
+    with hooks.teacher_forcing():
+        return bfw.full_logits(model, tokens)
 
 
-def decode_logits(engine, prompt):
+def decode_logits(parts: Parts, tokens: list[int]):
     """Float32 log-probs [T, V] of every position, computed token by token through the KV cache
     and the expert cache, as decoding does (teacher forcing)."""
-    tokens = engine.encode(prompt)
     kept = []
 
     def keep(logprobs):
         kept.append(logprobs)
         return B.argmax(logprobs, axis=-1)
 
-    cache = engine.kv.in_use = engine.kv.make()  # nothing reuses it
-    engine.hooks.start()
+    kv, stepper = parts.kv, parts.stepper
+    cache = kv.in_use = kv.make()  # nothing reuses it
+    stepper.hooks.start()
     try:
         for i, t in enumerate(tokens):
-            engine.stepper.decode([t], i, keep, cache)
+            stepper.decode([t], i, keep, cache)
     finally:
-        engine.hooks.finish()
-        engine.kv.in_use = None
+        stepper.hooks.finish()
+        kv.in_use = None
     out = B.to_numpy(B.concatenate(kept, axis=0).astype(B.float32))
     return out.reshape(len(tokens), -1)
 
 
-def observe_routes(engine, fn) -> None:
+def observe_routes(parts: Parts, fn) -> None:
     """Call fn(layer, indices [T, K] int array, scores [T, E] float32) for every forward pass of
     every spec'd MoE layer (None stops). Each call syncs to the host: for traces only."""
-    if engine.spec is None:
+    if parts.spec is None:
         raise Edge0Error(
-            f"{engine.model_id}: route tracing needs a spec'd family (this one is served at the universal level)"
+            f"{parts.model_id}: route tracing needs a spec'd family (this one is served at the universal level)"
         )
-    for layer, block in bas.moe_blocks(engine.model):
+    for layer, block in bas.moe_blocks(parts.model):
         block.use_observer(None if fn is None else (lambda i, s, layer=layer: fn(layer, i, s)))
-    engine.prefiller.skip_last = fn is None  # an observer sees every layer's routes, the last one's too
+    parts.prefiller.skip_last = fn is None  # an observer sees every layer's routes, the last one's too

@@ -18,6 +18,7 @@ from edge0.engine.diagnostics import decode_logits, logits, observe_routes, prer
 from edge0.engine.generate_batch import check_batch, generate_batch
 from edge0.engine.hooks import StepHooks
 from edge0.engine.kv import PromptCache
+from edge0.engine.parts import Parts
 from edge0.engine.prefill import Prefiller
 from edge0.engine.request import Request
 from edge0.engine.speculative import check_speculation
@@ -85,6 +86,27 @@ class Engine:
         # across ranks (edge0.distributed): this rank's stage, and its end of the stage exchange
         self.stage = stage
         self.pipeline = None
+
+    def parts(self) -> Parts:
+        """The parts the generation loop, the diagnostics and the pipeline use, as they are now."""
+        return Parts(
+            model_id=self.model_id,
+            model=self.model,
+            tokenizer=self.tokenizer,
+            control_ids=self.control_ids,
+            kv=self.kv,
+            prefiller=self.prefiller,
+            stepper=self.stepper,
+            streaming=self.streaming,
+            store=self.store,
+            compute_dtype=self.compute_dtype,
+            resident_bytes=self.resident_bytes,
+            spec=self.spec,
+            speculation=self.speculation,
+            batch_speculation=self.batch_speculation,
+            prerouting=self.prerouting,
+            pipeline=self.pipeline,
+        )
 
     # -- features ------------------------------------------------------------------------------
     hooks = property(
@@ -303,7 +325,7 @@ class Engine:
 
     def batch_problem(self) -> str | None:
         """Why this engine cannot decode sequences together (None if it can)."""
-        return batch_problem(self)
+        return batch_problem(self.parts())
 
     def spare_contexts(self) -> int | None:
         """How many contexts' KV caches the prompt caches' memory holds beside the newest (the
@@ -321,7 +343,7 @@ class Engine:
         lone sequence runs on any engine; a second one joins only where `batch_problem()` is None."""
         self._leads()
         self.generating = True
-        batch = Batch(self)
+        batch = Batch(self.parts())
         try:
             self.hooks.start()
             yield batch
@@ -373,22 +395,22 @@ class Engine:
     def logits(self, prompt):
         """Float32 logits of every prompt position [T, V] (no cache; gate routing)."""
         self._one_process("logits")
-        return logits(self, prompt)
+        return logits(self.model, self.encode(prompt))
 
     def prerouted_logits(self, prompt):
         """Float32 logits [T, V] of every position, routed as decoding routes them (one pass)."""
         self._one_process("prerouted_logits")
-        return prerouted_logits(self, prompt)
+        return prerouted_logits(self.model, self.hooks, self.encode(prompt))
 
     def decode_logits(self, prompt):
         """Float32 log-probs [T, V] of every position, token by token through the caches."""
         self._leads()
-        return decode_logits(self, prompt)
+        return decode_logits(self.parts(), self.encode(prompt))
 
     def observe_routes(self, fn) -> None:
         """fn(layer, indices, scores) for every spec'd MoE layer's forward (None stops)."""
         self._one_process("route tracing")
-        observe_routes(self, fn)
+        observe_routes(self.parts(), fn)
 
     # -- stats ---------------------------------------------------------------------------------
     def stats(self) -> dict:

@@ -9,6 +9,7 @@ other sequence."""
 from __future__ import annotations
 
 from edge0.backend import kvcache as bkv
+from edge0.engine.parts import Parts
 from edge0.engine.request import Request
 from edge0.errors import Edge0Error
 
@@ -22,14 +23,14 @@ KV_GROUP = (
 class Solo:
     """The lone sequence's prefill and steps, in the cache it checked out of the prompt caches."""
 
-    def __init__(self, engine):
-        self.engine = engine
+    def __init__(self, parts: Parts):
+        self.parts = parts
 
     def prepare(self, seq) -> None:
         """`seq`'s cache: the longest prefix of its prompt the prompt caches hold (with reuse; else
         an empty cache)."""
         r: Request = seq.request
-        kv = self.engine.kv
+        kv = self.parts.kv
         seq.cache, seq.held, seq.receipt = kv.checkout(seq.prompt, r.namespace, r.reuse)
         seq.fed, seq.prepared, kv.in_use = seq.held, True, seq.cache
 
@@ -37,7 +38,7 @@ class Solo:
         """Feed `seq`'s prompt but its last token (after the prefix its cache holds); False when
         `stop()` said so between layers or spans: what went into every layer stays (a cache that
         cannot be cut back is dropped, and the prompt caches are asked again)."""
-        e = self.engine
+        e = self.parts
         if not seq.prepared:  # its cache was dropped (a cancelled span in a cache that cannot be cut back)
             self.prepare(seq)
         todo = seq.prompt[seq.fed : -1]
@@ -64,7 +65,7 @@ class Solo:
         """The lone row's steps, each the list of tokens it made (a verify makes several); the
         first feeds the prompt's last token. At each yield the cache holds the prompt and every
         token made but the last (`seq.made`)."""
-        e = self.engine
+        e = self.parts
         kv, reply, cache = e.kv, seq.reply, seq.cache
         try:
             y = e.stepper.decode(seq.prompt[-1:], 0, seq.sampler, cache, reply.max_tokens <= 1)

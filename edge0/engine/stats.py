@@ -7,10 +7,10 @@ import time
 from edge0.backend import core as B
 
 
-def sequence_stats(engine, seq) -> dict:
+def sequence_stats(streaming, store, speculation, seq) -> dict:
     """A finished sequence's stats (a batch's, batch.py): the executors' and the store's counts
     from its joining to its end (while it shared steps, the batch's), and its own timings."""
-    totals, io = engine.streaming.stats.totals(), engine.store.io_stats()
+    totals, io = streaming.stats.totals(), store.io_stats()
     before, io_before, spec_before = seq.before
     first = seq.first_token_s or 0.0
     stats = call_stats(
@@ -26,7 +26,7 @@ def sequence_stats(engine, seq) -> dict:
         time.perf_counter() - seq.joined - first,
     )
     stats["first_token_s"] = seq.first_token_s
-    spec = engine.speculation
+    spec = speculation
     if spec is not None and spec_before is not None:
         decode_bytes = stats["expert_bytes_read"] - stats["prefill_expert_bytes_read"]
         stats["speculation"] = spec.call_stats(spec_before, before, totals, len(seq.tokens), decode_bytes)

@@ -104,6 +104,12 @@ class _Server(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, scheduler: Scheduler):
         super().__init__(config)
         self.scheduler = scheduler
+        scheduler.on_fatal = self.stop_serving
+
+    def stop_serving(self) -> None:
+        """The engine cannot serve any more (Scheduler.fatal): end the open streams and exit."""
+        self.scheduler.stop_soon()
+        self.should_exit = True
 
     def handle_exit(self, sig, frame) -> None:
         self.scheduler.stop_soon()
@@ -114,9 +120,12 @@ def run(
     app: FastAPI, host: str = "127.0.0.1", port: int = 8080, log_level: str = "info", sock: socket.socket | None = None
 ) -> None:
     """Serve `app` until SIGTERM / SIGINT (on `sock` if given, else host:port), with the connection
-    limits of its ServerConfig (connections.py)."""
+    limits of its ServerConfig (connections.py); raises the error that stopped it, if one did
+    (a lost rank: Scheduler.fatal)."""
     server = _Server(uvicorn_config(app, host=host, port=port, log_level=log_level), app.state.scheduler)
     server.run(sockets=[sock] if sock else None)
+    if (fatal := app.state.scheduler.fatal) is not None:
+        raise fatal
 
 
 def uvicorn_config(app: FastAPI, **kwargs) -> uvicorn.Config:

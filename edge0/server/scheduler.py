@@ -26,6 +26,7 @@ from typing import AsyncIterator, Callable
 
 from edge0.engine.api import EngineAPI
 from edge0.engine.request import Request
+from edge0.errors import PeerLost
 from edge0.server.errors import APIError
 from edge0.server.generation import Events, Run
 
@@ -93,6 +94,9 @@ class Scheduler:
         self._arrivals: deque[_Request] = deque()
         self._coordinating = False
         self._batch = None  # the engine's Batch while one runs
+        # an error after which the engine cannot serve (a lost rank): the server stops with it
+        self.fatal: PeerLost | None = None
+        self.on_fatal: Callable[[], None] = lambda: None  # set by the server: stop serving
         self._done = {
             "batches": 0,
             "steps": 0,
@@ -155,6 +159,9 @@ class Scheduler:
         more = True
         while more:
             more = self._run_batch(engine)
+            if self.fatal is not None:
+                self.on_fatal()
+                return
             for fn in self.between:
                 self._call(fn)
 
@@ -188,14 +195,19 @@ class Scheduler:
                         break
                     for r in done:
                         self._end(r, live, "completed")
-        except Exception:  # the batch's cache is lost: every request in it or waiting for it fails
+        except Exception as e:  # the batch's cache is lost: every request in it or waiting for it fails
             self._done["failed_batches"] += 1
-            log.exception("batch failed")
+            if isinstance(e, PeerLost):  # said once, by the command, as the server exits with it
+                self.fatal = e
+            else:
+                log.exception("batch failed")
             with self._lock:
                 waiting = list(self._arrivals)
                 self._arrivals.clear()
             # one error for all, naming none of them: the cause may be another client's request
             error = BatchFailed("the batch this request was decoding in failed (the server log has the cause); retry")
+            if self.fatal is not None:
+                error = APIError(503, "The server is stopping: the model lost one of its ranks", code="server_stopping")
             for r in live + waiting:
                 r.job._put(error)
                 self._end(r, live, "failed")

@@ -37,6 +37,21 @@ class TextBlock(Strict):
     text: str
 
 
+class ImageSource(Strict):
+    type: Literal["base64", "url", "file"]
+    media_type: Optional[str] = None
+    data: Optional[str] = None
+    url: Optional[str] = None
+    file_id: Optional[str] = None
+
+
+class ImageBlock(Strict):
+    """An image (Claude Code sends a pasted screenshot so, and in a tool's result)."""
+
+    type: Literal["image"]
+    source: ImageSource
+
+
 class ToolUseBlock(Strict):
     type: Literal["tool_use"]
     id: str
@@ -54,7 +69,9 @@ class ToolReferenceBlock(Strict):
 class ToolResultBlock(Strict):
     type: Literal["tool_result"]
     tool_use_id: str
-    content: Union[str, list[Annotated[Union[TextBlock, ToolReferenceBlock], Field(discriminator="type")]]] = ""
+    content: Union[
+        str, list[Annotated[Union[TextBlock, ImageBlock, ToolReferenceBlock], Field(discriminator="type")]]
+    ] = ""
     is_error: bool = False
 
     def references(self) -> list[str]:
@@ -86,7 +103,8 @@ class RedactedThinkingBlock(Strict):
 
 
 Block = Annotated[
-    Union[TextBlock, ToolUseBlock, ToolResultBlock, ThinkingBlock, RedactedThinkingBlock], Field(discriminator="type")
+    Union[TextBlock, ImageBlock, ToolUseBlock, ToolResultBlock, ThinkingBlock, RedactedThinkingBlock],
+    Field(discriminator="type"),
 ]
 
 
@@ -143,6 +161,18 @@ class CountTokensRequest(Strict):
     tools: Optional[list[ToolDef]] = None
     tool_choice: Optional[ToolChoiceParam] = None
     thinking: Optional[Thinking] = None
+
+    def image_param(self) -> str | None:
+        """Where the first image block is, in a message or a tool's result (None: text only)."""
+        for i, m in enumerate(self.messages):
+            for j, block in enumerate(m.content if isinstance(m.content, list) else ()):
+                inner = block.content if block.type == "tool_result" and isinstance(block.content, list) else ()
+                if block.type == "image":
+                    return f"messages.{i}.content.{j}"
+                k = next((k for k, b in enumerate(inner) if b.type == "image"), None)
+                if k is not None:
+                    return f"messages.{i}.content.{j}.content.{k}"
+        return None
 
     def template_messages(self) -> list[dict]:
         """The conversation as chat-template messages (OpenAI's shape, which templates take)."""
@@ -274,6 +304,7 @@ class CountTokensRequest(Strict):
             template_kwargs={"enable_thinking": thinking},
             constraint=constraint,
             constraint_param="tool_choice",
+            image_param=self.image_param(),
             thinking_budget=self.thinking.budget_tokens
             if thinking and isinstance(self.thinking, ThinkingEnabled)
             else None,

@@ -67,6 +67,7 @@ class Prompt:
     constraint_param: str | None = None
     thinking_budget: int | None = None  # most reasoning tokens (Anthropic's budget_tokens)
     cache_salt: str | None = None  # only requests with the same salt share cached prefixes (cache_namespace)
+    image_param: str | None = None  # where the request's first image is (None: text only)
     # What the request asked that this server adapted rather than refused: (counter, log line) pairs,
     # counted in /v1/stats and logged the first time.
     notes: tuple[tuple[str, str], ...] = ()
@@ -157,6 +158,15 @@ async def prompt_tokens(request: Request, prompt: Prompt, record: bool = False) 
             f"{len(prompt.messages)} messages is above this server's limit of {config.max_messages} (--max-messages)",
             prompt.param,
             "too_many_messages",
+        )
+    if prompt.image_param is not None:
+        raise APIError(
+            400,
+            f"{engine.model_id}: this model does not take images ({engine.model_type}: its store holds no vision "
+            f"tower; Edge0 serves the language model only), and {prompt.image_param} is one; send the request "
+            "without images",
+            prompt.image_param,
+            "images_unsupported",
         )
     if prompt.tools and not engine.chat_format.calls:
         raise APIError(

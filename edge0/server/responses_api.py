@@ -37,9 +37,21 @@ LOGPROBS = "message.output_text.logprobs"  # the `include` value asking for outp
 router = APIRouter()
 
 
-class ContentPart(Strict):
+class TextContent(Strict):
     type: Literal["input_text", "output_text"]
     text: str
+
+
+class ImageContent(Strict):
+    """An image (Codex sends a pasted screenshot so): a data URL or a link, or an uploaded file."""
+
+    type: Literal["input_image"]
+    image_url: Optional[str] = None
+    file_id: Optional[str] = None
+    detail: Optional[str] = None
+
+
+ContentPart = Annotated[Union[TextContent, ImageContent], Field(discriminator="type")]
 
 
 class MessageItem(Strict):
@@ -131,6 +143,16 @@ class ResponsesRequest(Strict):
             return self.top_logprobs or 0
         return None
 
+    def image_param(self) -> str | None:
+        """Where the first image part is, in a message or a function call's output (None: text only)."""
+        for i, item in enumerate(() if isinstance(self.input, str) else self.input):
+            field = {"message": "content", "function_call_output": "output"}.get(item.type)
+            parts = getattr(item, field) if field else ()
+            for j, part in enumerate(parts if isinstance(parts, list) else ()):
+                if part.type == "input_image":
+                    return f"input.{i}.{field}.{j}"
+        return None
+
     def template_messages(self) -> list[dict]:
         """`instructions` and `input` as chat-template messages; consecutive function calls join
         the assistant message before them."""
@@ -207,6 +229,7 @@ class ResponsesRequest(Strict):
             constraint_param=where,
             notes=tools.notes(),
             cache_salt=self.cache_salt,
+            image_param=self.image_param(),
         )
 
 

@@ -111,6 +111,7 @@ async def chat_completions(body: ChatRequest, request: Request):
         constraint=constraint,
         constraint_param=where,
         cache_salt=body.cache_salt,
+        image_param=body.image_param(),
     )
     fmt = ChatFormat(model, body.include_usage())
     if body.n > 1:

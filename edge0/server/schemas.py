@@ -98,13 +98,29 @@ ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
 
 
 def join_text(parts) -> str:
-    """The text of a list of text parts or blocks, as one message content."""
-    return "".join(p.text for p in parts)
+    """The text of a list of text parts or blocks, as one message content (images, which have
+    none, are refused before a prompt is rendered: pipeline.prompt_tokens)."""
+    return "".join(t for p in parts if (t := getattr(p, "text", None)) is not None)
 
 
 class TextPart(Strict):
     type: Literal["text"]
     text: str
+
+
+class ImageURL(Strict):
+    url: str
+    detail: Optional[str] = None
+
+
+class ImagePart(Strict):
+    """An image (a data URL or a link), as coding agents send a screenshot."""
+
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+ChatPart = Annotated[Union[TextPart, ImagePart], Field(discriminator="type")]
 
 
 class FunctionCall(Strict):
@@ -120,7 +136,7 @@ class ToolCall(Strict):
 
 class Message(Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Union[str, list[TextPart], None] = None
+    content: Union[str, list[ChatPart], None] = None
     name: Optional[str] = None
     tool_calls: Optional[list[ToolCall]] = None
     tool_call_id: Optional[str] = None
@@ -189,6 +205,18 @@ class ChatRequest(SamplingRequest):
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs", "invalid_value")
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def image_param(self) -> str | None:
+        """Where the first image part is (None: the messages are text)."""
+        return next(
+            (
+                f"messages.{i}.content.{j}"
+                for i, m in enumerate(self.messages)
+                for j, part in enumerate(m.content if isinstance(m.content, list) else ())
+                if part.type == "image_url"
+            ),
+            None,
+        )
 
     def template_messages(self) -> list[dict]:
         """Messages as the chat template expects them: text content, tool-call arguments as dicts."""

@@ -51,9 +51,9 @@ class StageEmbedding(nn.Module):
         object.__setattr__(self, "heads", heads)
         object.__setattr__(self, "source", source)
 
-    def __call__(self, inputs):
-        if self.embeds:
-            return self.embedding(inputs)
+    def __call__(self, inputs, **kwargs):
+        if self.embeds:  # kwargs: an n-gram embedding's cache of earlier tokens (longcat_flash_ngram)
+            return self.embedding(inputs, **kwargs)
         object.__setattr__(self, "received", self.source(inputs))  # for a StageInput layer
         return self.received
 
@@ -113,7 +113,8 @@ _SHARED_ACROSS_LAYERS = {
 
 
 # what the families call the embedding, the decoder layers and the final norm of their model
-_EMBED, _LAYERS, _NORM = ("embed_tokens", "word_embeddings", "wte"), ("layers", "blocks"), ("norm", "norm_f")
+_EMBED = ("embed_tokens", "word_embeddings", "wte", "embeddings", "ngram_embeddings")
+_LAYERS, _NORM = ("layers", "blocks"), ("norm", "norm_f", "final_layernorm", "embedding_norm")  # lfm2: embedding_norm
 
 
 def _names(module) -> tuple[str, str, str] | None:

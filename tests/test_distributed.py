@@ -318,6 +318,19 @@ def test_every_family_gives_the_single_process_tokens_on_two_ranks_or_is_refused
 
 
 @pytest.mark.slow  # one launch of three ranks
+def test_hybrid_families_on_three_ranks_keep_each_stage_s_state_and_reuse_prefixes(store_for, tmp_path):
+    first = PROMPT * 12
+    _families_across_ranks(
+        ("qwen3_next", "qwen3_5_moe", "deepseek_v32", "jamba"),
+        store_for,
+        tmp_path,
+        ranks=3,
+        fixture={"num_hidden_layers": 4},  # a middle stage of one layer or more, both kinds of layer on some
+        turns=[first, first + " and then", "unrelated " * 20],
+    )
+
+
+@pytest.mark.slow  # one launch of three ranks
 def test_families_mlx_lm_does_not_pipeline_give_the_single_process_tokens_on_three_ranks(store_for, tmp_path):
     # three layers: the middle stage's first and last layer are the same one
     _families_across_ranks(

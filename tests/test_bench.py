@@ -150,8 +150,11 @@ def test_quick_suite_json(tiny_model, tmp_path):
             assert f"| {name} | capped, 400 MB/s |" in table.getvalue()
         assert "Read limit: 400 MB/s on the store's disk" in table.getvalue()
 
-    device = r["device_read"]
+    device, warm = r["device_read"], r["page_cache_read"]
     assert device["bytes_per_s"] > 0 and device["bytes"] > 0 and device["queue_depth"] >= 1
+    assert warm["warm"] and warm["bytes_per_s"] > 0
+    assert by["staged-warm"]["roofline"]["read_rate"] == warm["bytes_per_s"]
+    assert by["staged-cold"]["roofline"]["read_rate"] == device["bytes_per_s"]
     resident = by["mlx-lm-resident"]["metrics"]["decode_tps"]
     for name in ("exact-warm", "staged-warm", "staged-cold"):
         roof, m = by[name]["roofline"], by[name]["metrics"]
@@ -308,6 +311,33 @@ def test_the_roofline_is_the_slower_of_compute_and_reads():
     assert arm_roofline({**arm, "runtime": "mlx-lm"}, 25.0, 100e6) is None
 
 
+def test_warm_arms_are_judged_at_the_page_cache_rate_cold_ones_at_the_disk_capped_ones_at_the_limit():
+    from edge0.bench.roofline import add_rooflines
+
+    metrics = {"decode_tps": 8.0, "decode_expert_bytes_read": 40e6, "generation_tokens": 5}  # 10 MB a token
+    arms = [
+        {"name": n, "storage": n.split("-")[1], "status": "ok", "runtime": "edge0", "metrics": metrics}
+        for n in ("staged-warm", "staged-cold", "staged-capped")
+    ]
+    arms.append(
+        {
+            "name": "mlx-lm-resident",
+            "storage": "warm",
+            "status": "ok",
+            "runtime": "mlx-lm",
+            "metrics": {"decode_tps": 25.0},
+        }
+    )
+    result = {"arms": arms, "settings": {"read_limit": {"rate_bytes_per_s": 50e6}}}
+    add_rooflines(result, 100e6, 2e9)
+    by = {a["name"]: a["roofline"] for a in arms}
+    assert [by[n]["read_rate"] for n in ("staged-warm", "staged-cold", "staged-capped")] == [2e9, 100e6, 50e6]
+    # the page cache copies 200 tok/s of reads: compute bounds the warm arm, below an efficiency of 1
+    assert by["staged-warm"]["roofline_tps"] == 25.0 and by["staged-warm"]["efficiency"] == 8 / 25
+    assert by["staged-cold"]["roofline_tps"] == 10.0 and by["staged-capped"]["roofline_tps"] == 5.0
+    assert by["mlx-lm-resident"] is None
+
+
 def test_the_disk_rate_is_measured_over_the_stores_expert_rows(tiny_model):
     from edge0.bench.roofline import measure_read_rate
     from edge0.store.format import MANIFEST
@@ -317,3 +347,5 @@ def test_the_disk_rate_is_measured_over_the_stores_expert_rows(tiny_model):
     # each expert row read at most once: within 5 s the tiny store is read whole, row by row
     layers = json.loads((tiny_model / "store" / MANIFEST).read_text())["expert_layers"]
     assert read["bytes"] == sum(e["num_experts"] * e["expert_stride"] for e in layers) or read["seconds"] >= 5
+    warm = measure_read_rate(tiny_model / "store", queue_depth=2, seconds=5, warm=True)
+    assert warm["warm"] and not warm["page_cache_dropped"] and warm["bytes"] == read["bytes"]

@@ -147,12 +147,18 @@ def _roofline_lines(result: dict) -> list[str]:
     rows = [a for a in result["arms"] if a.get("roofline")]
     if not rows:
         return []
-    device = result.get("device_read") or {}
+    device, warm = result.get("device_read") or {}, result.get("page_cache_read") or {}
     out = [
         "",
         "Roofline: min(resident mlx-lm decode tok/s, read rate / expert bytes read per generated token); "
         f"the store's disk measured at {_f((device.get('bytes_per_s') or 0) / 1e6, '{:.0f}')} MB/s "
-        f"({device.get('read_size')} B reads, {device.get('queue_depth')} at a time), --read-limit for capped arms.",
+        f"({device.get('read_size')} B reads, {device.get('queue_depth')} at a time) for cold arms, "
+        + (
+            f"the same reads out of the page cache at {_f(warm['bytes_per_s'] / 1e6, '{:.0f}')} MB/s for warm arms, "
+            if warm.get("bytes_per_s")
+            else ""
+        )
+        + "--read-limit for capped arms.",
         "",
         *table_head(
             "arm | expert bytes / token | read rate achieved | read rate | roofline tok/s | bound | efficiency"

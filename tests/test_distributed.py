@@ -1,8 +1,9 @@
 """One model across ranks (edge0.distributed): two processes on 127.0.0.1 with MLX's ring backend
 give the single process's greedy tokens, with and without pre-router heads (one predicting across
 the stage boundary), each rank opening only its own layers' expert files; `edge0 generate` runs
-under mlx.launch; a missing peer, a split that does not cover the layers and ranks with different
-stores are one-line errors."""
+under mlx.launch; a missing peer, a split that does not cover the layers, ranks with different
+stores and a rank killed mid-request are one-line errors (a server on rank 0 exits with it). Every
+family across ranks: test_distributed_families.py."""
 
 import json
 import os
@@ -125,6 +126,18 @@ def launch(tmp_path, argvs: list[list[str]], ranks: int = 2, timeout: float = 60
     return finish(start(tmp_path, argvs, ranks), timeout)
 
 
+def wait_for_server(url: str, procs: list[subprocess.Popen], seconds: float = 90) -> None:
+    """Until the server on rank 0 answers (two ranks load beside other test workers on 2 cores)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            urllib.request.urlopen(f"{url}/models", timeout=2)
+            return
+        except OSError:
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "server did not start"
+            time.sleep(0.2)
+
+
 def single(store, **options):
     engine = edge0.load(store, **options)
     engine.prefiller.layerwise = False  # ranks prefill chunk by chunk (docs/distributed.md), so compare like that
@@ -227,117 +240,6 @@ def test_a_family_whose_stages_pass_on_more_than_the_hidden_state_is_refused_wit
         bstages.num_layers(model)
 
 
-# families refused across ranks, each with its one-line reason (every other family of the fixtures
-# must give the single process's tokens on 2 ranks)
-_NAMES = "no module with an embedding, a list of layers and a final norm"  # a model laid out otherwise
-_SHARED = "which a stage boundary would cut"  # layers that hand each other KV or residual blocks
-REFUSED: dict[str, str] = {
-    "phixtral": _NAMES,
-    **dict.fromkeys(("gemma4", "gemma4_text", "hunyuan", "kimi_k3"), _SHARED),
-}
-# the hybrid families (linear attention or SSM state beside KV caches) and those with several caches
-# in one layer (CacheList): each stage keeps its own layers' state, the exchange counts the tokens
-HYBRID = (
-    *("qwen3_5_moe", "qwen3_next", "kimi_linear", "granitemoehybrid", "bailing_moe_linear", "deepseek_v32"),
-    *("jamba", "nemotron_h", "lfm2_moe", "longcat_flash_ngram"),  # SSM or conv state; an n-gram embedding's history
-)
-# a sample in the default suite (mlx-lm pipelines none of them: Edge0 stands SkipLayers in for the
-# other stage's layers); every fixture family behind -m slow
-SAMPLE = ("mixtral", "olmoe", "gpt_oss", "minimax", "dbrx")  # dbrx: its ends are wte, blocks, norm_f
-
-
-def _families_across_ranks(families, store_for, tmp_path, ranks=2, fixture=None, turns=(), **options):
-    """Each of `families` (fixtures with `fixture` keywords) on `ranks` ranks in one launch: the
-    single process's greedy tokens, each rank running its own contiguous layers, or refused on
-    every rank with its REFUSED reason; then `turns`, prompts one after another reusing the KV
-    cache, each as one process gives it."""
-    runs = [
-        {"store": str(store_for(f, **(fixture or {}))), "options": {"prerouter": False, **options}} for f in families
-    ]
-    for run in runs:
-        run.update(prompt=PROMPT, max_tokens=TOKENS, ignore_eos=True, turns=list(turns))
-    (tmp_path / "runs.json").write_text(json.dumps(runs))
-    argv = [sys.executable, str(ROOT / "tests" / "dist_worker.py"), str(tmp_path / "runs.json")]
-    argvs = [argv + [str(tmp_path / f"out-{r}.json")] for r in range(ranks)]
-    done = launch(tmp_path, argvs, ranks=ranks, timeout=60 + 15 * len(runs))
-    assert [rc for rc, _, _ in done] == [0] * ranks, "\n".join(err[-3000:] for _, _, err in done)
-    out = [json.loads((tmp_path / f"out-{r}.json").read_text()) for r in range(ranks)]
-    wrong = {}  # every family that is not as expected, named at once
-    for i, family in enumerate(families):
-        got = [o[i] for o in out]
-        if family in REFUSED:
-            if not all(REFUSED[family] in g.get("refused", "") for g in got):
-                wrong[family] = ("not refused with its REFUSED reason", got[0].get("refused"))
-            continue
-        if "refused" in got[0]:
-            wrong[family] = ("refused", got[0]["refused"])
-            continue
-        layers = [layer for g in reversed(got) for layer in g["layers"]]  # the last rank runs the first stage
-        if not all(g["layers"] for g in got) or layers != list(range(len(layers))):
-            wrong[family] = ("layers", layers)
-            continue
-        want = single(runs[i]["store"], **runs[i]["options"])[0]
-        if got[0]["tokens"] != want:
-            wrong[family] = (got[0]["tokens"], want)
-        elif turns:
-            cold = edge0.load(runs[i]["store"], **runs[i]["options"])
-            cold.prefiller.layerwise = False
-            want = [cold.generate(t, max_tokens=TOKENS, ignore_eos=True).tokens for t in turns]
-            if got[0]["turns"] != want:
-                wrong[family] = ("turns", got[0]["turns"], want)
-    assert not wrong, wrong
-
-
-def test_families_mlx_lm_does_not_pipeline_give_the_single_process_tokens_on_two_ranks(store_for, tmp_path):
-    _families_across_ranks(SAMPLE, store_for, tmp_path)
-
-
-def test_hybrid_families_keep_each_stage_s_state_on_two_ranks_and_reuse_prefixes(store_for, tmp_path):
-    first = PROMPT * 12
-    # linear attention beside KV caches (the Qwen3.5 / 3.6 design), and several caches in one layer
-    _families_across_ranks(
-        ("qwen3_next", "deepseek_v32"), store_for, tmp_path, turns=[first, first + " and then", "unrelated " * 20]
-    )
-
-
-@pytest.mark.slow  # one launch of the hybrid and CacheList families, with turns that reuse the KV cache
-def test_every_hybrid_family_reuses_prefixes_on_two_ranks(store_for, tmp_path):
-    first = PROMPT * 12
-    _families_across_ranks(HYBRID, store_for, tmp_path, turns=[first, first + " and then", "unrelated " * 20])
-
-
-@pytest.mark.slow  # one launch over every fixture family per decode executor: about 25 s each
-@pytest.mark.parametrize("executor", ["staged", "exact", "hot"])
-def test_every_family_gives_the_single_process_tokens_on_two_ranks_or_is_refused_with_its_reason(
-    executor, store_for, tmp_path
-):
-    from tests.fixtures import ALL_FAMILIES
-
-    assert set(REFUSED) <= set(ALL_FAMILIES)
-    _families_across_ranks(ALL_FAMILIES, store_for, tmp_path, decode_executor=executor)
-
-
-@pytest.mark.slow  # one launch of three ranks
-def test_hybrid_families_on_three_ranks_keep_each_stage_s_state_and_reuse_prefixes(store_for, tmp_path):
-    first = PROMPT * 12
-    _families_across_ranks(
-        ("qwen3_next", "qwen3_5_moe", "deepseek_v32", "jamba"),
-        store_for,
-        tmp_path,
-        ranks=3,
-        fixture={"num_hidden_layers": 4},  # a middle stage of one layer or more, both kinds of layer on some
-        turns=[first, first + " and then", "unrelated " * 20],
-    )
-
-
-@pytest.mark.slow  # one launch of three ranks
-def test_families_mlx_lm_does_not_pipeline_give_the_single_process_tokens_on_three_ranks(store_for, tmp_path):
-    # three layers: the middle stage's first and last layer are the same one
-    _families_across_ranks(
-        ("mixtral", "olmoe", "minimax"), store_for, tmp_path, ranks=3, fixture={"num_hidden_layers": 3}
-    )
-
-
 @pytest.mark.slow  # 7-11 s of launches: behind -m slow to keep the suite under 5 minutes on 2 cores
 def test_three_ranks_pass_the_hidden_state_through_a_middle_stage(store_for, heads, tmp_path):
     # deepseek_v3: rank 2 runs the dense layer 0 (no experts at all), rank 1 the head's owner
@@ -404,14 +306,7 @@ def test_the_server_listens_on_rank_0_and_the_other_rank_follows(store_for, tmp_
     procs = start(tmp_path, [argv, argv])
     url = f"http://127.0.0.1:{port}/v1"
     try:
-        deadline = time.monotonic() + 90  # two ranks loading beside other test workers on 2 cores
-        while True:
-            try:
-                urllib.request.urlopen(f"{url}/models", timeout=2)
-                break
-            except OSError:
-                assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "server did not start"
-                time.sleep(0.2)
+        wait_for_server(url, procs)
         body = json.dumps({"prompt": PROMPT, "max_tokens": TOKENS, "temperature": 0}).encode()
         req = urllib.request.Request(f"{url}/completions", body, {"content-type": "application/json"})
         got = json.load(urllib.request.urlopen(req, timeout=30))["choices"][0]["text"]
@@ -432,14 +327,7 @@ def test_the_server_exits_with_one_line_when_the_other_rank_is_killed_mid_reques
     procs = start(tmp_path, [argv + ["--log-level", "warning"]] * 2)
     url = f"http://127.0.0.1:{port}/v1"
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            try:
-                urllib.request.urlopen(f"{url}/models", timeout=2)
-                break
-            except OSError:
-                assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "server did not start"
-                time.sleep(0.2)
+        wait_for_server(url, procs)
         body = json.dumps({"prompt": PROMPT, "max_tokens": 100000, "temperature": 0, "stream": True}).encode()
         req = urllib.request.Request(f"{url}/completions", body, {"content-type": "application/json"})
         stream = urllib.request.urlopen(req, timeout=30)

@@ -1,0 +1,122 @@
+"""Every MoE family across ranks (edge0/backend/stages.py): each fixture family on 2 ranks gives
+the single process's greedy tokens or is refused on every rank with its reason (a family that is
+neither fails the discovery test), hybrid and CacheList families keep each stage's own state and
+reuse prefixes, and a sample runs on 3 ranks. Launches and helpers from test_distributed.py."""
+
+import json
+import sys
+
+import pytest
+
+import edge0
+from tests.test_distributed import PROMPT, ROOT, TOKENS, launch, single
+
+# families refused across ranks, each with its one-line reason (every other family of the fixtures
+# must give the single process's tokens on 2 ranks)
+_NAMES = "no module with an embedding, a list of layers and a final norm"  # a model laid out otherwise
+_SHARED = "which a stage boundary would cut"  # layers that hand each other KV or residual blocks
+REFUSED: dict[str, str] = {
+    "phixtral": _NAMES,
+    **dict.fromkeys(("gemma4", "gemma4_text", "hunyuan", "kimi_k3"), _SHARED),
+}
+# the hybrid families (linear attention or SSM state beside KV caches) and those with several caches
+# in one layer (CacheList): each stage keeps its own layers' state, the exchange counts the tokens
+HYBRID = (
+    *("qwen3_5_moe", "qwen3_next", "kimi_linear", "granitemoehybrid", "bailing_moe_linear", "deepseek_v32"),
+    *("jamba", "nemotron_h", "lfm2_moe", "longcat_flash_ngram"),  # SSM or conv state; an n-gram embedding's history
+)
+# a sample in the default suite (mlx-lm pipelines none of them: Edge0 stands SkipLayers in for the
+# other stage's layers); every fixture family behind -m slow
+SAMPLE = ("mixtral", "olmoe", "gpt_oss", "minimax", "dbrx")  # dbrx: its ends are wte, blocks, norm_f
+
+
+def _families_across_ranks(families, store_for, tmp_path, ranks=2, fixture=None, turns=(), **options):
+    """Each of `families` (fixtures with `fixture` keywords) on `ranks` ranks in one launch: the
+    single process's greedy tokens, each rank running its own contiguous layers, or refused on
+    every rank with its REFUSED reason; then `turns`, prompts one after another reusing the KV
+    cache, each as one process gives it."""
+    runs = [
+        {"store": str(store_for(f, **(fixture or {}))), "options": {"prerouter": False, **options}} for f in families
+    ]
+    for run in runs:
+        run.update(prompt=PROMPT, max_tokens=TOKENS, ignore_eos=True, turns=list(turns))
+    (tmp_path / "runs.json").write_text(json.dumps(runs))
+    argv = [sys.executable, str(ROOT / "tests" / "dist_worker.py"), str(tmp_path / "runs.json")]
+    argvs = [argv + [str(tmp_path / f"out-{r}.json")] for r in range(ranks)]
+    done = launch(tmp_path, argvs, ranks=ranks, timeout=60 + 15 * len(runs))
+    assert [rc for rc, _, _ in done] == [0] * ranks, "\n".join(err[-3000:] for _, _, err in done)
+    out = [json.loads((tmp_path / f"out-{r}.json").read_text()) for r in range(ranks)]
+    wrong = {}  # every family that is not as expected, named at once
+    for i, family in enumerate(families):
+        got = [o[i] for o in out]
+        if family in REFUSED:
+            if not all(REFUSED[family] in g.get("refused", "") for g in got):
+                wrong[family] = ("not refused with its REFUSED reason", got[0].get("refused"))
+            continue
+        if "refused" in got[0]:
+            wrong[family] = ("refused", got[0]["refused"])
+            continue
+        layers = [layer for g in reversed(got) for layer in g["layers"]]  # the last rank runs the first stage
+        if not all(g["layers"] for g in got) or layers != list(range(len(layers))):
+            wrong[family] = ("layers", layers)
+            continue
+        want = single(runs[i]["store"], **runs[i]["options"])[0]
+        if got[0]["tokens"] != want:
+            wrong[family] = (got[0]["tokens"], want)
+        elif turns:
+            cold = edge0.load(runs[i]["store"], **runs[i]["options"])
+            cold.prefiller.layerwise = False
+            want = [cold.generate(t, max_tokens=TOKENS, ignore_eos=True).tokens for t in turns]
+            if got[0]["turns"] != want:
+                wrong[family] = ("turns", got[0]["turns"], want)
+    assert not wrong, wrong
+
+
+def test_families_mlx_lm_does_not_pipeline_give_the_single_process_tokens_on_two_ranks(store_for, tmp_path):
+    _families_across_ranks(SAMPLE, store_for, tmp_path)
+
+
+def test_hybrid_families_keep_each_stage_s_state_on_two_ranks_and_reuse_prefixes(store_for, tmp_path):
+    first = PROMPT * 12
+    # linear attention beside KV caches (the Qwen3.5 / 3.6 design), and several caches in one layer
+    _families_across_ranks(
+        ("qwen3_next", "deepseek_v32"), store_for, tmp_path, turns=[first, first + " and then", "unrelated " * 20]
+    )
+
+
+@pytest.mark.slow  # one launch of the hybrid and CacheList families, with turns that reuse the KV cache
+def test_every_hybrid_family_reuses_prefixes_on_two_ranks(store_for, tmp_path):
+    first = PROMPT * 12
+    _families_across_ranks(HYBRID, store_for, tmp_path, turns=[first, first + " and then", "unrelated " * 20])
+
+
+@pytest.mark.slow  # one launch over every fixture family per decode executor: about 25 s each
+@pytest.mark.parametrize("executor", ["staged", "exact", "hot"])
+def test_every_family_gives_the_single_process_tokens_on_two_ranks_or_is_refused_with_its_reason(
+    executor, store_for, tmp_path
+):
+    from tests.fixtures import ALL_FAMILIES
+
+    assert set(REFUSED) <= set(ALL_FAMILIES)
+    _families_across_ranks(ALL_FAMILIES, store_for, tmp_path, decode_executor=executor)
+
+
+@pytest.mark.slow  # one launch of three ranks
+def test_hybrid_families_on_three_ranks_keep_each_stage_s_state_and_reuse_prefixes(store_for, tmp_path):
+    first = PROMPT * 12
+    _families_across_ranks(
+        ("qwen3_next", "qwen3_5_moe", "deepseek_v32", "jamba"),
+        store_for,
+        tmp_path,
+        ranks=3,
+        fixture={"num_hidden_layers": 4},  # a middle stage of one layer or more, both kinds of layer on some
+        turns=[first, first + " and then", "unrelated " * 20],
+    )
+
+
+@pytest.mark.slow  # one launch of three ranks
+def test_families_mlx_lm_does_not_pipeline_give_the_single_process_tokens_on_three_ranks(store_for, tmp_path):
+    # three layers: the middle stage's first and last layer are the same one
+    _families_across_ranks(
+        ("mixtral", "olmoe", "minimax"), store_for, tmp_path, ranks=3, fixture={"num_hidden_layers": 3}
+    )

@@ -120,3 +120,25 @@ def test_families_mlx_lm_does_not_pipeline_give_the_single_process_tokens_on_thr
     _families_across_ranks(
         ("mixtral", "olmoe", "minimax"), store_for, tmp_path, ranks=3, fixture={"num_hidden_layers": 3}
     )
+
+
+def test_rank_0_with_only_recurrent_state_is_refused_naming_the_split():
+    # rank 0's cache must count tokens: each forward's header tells the other ranks how many it holds
+    from types import SimpleNamespace
+
+    from mlx_lm.models.cache import ArraysCache, KVCache
+
+    from edge0.distributed.pipeline import Pipeline
+    from edge0.distributed.split import Stage
+    from edge0.errors import Edge0Error
+
+    def lead(cache):
+        parts = SimpleNamespace(kv=SimpleNamespace(make=lambda: cache), compute_dtype="float32")
+        Pipeline(None, Stage(0, 2, (1, 2), (0, 1, 2)), parts, dict).lead()
+
+    with pytest.raises(
+        Edge0Error, match=r"rank 0 of 2: its layers \(.*\) keep only recurrent state .* --pipeline-split"
+    ):
+        lead([ArraysCache(2)])
+    with pytest.raises(AttributeError):  # past the check: a real pipeline's parts go on from here
+        lead([ArraysCache(2), KVCache()])

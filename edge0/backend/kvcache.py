@@ -31,6 +31,7 @@ __all__ = [
     "common_prefix_len",
     "save_prompt_cache",
     "cache_offset",
+    "counts_tokens",
     "prompt_cache_nbytes",
     "read_prompt_cache",
     "prompt_cache_metadata",
@@ -60,6 +61,11 @@ def make_cache(model, kv_bits: int | None = None, group_size: int = 64) -> list:
     if kv_bits is not None:
         cache = [c.to_quantized(group_size=group_size, bits=kv_bits) if type(c) is KVCache else c for c in cache]
     return cache
+
+
+def counts_tokens(cache) -> bool:
+    """Whether some layer of `cache` counts the tokens it holds (not only recurrent state)."""
+    return any(hasattr(leaf, "offset") for layer in cache for leaf in _leaves(layer))
 
 
 def cache_offset(cache) -> int:

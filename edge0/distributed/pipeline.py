@@ -223,6 +223,12 @@ class Pipeline:
     def lead(self) -> None:
         """Rank 0: wrap the stepper's hooks so that generations start, step and end on every rank,
         and take the hidden state from the exchange."""
+        if not bkv.counts_tokens(self.parts.kv.make()):  # what each forward's header tells the others
+            raise Edge0Error(
+                f"rank 0 of {self.stage.size}: its layers ({self.stage.describe()}) keep only recurrent state "
+                "(linear attention or SSM), no cache that counts the tokens the ranks keep in step; give rank 0 "
+                "an attention layer with --pipeline-split"
+            )
         stepper = self.parts.stepper
         stepper.hooks = LeaderHooks(stepper.hooks, self)
         bstages.set_stage_source(self.parts.model, self.source)

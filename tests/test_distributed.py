@@ -365,7 +365,7 @@ def test_a_missing_peer_is_a_one_line_error(store_for, tmp_path):
     assert err.count("\n") == 1 and "edge0: error: rank 0 of 2: could not reach its peers at 127.0.0.1:" in err
 
 
-@pytest.mark.parametrize("killed", [0, 1])
+@pytest.mark.parametrize("killed", [pytest.param(0, marks=pytest.mark.slow), 1])  # rank 0 killed: -m slow (suite time)
 def test_killing_either_rank_mid_request_stops_the_other_with_one_line(killed, store_for, tmp_path):
     argv = [sys.executable, "-m", "edge0", "generate", "--model", str(store_for("qwen3_moe"))]
     argv += ["--prompt", PROMPT, "--no-chat-template", "--max-tokens", "100000"]

@@ -85,7 +85,9 @@ def test_the_real_engine_reports_its_caches_and_reads(store_for):
     engine = edge0.load(store_for("qwen3_moe"))
     with running_server(engine, ServerConfig()) as base:
         client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=60)
-        kwargs = dict(model=engine.model_id, messages=[{"role": "user", "content": "hello world"}], max_tokens=4)
+        kwargs = dict(
+            model=engine.model_id, messages=[{"role": "user", "content": "hello world"}], max_tokens=4, temperature=0
+        )
         client.chat.completions.create(**kwargs)
         samples = scrape(base, headers={})
     totals = engine.stats()["totals"]

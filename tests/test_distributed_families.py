@@ -76,7 +76,7 @@ def test_families_mlx_lm_does_not_pipeline_give_the_single_process_tokens_on_two
     _families_across_ranks(SAMPLE, store_for, tmp_path)
 
 
-def test_hybrid_families_keep_each_stage_s_state_on_two_ranks_and_reuse_prefixes(store_for, tmp_path):
+def test_a_hybrid_family_keeps_each_stage_s_state_on_two_ranks_and_reuses_prefixes(store_for, tmp_path):
     first = PROMPT * 12
     # linear attention beside KV caches (the Qwen3.5 / 3.6 design); the other kinds under -m slow
     _families_across_ranks(("qwen3_next",), store_for, tmp_path, turns=[first, first + " and then", "unrelated " * 20])

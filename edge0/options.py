@@ -15,6 +15,7 @@ from edge0.engine.drafters import DEFAULT_NGRAM, DEFAULT_NUM_DRAFT
 from edge0.errors import Edge0Error
 from edge0.store.readers import STRATEGIES
 from edge0.streaming.dispatch import DECODE_EXECUTORS, PREFILL_EXECUTORS, TRAIN_WEIGHTS
+from edge0.streaming.lookahead import MODES as LOOKAHEAD_MODES
 from edge0.units import parse_rate, parse_size
 
 COMPUTE_DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -90,6 +91,13 @@ class LoadOptions:
         "decode: staged slots (default), hot set + exact misses, or exact",
         "choice",
         choices=tuple(DECODE_EXECUTORS),
+    )
+    lookahead: str = _opt(
+        "auto",
+        "decode: read the next MoE layer's experts as predicted by its router on this layer's input, "
+        "while this layer computes: auto (default: for layers whose predictions lately agreed), on, off",
+        "choice",
+        choices=LOOKAHEAD_MODES,
     )
     prefill_span: int | None = _opt(
         None,
@@ -258,6 +266,7 @@ class LoadOptions:
         self._validate_draft()
         _choice("prefill_executor", self.prefill_executor)
         _choice("decode_executor", self.decode_executor)
+        _choice("lookahead", self.lookahead)
         for layer, choice in self.layer_executors.items():
             for phase, name in choice.items():
                 if phase not in ("prefill", "decode"):

@@ -55,14 +55,16 @@ def dequantized_reference(store, layer, x, inds):
 
 def run(engine, layer, executor, x, inds):
     module = next(m for _, m in engine.model.named_modules() if isinstance(m, StreamingExperts) and m.layer == layer)
-    saved = module.executor
+    saved, lookahead = module.executor, module.lookahead
     object.__setattr__(module, "executor", executor)
+    module.use_lookahead(None)  # reading ahead is the engine's LayerDispatch's, not a bare executor's
     try:
         y = module(x, inds)
         mx.eval(y)
         return np.array(y)
     finally:
         object.__setattr__(module, "executor", saved)
+        module.use_lookahead(lookahead)
 
 
 class SwappedGateUp(ExactExecutor):

@@ -44,14 +44,24 @@ class StreamingExperts(_Streamed):
       start computing first (hits compute while misses are in flight).
     The original mlx-lm module runs its own math on each; then `executor.done(output)`. `scores`
     (router scores over all experts, lazy) come from a SpecMoEBlock's gate; mlx-lm's own blocks
-    pass none.
+    pass none. With a lookahead (backend/lookahead.py), the executor may ask for the next MoE
+    layer's route predicted from this layer's input.
     """
+
+    lookahead = None  # fn(x) -> the next MoE layer's predicted ids (lazy) or None; set by use_lookahead
+
+    def use_lookahead(self, fn) -> None:
+        object.__setattr__(self, "lookahead", fn)
 
     def __call__(self, x, indices, scores=None):
         # T tokens (any leading shape), K routed each, D hidden, N pairs of a part
         summed, picked = None, []  # the summed parts' total; (pairs, outputs [N, D]) of pair parts
+        fn = self.lookahead
         try:
-            for part in self.executor(indices, scores):
+            parts = (
+                self.executor(indices, scores) if fn is None else self.executor(indices, scores, ahead=lambda: fn(x))
+            )
+            for part in parts:
                 if callable(part):
                     mx.async_eval([y for _, y in picked] + ([summed] if summed is not None else []))
                     part = part()

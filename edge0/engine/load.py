@@ -9,6 +9,7 @@ from edge0.backend import assemble as bas
 from edge0.backend import core as B
 from edge0.backend import io as bio
 from edge0.backend import kvcache as bkv
+from edge0.backend import lookahead as bla
 from edge0.engine.engine import Engine
 from edge0.engine.prefill import default_span
 from edge0.engine.solo import KV_GROUP
@@ -84,6 +85,9 @@ def open_engine(root: Path, options, stage_for=None) -> Engine:
     reserve = _reserve(built, config, compute, options)
     streaming = Streaming(store, compute, k or _native_k(config), options, reserve)
     bas.attach_executors(model, streaming.layers)
+    if options.lookahead != "off":
+        shapes = {l: (d.num_experts, d.k) for l, d in streaming.layers.items()}
+        streaming.use_lookahead(options.lookahead, bla.attach_lookahead(model, shapes))
     engine = Engine(root, model, tokenizer, store, streaming, spec, k, compute, stage)
     # the other conversations' KV caches: what was given, else the default budget's share
     pool, sized_for = streaming.prompt_caches

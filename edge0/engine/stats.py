@@ -69,6 +69,12 @@ def call_stats(
         "overlapped": a["overlapped"] - b["overlapped"],
         "dropped_experts": a["dropped"] - b["dropped"],
         "substitutions": a["substitutions"] - b["substitutions"],
+        # reads one layer ahead (streaming/lookahead.py): how often the predicted experts were routed,
+        # and the bytes read on a prediction that the route did not take
+        "lookahead_recall": _ratio(
+            a["lookahead_agreed"] - b["lookahead_agreed"], a["lookahead_predicted"] - b["lookahead_predicted"]
+        ),
+        "lookahead_wasted_bytes": a["lookahead_wasted_bytes"] - b["lookahead_wasted_bytes"],
         "expert_reads": io_after["reads"] - io_before["reads"],
         "io_reader": io_after["reader"],
         "io_max_queue_depth": io_after["max_queue_depth"],
@@ -109,6 +115,10 @@ def engine_stats(engine) -> dict:
     if engine.pipeline is not None and engine.pipeline.leads:
         out = engine.pipeline.merge_stats(out)
     return out
+
+
+def _ratio(part: int, whole: int):
+    return part / whole if whole else None
 
 
 def _rate(hits: int, misses: int):

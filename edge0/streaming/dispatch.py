@@ -18,6 +18,7 @@ from edge0.store.format import manifest_hash
 from edge0.streaming.budget import PREFILL_LAYERS, Reserve, default_budget
 from edge0.streaming.exact import ExactExecutor
 from edge0.streaming.hot import HotExecutor
+from edge0.streaming.lookahead import Lookahead
 from edge0.streaming.pool import SlotSet, slots_per_layer
 from edge0.streaming.staged import StagedExecutor, collect_dropped
 from edge0.streaming.stats import ExecutorStats
@@ -75,6 +76,7 @@ class LayerDispatch:
         self.decoding = False
         self.last = None
         self.span = None  # the executor of a layer-major prefill span in progress
+        self.lookahead: Lookahead | None = None  # reads the next MoE layer's predicted experts (decode)
 
     def begin_span(self, tokens: int) -> None:
         """A prefill span of `tokens` tokens goes through this layer in one or more calls: with
@@ -94,8 +96,10 @@ class LayerDispatch:
             self.span.release()
         self.span = None
 
-    def __call__(self, indices, scores=None):
-        """`scores`: the router's scores over all experts (lazy), for the expert cache."""
+    def __call__(self, indices, scores=None, ahead=None):
+        """`scores`: the router's scores over all experts (lazy), for the expert cache. `ahead()`:
+        the next MoE layer's predicted route (lazy ids, or None), asked for one token's decode
+        call when this layer reads ahead for the next (`lookahead`)."""
         t = indices.size // indices.shape[-1] if indices.ndim >= 2 else 1  # tokens: B sequences x T each
         if self.span is not None:
             ex = self.span
@@ -104,7 +108,13 @@ class LayerDispatch:
         else:
             ex = self.prefill["whole"] if t >= self.min_tokens and "whole" in self.prefill else self.prefill["exact"]
         self.last = ex
+        la = self.lookahead
+        predicted = ahead() if ahead is not None and la is not None and t == 1 and la.wanted(ex) else None
+        if predicted is not None:
+            B.async_eval(predicted)  # computed with the route the executor copies to the host
         parts = ex(indices, scores)
+        if predicted is not None:
+            la.issue(B.to_numpy(predicted))
         if t > 1 and self.decoding:
             self._count_multi(indices)
         return parts
@@ -192,9 +202,25 @@ class Streaming:
             return {"window": o.smoe_window}
         return {}
 
+    def use_lookahead(self, mode: str, layers: list[int]) -> None:
+        """Each MoE layer in `layers` (the model predicts the next one's route from it) reads ahead
+        for the next MoE layer when that layer decodes with the staged executor (lookahead.py)."""
+        order = sorted(self.layers)
+        for l, nxt in zip(order, order[1:]):
+            target = self.layers[nxt].decode
+            if l in layers and isinstance(target, StagedExecutor):
+                self.layers[l].lookahead = Lookahead(target, mode)
+
+    def lookahead_layers(self) -> int:
+        """MoE layers that read ahead for the next one."""
+        return sum(d.lookahead is not None for d in self.layers.values())
+
     def describe(self) -> str:
         o = self.options
         sub = f", substitution alpha {o.substitute_alpha} (changes outputs)" if o.substitute_alpha else ""
+        n = self.lookahead_layers()
+        if n:
+            sub += f", reading one layer ahead ({o.lookahead}, {n} of {len(self.layers)} MoE layers)"
         default = f"; {self.default.describe()}" if self.default is not None else ""
         return (
             f"expert cache {format_size(self.budget)} ({o.cache_policy}, {self.n_slots} slots per layer; "

@@ -48,6 +48,10 @@ class ExactExecutor:
         self.stats = stats.layer(layer)
         self.expert_nbytes = store.expert_nbytes(layer)
 
+    def routes_on_host(self) -> bool:
+        """Whether the next call copies its route to the host (every call does here)."""
+        return True
+
     def host_ids(self, indices) -> np.ndarray:
         self.stats.host_syncs += 1
         return B.to_numpy(indices)

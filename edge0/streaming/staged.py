@@ -33,6 +33,7 @@ import numpy as np
 from edge0.backend import core as B
 from edge0.cache import substitute
 from edge0.streaming.exact import ExactExecutor, raw_nbytes, to_device
+from edge0.streaming.lookahead import updated_recall
 from edge0.streaming.pool import SlotSet
 
 
@@ -61,7 +62,11 @@ class StagedExecutor(ExactExecutor):
         self.step = 0
         self.trusted = False  # this step's route was staged ahead: no host sync
         self._pending: tuple | None = None  # (evicted, loaded, slots, read Future, alias, one row)
-        self._beyond: tuple | None = None  # a batch's staged union beyond the slots: (ids, read Future)
+        # experts read ahead of their call: (ids, read Future, "batch" | "lookahead"), a batch's
+        # staged union beyond the slots or the layer before's prediction (streaming/lookahead.py)
+        self._beyond: tuple | None = None
+        self.predicted: np.ndarray | None = None  # the layer before's prediction of the next host route
+        self.recall = 1.0  # how well those predictions agreed lately (lookahead.updated_recall)
         self._dropped = []  # device scalars, read after the step by collect_dropped
         self._inflight = None  # a call's deferred misses part (see _split), until it runs
         # fn(layer), set by a stager: called after a call that routed on the host, when this
@@ -104,7 +109,8 @@ class StagedExecutor(ExactExecutor):
             experts, alias = sorted(fill), {}
             beyond = sorted(rest)  # read ahead too, for the step's overflow
             if beyond:
-                self._beyond = (np.array(beyond), self.reader.submit(self.store.read, self.layer, beyond))
+                self._read([])  # a read ahead not taken yet: counted, then replaced
+                self._beyond = (np.array(beyond), self.reader.submit(self.store.read, self.layer, beyond), "batch")
                 self.stats.beyond_ahead += len(beyond)
         hits, loaded, evicted, slots = self.slots.plan(self.step + 1, experts, scores)
         if ids.ndim == 1:
@@ -114,6 +120,34 @@ class StagedExecutor(ExactExecutor):
             self.stats.distinct_experts.update(experts)
         future = self.reader.submit(self.store.read, self.layer, loaded) if loaded else None
         self._pending = (evicted, loaded, slots, future, alias, ids.ndim == 1)
+
+    def takes_predictions(self) -> bool:
+        """Whether this layer's next call routes on the host (a staged route needs no prediction)."""
+        return not self.trusted and self._pending is None
+
+    def routes_on_host(self) -> bool:
+        return self.takes_predictions()  # one token's call; a staged route (trusted) needs no sync
+
+    def read_ahead(self, ids, read: bool = True) -> None:
+        """The layer before's prediction of this layer's next route (host ids [.., K]), scored when
+        that call routes; with `read`, the predicted experts not in the slots start reading now
+        (that call takes those it routes; the rest are counted as wasted)."""
+        ids = np.unique(ids)
+        self.predicted = ids[ids < self.slots.num_experts]  # a router may also score zero experts (LongCat)
+        if not read or self._beyond is not None or not self.takes_predictions():
+            return
+        want = [e for e in self.predicted.tolist() if e not in self.slots.slot_of]
+        if want:
+            self._beyond = (np.array(want), self.reader.submit(self.store.read, self.layer, want), "lookahead")
+            self.stats.lookahead_reads += len(want)
+
+    def _score_prediction(self, ids: np.ndarray) -> None:
+        if self.predicted is None:
+            return
+        routed = np.unique(ids)
+        self.stats.lookahead_predicted += len(routed)
+        self.stats.lookahead_agreed += int(np.isin(routed, self.predicted).sum())
+        self.recall, self.predicted = updated_recall(self.recall, self.predicted, routed), None
 
     def swap(self) -> None:
         """Step boundary (the previous step is evaluated, so nothing in flight reads the slots):
@@ -156,27 +190,32 @@ class StagedExecutor(ExactExecutor):
         return raw
 
     def _fetch(self, want, ahead) -> tuple:
-        """Waits for the read ahead (`ahead`: (ids, Future) or None) and reads the experts of
+        """Waits for the read ahead (`ahead`: (ids, Future, kind) or None) and reads the experts of
         `want` it lacks; no bookkeeping, so it may run on a reader thread."""
-        ids, raw = (None, None) if ahead is None else (ahead[0], ahead[1].result())
+        ids, raw, kind = (None, None, None) if ahead is None else (ahead[0], ahead[1].result(), ahead[2])
         missing = np.asarray(want, dtype=np.int64)
         if ids is not None:
             missing = missing[~np.isin(missing, ids)]
-        return ids, raw, missing, self.store.read(self.layer, missing) if len(missing) else None
+        return ids, raw, kind, missing, self.store.read(self.layer, missing) if len(missing) else None
 
     def _merged(self, want, fetched) -> dict | None:
         """A `_fetch`'s bytes as the store bytes of `want` (in that order; None if none), counted."""
-        ids, raw, missing, more = fetched
+        ids, raw, kind, missing, more = fetched
         s = self.stats
         for got, n in ((raw, 0 if ids is None else len(ids)), (more, len(missing))):
             if got is not None:
                 s.loads += n
                 s.bytes_read += raw_nbytes(got)
+        used = 0 if ids is None else int(np.isin(ids, want).sum())
+        if kind == "lookahead":
+            s.lookahead_used += used
+            s.lookahead_wasted_bytes += (len(ids) - used) * self.expert_nbytes
+        elif kind == "batch":
+            s.beyond_ahead_used += used
         if not len(want):
             return None
         if ids is None:
             return more
-        s.beyond_ahead_used += len(want) - len(missing)
         if len(missing):
             ids = np.concatenate([ids, missing])
             raw = {n: (np.concatenate([b, more[n][0]]), d, shape) for n, (b, d, shape) in raw.items()}
@@ -219,6 +258,7 @@ class StagedExecutor(ExactExecutor):
         # a multi-token step routes on the host even after a swap: what was staged is in the slots (hits)
         self.trusted = False
         ids, scores = self.host_route(indices, scores) if self.wants_scores else (self.host_ids(indices), None)
+        self._score_prediction(ids)
         self.use = decayed_use(self.use, ids)
         if multi and scores is not None:  # the cache policy sees one score row per call: the tokens' mean
             scores = np.reshape(scores, (-1, scores.shape[-1])).mean(axis=0)

@@ -27,6 +27,11 @@ COUNTERS = (
     "span_union",
     "beyond_ahead",
     "beyond_ahead_used",
+    "lookahead_predicted",
+    "lookahead_agreed",
+    "lookahead_reads",
+    "lookahead_used",
+    "lookahead_wasted_bytes",
 )
 
 
@@ -55,6 +60,14 @@ class LayerStats:
     span_union: int = 0  # ... that read only the union of their routes
     beyond_ahead: int = 0  # experts of a batch's staged union beyond the slots, read ahead too
     beyond_ahead_used: int = 0  # ... that its step then routed (the others were read for nothing)
+    # the layer before's predictions of this layer's decode routes (streaming/lookahead.py):
+    # experts routed while a prediction stood, those it foretold, experts read ahead on it, those
+    # the route then took, and the bytes of the others (read for nothing)
+    lookahead_predicted: int = 0
+    lookahead_agreed: int = 0
+    lookahead_reads: int = 0
+    lookahead_used: int = 0
+    lookahead_wasted_bytes: int = 0
     stall_s: float = 0.0  # time blocked waiting for expert data
     distinct_experts: set = field(default_factory=set)
 
@@ -81,4 +94,6 @@ class ExecutorStats:
         lookups = out["hits"] + out["misses"]
         out["hit_rate"] = out["hits"] / lookups if lookups else None
         out["read_amplification"] = out["bytes_read"] / out["bytes_used"] if out["bytes_used"] else None
+        predicted = out["lookahead_predicted"]
+        out["lookahead_recall"] = out["lookahead_agreed"] / predicted if predicted else None
         return out

@@ -1,0 +1,43 @@
+"""Reads one MoE layer ahead during decode: when a layer routes a token on the host, the next MoE
+layer's route predicted from this layer's input (edge0/backend/lookahead.py) starts that layer's
+predicted misses reading, so they arrive while this layer computes instead of after the next
+layer has routed. The next layer takes them where its own route agrees and reads the rest; what
+it never routes was read for nothing (counted as wasted). Tokens never change: every layer
+still routes with its own gate.
+
+`auto` (the default) reads ahead only for a layer whose predictions lately agreed with its
+routes (at least RECALL_FLOOR of its routed experts, averaged over the last few steps): mostly
+wrong predictions would take the disk from the reads a step needs. Predictions are still scored
+while it does not read, so a layer whose recall comes back reads ahead again."""
+
+from __future__ import annotations
+
+import numpy as np
+
+MODES = ("auto", "on", "off")
+RECALL_FLOOR = 0.5
+RECALL_DECAY = 0.8  # a step's weight in the recall halves in about 3 steps
+
+
+class Lookahead:
+    """One MoE layer's read-ahead for the next one (`target`, a staged executor)."""
+
+    def __init__(self, target, mode: str):
+        self.target, self.mode = target, mode
+
+    def wanted(self, executor) -> bool:
+        """Whether this call should predict: `executor` routes it on the host (one sync, which the
+        prediction joins) and the next layer will too (a staged route needs no read-ahead)."""
+        return executor.routes_on_host() and self.target.takes_predictions()
+
+    def issue(self, ids: np.ndarray) -> None:
+        """The next layer's predicted route (host ids [.., K]): scored there, and read ahead unless
+        `auto` finds its recall below the floor."""
+        self.target.read_ahead(ids, read=self.mode == "on" or self.target.recall >= RECALL_FLOOR)
+
+
+def updated_recall(recall: float, predicted: np.ndarray, routed: np.ndarray) -> float:
+    """The recall average after a route `routed` (host ids) that `predicted` foretold."""
+    routed = np.unique(routed)
+    agreed = np.isin(routed, predicted).sum() / max(1, len(routed))
+    return RECALL_DECAY * recall + (1 - RECALL_DECAY) * float(agreed)

@@ -1,0 +1,125 @@
+"""Reading one MoE layer ahead (streaming/lookahead.py, backend/lookahead.py): the next layer's
+route predicted from this layer's input starts its misses reading early; tokens never change,
+and every byte read ahead is either taken by the route or counted as wasted."""
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+import edge0
+from edge0.backend.lookahead import predictor, router_of
+from edge0.streaming.lookahead import RECALL_FLOOR, Lookahead, updated_recall
+from tests.fixtures import ALL_FAMILIES
+
+PROMPT = "the layer ahead reads while this one computes"
+TOKENS = 24
+
+
+class _Target:
+    """A staged layer as the lookahead sees it."""
+
+    def __init__(self):
+        self.recall, self.reads = 1.0, []
+
+    def takes_predictions(self):
+        return True
+
+    def read_ahead(self, ids, read=True):
+        self.reads.append(read)
+
+
+def test_recall_is_a_decayed_average_and_auto_stops_reading_below_the_floor():
+    assert updated_recall(1.0, np.array([1, 2]), np.array([2, 3])) == pytest.approx(0.8 * 1.0 + 0.2 * 0.5)
+    assert updated_recall(0.5, np.array([4]), np.array([[4, 4]])) == pytest.approx(0.8 * 0.5 + 0.2)
+    target = _Target()
+    auto, on = Lookahead(target, "auto"), Lookahead(target, "on")
+    auto.issue(np.array([0]))
+    for _ in range(4):  # four steps whose predictions never agree: 1.0 * 0.8^4 = 0.41
+        target.recall = updated_recall(target.recall, np.array([0]), np.array([1]))
+    assert target.recall < RECALL_FLOOR
+    auto.issue(np.array([0]))
+    on.issue(np.array([0]))
+    assert target.reads == [True, False, True]
+
+
+class _Block(nn.Module):
+    """An mlx-lm MoE block: a router, experts and a shared expert whose projection has E outputs too."""
+
+    def __init__(self, hidden, experts, moe_gate=False):
+        super().__init__()
+        if moe_gate:  # DeepSeek's MoEGate: a bare [E, D] weight, not a Linear
+            self.gate = nn.Module()
+            self.gate.weight = mx.random.normal((experts, hidden))
+        else:
+            self.gate = nn.Linear(hidden, experts, bias=False)
+        self.switch_mlp = nn.Linear(hidden, experts, bias=False)  # stands in for the experts
+        self.shared_expert = nn.Module()
+        self.shared_expert.gate_proj = nn.Linear(hidden, experts, bias=False)
+
+
+@pytest.mark.parametrize("moe_gate", [False, True])
+def test_the_router_of_an_mlx_lm_block_predicts_its_top_k(moe_gate):
+    mx.random.seed(3)
+    block = _Block(16, 8, moe_gate)
+    path, router = router_of(block, "switch_mlp", 8)
+    assert path == "gate" and router is block.gate
+    x = mx.random.normal((1, 1, 16))
+    got = predictor(block, "switch_mlp", 8, 3)(x)
+    logits = np.array(x[0, 0]) @ np.array(block.gate.weight).T
+    assert sorted(np.array(got).reshape(-1).tolist()) == sorted(np.argsort(-logits)[:3].tolist())
+    assert predictor(block, "switch_mlp", 8, 3)(mx.zeros((1, 1, 12))) is None  # another width predicts nothing
+
+
+def _run(store, mode, cache, **kw):
+    e = edge0.load(store, prerouter=False, lora=False, lookahead=mode, expert_cache=cache, **kw)
+    out = e.generate(e.encode(PROMPT), max_tokens=TOKENS, ignore_eos=True)
+    return e, out
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "olmoe"])  # a spec'd family's routing; an mlx-lm block's router
+def test_tokens_do_not_change_and_every_byte_read_ahead_is_used_or_counted(family, store_for):
+    store = store_for(family)
+    probe = edge0.load(store, prerouter=False, lora=False)
+    per_slot = sum(probe.store.expert_nbytes(l) for l in probe.store.layers)
+    k = next(iter(probe.streaming.layers.values())).k
+    cache = (k + 1) * per_slot  # few slots: most routes miss, so there is something to read ahead
+    off, want = _run(store, "off", cache)
+    on, got = _run(store, "on", cache)
+    assert got.tokens == want.tokens
+    assert off.streaming.lookahead_layers() == 0 and off.stats()["totals"]["lookahead_predicted"] == 0
+    assert on.streaming.lookahead_layers() == len(on.streaming.layers) - 1  # every MoE layer but the last
+    t, base = on.stats()["totals"], off.stats()["totals"]
+    assert t["lookahead_reads"] > 0 and 0 < t["lookahead_used"] <= t["lookahead_reads"]
+    wasted = sum(
+        (s["lookahead_reads"] - s["lookahead_used"]) * on.store.expert_nbytes(l)
+        for l, s in on.stats()["layers"].items()
+    )
+    assert t["lookahead_wasted_bytes"] == wasted
+    # the cache admits the same experts either way: the only extra bytes are the wasted ones
+    assert (t["hits"], t["misses"]) == (base["hits"], base["misses"])
+    assert t["bytes_read"] == base["bytes_read"] + wasted
+    # a prediction for every layer but the first in each decode step (the first step's included: its
+    # token is the prompt's last), each scored over the K experts its layer routes
+    assert t["lookahead_predicted"] == TOKENS * k * (len(on.streaming.layers) - 1)
+    assert 0 <= t["lookahead_agreed"] <= t["lookahead_predicted"]
+    assert got.stats["lookahead_recall"] == pytest.approx(t["lookahead_agreed"] / t["lookahead_predicted"])
+    assert got.stats["lookahead_wasted_bytes"] == wasted
+    assert "reading one layer ahead (on," in on.describe()
+
+
+# Families whose routed experts are a list of modules (StreamingExpertList), called one expert
+# at a time by the family's own loop: no route reaches a dispatch to be read ahead.
+NO_LOOKAHEAD = {"dbrx": "its experts are a list of modules the block calls one by one"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ALL_FAMILIES)
+def test_every_family_predicts_each_next_layer_and_keeps_its_tokens(family, store_for):
+    store = store_for(family)
+    kw = {"trust_remote_code": True} if family.startswith("kimi") else {}
+    off, want = _run(store, "off", "1GB", **kw)
+    on, got = _run(store, "on", "1GB", **kw)
+    assert got.tokens == want.tokens
+    layers = len(on.streaming.layers)
+    assert on.streaming.lookahead_layers() == (0 if family in NO_LOOKAHEAD else layers - 1)

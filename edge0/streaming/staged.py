@@ -274,6 +274,8 @@ class StagedExecutor(ExactExecutor):
         s.distinct_experts.update(experts)
         if hits and loaded and not alias:
             return self._split(ids, hits, list(loaded), evicted, loaded, slots)
+        if loaded and not alias:
+            return self._read_later(indices, evicted, loaded, slots)
         # this layer's slots are read by no launched computation: the route's sync evaluated
         # everything before it, and the previous step was evaluated whole
         try:
@@ -353,6 +355,38 @@ class StagedExecutor(ExactExecutor):
         self.stats.overlapped += 1
         pairs = np.flatnonzero(~missed)
         return [(self.slots.params, B.array(self.slots.table_host[flat[pairs]]), pairs), misses_part]
+
+    def _read_later(self, indices, evicted, loaded, slots) -> list:
+        """A host-routed call whose experts all miss: their read starts on the call reader and the
+        call returns one deferred part that waits for the bytes, writes them into their slots in
+        place and runs on the slots; the caller meanwhile starts the next layer's read-ahead
+        (streaming/lookahead.py), queued behind this read. Runs once (see `_split`)."""
+        want = list(loaded)
+        ahead, self._beyond = self._beyond, None
+        future = self.call_reader.submit(self._fetch, want, ahead)
+        made = []
+
+        def slots_part(route: bool = True):
+            if made:
+                return made[0]
+            self._inflight = None
+            s = self.stats
+            t0 = time.perf_counter()
+            try:
+                raw = self._merged(want, future.result())
+            except BaseException:
+                self.slots.forget(evicted, loaded)
+                raise
+            s.slot_scatters += self.slots.apply(evicted, loaded, slots, raw, in_place=True)
+            s.slot_rewrites += len(loaded)
+            s.stall_s += time.perf_counter() - t0
+            made.append((self.slots.params, self.slots.local(indices)))
+            if route:
+                self._routed()
+            return made[0]
+
+        self._inflight = slots_part
+        return [slots_part]
 
     def _finish_inflight(self) -> None:
         """A call's deferred misses part its caller never took (an error while building the layer):

@@ -26,7 +26,7 @@ from edge0.errors import Edge0Error
 
 ROOT = Path(__file__).resolve().parents[1]
 # Rates and stalls can be exactly 0 on a tiny model (e.g. no hit in a few steps); all else > 0.
-MAY_BE_ZERO = {"hit_rate", "stall_ms_per_step", "host_syncs_per_step", "prefill_stall_ms"}
+MAY_BE_ZERO = {"hit_rate", "stall_ms_per_step", "host_syncs_per_step", "prefill_stall_ms", "lookahead_wasted_bytes"}
 
 
 def _maker():
@@ -309,6 +309,9 @@ def test_the_roofline_is_the_slower_of_compute_and_reads():
     fast = arm_roofline(arm, 25.0, 1e9)  # 100 tok/s of reads: compute bounds it
     assert fast["roofline_tps"] == 25.0 and fast["bound"] == "compute" and fast["efficiency"] == 8 / 25
     assert arm_roofline({**arm, "runtime": "mlx-lm"}, 25.0, 100e6) is None
+    assert r["wasted_per_token"] == 0 and r["lookahead_recall"] is None  # no lookahead figures: nothing read ahead
+    ahead = {**arm, "metrics": {**arm["metrics"], "lookahead_recall": 0.9, "lookahead_wasted_bytes": 4e6}}
+    assert arm_roofline(ahead, 25.0, 100e6)["wasted_per_token"] == 1e6  # 4 MB over 4 decode steps
 
 
 def test_warm_arms_are_judged_at_the_page_cache_rate_cold_ones_at_the_disk_capped_ones_at_the_limit():

@@ -92,6 +92,8 @@ METRICS = (
     "generation_tokens",
     "prefill_expert_bytes_read",
     "prefill_stall_ms",
+    "lookahead_recall",  # how often the next layer's predicted experts were routed (--lookahead)
+    "lookahead_wasted_bytes",  # bytes read ahead on a prediction the route did not take
 )
 COUNTERS = ("fallbacks", "dropped_experts")
 

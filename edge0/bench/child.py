@@ -202,6 +202,8 @@ def run_edge0(spec: dict) -> dict:
             "decode_expert_bytes_read": dec["bytes_read"],
             "prefill_expert_bytes_read": gen["prefill_expert_bytes_read"],
             "prefill_stall_ms": gen["prefill_stall_ms"],
+            "lookahead_recall": gen["lookahead_recall"],
+            "lookahead_wasted_bytes": gen["lookahead_wasted_bytes"],
             "hit_rate": dec["hits"] / lookups if lookups and engine.streaming.n_slots else None,  # exact: no cache
             "stall_ms_per_step": dec["stall_ms"] / n_dec,
             "host_syncs_per_step": dec["host_syncs"] / n_dec,

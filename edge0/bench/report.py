@@ -161,7 +161,8 @@ def _roofline_lines(result: dict) -> list[str]:
         + "--read-limit for capped arms.",
         "",
         *table_head(
-            "arm | expert bytes / token | read rate achieved | read rate | roofline tok/s | bound | efficiency"
+            "arm | expert bytes / token | read rate achieved | read rate | roofline tok/s | bound | efficiency "
+            "| lookahead recall | read ahead for nothing / token"
         ),
     ]
     for a in rows:
@@ -169,7 +170,8 @@ def _roofline_lines(result: dict) -> list[str]:
         out.append(
             f"| {a['name']} | {_gb(r['bytes_per_token'])} | {_f(r['achieved_read_rate'] / 1e6, '{:.0f}')} MB/s "
             f"| {_f(r['read_rate'] and r['read_rate'] / 1e6, '{:.0f}')} MB/s | {_f(r['roofline_tps'])} "
-            f"| {r['bound'] or '-'} | {_f(r['efficiency'])} |"
+            f"| {r['bound'] or '-'} | {_f(r['efficiency'])} | {_f(r['lookahead_recall'], '{:.0%}')} "
+            f"| {_gb(r['wasted_per_token'])} |"
         )
     return out
 

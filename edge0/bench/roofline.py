@@ -102,6 +102,8 @@ def arm_roofline(arm: dict, resident_tps: float | None, rate: float | None) -> d
         "roofline_tps": roof,
         "efficiency": tps / roof if roof else None,
         "bound": None if roof is None else ("compute" if roof == resident_tps else "reads"),
+        "lookahead_recall": m.get("lookahead_recall"),
+        "wasted_per_token": (m.get("lookahead_wasted_bytes") or 0) / (n - 1),  # of bytes_per_token
     }
 
 

@@ -105,7 +105,8 @@ class StreamingExpertList(_Streamed):
 
     def expert(self, e: int, x):
         y = None
-        for params, local in self.executor(mx.array([[e]]), None):
+        for part in self.executor(mx.array([[e]]), None):
+            params, local = part() if callable(part) else part  # a deferred part: its expert is being read
             row = local.reshape(-1)[0]  # where expert e sits in this part's tensors (a zero row if elsewhere)
             self.inner.update(tree_map(lambda v: v[row], params))
             part = self.inner(x)

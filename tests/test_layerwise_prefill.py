@@ -74,13 +74,18 @@ def test_each_layer_is_read_once_per_span(store_for):
     store_bytes = engine.streaming.total_expert_bytes
     p = engine.prefiller
     p.moe_chunk = 64  # 5 MoE chunks per layer: the layer stays held across them
-    last = max(engine.store.layers)  # its output feeds only the logits: a prefill computes its cache alone
+    # the last layer's output feeds only the logits: the span computes its cache, and only the
+    # prompt's last token goes through its experts (its logits give the first token)
+    last = max(engine.store.layers)
     last_bytes = engine.store.expert_nbytes(last) * int(engine.store.layers[last]["num_experts"])
-    for should_stop in (None, lambda: False):  # the CLI path and the server's cancellable path
+    tail = engine.spec.top_k * engine.store.expert_nbytes(last)
+    for i, should_stop in enumerate((None, lambda: False)):  # the CLI path and the server's cancellable path
         engine.reset_cache()
         stats = engine.generate(PROMPT, max_tokens=2, should_stop=should_stop).stats
         assert stats["prefill_layers_whole"] == len(engine.store.layers) - 1
-        assert stats["prefill_expert_bytes_read"] == store_bytes - last_bytes  # every other layer exactly once
+        # every other layer exactly once, and the last token's K experts of the last layer (the
+        # second time they are in the expert cache)
+        assert stats["prefill_expert_bytes_read"] == store_bytes - last_bytes + (tail if i == 0 else 0)
     p.layerwise = False  # the chunked forward reads every layer once per chunk of 512 (cancellable)
     engine.reset_cache()
     chunked = engine.generate(PROMPT * 4, max_tokens=2, should_stop=lambda: False).stats
@@ -89,7 +94,8 @@ def test_each_layer_is_read_once_per_span(store_for):
 
 def test_a_short_span_reads_only_the_union_of_its_routes(store_for):
     engine = edge0.load(store_for("qwen3_moe"), dtype="float32", prerouter=False)
-    stats = engine.generate(PROMPT[:4], max_tokens=1).stats  # 3 tokens x K 2 < 2 x 8 experts
+    # 3 tokens (the prompt's last one is fed in the span) x K 2 < 8 experts
+    stats = engine.generate(PROMPT[:3], max_tokens=1).stats
     layers = len(engine.store.layers)
     assert stats["prefill_layers_union"] == layers - 1 and stats["prefill_layers_whole"] == 0  # not the last
     per_expert = engine.store.expert_nbytes(sorted(engine.store.layers)[0])
@@ -213,3 +219,38 @@ def test_moe_chunks_never_end_in_a_one_token_call():
     assert blw.chunks(1025, 512) == [(0, 512), (512, 1025)]
     assert blw.chunks(1024, 512) == [(0, 512), (512, 1024)]
     assert blw.chunks(513, 512) == [(0, 513)] and blw.chunks(7, 512) == [(0, 7)]
+
+
+def _counted(engine):
+    """Counts the engine's plain decode steps and first steps taken from a prefill's log-probs."""
+    counts = {"decode": 0, "first": 0}
+    stepper = engine.stepper
+    for name in counts:
+        method = getattr(stepper, name)
+
+        def wrapped(*a, _method=method, _name=name, **kw):
+            counts[_name] += 1
+            return _method(*a, **kw)
+
+        setattr(stepper, name, wrapped)
+    return counts
+
+
+def test_the_prompt_s_last_token_goes_into_its_span_and_its_logits_give_the_first_token(store_for):
+    store = store_for("qwen3_moe")
+    merged = edge0.load(store, dtype="float32", prerouter=False)
+    stepped = edge0.load(store, dtype="float32", prerouter=False)
+    stepped.prefiller.layerwise = False  # chunk by chunk: a first decode step feeds the prompt's last token
+    m, s = _counted(merged), _counted(stepped)
+    for should_stop in (None, lambda: False):
+        merged.reset_cache()
+        stepped.reset_cache()
+        want = stepped.generate(PROMPT, max_tokens=3, should_stop=should_stop)
+        got = merged.generate(PROMPT, max_tokens=3, should_stop=should_stop)
+        assert got.tokens == want.tokens
+    assert m == {"decode": 4, "first": 2} and s == {"decode": 6, "first": 0}
+    # a feature that acts on step 0's forward (the pre-router's heads) keeps the first decode step
+    merged.hooks.sees_first_forward = True
+    merged.reset_cache()
+    assert merged.generate(PROMPT, max_tokens=3).tokens == want.tokens
+    assert m == {"decode": 7, "first": 2}

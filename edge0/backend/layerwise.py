@@ -90,6 +90,18 @@ def _cut(a, c0: int, c1: int, span: int):
     return a  # None, "causal" (aligned to the last key, so it holds for any chunk), a cache
 
 
+def _token_slice(args, x, c0: int, c1: int) -> tuple:
+    """A MoE block's recorded arguments cut to tokens [c0, c1) on the token axis of its input `x`
+    ([B, T, D] or [T, D]; other arrays aligned to it from the right)."""
+    axis = x.ndim - 2
+
+    def cut(a):
+        at = a.ndim - (x.ndim - axis)
+        return a[(slice(None),) * at + (slice(c0, c1),)] if isinstance(a, mx.array) and a.ndim > axis else a
+
+    return tuple(cut(a) for a in args)
+
+
 def _state_arrays(args) -> list:
     """The arrays of the caches among a layer call's arguments (evaluated after each chunk)."""
     return [a for c in args if lp.is_cache(c) for _, a in tree_flatten(c.state) if isinstance(a, mx.array)]
@@ -112,12 +124,17 @@ def _joined(calls: list, axis_of) -> tuple:
 class SpanLayer:
     """A decoder layer run over a whole span in the two passes above (callable as the layer)."""
 
-    def __init__(self, layer: nn.Module, call: lp.LayerCall, plan: SpanPlan, whole: bool, last: bool = False):
+    def __init__(
+        self, layer: nn.Module, call: lp.LayerCall, plan: SpanPlan, whole: bool, last: bool = False, tail: bool = False
+    ):
         self.layer, self.call, self.plan, self.whole = layer, call, plan, whole
         # The last layer's output feeds only the logits, which a prefill never needs: its keys and
         # values (its cache) are all it must compute, as mlx-lm's prefill does by evaluating the
         # caches alone; its attention and its experts (reads included) are skipped.
         self.last = last
+        # ... unless the span's last position's logits are wanted (`tail`, the prompt's last token
+        # fed in its span): then that position alone goes through its experts and on to the head
+        self.tail = tail
 
     def __getattr__(self, name):  # the model's loop may read layer attributes (is_linear, ...)
         return getattr(self.layer, name)
@@ -125,9 +142,34 @@ class SpanLayer:
     def __call__(self, *args, **kwargs):
         # args[0] [B, T, ...]: the span's hidden states entering this layer
         self.plan.check()
+        if self.tail:
+            return self._tail(args, kwargs)
         if self.last:
             stub = lp.Stub(mx.zeros_like) if self.call.moe is not None else None
             return self._attention(args, kwargs, stub, state_only=True)
+        return self._whole(args, kwargs)
+
+    def _tail(self, args, kwargs):
+        """The model's last layer when the span's last position's logits are wanted: its cache over
+        the span, and its output at that position only ([B, 1, D]; the model's norm and head then
+        see one position). With `last` (nothing watches every route) only that position goes
+        through the experts: the one token's route, read as a decode step reads it."""
+        if not self.last or self.call.moe is None:
+            out = self._whole(args, kwargs)
+            h = lp.first(out)[:, -1:]
+            return (h, *out[1:]) if isinstance(out, (tuple, list)) else h
+        stub = lp.Stub(mx.zeros_like)
+        out = self._attention(args, kwargs, stub, state_only=True, tail=True)
+        (x, *rest), kw = stub.calls[-1]
+        axis = x.ndim - 2  # the token axis: [B, T, D] or [T, D]
+        t = x.shape[axis]
+        y = self.layer[self.call.moe](*_token_slice((x, *rest), x, t - 1, t), **kw)
+        h = lp.first(out)[:, -1:] + y
+        mx.eval(h)
+        return (h, *out[1:]) if isinstance(out, (tuple, list)) else h
+
+    def _whole(self, args, kwargs):
+        """The layer over the span: pass A, then its MoE block over the span in chunks (pass B)."""
         if self.call.moe is None:
             return self._attention(args, kwargs, None)
         block = self.layer[self.call.moe]
@@ -144,10 +186,11 @@ class SpanLayer:
         mx.eval(h)
         return (h, *out[1:]) if isinstance(out, (tuple, list)) else h
 
-    def _attention(self, args, kwargs, stub, state_only: bool = False):
+    def _attention(self, args, kwargs, stub, state_only: bool = False, tail: bool = False):
         """Pass A: the layer over query chunks, or the whole span (its MoE block stubbed when
         `stub` is given); returns its output, the hidden states joined over the chunks (left
-        unevaluated with `state_only`: only the caches are computed)."""
+        unevaluated with `state_only`: only the caches are computed). `tail`: only the last
+        chunk's output is computed and returned."""
         plan, span = self.plan, args[0].shape[1]
         held = _keys_held(list(args) + list(kwargs.values()))
         chunk = span if self.whole or not self.call.cuttable else plan.attention_chunk(held + span)
@@ -159,12 +202,14 @@ class SpanLayer:
             kw = {k: _cut(v, c0, c1, span) for k, v in kwargs.items()}
             out = self.layer(*a, **kw) if stub is None else lp.run_stubbed(self.layer, self.call.moe, stub, a, kw)
             states = _state_arrays(list(a) + list(kw.values()))
-            if state_only:
+            if state_only and not (tail and c1 == span):
                 mx.eval(*states)
             else:
                 recorded = [x for x in stub.calls[-1][0] if isinstance(x, mx.array)] if stub is not None else []
                 mx.eval(lp.first(out), *recorded, *states)
             parts.append(lp.first(out))
+        if tail:
+            parts = parts[-1:]
         h = mx.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
         return (h, *out[1:]) if isinstance(out, (tuple, list)) else h
 
@@ -182,28 +227,33 @@ class SpanLayer:
         ys = []
         for c0, c1 in chunks(tokens, self.plan.moe_chunk):
             self.plan.check()
-            part = tuple(
-                a[(slice(None),) * axis_of(a) + (slice(c0, c1),)] if isinstance(a, mx.array) and a.ndim > axis else a
-                for a in args
-            )
-            y = block(*part, **kwargs)
+            y = block(*_token_slice(args, x, c0, c1), **kwargs)
             mx.eval(y)
             ys.append(y)
         return mx.concatenate(ys, axis=axis) if len(ys) > 1 else ys[0]
 
 
-def prefill_layerwise(model, tokens: list[int], cache, plan: SpanPlan, found: lp.Probe) -> None:
+def prefill_layerwise(model, tokens: list[int], cache, plan: SpanPlan, found: lp.Probe, logits: bool = False):
     """Feed `tokens` (one span) into `cache` layer by layer (see the module docstring), with the
     probe's findings `found`; raises PrefillCancelled when `plan.should_stop()` says so (the cache
-    then holds part of the span)."""
+    then holds part of the span). `logits`: returns the log-probs [1, V] after the span's last
+    token (computed for that position alone), as a decode step feeding it would; else None."""
     owner, key, layers = lp.decoder_layers(model)
     whole = whole_span(found, cache)
     last = len(layers) - 1 if plan.skip_last else -1
+    tail = len(layers) - 1 if logits else -1
     owner[key] = [
-        SpanLayer(layer, call, plan, whole, i == last) for i, (layer, call) in enumerate(zip(layers, found.calls))
+        SpanLayer(layer, call, plan, whole, i == last, i == tail)
+        for i, (layer, call) in enumerate(zip(layers, found.calls))
     ]
     try:
-        model(mx.array(tokens)[None], cache=cache)  # the logits are never evaluated
+        out = model(mx.array(tokens)[None], cache=cache)  # without `logits`, never evaluated
     finally:
         owner[key] = layers
     mx.eval([c.state for c in cache])
+    if not logits:
+        return None
+    last_logits = out[:, -1, :]
+    logprobs = last_logits - mx.logsumexp(last_logits, axis=-1, keepdims=True)
+    mx.eval(logprobs)
+    return logprobs

@@ -117,6 +117,8 @@ class SyntheticHooks(StepHooks):
     """Every generation starts the route sequence over (runs are repeatable), and a speculative
     verify's rejected positions give their routes back (each token position keeps its route)."""
 
+    sees_first_forward = True
+
     def __init__(self, routes: SyntheticRoutes):
         self.routes = routes
 

@@ -396,6 +396,8 @@ class LeaderHooks(StepHooks):
     """Rank 0's hooks: the engine's own (the pre-router's stager, or none), plus telling the other
     ranks where a generation is."""
 
+    sees_first_forward = True
+
     def __init__(self, inner: StepHooks, pipeline: Pipeline):
         self.inner, self.pipeline = inner, pipeline
 

@@ -15,6 +15,11 @@ class StepHooks:
     rows after before_step (and multi_token when its rows verify drafts); a plain step that
     makes the last token of a sequence (its token limit) calls last_step before before_forward."""
 
+    # The feature acts on step 0's forward (the pre-router's heads predict step 1's routes during
+    # it): the prompt's last token is then fed by that step, not in the prefill's last span
+    # (Solo.prefill).
+    sees_first_forward = False
+
     def start(self) -> None:
         """A generation or a teacher-forced pass begins: forget per-sequence state."""
 

@@ -43,19 +43,30 @@ class Prefiller:
         """Feed `tokens`; returns how many went into every layer: all of them, or fewer when
         `should_stop()` said so between layers or chunks (the cache may then hold part of the
         next span in its first layers; kv.PromptCache.keep trims that)."""
+        return self.feed(tokens, cache, should_stop)[0]
+
+    def feed(self, tokens: list[int], cache, should_stop=None, logits: bool = False):
+        """`__call__`, returning (tokens fed, log-probs [1, V] after the last token or None).
+        `logits` (layer by layer only): the last span also computes the log-probs after its last
+        token, for that position alone, so the prompt's last token is fed in its span and its
+        experts are read once with the span's instead of again by a first decode step."""
         if not tokens:
-            return 0
+            return 0, None
         if not self.layerwise:
-            return self._chunked(tokens, cache, should_stop)
+            return self._chunked(tokens, cache, should_stop), None
         span = self.span_for(cache)
         plan = blw.SpanPlan(self.moe_chunk, self.heads, should_stop, self.score_bytes, self.skip_last)
+        logprobs = None
         for i in range(0, len(tokens), span):
+            part = tokens[i : i + span]
             try:
-                blw.prefill_layerwise(self.model, tokens[i : i + span], cache, plan, self.probe)
+                logprobs = blw.prefill_layerwise(
+                    self.model, part, cache, plan, self.probe, logits and i + len(part) == len(tokens)
+                )
             except blw.PrefillCancelled:
-                return i
+                return i, None
             self.spans += 1
-        return len(tokens)
+        return len(tokens), logprobs
 
     def span_for(self, cache) -> int:
         """Tokens one span feeds into `cache` (a batch prefills a joining sequence span by span,

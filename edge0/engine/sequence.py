@@ -27,6 +27,9 @@ class Sequence:
     prepared: bool = False  # a lone sequence: its cache holds its cached prefix
     lane: object = None  # a lone row's steps (Solo.steps)
     made: list[int] = field(default_factory=list)  # the tokens a lone row's steps made (Solo.fed)
+    # a lone sequence whose prompt's last token was fed in its prefill span: the log-probs after
+    # it, which its first step samples from (Solo.prefill)
+    first: object = None
     before: tuple = ()  # executor totals, store reads and speculation counts when it joined
     prefilled: dict | None = None  # executor totals once its prompt but the last token was in
     joined: float = field(default_factory=time.perf_counter)

@@ -35,15 +35,21 @@ class Solo:
         seq.fed, seq.prepared, kv.in_use = seq.held, True, seq.cache
 
     def prefill(self, seq, stop=None) -> bool:
-        """Feed `seq`'s prompt but its last token (after the prefix its cache holds); False when
-        `stop()` said so between layers or spans: what went into every layer stays (a cache that
-        cannot be cut back is dropped, and the prompt caches are asked again)."""
+        """Feed `seq`'s prompt (after the prefix its cache holds) but its last token, which its
+        first step feeds; or, layer by layer with more than that token left, all of it, the last
+        token in its span with the log-probs after it kept for the first step (`seq.first`), so
+        that token's experts are read with the span's and not again. False when `stop()` said so
+        between layers or spans: what went into every layer stays (a cache that cannot be cut back
+        is dropped, and the prompt caches are asked again)."""
         e = self.parts
+        if seq.first is not None:  # its whole prompt is in
+            return True
         if not seq.prepared:  # its cache was dropped (a cancelled span in a cache that cannot be cut back)
             self.prepare(seq)
-        todo = seq.prompt[seq.fed : -1]
+        whole = e.prefiller.layerwise and not e.stepper.hooks.sees_first_forward and len(seq.prompt) - seq.fed >= 2
+        todo = seq.prompt[seq.fed :] if whole else seq.prompt[seq.fed : -1]
         try:
-            fed = e.prefiller(todo, seq.cache, stop)
+            fed, first = e.prefiller.feed(todo, seq.cache, stop, logits=whole)
         except Exception as error:
             # a cache restored from disk that fails is not restored again, whoever catches this
             e.kv.failed(error, seq.receipt)
@@ -52,23 +58,29 @@ class Solo:
                 raise fix from None
             raise
         seq.receipt = None  # a forward on the restored cache went through
-        if fed < len(todo) or (stop is not None and stop()):
+        if fed < len(todo):
             if bkv.trim_to(seq.cache, seq.fed + fed):
                 seq.fed += fed
             else:
                 seq.prepared, seq.cache = False, None
             return False
         seq.fed += len(todo)
-        return True
+        seq.first = first
+        return stop is None or not stop()  # a newcomer waits: it joins before this one steps
 
     def steps(self, seq):
         """The lone row's steps, each the list of tokens it made (a verify makes several); the
-        first feeds the prompt's last token. At each yield the cache holds the prompt and every
+        first feeds the prompt's last token (or samples from the log-probs the prefill computed
+        after it). At each yield the cache holds the prompt and every
         token made but the last (`seq.made`)."""
         e = self.parts
         kv, reply, cache = e.kv, seq.reply, seq.cache
+        first, seq.first = seq.first, None
         try:
-            y = e.stepper.decode(seq.prompt[-1:], 0, seq.sampler, cache, reply.max_tokens <= 1)
+            if first is not None:  # the prefill fed the prompt's last token
+                y = e.stepper.first(first, seq.sampler, reply.max_tokens <= 1)
+            else:
+                y = e.stepper.decode(seq.prompt[-1:], 0, seq.sampler, cache, reply.max_tokens <= 1)
         except ValueError as error:
             if fix := _kv_group(kv, error):
                 raise fix from None

@@ -79,6 +79,11 @@ class Stepper:
             last=last,
         )
 
+    def first(self, logprobs, sampler, last: bool = False) -> int:
+        """Step 0 of a sequence whose prefill fed its prompt's last token (Solo.prefill): its
+        forward is done, `logprobs` [1, V] are its outputs; the hooks run as for any step."""
+        return self.run(0, 1, lambda: logprobs, lambda lp: (bfw.sample(sampler, lp), None), last=last)
+
     def decode_batch(
         self, tokens: list[int], step: int, samplers: list, cache, previous: list, ending: list[int] = ()
     ) -> list[int | Exception]:

@@ -22,6 +22,8 @@ def one_row(ids):
 
 
 class PreRouterStager(StepHooks):
+    sees_first_forward = True
+
     def __init__(self, prerouting, staged: dict, heads_path: Path | None = None):
         # no per-step history: a server runs this for millions of steps (tests wrap the methods instead)
         self.pr, self.staged, self.heads_path = prerouting, staged, heads_path

@@ -190,14 +190,18 @@ class SpanLayer:
         """Pass A: the layer over query chunks, or the whole span (its MoE block stubbed when
         `stub` is given); returns its output, the hidden states joined over the chunks (left
         unevaluated with `state_only`: only the caches are computed). `tail`: only the last
-        chunk's output is computed and returned."""
+        chunk's output is computed and returned; where the span can be cut, that chunk is the last
+        token alone (its attention output is all the logits need)."""
         plan, span = self.plan, args[0].shape[1]
         held = _keys_held(list(args) + list(kwargs.values()))
-        chunk = span if self.whole or not self.call.cuttable else plan.attention_chunk(held + span)
+        whole = self.whole or not self.call.cuttable
+        chunk = span if whole else plan.attention_chunk(held + span)
+        bounds = [(c0, min(span, c0 + chunk)) for c0 in range(0, span, chunk)]
+        if tail and not whole and span > 1:
+            bounds = [(c0, min(span - 1, c0 + chunk)) for c0 in range(0, span - 1, chunk)] + [(span - 1, span)]
         parts, out = [], None
-        for c0 in range(0, span, chunk):
+        for c0, c1 in bounds:
             plan.check()
-            c1 = min(span, c0 + chunk)
             a = (args[0][:, c0:c1], *(_cut(x, c0, c1, span) for x in args[1:]))
             kw = {k: _cut(v, c0, c1, span) for k, v in kwargs.items()}
             out = self.layer(*a, **kw) if stub is None else lp.run_stubbed(self.layer, self.call.moe, stub, a, kw)

@@ -208,11 +208,14 @@ class FailOnce:
     def __getattr__(self, name):
         return getattr(self.real, name)
 
-    def __call__(self, tokens, cache, stop=None):
+    def feed(self, tokens, cache, stop=None, logits=False):
         if self.armed:
             self.armed = False
             raise RuntimeError("the forward failed")
-        return self.real(tokens, cache, stop)
+        return self.real.feed(tokens, cache, stop, logits)
+
+    def __call__(self, tokens, cache, stop=None):
+        return self.feed(tokens, cache, stop)[0]
 
 
 @pytest.mark.parametrize("batch", [False, True])

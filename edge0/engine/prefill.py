@@ -68,6 +68,13 @@ class Prefiller:
             self.spans += 1
         return len(tokens), logprobs
 
+    def takes_last(self, cache) -> bool:
+        """Whether `feed` can give the log-probs after the prompt's last token into `cache`: layer
+        by layer, where every layer takes its span in chunks (a rotating window cache fed a whole
+        span holds more than its window until a one-token step trims it: the first decode step
+        does that)."""
+        return self.layerwise and not blw.whole_span(self.probe, cache)
+
     def span_for(self, cache) -> int:
         """Tokens one span feeds into `cache` (a batch prefills a joining sequence span by span,
         between decode steps)."""

@@ -46,7 +46,11 @@ class Solo:
             return True
         if not seq.prepared:  # its cache was dropped (a cancelled span in a cache that cannot be cut back)
             self.prepare(seq)
-        whole = e.prefiller.layerwise and not e.stepper.hooks.sees_first_forward and len(seq.prompt) - seq.fed >= 2
+        whole = (
+            e.prefiller.takes_last(seq.cache)
+            and not e.stepper.hooks.sees_first_forward
+            and len(seq.prompt) - seq.fed >= 2
+        )
         todo = seq.prompt[seq.fed :] if whole else seq.prompt[seq.fed : -1]
         try:
             fed, first = e.prefiller.feed(todo, seq.cache, stop, logits=whole)

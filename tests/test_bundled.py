@@ -46,7 +46,7 @@ def test_bundled_greedy_matches_mlx_lm(mlx_reference):
     assert engine.generate(prompt, max_tokens=24, ignore_eos=True).tokens == want
 
 
-@pytest.mark.parametrize("routing", ["--no-prerouter", None])
+@pytest.mark.parametrize("routing", [pytest.param("--no-prerouter", marks=pytest.mark.slow), None])  # suite time
 def test_generate_cli_with_no_model_prints_text_and_stats(routing):
     args = [
         sys.executable,

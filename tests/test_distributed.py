@@ -328,6 +328,7 @@ def test_the_server_listens_on_rank_0_and_the_other_rank_follows(store_for, tmp_
     assert "Traceback" not in done[0][2] + done[1][2]
 
 
+@pytest.mark.slow  # suite time: test_killing_either_rank_mid_request stays
 def test_the_server_exits_with_one_line_when_the_other_rank_is_killed_mid_request(store_for, tmp_path):
     port = free_ports(1)[0]
     argv = [sys.executable, "-m", "edge0.serve", "--model", str(store_for("qwen3_moe")), "--port", str(port)]
@@ -354,6 +355,7 @@ def test_the_server_exits_with_one_line_when_the_other_rank_is_killed_mid_reques
     assert "Traceback" not in err and sum("error" in line.lower() for line in ours) == 1, err[-2000:]
 
 
+@pytest.mark.slow  # in the default suite's time budget: a rank's one-line stop stays covered by the kill test
 def test_a_missing_peer_is_a_one_line_error(store_for, tmp_path):
     argv = [
         sys.executable,
@@ -402,6 +404,7 @@ def test_killing_either_rank_mid_request_stops_the_other_with_one_line(killed, s
     assert other.poll() is not None and procs[killed].poll() is not None  # nothing left running
 
 
+@pytest.mark.slow  # in the default suite's time budget: a rank's one-line stop stays covered by the kill test
 def test_ranks_with_different_stores_stop_with_one_line(store_for, tmp_path):
     argvs = [
         [sys.executable, "-m", "edge0", "generate", "--model", str(store_for(f)), "--prompt", "hi"]

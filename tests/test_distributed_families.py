@@ -72,10 +72,12 @@ def _families_across_ranks(families, store_for, tmp_path, ranks=2, fixture=None,
     assert not wrong, wrong
 
 
+@pytest.mark.slow  # in the default suite's time budget: every family across ranks runs under -m slow
 def test_families_mlx_lm_does_not_pipeline_give_the_single_process_tokens_on_two_ranks(store_for, tmp_path):
     _families_across_ranks(SAMPLE, store_for, tmp_path)
 
 
+@pytest.mark.slow  # in the default suite's time budget: ten hybrid families across ranks run under -m slow
 def test_a_hybrid_family_keeps_each_stage_s_state_on_two_ranks_and_reuses_prefixes(store_for, tmp_path):
     first = PROMPT * 12
     # linear attention beside KV caches (the Qwen3.5 / 3.6 design); the other kinds under -m slow

@@ -39,6 +39,7 @@ def test_not_a_store(tmp_path):
     assert_one_line_error(code, err, str(src), "not an edge0 store", "edge0 convert")
 
 
+@pytest.mark.slow  # in the default suite's time budget: the other one-line CLI errors stay
 def test_other_format_version(store_copy):
     m = store_copy / "edge0-manifest.json"
     data = json.loads(m.read_text())
@@ -66,6 +67,7 @@ def test_wrong_checksum(store_copy):
     assert_one_line_error(code, err, "layer-000.safetensors", "checksum")
 
 
+@pytest.mark.slow  # in the default suite's time budget: the other one-line CLI errors stay
 def test_config_without_moe_block(tmp_path):
     src = tmp_path / "dense"
     shutil.copytree(fixture_dir("qwen3_moe"), src)
@@ -86,7 +88,10 @@ def test_usage_error_exit_2():
 
 @pytest.mark.parametrize(
     "bad,kind",
-    [("{{ ''.__class__.__mro__ }}", "SecurityError"), ("{{ 1 // 0 }}", "ZeroDivisionError")],
+    [
+        pytest.param("{{ ''.__class__.__mro__ }}", "SecurityError", marks=pytest.mark.slow),  # suite time
+        ("{{ 1 // 0 }}", "ZeroDivisionError"),
+    ],
     ids=["sandbox", "raises"],
 )
 def test_a_chat_template_that_fails_is_one_line(store_copy, bad, kind):

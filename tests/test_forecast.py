@@ -33,6 +33,7 @@ def test_sizes_from_headers_match_the_converted_store(family, store_for):
         )
 
 
+@pytest.mark.slow  # in the default suite's time budget: the forecast's numbers stay covered by the in-process tests
 def test_plan_hf_path_prints_the_forecast(tmp_path, capsys):
     from edge0.cli.plan import main
 

@@ -77,6 +77,7 @@ def race(tmp_path, *argv, env=None):
     return [finish(p) for p in procs]
 
 
+@pytest.mark.slow  # in the default suite's time budget (runs under -m slow)
 def test_first_use_of_the_bundled_model_by_two_processes_at_once(tmp_path):
     cache = tmp_path / "cache"
     results = race(
@@ -97,6 +98,7 @@ def test_first_use_of_the_bundled_model_by_two_processes_at_once(tmp_path):
     assert leftovers(store.parent, store.name) == []
 
 
+@pytest.mark.slow  # in the default suite's time budget (runs under -m slow)
 def test_two_converts_to_the_same_output(tmp_path):
     out = tmp_path / "store"
     results = sorted(race(tmp_path, "convert", "--hf-path", fixture_dir("qwen3_moe"), "-o", out))

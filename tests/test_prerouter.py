@@ -298,7 +298,7 @@ def test_speculation_with_heads_gives_the_plain_prerouted_tokens(store_for, head
 BATCH_PROMPTS = [PROMPT, "the quick brown fox jumps over the lazy dog", "a tiny model that reads experts"]
 
 
-@pytest.mark.parametrize("executor", ["staged", "hot"])
+@pytest.mark.parametrize("executor", ["staged", pytest.param("hot", marks=pytest.mark.slow)])  # suite time
 def test_a_batch_with_heads_gives_each_sequence_its_prerouted_tokens(store_for, heads_file, executor):
     """Each row of a batch routes with its own predictions (its first step, the prompt's last
     token, with the gate, as alone): rows starting together, the last or the first one left alone

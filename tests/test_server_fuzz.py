@@ -243,7 +243,7 @@ def server():
 
 
 @pytest.mark.parametrize(
-    "requests", [pytest.param(1000, id="1000"), pytest.param(REQUESTS, id="2000", marks=pytest.mark.slow)]
+    "requests", [pytest.param(500, id="500"), pytest.param(REQUESTS, id="2000", marks=pytest.mark.slow)]
 )
 def test_mutated_requests_get_no_500(server, capsys, requests):
     rng = random.Random(46)

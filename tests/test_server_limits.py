@@ -474,6 +474,7 @@ def closed_within(sock: socket.socket, timeout_s: float, trickle: bool) -> float
     return None
 
 
+@pytest.mark.slow  # in the default suite's time budget: the other connection-timeout tests stay
 def test_a_route_that_takes_no_body_answers_without_it_and_the_connection_stays_timed():
     """GET /health with a large Content-Length and no body is answered at once (before: it waited
     for the body until the body timeout). uvicorn then keeps the connection and drops the body as

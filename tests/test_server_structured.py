@@ -85,6 +85,7 @@ def check_outputs(outputs: dict) -> None:
 QUICK = {name: SCHEMAS[name] for name in ("person", "point", "user", "order", "event")}
 
 
+@pytest.mark.slow  # in the default suite's time budget: the greedy schema tests stay
 def test_schemas_and_json_object_sampled_at_temperature_1(client):
     """Acceptance 2 in brief: one completion each of five schemas and json_object; the slow test
     below runs all ten schemas and json_object 20 times each."""

@@ -144,6 +144,7 @@ def test_page_files_headers_and_size():
 # -- in the browser ------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # in the default suite's time budget: the other browser tests stay
 def test_key_asked_once_then_replies_stream_and_history_survives_a_reload(browser, fake):
     engine, base = fake
     browser.get(base + "/ui/icon.svg")

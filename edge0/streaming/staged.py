@@ -311,21 +311,48 @@ class StagedExecutor(ExactExecutor):
     def _split(self, ids: np.ndarray, hits, misses: list, evicted, loaded, slots) -> list:
         """A host-routed call with misses (`misses`: `loaded`, which take `slots`, then any read for
         this call only): their read starts on a reader thread and the call returns the hits' pairs
-        as a part over the slots, then a deferred part, so the hits compute while the misses are in
-        flight (a read and the compute it waits for no longer add up). The deferred part waits for
-        the bytes, writes `loaded` into their slots in place (the launched hits part reads only the
-        hits' slots, which this call does not rewrite) and computes the misses' pairs from the bytes
-        read. With no hits it is the only part. It runs once (later calls return its part); if the
-        read fails, the cache forgets the misses it admitted."""
+        as a part over the slots, then a deferred part (`_deferred`), so the hits compute while the
+        misses are in flight (a read and the compute it waits for no longer add up). The deferred
+        part computes the misses' pairs from the bytes read (the launched hits part reads only the
+        hits' slots, which this call does not rewrite). With no hits it is the only part."""
         flat = ids.reshape(-1)
         missed = np.isin(flat, misses)
-        ahead, self._beyond = self._beyond, None
-        future = self.call_reader.submit(self._fetch, misses, ahead)
+        pairs = np.flatnonzero(missed)
+
+        def pairs_part(raw):
+            at = {e: i for i, e in enumerate(misses)}
+            rows = B.array(np.array([at[int(e)] for e in flat[pairs]], dtype=np.uint32))
+            return to_device(raw, len(misses), self.dtype), rows, pairs
+
+        misses_part = self._deferred(misses, evicted, loaded, slots, pairs_part)
         if loaded:
             self.slots.ensure_views()  # now: making a view probes its tensor, which the hits part reads
+        if not hits:
+            return [misses_part]
+        self.stats.overlapped += 1
+        kept = np.flatnonzero(~missed)
+        return [(self.slots.params, B.array(self.slots.table_host[flat[kept]]), kept), misses_part]
+
+    def _read_later(self, indices, evicted, loaded, slots) -> list:
+        """A host-routed call whose experts all miss: one deferred part (`_deferred`) that runs on
+        the slots once its misses are written there; the caller meanwhile starts the next layer's
+        read-ahead (streaming/lookahead.py), queued behind this read."""
+        return [
+            self._deferred(
+                list(loaded), evicted, loaded, slots, lambda raw: (self.slots.params, self.slots.local(indices))
+            )
+        ]
+
+    def _deferred(self, misses: list, evicted, loaded, slots, part_of):
+        """A host-routed call's misses read on the call reader, from now: returns its deferred part,
+        which waits for the bytes, writes `loaded` (the first of `misses`) into their `slots` in
+        place and returns `part_of(the bytes read)`. It runs once (later calls return its part);
+        if the read fails, the cache forgets the misses it admitted."""
+        ahead, self._beyond = self._beyond, None
+        future = self.call_reader.submit(self._fetch, misses, ahead)
         made = []
 
-        def misses_part(route: bool = True):
+        def part(route: bool = True):
             if made:
                 return made[0]
             self._inflight = None
@@ -340,53 +367,14 @@ class StagedExecutor(ExactExecutor):
             slot_raw = {k: (b[:n], d, shape) for k, (b, d, shape) in raw.items()} if n else None
             s.slot_scatters += self.slots.apply(evicted, loaded, slots, slot_raw, in_place=True)
             s.slot_rewrites += n
-            params = to_device(raw, len(misses), self.dtype)
+            made.append(part_of(raw))
             s.stall_s += time.perf_counter() - t0
-            at = {e: i for i, e in enumerate(misses)}
-            pairs = np.flatnonzero(missed)
-            made.append((params, B.array(np.array([at[int(e)] for e in flat[pairs]], dtype=np.uint32)), pairs))
             if route:
                 self._routed()
             return made[0]
 
-        self._inflight = misses_part
-        if not hits:
-            return [misses_part]
-        self.stats.overlapped += 1
-        pairs = np.flatnonzero(~missed)
-        return [(self.slots.params, B.array(self.slots.table_host[flat[pairs]]), pairs), misses_part]
-
-    def _read_later(self, indices, evicted, loaded, slots) -> list:
-        """A host-routed call whose experts all miss: their read starts on the call reader and the
-        call returns one deferred part that waits for the bytes, writes them into their slots in
-        place and runs on the slots; the caller meanwhile starts the next layer's read-ahead
-        (streaming/lookahead.py), queued behind this read. Runs once (see `_split`)."""
-        want = list(loaded)
-        ahead, self._beyond = self._beyond, None
-        future = self.call_reader.submit(self._fetch, want, ahead)
-        made = []
-
-        def slots_part(route: bool = True):
-            if made:
-                return made[0]
-            self._inflight = None
-            s = self.stats
-            t0 = time.perf_counter()
-            try:
-                raw = self._merged(want, future.result())
-            except BaseException:
-                self.slots.forget(evicted, loaded)
-                raise
-            s.slot_scatters += self.slots.apply(evicted, loaded, slots, raw, in_place=True)
-            s.slot_rewrites += len(loaded)
-            s.stall_s += time.perf_counter() - t0
-            made.append((self.slots.params, self.slots.local(indices)))
-            if route:
-                self._routed()
-            return made[0]
-
-        self._inflight = slots_part
-        return [slots_part]
+        self._inflight = part
+        return part
 
     def _finish_inflight(self) -> None:
         """A call's deferred misses part its caller never took (an error while building the layer):

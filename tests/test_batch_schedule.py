@@ -82,3 +82,21 @@ def test_a_step_spends_its_token_budget_over_every_waiting_sequence(store_for, m
         while batch.busy:
             batch.advance()
     assert [s.tokens for s in seqs] == alone
+
+
+def test_a_newcomer_arriving_as_the_lone_prompt_completes_waits_for_its_first_token(store_for):
+    """The lone prompt's last token goes in its span (engine/solo.py): a request that arrives just
+    as that span completes joins after the lone sequence's first token, so the prompt's last
+    token is never fed twice."""
+    engine = edge0.load(store_for("qwen3_moe"), prerouter=False)
+    prompts = [LONG, PROMPTS[0]]
+    alone = [engine.generate(p, max_tokens=5, ignore_eos=True).tokens for p in prompts]
+    with engine.batching() as batch:
+        long = batch.join(Request(engine.encode(LONG), 5, ignore_eos=True))
+        batch.interrupt = lambda: long.first is not None  # true from the moment its whole prompt is in
+        assert [s for s, _ in batch.advance()] == [long] and long.fed == len(long.prompt)
+        short = batch.join(Request(engine.encode(PROMPTS[0]), 5, ignore_eos=True))
+        batch.interrupt = None
+        while batch.busy:
+            batch.advance()
+    assert [long.tokens, short.tokens] == alone

@@ -177,6 +177,10 @@ class Batch:
         batch's, once it decodes)."""
         seq, self.lone = self.lone, None
         seq.lone, self.parts.kv.in_use = False, None
+        if seq.first is not None:  # never stepped: as a row it feeds the prompt's last token again
+            if not bkv.trim_to(seq.cache, len(seq.prompt) - 1):
+                raise RuntimeError("a lone sequence that fed its whole prompt joined a batch before its first step")
+            seq.first, seq.fed = None, len(seq.prompt) - 1
         if seq in self.waiting:
             if not seq.prepared:
                 self._own_cache(seq)
@@ -185,10 +189,6 @@ class Batch:
             if seq.lane is not None:
                 seq.lane.close()
                 seq.lane = None
-            if seq.first is not None:  # never stepped: its row feeds the prompt's last token again
-                if not bkv.trim_to(seq.cache, len(seq.prompt) - 1):
-                    raise RuntimeError("a lone sequence that fed its whole prompt joined a batch before its first step")
-                seq.first, seq.fed = None, len(seq.prompt) - 1
             self.cache, seq.cache = bkv.join_rows(None, seq.cache), None
             self.last_rows = []  # its steps were not a batch's rows
         self._draft_for(seq)

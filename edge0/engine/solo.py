@@ -70,7 +70,8 @@ class Solo:
             return False
         seq.fed += len(todo)
         seq.first = first
-        return stop is None or not stop()  # a newcomer waits: it joins before this one steps
+        # a newcomer waits: it joins before this one steps, unless this one's first token is computed
+        return first is not None or stop is None or not stop()
 
     def steps(self, seq):
         """The lone row's steps, each the list of tokens it made (a verify makes several); the

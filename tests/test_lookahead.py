@@ -9,7 +9,8 @@ import pytest
 
 import edge0
 from edge0.backend.lookahead import predictor, router_of
-from edge0.streaming.lookahead import RECALL_FLOOR, Lookahead, updated_recall
+from edge0.store.pacing import thread_storage_bytes
+from edge0.streaming.lookahead import RECALL_FLOOR, STORAGE_FLOOR, Lookahead, updated_recall
 from tests.fixtures import ALL_FAMILIES
 
 PROMPT = "the layer ahead reads while this one computes"
@@ -20,7 +21,7 @@ class _Target:
     """A staged layer as the lookahead sees it."""
 
     def __init__(self):
-        self.recall, self.reads = 1.0, []
+        self.recall, self.storage_share, self.reads = 1.0, None, []
 
     def takes_predictions(self):
         return True
@@ -41,6 +42,23 @@ def test_recall_is_a_decayed_average_and_auto_stops_reading_below_the_floor():
     auto.issue(np.array([0]))
     on.issue(np.array([0]))
     assert target.reads == [True, False, True]
+    # a layer whose on-demand reads come from the page cache: copies, not worth reading ahead
+    target.recall, target.storage_share = 1.0, STORAGE_FLOOR - 0.1
+    auto.issue(np.array([0]))
+    target.storage_share = STORAGE_FLOOR
+    auto.issue(np.array([0]))
+    on.issue(np.array([0]))
+    assert target.reads[3:] == [False, True, True]
+
+
+def test_a_layer_measures_how_much_of_its_on_demand_reads_came_from_storage(store_for):
+    e = edge0.load(store_for("qwen3_moe"), prerouter=False, lora=False, expert_cache="40KB")
+    e.generate(e.encode(PROMPT), max_tokens=4, ignore_eos=True)
+    shares = [d.decode.storage_share for d in e.streaming.layers.values()]
+    if thread_storage_bytes() is None:  # the kernel does not say (macOS): every read is worth reading ahead
+        assert shares == [None] * len(shares)
+    else:  # the fixture's store was just written: its bytes are in the page cache
+        assert all(s is not None and 0 <= s < STORAGE_FLOOR for s in shares), shares
 
 
 class _Block(nn.Module):

@@ -8,7 +8,10 @@ still routes with its own gate.
 `auto` (the default) reads ahead only for a layer whose predictions lately agreed with its
 routes (at least RECALL_FLOOR of its routed experts, averaged over the last few steps): mostly
 wrong predictions would take the disk from the reads a step needs. Predictions are still scored
-while it does not read, so a layer whose recall comes back reads ahead again."""
+while it does not read, so a layer whose recall comes back reads ahead again. Nor does it read
+ahead for a layer whose on-demand reads lately came mostly from the page cache (the reader
+thread's `read_bytes`, Linux): those are copies, whose cost is CPU time that overlapping does not
+hide (measured: 7-10% slower warm decode on two cores, docs/benchmarks.md)."""
 
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ import numpy as np
 MODES = ("auto", "on", "off")
 RECALL_FLOOR = 0.5
 RECALL_DECAY = 0.8  # a step's weight in the recall halves in about 3 steps
+STORAGE_FLOOR = 0.5  # read ahead only for a layer whose on-demand bytes came at least this much from storage
 
 
 class Lookahead:
@@ -33,7 +37,9 @@ class Lookahead:
     def issue(self, ids: np.ndarray) -> None:
         """The next layer's predicted route (host ids [.., K]): scored there, and read ahead unless
         `auto` finds its recall below the floor."""
-        self.target.read_ahead(ids, read=self.mode == "on" or self.target.recall >= RECALL_FLOOR)
+        t = self.target
+        from_disk = t.storage_share is None or t.storage_share >= STORAGE_FLOOR
+        self.target.read_ahead(ids, read=self.mode == "on" or (t.recall >= RECALL_FLOOR and from_disk))
 
 
 def updated_recall(recall: float, predicted: np.ndarray, routed: np.ndarray) -> float:

@@ -32,8 +32,9 @@ import numpy as np
 
 from edge0.backend import core as B
 from edge0.cache import substitute
+from edge0.store.pacing import thread_storage_bytes
 from edge0.streaming.exact import ExactExecutor, raw_nbytes, to_device
-from edge0.streaming.lookahead import updated_recall
+from edge0.streaming.lookahead import RECALL_DECAY, updated_recall
 from edge0.streaming.pool import SlotSet
 
 
@@ -67,6 +68,9 @@ class StagedExecutor(ExactExecutor):
         self._beyond: tuple | None = None
         self.predicted: np.ndarray | None = None  # the layer before's prediction of the next host route
         self.recall = 1.0  # how well those predictions agreed lately (lookahead.updated_recall)
+        # the share of this layer's on-demand read bytes that came from storage lately, not the
+        # page cache (None: not measured, or the kernel does not say)
+        self.storage_share: float | None = None
         self._dropped = []  # device scalars, read after the step by collect_dropped
         self._inflight = None  # a call's deferred misses part (see _split), until it runs
         # fn(layer), set by a stager: called after a call that routed on the host, when this
@@ -196,11 +200,20 @@ class StagedExecutor(ExactExecutor):
         missing = np.asarray(want, dtype=np.int64)
         if ids is not None:
             missing = missing[~np.isin(missing, ids)]
-        return ids, raw, kind, missing, self.store.read(self.layer, missing) if len(missing) else None
+        if not len(missing):
+            return ids, raw, kind, missing, None, None
+        before = thread_storage_bytes()
+        more = self.store.read(self.layer, missing)
+        after = thread_storage_bytes()
+        return ids, raw, kind, missing, more, None if before is None or after is None else after - before
 
     def _merged(self, want, fetched) -> dict | None:
         """A `_fetch`'s bytes as the store bytes of `want` (in that order; None if none), counted."""
-        ids, raw, kind, missing, more = fetched
+        ids, raw, kind, missing, more, from_storage = fetched
+        if from_storage is not None:  # lookahead.py: copies out of the page cache are not worth reading ahead
+            share = min(1.0, from_storage / max(1, raw_nbytes(more)))
+            last = self.storage_share
+            self.storage_share = share if last is None else RECALL_DECAY * last + (1 - RECALL_DECAY) * share
         s = self.stats
         for got, n in ((raw, 0 if ids is None else len(ids)), (more, len(missing))):
             if got is not None:

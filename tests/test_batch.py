@@ -428,10 +428,10 @@ def test_a_rows_own_failure_ends_that_row_alone(store_for):
         def __getattr__(self, name):
             return getattr(real, name)
 
-        def __call__(self, tokens, cache, stop=None):
+        def __call__(self, tokens, cache, stop=None, **kw):
             if len(tokens) == len(failing_prefill) - 1:
                 raise OSError("reading the experts failed")
-            return real(tokens, cache, stop)
+            return real(tokens, cache, stop, **kw)
 
     engine.prefiller = BrokenPrefill()
     try:

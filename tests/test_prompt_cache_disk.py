@@ -208,14 +208,14 @@ class FailOnce:
     def __getattr__(self, name):
         return getattr(self.real, name)
 
-    def feed(self, tokens, cache, stop=None, logits=False):
+    def feed(self, tokens, cache, stop=None, logits=False, **kw):
         if self.armed:
             self.armed = False
             raise RuntimeError("the forward failed")
-        return self.real.feed(tokens, cache, stop, logits)
+        return self.real.feed(tokens, cache, stop, logits, **kw)
 
-    def __call__(self, tokens, cache, stop=None):
-        return self.feed(tokens, cache, stop)[0]
+    def __call__(self, tokens, cache, stop=None, **kw):
+        return self.feed(tokens, cache, stop, **kw)[0]
 
 
 @pytest.mark.parametrize("batch", [False, True])

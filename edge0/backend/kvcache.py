@@ -165,8 +165,16 @@ def merge_caches(caches: list[list]) -> list:
     ones; the padding is masked and each row keeps its own positions). Evaluated here, so the
     sequences' own caches can go as soon as the caller drops them."""
     merged = [_merge(list(layer)) for layer in zip(*caches)]
+    for m, layer in zip(merged, zip(*caches)):
+        _rows_delta(m, [getattr(c, "rope_delta", None) for c in layer])
     mx.eval([x for c in merged for _, x in tree_flatten(c.state) if isinstance(x, mx.array)])
     return merged
+
+
+def _rows_delta(merged, deltas: list) -> None:
+    """A batch's cache keeps its rows' rope deltas (a VL model's; edge0.backend.vision) as one array."""
+    if any(d is not None for d in deltas):
+        merged.rope_delta = mx.array([d or 0 for d in deltas])
 
 
 def filter_cache(cache: list, rows: list[int]) -> None:
@@ -174,6 +182,8 @@ def filter_cache(cache: list, rows: list[int]) -> None:
     idx = mx.array(rows)
     for c in cache:
         c.filter(idx)
+        if getattr(c, "rope_delta", None) is not None:
+            c.rope_delta = c.rope_delta[idx]
 
 
 def join_rows(merged: list | None, cache: list) -> list:
@@ -183,6 +193,8 @@ def join_rows(merged: list | None, cache: list) -> list:
         return merge_caches([cache])
     for m, c in zip(merged, cache):
         m.extend(_merge([c]))
+        if getattr(m, "rope_delta", None) is not None:
+            m.rope_delta = mx.concatenate([m.rope_delta, mx.array([c.rope_delta])])
     mx.eval([x for c in merged for _, x in tree_flatten(c.state) if isinstance(x, mx.array)])
     return merged
 
@@ -191,6 +203,9 @@ def extract_row(merged: list, row: int) -> list:
     """A sequence's own cache, copied out of row `row` of a batch's `merged` cache (its padding
     left out), e.g. to keep its conversation's KV for the next request."""
     out = [c.extract(row) for c in merged]
+    for o, m in zip(out, merged):
+        if getattr(m, "rope_delta", None) is not None:
+            o.rope_delta = int(m.rope_delta[row].item())
     mx.eval([x for c in out for _, x in tree_flatten(c.state) if isinstance(x, mx.array)])
     return out
 

@@ -155,8 +155,9 @@ class Batch:
 
     def _own_cache(self, seq: Sequence) -> None:
         """`seq`'s own cache (the prompt caches' longest prefix of it, with reuse) and its drafter."""
-        seq.cache, seq.held, seq.receipt = self.parts.kv.checkout(seq.prompt, seq.namespace, seq.reuse)
+        seq.cache, seq.held, seq.receipt = self.parts.kv.checkout(seq.key(seq.prompt), seq.namespace, seq.reuse)
         seq.fed = seq.held
+        self.parts.prefiller.place(seq.cache, seq.request.vision)
         self._draft_for(seq)
 
     def _draft_for(self, seq: Sequence) -> None:
@@ -206,12 +207,12 @@ class Batch:
                 self.rows, self.inputs = [], []
             fed = Solo.fed(seq)
             if seq.reuse and seq.cache is not None and fed:
-                self.parts.kv.checkin(fed, seq.cache, len(seq.prompt) if seq.made else 0, seq.namespace)
+                self.parts.kv.checkin(seq.key(fed), seq.cache, len(seq.prompt) if seq.made else 0, seq.namespace)
             seq.cache = None
         elif seq in self.waiting:
             self.waiting.remove(seq)
             if seq.reuse and seq.fed:
-                self.parts.kv.checkin(seq.prompt[: seq.fed], seq.cache, 0, seq.namespace)
+                self.parts.kv.checkin(seq.key(seq.prompt[: seq.fed]), seq.cache, 0, seq.namespace)
             seq.cache = None
         elif seq in self.rows:
             self._drop_rows([self.rows.index(seq)])
@@ -306,7 +307,7 @@ class Batch:
                 else:
                     stop = self.interrupt  # alone: its whole span, unless a request arrives
             try:
-                fed = e.prefiller(todo[:n], seq.cache, stop)
+                fed = e.prefiller(todo[:n], seq.cache, stop, image=(seq.request.vision, seq.fed))
             except PeerLost:  # the model lost a rank: not this sequence's failure
                 raise
             except Exception as error:  # noqa: BLE001 - the forward of its own cache: its failure alone
@@ -364,7 +365,7 @@ class Batch:
             if self._add_tokens(seq, ys, made):
                 done.append(i)
             elif prompt_copies and seq.reuse and len(seq.tokens) == len(ys):  # the step fed its prompt's last token
-                e.kv.keep_prompt(seq.prompt, bkv.extract_row(self.cache, i), seq.namespace)
+                e.kv.keep_prompt(seq.key(seq.prompt), bkv.extract_row(self.cache, i), seq.namespace)
             self.inputs[i] = ys[-1]
         if done or failed:
             self._drop_rows(done, failed)
@@ -396,7 +397,7 @@ class Batch:
                 fed = seq.prompt + seq.tokens[:-1]
                 if not bkv.trim_to(seq.cache, len(fed)):  # recurrent state holds what its steps fed
                     fed = Solo.fed(seq)
-                self.parts.kv.checkin(fed, seq.cache, len(seq.prompt), seq.namespace)
+                self.parts.kv.checkin(seq.key(fed), seq.cache, len(seq.prompt), seq.namespace)
             seq.cache = None
         else:
             self.inputs[0] = ys[-1]  # what a step of the batch feeds, if others join
@@ -472,7 +473,7 @@ class Batch:
                 fed = seq.prompt + seq.tokens[:-1]
                 row = bkv.extract_row(self.cache, i)
                 bkv.trim_to(row, len(fed))  # a verify fed drafts past a stop its tokens ended on
-                self.parts.kv.checkin(fed, row, len(seq.prompt), seq.namespace)
+                self.parts.kv.checkin(seq.key(fed), row, len(seq.prompt), seq.namespace)
         stay = [i for i in range(len(self.rows)) if i not in done and i not in failed]
         self.rows = [self.rows[i] for i in stay]
         self.inputs = [self.inputs[i] for i in stay]

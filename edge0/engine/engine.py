@@ -13,6 +13,7 @@ from pathlib import Path
 from edge0.backend import core as B
 from edge0.backend import io as bio
 from edge0.backend import modules as bmod
+from edge0.backend import vision as bvision
 from edge0.engine.batch import Batch, batch_problem
 from edge0.engine.diagnostics import decode_logits, logits, observe_routes, prerouted_logits
 from edge0.engine.generate_batch import check_batch, generate_batch
@@ -38,6 +39,10 @@ class GenerationResult:
     tokens: list[int]
     finish_reason: str
     stats: dict = field(default_factory=dict)
+
+
+class ImagesRefused(Edge0Error):
+    """A request's images cannot be taken: the model has no vision tower, or an image is not one."""
 
 
 class TemplateFailed(Edge0Error):
@@ -86,6 +91,8 @@ class Engine:
         # across ranks (edge0.distributed): this rank's stage, and its end of the stage exchange
         self.stage = stage
         self.pipeline = None
+        self.tower = None  # a VL store's vision tower (use_tower); tower_note says why a VL model has none
+        self.tower_note = ""
 
     def parts(self) -> Parts:
         """The parts the generation loop, the diagnostics and the pipeline use, as they are now."""
@@ -178,6 +185,19 @@ class Engine:
         except Exception as e:  # noqa: BLE001 - a template is code: it refused these messages, or the sandbox refused it
             raise TemplateFailed(f"the chat template failed ({type(e).__name__}: {e})") from None
 
+    def image_prompt(self, tokens: list[int], images):
+        """A prompt whose chat template put one image placeholder per image (`images`: each one's
+        bytes, in order) with each image's tokens expanded and its features computed."""
+        if self.tower is None:
+            why = f" ({self.tower_note})" if self.tower_note else ""
+            raise ImagesRefused(f"{self.model_id}: this model does not take images{why}; send text only")
+        for i, data in enumerate(images):
+            try:
+                bvision.decode_image(data)
+            except ValueError as e:
+                raise ImagesRefused(f"image {i + 1}: {e}; send a PNG, JPEG, GIF or WebP image") from None
+        return self.tower.prompt(tokens, list(images))
+
     def template_file(self) -> Path:
         """The file the store's chat template is read from (for errors a person fixes)."""
         own = self.root / "chat_template.jinja"
@@ -239,6 +259,7 @@ class Engine:
         logits_processors=None,
         logprobs: int | None = None,
         cache_namespace: str = "",
+        images=(),
     ):
         """Yield one Step per generated token; the last Step carries finish_reason and stats.
 
@@ -247,10 +268,13 @@ class Engine:
         prefill keeps the prompt's spans already fed into every layer in the KV cache (with
         reuse_cache, the same prompt again prefills only the rest); recurrent caches are dropped.
         `logits_processors` and `logprobs`: see edge0/engine/sampler.py. `cache_namespace`: with
-        reuse_cache, only prompt caches of this namespace are reused (edge0/engine/kv.py)."""
+        reuse_cache, only prompt caches of this namespace are reused (edge0/engine/kv.py). `images`:
+        each image's bytes, in the order of the prompt's image placeholders (image_prompt)."""
         self._leads()
+        tokens = self.encode(prompt)
+        vision = self.image_prompt(tokens, images) if images else None
         request = Request(
-            self.encode(prompt),
+            vision.tokens if vision is not None else tokens,
             max_tokens,
             temperature,
             top_p,
@@ -262,6 +286,7 @@ class Engine:
             ignore_eos,
             reuse_cache,
             cache_namespace,
+            vision,
         )
         request.check()
         finished = False
@@ -417,6 +442,11 @@ class Engine:
         """Cumulative engine statistics, with a per-layer breakdown."""
         return engine_stats(self)
 
+    def use_tower(self, tower, note: str = "") -> None:
+        """Serve images with `tower` (edge0.backend.vision.Tower), or say in `note` why not."""
+        self.tower, self.tower_note = tower, note
+        self.prefiller.tower = tower
+
     def describe(self) -> str:
         """One line about the loaded model and how its experts are streamed."""
         lora = f", LoRA {self.lora_path.name}" if self.lora_path else (f"; {self.lora_note}" if self.lora_note else "")
@@ -424,8 +454,12 @@ class Engine:
         spec = f"; {self.speculation.describe()}" if self.speculation is not None else ""
         # said only when a prompt is not fed layer by layer (each chunk then reads the experts again)
         prefill = "" if self.prefiller.layerwise else f"; {self.prefiller.describe()}"
+        if self.tower is not None:
+            vision = f" + vision tower {format_size(self.tower.nbytes)}"
+        else:
+            vision = f" ({self.tower_note})" if self.tower_note else ""
         return (
-            f"{rank}{self.model_id}: {self.compute_dtype}, resident {format_size(self.resident_bytes)}, "
+            f"{rank}{self.model_id}: {self.compute_dtype}, resident {format_size(self.resident_bytes)}{vision}, "
             f"{self.streaming.describe()}{lora}; {self.store.describe_io()}; {self.kv.describe()}{spec}{prefill}"
         )
 

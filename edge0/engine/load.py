@@ -10,6 +10,7 @@ from edge0.backend import core as B
 from edge0.backend import io as bio
 from edge0.backend import kvcache as bkv
 from edge0.backend import lookahead as bla
+from edge0.backend import vision as bvision
 from edge0.engine.engine import Engine
 from edge0.engine.prefill import default_span
 from edge0.engine.solo import KV_GROUP
@@ -81,6 +82,7 @@ def open_engine(root: Path, options, stage_for=None) -> Engine:
     if check is not None:
         check.result()
         store.resident_checked = check.name
+    tower = _tower(root, manifest, config, compute, model, stage)
     # the default expert cache is sized now, with the resident weights already in memory
     reserve = _reserve(built, config, compute, options)
     streaming = Streaming(store, compute, k or _native_k(config), options, reserve)
@@ -89,11 +91,25 @@ def open_engine(root: Path, options, stage_for=None) -> Engine:
         shapes = {l: (d.num_experts, d.k) for l, d in streaming.layers.items()}
         streaming.use_lookahead(options.lookahead, bla.attach_lookahead(model, shapes))
     engine = Engine(root, model, tokenizer, store, streaming, spec, k, compute, stage)
+    engine.use_tower(*tower)
     # the other conversations' KV caches: what was given, else the default budget's share
     pool, sized_for = streaming.prompt_caches
     engine.kv.use_pool(pool, sized_for)
     engine.kv.context_bytes = reserve.kv
     return engine
+
+
+def _tower(root: Path, manifest: dict, config: dict, compute: str, model, stage) -> tuple:
+    """(the store's vision tower or None, why a VL model has none): loaded before the expert cache
+    is sized, so its default leaves the tower's memory."""
+    entry = manifest.get("vision")
+    if entry is None:
+        if bvision.has_tower(config):
+            return None, f"text only: the store holds no vision tower (converted before images were kept; {REBUILD})"
+        return None, ""
+    if stage is not None:
+        return None, "text only across ranks"
+    return bvision.load_tower(root, entry, config, compute, model), ""
 
 
 def _load_tokenizer(root: Path, trust_remote_code: bool):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from edge0.backend import forward as bfw
 from edge0.backend import layerwise as blw
+from edge0.backend import vision as bvision
 from edge0.errors import Edge0Error
 from edge0.spec import HIDDEN_KEYS, model_dims
 
@@ -38,20 +39,26 @@ class Prefiller:
         self.skip_last = True  # the last layer computes its cache alone (backend/layerwise.py)
         self.spans = 0  # spans fed layer by layer
         self.chunked_spans = 0  # spans fed by the chunked forward (the model does not allow layers)
+        self.tower = None  # a VL store's vision tower (edge0.backend.vision.Tower)
+        self.image_chunks = 0  # chunks of image prompts, fed by the chunked forward with their images
 
-    def __call__(self, tokens: list[int], cache, should_stop=None) -> int:
+    def __call__(self, tokens: list[int], cache, should_stop=None, image=(None, 0)) -> int:
         """Feed `tokens`; returns how many went into every layer: all of them, or fewer when
         `should_stop()` said so between layers or chunks (the cache may then hold part of the
         next span in its first layers; kv.PromptCache.keep trims that)."""
-        return self.feed(tokens, cache, should_stop)[0]
+        return self.feed(tokens, cache, should_stop, image=image)[0]
 
-    def feed(self, tokens: list[int], cache, should_stop=None, logits: bool = False):
+    def feed(self, tokens: list[int], cache, should_stop=None, logits: bool = False, image=(None, 0)):
         """`__call__`, returning (tokens fed, log-probs [1, V] after the last token or None).
         `logits` (layer by layer only): the last span also computes the log-probs after its last
         token, for that position alone, so the prompt's last token is fed in its span and its
-        experts are read once with the span's instead of again by a first decode step."""
+        experts are read once with the span's instead of again by a first decode step. `image`:
+        (the prompt's ImagePrompt or None, where `tokens` start in it): an image prompt is fed chunk
+        by chunk with its embeddings, positions and DeepStack features (not layer by layer yet)."""
         if not tokens:
             return 0, None
+        if image[0] is not None:
+            return self._with_images(image[0], image[1], len(tokens), cache, should_stop), None
         if not self.layerwise:
             return self._chunked(tokens, cache, should_stop), None
         span = self.span_for(cache)
@@ -82,6 +89,21 @@ class Prefiller:
             return CANCELLABLE_CHUNK
         return min(self.span_tokens, CHUNK) if blw.whole_span(self.probe, cache) else self.span_tokens
 
+    def place(self, cache, vision) -> None:
+        """Where the tokens after a prompt go: each at its cache offset plus the prompt's rope delta
+        (images take fewer positions than tokens); a model without a tower places them at the offset."""
+        if self.tower is not None:
+            bvision.set_rope_delta(cache, self.tower.features(vision).delta if vision is not None else 0)
+
+    def _with_images(self, prompt, start: int, n: int, cache, should_stop) -> int:
+        chunk = CANCELLABLE_CHUNK if should_stop else CHUNK
+        for i in range(0, n, chunk):
+            if should_stop and should_stop():
+                return i
+            self.tower.feed(self.model, prompt, start + i, start + min(n, i + chunk), cache)
+            self.image_chunks += 1
+        return n
+
     def _chunked(self, tokens, cache, should_stop) -> int:
         chunk = CANCELLABLE_CHUNK if should_stop else CHUNK
         for i in range(0, len(tokens), chunk):
@@ -102,6 +124,7 @@ class Prefiller:
         return {
             "prefill_spans": self.spans,
             "prefill_chunked_spans": self.chunked_spans,
+            "prefill_image_chunks": self.image_chunks,
             "prefill_span_tokens": self.span_tokens,
             "prefill_layerwise": self.layerwise,
         }

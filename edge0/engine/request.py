@@ -25,6 +25,8 @@ class Request:
     ignore_eos: bool = False
     reuse: bool = False  # start from the prompt caches and give its KV back there (kv.py)
     namespace: str = ""  # the prompt caches it may reuse (a cache_salt, an API key)
+    # a prompt with images (edge0.backend.vision.ImagePrompt): `prompt` is its tokens, each image's expanded
+    vision: object = None
 
     def check(self) -> None:
         """Raise Edge0Error naming the field that is out of range."""

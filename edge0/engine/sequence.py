@@ -51,3 +51,9 @@ class Sequence:
     @property
     def tokens(self) -> list[int]:
         return self.reply.tokens
+
+    def key(self, tokens: list[int]) -> list[int]:
+        """The prompt caches' key of `tokens` (this sequence's prompt, then what it made): each image's
+        tokens stand for that image's content, since they have the same ids whatever the picture."""
+        v = self.request.vision
+        return tokens if v is None else v.key(tokens)

@@ -31,8 +31,9 @@ class Solo:
         an empty cache)."""
         r: Request = seq.request
         kv = self.parts.kv
-        seq.cache, seq.held, seq.receipt = kv.checkout(seq.prompt, r.namespace, r.reuse)
+        seq.cache, seq.held, seq.receipt = kv.checkout(seq.key(seq.prompt), r.namespace, r.reuse)
         seq.fed, seq.prepared, kv.in_use = seq.held, True, seq.cache
+        self.parts.prefiller.place(seq.cache, r.vision)
 
     def prefill(self, seq, stop=None) -> bool:
         """Feed `seq`'s prompt (after the prefix its cache holds) but its last token, which its
@@ -50,10 +51,11 @@ class Solo:
             e.prefiller.takes_last(seq.cache)
             and not e.stepper.hooks.sees_first_forward
             and len(seq.prompt) - seq.fed >= 2
+            and seq.request.vision is None
         )
         todo = seq.prompt[seq.fed :] if whole else seq.prompt[seq.fed : -1]
         try:
-            fed, first = e.prefiller.feed(todo, seq.cache, stop, logits=whole)
+            fed, first = e.prefiller.feed(todo, seq.cache, stop, logits=whole, image=(seq.request.vision, seq.fed))
         except Exception as error:
             # a cache restored from disk that fails is not restored again, whoever catches this
             e.kv.failed(error, seq.receipt)
@@ -91,7 +93,7 @@ class Solo:
                 raise fix from None
             raise
         if seq.reuse and kv.needs_prompt_copy(cache):
-            kv.keep_prompt(seq.prompt, bkv.copy_cache(cache), seq.namespace)
+            kv.keep_prompt(seq.key(seq.prompt), bkv.copy_cache(cache), seq.namespace)
         yield self._made(seq, [y])
         generated, spec = reply.tokens, e.speculation
         if spec is not None and seq.sampler.plain:

@@ -26,8 +26,10 @@ from edge0.store.format import (
     HEADS_FILE,
     LORA_FILE,
     MANIFEST,
+    PROCESSOR_FILES,
     RESIDENT_FILE,
     VERSION,
+    VISION_FILE,
     expert_file,
     seal,
     sha256_file,
@@ -135,16 +137,23 @@ def _convert(
     else:
         weights, config, tokenizer, experts = quant.quantize_hf(src, dtype=dtype, trust_remote_code=trust_remote_code)
     spec = spec_for(config)
+    tower = _tower(src, config)
+    for name in tower:  # an mlx-vlm checkpoint holds its tower beside the text model's tensors
+        weights.pop(name, None)
     resident, layers = _split(weights, experts)
 
     tmp = partial_dir(out, os.getpid())
-    total = sum(weights[k].nbytes for k in weights)
+    total = sum(weights[k].nbytes for k in weights) + sum(w.nbytes for w in tower.values())
     bar = tqdm(total=total, unit="B", unit_scale=True, desc="convert", disable=quiet)
     files = {}
     try:
         shutil.rmtree(tmp, ignore_errors=True)
         (tmp / "experts").mkdir(parents=True)
         files[RESIDENT_FILE], resident_crc32 = _write(tmp / RESIDENT_FILE, resident, weights, bar)
+        vision = None
+        if tower:
+            vision = {"file": VISION_FILE, "tensors": len(tower), "bytes": sum(w.nbytes for w in tower.values())}
+            files[VISION_FILE], _ = _write(tmp / VISION_FILE, sorted(tower), tower, bar)
         expert_layers = []
         for path, layer, names in layers:
             rel = expert_file(layer)
@@ -152,7 +161,7 @@ def _convert(
             files[rel], fields = write_expert_layer(tmp / rel, path, entries, lambda k: _materialize(weights, k, bar))
             expert_layers.append({"layer": layer, "module": path, "file": rel, **fields})
         bar.close()
-        bio.save_config(dict(config), config_path=tmp / CONFIG_FILE)
+        bio.save_config(dict(config), config_path=tmp / CONFIG_FILE, keep_vision_config=bool(vision))
         tokenizer.save_pretrained(str(tmp))
         # Heads and adapters bundled with a checkpoint are tied to the store's identity, which
         # every conversion of that checkpoint shares.
@@ -161,6 +170,7 @@ def _convert(
             HEADS_FILE,
             LORA_FILE,
             *sorted(p.name for p in src.glob("lora-k*.safetensors")),
+            *(PROCESSOR_FILES if vision else ()),
         ):
             if (src / extra).is_file():
                 shutil.copy(src / extra, tmp / extra)
@@ -180,6 +190,8 @@ def _convert(
             "resident_crc32": resident_crc32,
             "expert_layers": expert_layers,
         }
+        if vision:
+            manifest["vision"] = vision
         (tmp / MANIFEST).write_text(json.dumps(seal(manifest), indent=1))
         os.rename(tmp, out)
     except BaseException:
@@ -192,6 +204,13 @@ def _convert(
             file=sys.stderr,
         )
     return out
+
+
+def _tower(src: Path, config: dict) -> dict:
+    """A VL checkpoint's vision tower and projector (kept as the checkpoint stores them), else {}."""
+    from edge0.backend import vision as bvision
+
+    return bvision.tower_weights(src, config) if bvision.has_tower(config) else {}
 
 
 def _materialize(weights: dict, name: str, bar):

@@ -8,3 +8,12 @@ class Edge0Error(Exception):
 class PeerLost(Edge0Error):
     """A rank of a distributed engine is gone (it exited, or its machine is unreachable): this
     process cannot go on either, so a server stops with it rather than failing every request."""
+
+
+class ImagesRefused(Edge0Error):
+    """A request's images cannot be taken: the model has no vision tower, an image is not one, or
+    the prompt's image placeholders do not match them. `index`: the image at fault (None: all)."""
+
+    def __init__(self, message: str, index: int | None = None):
+        super().__init__(message)
+        self.index = index

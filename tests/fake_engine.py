@@ -145,6 +145,7 @@ class FakeEngine:
 
     model_id = "fake-moe"
     model_type = "fake"
+    takes_images = False  # no vision tower: the server refuses images before asking image_prompt
     follower = False  # one process: no ranks to follow (docs/distributed.md)
     pipeline = None
 
@@ -185,6 +186,9 @@ class FakeEngine:
             rest = content.split(None, 1)[1] if len(words) > 1 else ""
             return f"{THINK_START}\nAbout {rest}.\n{THINK_END}\n\n{rest}"
         return "Echo: " + content
+
+    def image_prompt(self, tokens, images):
+        raise AssertionError("the server asked a model without a vision tower for an image prompt")
 
     def chat_prompt(self, messages, tools=None, **template_kwargs) -> list[int]:
         with self._lock:

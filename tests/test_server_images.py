@@ -1,8 +1,9 @@
 """Images on all three APIs (issue 51, item 4's refusal): coding agents send screenshots as Chat
 Completions `image_url` parts, Anthropic `image` blocks (in a message or a tool's result) and
-Responses `input_image` parts. No store holds a vision tower yet, so each is a 400 that says this
+Responses `input_image` parts. To a model without a vision tower each is a 400 that says this
 model does not take images, names the model and the field, streamed and not; the same
-conversation without the image is served. Through the official clients, against the fake engine."""
+conversation without the image is served. Through the official clients, against the fake engine
+(a VL store's images are served: test_server_vision.py)."""
 
 from __future__ import annotations
 

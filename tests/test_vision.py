@@ -11,8 +11,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytest.importorskip("mlx_vlm")
 
 import edge0  # noqa: E402
-from edge0.engine.engine import ImagesRefused  # noqa: E402
-from edge0.errors import Edge0Error  # noqa: E402
+from edge0.errors import ImagesRefused  # noqa: E402
 from edge0.store.convert import convert  # noqa: E402
 from tests.fixtures.make import cached_dir  # noqa: E402
 from tests.fixtures.vision import random_image, vl_fixture_dir  # noqa: E402
@@ -104,7 +103,7 @@ def test_an_image_that_is_not_one_and_a_model_without_a_tower_are_refused(refere
         ids = engine.tokenizer.encode(prompt, add_special_tokens=False)
         with pytest.raises(ImagesRefused, match="image 1: not a readable image"):
             engine.generate(ids, 2, images=[b"not a picture"])
-        with pytest.raises(Edge0Error, match="1 image placeholders for 2 images"):
+        with pytest.raises(ImagesRefused, match="1 image placeholders for 2 images"):
             engine.generate(ids, 2, images=[random_image(1), random_image(2)])
     finally:
         engine.close()

@@ -19,9 +19,18 @@ from mlx.utils import tree_flatten
 
 from edge0.backend import io as bio
 from edge0.errors import Edge0Error
-from edge0.store.format import PROCESSOR_FILES
+
+# How a VL model's images are processed: copied from its checkpoint into a store as they are.
+PROCESSOR_FILES = (
+    "preprocessor_config.json",
+    "processor_config.json",
+    "video_preprocessor_config.json",
+    "chat_template.json",
+    "chat_template.jinja",
+)
 
 LANGUAGE = "language_model."
+MAX_IMAGE_SIDE = 8192  # pixels: a larger image is refused before its pixels are decoded
 IMAGE_KEY = 1 << 61  # prompt-cache key ids of image tokens: above any vocabulary (ImagePrompt.key)
 
 
@@ -338,14 +347,15 @@ def load_tower(root: Path, entry: dict, config: dict, compute_dtype: str, text_m
 
 
 def decode_image(data: bytes):
-    """An image's bytes as an RGB PIL image; ValueError naming what is wrong."""
+    """An image's bytes as an RGB PIL image; ValueError naming what is wrong. Its size is checked
+    before its pixels are decoded (the processor scales every image down to its own bound)."""
     from PIL import Image, UnidentifiedImageError
 
     try:
         img = Image.open(io.BytesIO(data))
+        if img.width < 1 or img.height < 1 or max(img.width, img.height) > MAX_IMAGE_SIDE:
+            raise ValueError(f"an image of {img.width}x{img.height} pixels; each side must be 1 to {MAX_IMAGE_SIDE}")
         img.load()
-    except (UnidentifiedImageError, OSError, ValueError) as e:
+    except (UnidentifiedImageError, OSError, Image.DecompressionBombError) as e:
         raise ValueError(f"not a readable image ({type(e).__name__})") from None
-    if img.width < 1 or img.height < 1:
-        raise ValueError(f"an image of {img.width}x{img.height} pixels")
     return img.convert("RGB")

@@ -39,8 +39,11 @@ class EngineAPI(Protocol):
     model_type: str
     tokenizer: object
     chat_format: object
+    takes_images: bool  # a vision tower is loaded (image_prompt)
 
     def chat_prompt(self, messages, tools=None, **template_kwargs) -> list[int]: ...
+
+    def image_prompt(self, tokens: list[int], images: list[bytes]): ...
 
     def batch_problem(self) -> str | None: ...
 

@@ -25,7 +25,7 @@ from edge0.engine.request import Request
 from edge0.engine.speculative import check_speculation
 from edge0.engine.stats import engine_stats
 from edge0.engine.step import Stepper
-from edge0.errors import Edge0Error
+from edge0.errors import Edge0Error, ImagesRefused
 from edge0.formats import detect
 from edge0.store.format import manifest_hash, sha256_file
 from edge0.store.promptcache import DiskPromptCaches
@@ -39,10 +39,6 @@ class GenerationResult:
     tokens: list[int]
     finish_reason: str
     stats: dict = field(default_factory=dict)
-
-
-class ImagesRefused(Edge0Error):
-    """A request's images cannot be taken: the model has no vision tower, or an image is not one."""
 
 
 class TemplateFailed(Edge0Error):
@@ -185,6 +181,10 @@ class Engine:
         except Exception as e:  # noqa: BLE001 - a template is code: it refused these messages, or the sandbox refused it
             raise TemplateFailed(f"the chat template failed ({type(e).__name__}: {e})") from None
 
+    @property
+    def takes_images(self) -> bool:
+        return self.tower is not None
+
     def image_prompt(self, tokens: list[int], images):
         """A prompt whose chat template put one image placeholder per image (`images`: each one's
         bytes, in order) with each image's tokens expanded and its features computed."""
@@ -195,8 +195,11 @@ class Engine:
             try:
                 bvision.decode_image(data)
             except ValueError as e:
-                raise ImagesRefused(f"image {i + 1}: {e}; send a PNG, JPEG, GIF or WebP image") from None
-        return self.tower.prompt(tokens, list(images))
+                raise ImagesRefused(f"image {i + 1}: {e}; send a PNG, JPEG, GIF or WebP image", i) from None
+        try:
+            return self.tower.prompt(tokens, list(images))
+        except Edge0Error as e:
+            raise ImagesRefused(str(e)) from None
 
     def template_file(self) -> Path:
         """The file the store's chat template is read from (for errors a person fixes)."""

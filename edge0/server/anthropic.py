@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 from fastapi import APIRouter, Request
 from pydantic import Field
 
+from edge0.server import images
 from edge0.server.anthropic_format import MessageFormat
 from edge0.server.errors import APIError
 from edge0.server.grammar import ToolSpec
@@ -51,6 +52,13 @@ class ImageBlock(Strict):
     type: Literal["image"]
     source: ImageSource
 
+    def part(self, param: str) -> dict:
+        """The block as a template message's image part (base64 data; a link or file is a 400)."""
+        s = self.source
+        if s.type != "base64":
+            return images.url_refused(f"{param}.source", "a URL" if s.type == "url" else "a file id")
+        return images.base64_part(s.media_type, s.data, f"{param}.source")
+
 
 class ToolUseBlock(Strict):
     type: Literal["tool_use"]
@@ -78,6 +86,13 @@ class ToolResultBlock(Strict):
         return (
             [] if isinstance(self.content, str) else [b.tool_name for b in self.content if b.type == "tool_reference"]
         )
+
+    def content_for(self, param: str) -> str | list[dict]:
+        """The result as a tool message's content: its text, with its images when it has some."""
+        if isinstance(self.content, list) and any(b.type == "image" for b in self.content):
+            parts = [b.part(f"{param}.content.{k}") for k, b in enumerate(self.content) if b.type == "image"]
+            return images.content([{"type": "text", "text": self.text()}, *parts])
+        return self.text()
 
     def text(self) -> str:
         if isinstance(self.content, str):
@@ -214,9 +229,22 @@ class CountTokensRequest(Strict):
                     "invalid_value",
                 )
             if m.role == "user":
-                out += [{"role": "tool", "tool_call_id": r.tool_use_id, "content": r.text()} for r in results]
-                if texts or not results:
-                    out.append({"role": "user", "content": join_text(texts)})
+                out += [
+                    {
+                        "role": "tool",
+                        "tool_call_id": r.tool_use_id,
+                        "content": r.content_for(f"messages.{i}.content.{j}"),
+                    }
+                    for j, r in enumerate(blocks)
+                    if r.type == "tool_result"
+                ]
+                shown = [
+                    {"type": "text", "text": b.text} if b.type == "text" else b.part(f"messages.{i}.content.{j}")
+                    for j, b in enumerate(blocks)
+                    if b.type in ("text", "image")
+                ]
+                if shown or not results:
+                    out.append({"role": "user", "content": images.content(shown)})
             else:
                 message = {"role": "assistant", "content": join_text(texts)}
                 if thoughts:
@@ -338,4 +366,5 @@ async def count_tokens(body: CountTokensRequest, request: Request) -> dict:
     """The prompt tokens /v1/messages would prefill for the same request (system and tools
     included, after the chat template), without generating."""
     check_model(request, body.model)
-    return {"input_tokens": len(await prompt_tokens(request, body.prompt(request.app.state.engine.chat_format)))}
+    tokens, _ = await prompt_tokens(request, body.prompt(request.app.state.engine.chat_format))
+    return {"input_tokens": len(tokens)}

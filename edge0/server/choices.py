@@ -98,12 +98,12 @@ class Choices:
 async def respond_choices(request: Request, fmt, prompt: Prompt, params, stream: bool, n: int):
     """As pipeline.respond, for `n` choices (module docstring)."""
     state = request.app.state
-    tokens = await prompt_tokens(request, prompt, record=True)
+    tokens, vision = await prompt_tokens(request, prompt, record=True)
     params = params.with_max_tokens(generation_limit(state.config, params.max_tokens, len(tokens), prompt.param))
     runs = []
     for i in range(n):
         seed = None if params.seed is None else (params.seed + i) % (SEED_MAX + 1)
-        runs.append(await generation_run(request, prompt, replace(params, seed=seed), tokens))
+        runs.append(await generation_run(request, prompt, replace(params, seed=seed), tokens, vision))
     formats = [fmt.choice(i) for i in range(n)]
     choices = Choices(request, runs)
     if stream:

@@ -82,6 +82,7 @@ class Run:
     opened: bool = False  # the prompt opened a reasoning block
     token_bytes: Callable[[int], bytes] | None = None  # for log-probs
     namespace: str = ""  # the prompt caches it may reuse (pipeline.cache_namespace)
+    vision: object = None  # a prompt with images (Engine.image_prompt): `prompt` is its tokens
 
 
 class Events:

@@ -22,12 +22,14 @@ from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 
 from edge0.backend.logits import LogitBias
+from edge0.errors import ImagesRefused
 from edge0.server import reasoning
 from edge0.server.admission import rendered_chars
 from edge0.server.conversation import place_system_turns
 from edge0.server.errors import APIError
 from edge0.server.generation import Finish, Params, Run, Segment
 from edge0.server.grammar import Constraint, GrammarError
+from edge0.server.images import take_images
 from edge0.server.metrics import observe
 from edge0.server.scheduler import Job
 
@@ -146,9 +148,10 @@ def _adapted(state, prompt: Prompt, record: bool) -> Prompt:
     return prompt
 
 
-async def prompt_tokens(request: Request, prompt: Prompt, record: bool = False) -> list[int]:
+async def prompt_tokens(request: Request, prompt: Prompt, record: bool = False) -> tuple[list[int], object]:
     """The token ids the engine would prefill for `prompt`, after the limits on messages, tools and
-    prompt length (APIError when they refuse it). `record`: count what was adapted (a generation)."""
+    prompt length (APIError when they refuse it), and its images' prompt (None: text only; the ids
+    are then its tokens, each image's expanded). `record`: count what was adapted (a generation)."""
     state = request.app.state
     engine, config = state.engine, state.config
     prompt = _adapted(state, prompt, record)
@@ -159,7 +162,7 @@ async def prompt_tokens(request: Request, prompt: Prompt, record: bool = False) 
             prompt.param,
             "too_many_messages",
         )
-    if prompt.image_param is not None:
+    if prompt.image_param is not None and not engine.takes_images:
         raise APIError(
             400,
             f"{engine.model_id}: this model does not take images ({engine.model_type}: its store holds no vision "
@@ -191,7 +194,16 @@ async def prompt_tokens(request: Request, prompt: Prompt, record: bool = False) 
             prompt.param,
             "context_length_exceeded",
         )
+    images, image_params = take_images(prompt.messages)  # before the template renders their parts
     tokens = await state.tokenizing.run(_tokenize, engine, prompt, chars=chars)  # bounded: admission.py
+    vision = None
+    if images:
+        try:
+            vision = await state.tokenizing.run(engine.image_prompt, tokens, images, chars=chars)
+        except ImagesRefused as e:
+            param = image_params[e.index] if e.index is not None else prompt.param
+            raise APIError(400, str(e), param, "invalid_image") from None
+        tokens = vision.tokens
     if len(tokens) > config.max_prompt_tokens:
         raise APIError(
             400,
@@ -200,7 +212,7 @@ async def prompt_tokens(request: Request, prompt: Prompt, record: bool = False) 
             prompt.param,
             "context_length_exceeded",
         )
-    return tokens
+    return tokens, vision
 
 
 def generation_limit(config, asked: int | None, prompt_tokens: int, param: str) -> int:
@@ -223,9 +235,9 @@ async def respond(request: Request, fmt: Format, prompt: Prompt, params: Params,
     """Check the prompt against the limits, queue its generation, and answer: server-sent events
     when `stream`, else one JSON body. Raises APIError for a request the limits refuse."""
     state = request.app.state
-    tokens = await prompt_tokens(request, prompt, record=True)
+    tokens, vision = await prompt_tokens(request, prompt, record=True)
     params = params.with_max_tokens(generation_limit(state.config, params.max_tokens, len(tokens), prompt.param))
-    run = await generation_run(request, prompt, params, tokens)
+    run = await generation_run(request, prompt, params, tokens, vision)
     job = state.scheduler.generate(state.engine, run)
     events = observe(state.metrics, job.events(), time.monotonic())
     if stream:
@@ -239,12 +251,12 @@ async def respond(request: Request, fmt: Format, prompt: Prompt, params: Params,
     return JSONResponse(await _collect(request, job, events, fmt))
 
 
-async def generation_run(request: Request, prompt: Prompt, params: Params, tokens: list[int]) -> Run:
+async def generation_run(request: Request, prompt: Prompt, params: Params, tokens: list[int], vision=None) -> Run:
     """What the engine thread needs: the reasoning markers, the logits processors (logit bias,
     thinking budget, grammar) and, for log-probs, each token's bytes."""
     state = request.app.state
     tokenizer, fmt = state.engine.tokenizer, state.engine.chat_format
-    run = Run(tokens, params, prompt.tools, namespace=cache_namespace(request, prompt.cache_salt))
+    run = Run(tokens, params, prompt.tools, namespace=cache_namespace(request, prompt.cache_salt), vision=vision)
     run.chat = prompt.messages is not None
     found = fmt.think if run.chat else None
     opened = bool(found) and reasoning.opens_reasoning(fmt, tokenizer, tokens)

@@ -15,6 +15,7 @@ from typing import Annotated, Literal, Optional, Union
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, Field
 
+from edge0.server import images
 from edge0.server.errors import APIError
 from edge0.server.pipeline import Prompt, check_model, chosen_tools, respond, sampling_params
 from edge0.server.responses_format import ResponseFormat
@@ -52,6 +53,19 @@ class ImageContent(Strict):
 
 
 ContentPart = Annotated[Union[TextContent, ImageContent], Field(discriminator="type")]
+
+
+def _content(parts: list, param: str) -> str | list[dict]:
+    """Text and input_image parts (data URLs) as a template message's content (server/images.py)."""
+    out = []
+    for j, p in enumerate(parts):
+        if p.type != "input_image":
+            out.append({"type": "text", "text": p.text})
+        elif p.image_url is None:
+            out.append(images.url_refused(f"{param}.{j}", "a file id"))
+        else:
+            out.append(images.data_url_part(p.image_url, f"{param}.{j}.image_url"))
+    return images.content(out)
 
 
 class MessageItem(Strict):
@@ -164,7 +178,9 @@ class ResponsesRequest(Strict):
                 thought += item.text()
                 continue
             if item.type == "message":
-                content = item.content if isinstance(item.content, str) else join_text(item.content)
+                content = (
+                    item.content if isinstance(item.content, str) else _content(item.content, f"input.{i}.content")
+                )
                 out.append({"role": "system" if item.role == "developer" else item.role, "content": content})
             elif item.type == "function_call":
                 try:
@@ -180,7 +196,7 @@ class ResponsesRequest(Strict):
                     {"id": item.call_id, "type": "function", "function": {"name": name, "arguments": args}}
                 )
             else:
-                output = item.output if isinstance(item.output, str) else join_text(item.output)
+                output = item.output if isinstance(item.output, str) else _content(item.output, f"input.{i}.output")
                 out.append({"role": "tool", "tool_call_id": item.call_id, "content": output})
             if thought and out[-1]["role"] == "assistant":
                 out[-1]["reasoning_content"], thought = thought, ""

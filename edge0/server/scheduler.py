@@ -348,4 +348,5 @@ def engine_request(run: Run) -> Request:
         p.logprobs,
         reuse=True,
         namespace=run.namespace,
+        vision=run.vision,
     )

@@ -13,6 +13,7 @@ from typing import Annotated, Any, Callable, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, StrictBool, Tag
 
 from edge0.sampling import SEED_MAX
+from edge0.server import images
 from edge0.server.errors import APIError
 from edge0.server.grammar import ToolSpec
 from edge0.server.pipeline import ToolChoice
@@ -98,8 +99,7 @@ ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
 
 
 def join_text(parts) -> str:
-    """The text of a list of text parts or blocks, as one message content (images, which have
-    none, are refused before a prompt is rendered: pipeline.prompt_tokens)."""
+    """The text of a list of text parts or blocks, as one message content (images have none)."""
     return "".join(t for p in parts if (t := getattr(p, "text", None)) is not None)
 
 
@@ -222,7 +222,9 @@ class ChatRequest(SamplingRequest):
         """Messages as the chat template expects them: text content, tool-call arguments as dicts."""
         out = []
         for i, m in enumerate(self.messages):
-            content = m.content if not isinstance(m.content, list) else join_text(m.content)
+            content = (
+                m.content if not isinstance(m.content, list) else _chat_content(m.content, f"messages.{i}.content")
+            )
             # Most chat templates know no "developer" role; it is OpenAI's new name for system.
             msg = {"role": "system" if m.role == "developer" else m.role, "content": content or ""}
             if m.name is not None:
@@ -252,6 +254,18 @@ class ChatRequest(SamplingRequest):
 
     def tool_mode(self) -> ToolChoice:
         return "auto" if self.tool_choice in (None, "auto") else "none" if self.tool_choice == "none" else "forced"
+
+
+def _chat_content(parts: list, param: str) -> str | list[dict]:
+    """Text parts and image_url parts (data URLs) as a template message's content (server/images.py)."""
+    return images.content(
+        [
+            {"type": "text", "text": p.text}
+            if p.type == "text"
+            else images.data_url_part(p.image_url.url, f"{param}.{j}")
+            for j, p in enumerate(parts)
+        ]
+    )
 
 
 def _template_tool_call(call: ToolCall, index: int) -> dict:

@@ -26,7 +26,6 @@ from edge0.store.format import (
     HEADS_FILE,
     LORA_FILE,
     MANIFEST,
-    PROCESSOR_FILES,
     RESIDENT_FILE,
     VERSION,
     VISION_FILE,
@@ -170,7 +169,7 @@ def _convert(
             HEADS_FILE,
             LORA_FILE,
             *sorted(p.name for p in src.glob("lora-k*.safetensors")),
-            *(PROCESSOR_FILES if vision else ()),
+            *(_processor_files() if vision else ()),
         ):
             if (src / extra).is_file():
                 shutil.copy(src / extra, tmp / extra)
@@ -204,6 +203,12 @@ def _convert(
             file=sys.stderr,
         )
     return out
+
+
+def _processor_files() -> tuple[str, ...]:
+    from edge0.backend import vision as bvision
+
+    return bvision.PROCESSOR_FILES
 
 
 def _tower(src: Path, config: dict) -> dict:

@@ -17,14 +17,6 @@ READS_VERSIONS = (1, 2)
 MANIFEST = "edge0-manifest.json"
 RESIDENT_FILE = "model.safetensors"
 VISION_FILE = "vision.safetensors"  # a VL model's vision tower and projector (resident)
-# How a VL model's images are processed: copied from its checkpoint as they are.
-PROCESSOR_FILES = (
-    "preprocessor_config.json",
-    "processor_config.json",
-    "video_preprocessor_config.json",
-    "chat_template.json",
-    "chat_template.jinja",
-)
 CONFIG_FILE = "config.json"
 # Sidecars a store may carry, each tied to the store's identity (manifest_hash).
 HEADS_FILE = "prerouter.safetensors"

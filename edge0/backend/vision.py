@@ -18,6 +18,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from edge0.backend import io as bio
+from edge0.backend.modules import set_module
 from edge0.errors import Edge0Error
 
 # How a VL model's images are processed: copied from its checkpoint into a store as they are.
@@ -62,8 +63,17 @@ def _vlm_model(config: dict, where: Path):
     cfg = copy.deepcopy(config)
     cfg.setdefault("vision_config", {})
     cfg.setdefault("text_config", {})
-    model_config = arch.ModelConfig.from_dict(cfg)
+    model_config = vlm_config(arch, cfg)
     return arch.Model(model_config), arch, model_config
+
+
+def vlm_config(arch, config: dict):
+    """mlx-vlm's ModelConfig of `config`, its text, vision and projector parts as mlx-vlm's loader
+    builds them."""
+    from mlx_vlm.utils import update_module_configs
+
+    model_config = arch.ModelConfig.from_dict(config)
+    return update_module_configs(model_config, arch, config, ["text", "vision", "perceiver", "projector", "audio"])
 
 
 def tower_weights(src: Path, config: dict) -> dict[str, mx.array]:
@@ -182,24 +192,33 @@ class ImagePrompt:
     tokens: list[int]
     digests: list[str]
     visual: np.ndarray  # [T] bool
-    pixels: np.ndarray  # the processor's pixel values of every image
-    grid: np.ndarray  # [images, 3]: each image's (t, h, w) patches
+    inputs: dict  # the processor's arrays (pixel values, grids, ...) as numpy, for get_input_embeddings
     embeds: mx.array | None = None  # [T, D]
-    positions: mx.array | None = None  # [3, 1, T]
+    positions: mx.array | None = None  # [3, 1, T] (None: the family places image tokens as text)
     delta: int = 0  # position of token t after the prompt: t + delta
     deepstack: list = field(default_factory=list)  # per layer: [n_visual, D]
 
     def key(self, tokens: list[int]) -> list[int]:
-        """`tokens` (the prompt, then generated ones) with each image's tokens replaced by ids of
-        that image's digest: the prompt caches' key, so a prefix match never crosses an image that
-        differs."""
-        keyed, image, seen = list(tokens), -1, 0
-        for i in range(min(len(tokens), len(self.tokens))):
-            if self.visual[i]:
-                if i == 0 or not self.visual[i - 1]:
-                    image, seen = image + 1, 0
-                keyed[i] = IMAGE_KEY | (int(self.digests[image][:10], 16) << 20) | seen
-                seen += 1
+        """`tokens` (the prompt, then generated ones) with each image token replaced by an id of the
+        digests of its image and the images before it: the prompt caches' key, so a prefix match
+        never crosses an image that differs. A family that writes an image as several runs of
+        image tokens (tiles) keys every run by all the prompt's images."""
+        visual = self.visual
+        starts = np.flatnonzero(visual & ~np.concatenate([[False], visual[:-1]]))
+        own = len(starts) == len(self.digests)  # one run per image
+        bases = [
+            IMAGE_KEY
+            | int(hashlib.sha256("".join(self.digests[: r + 1] if own else self.digests).encode()).hexdigest()[:10], 16)
+            << 20
+            for r in range(len(starts))
+        ]
+        keyed = list(tokens)
+        for r, start in enumerate(starts):
+            end = start
+            while end < len(visual) and visual[end]:
+                if end < len(keyed):
+                    keyed[end] = bases[r] | ((end - start) & 0xFFFFF)
+                end += 1
         return keyed
 
     def span(self, start: int, end: int) -> ImageSpan:
@@ -208,7 +227,7 @@ class ImagePrompt:
         inside = self.visual[start:end]
         n = int(inside.sum())
         return ImageSpan(
-            self.positions[:, :, start:end],
+            None if self.positions is None else self.positions[:, :, start:end],
             mx.array(inside),
             [d[before : before + n] for d in self.deepstack],
         )
@@ -228,15 +247,12 @@ class Tower:
                 mode=q.get("mode", "affine"),
                 class_predicate=lambda p, m: hasattr(m, "to_quantized") and f"{p}.scales" in weights,
             )
-        # the text model is Edge0's: mlx-vlm's own is never evaluated and goes now
+        # the text model is Edge0's: mlx-vlm's own is never evaluated, and its layers go now
         lm = model.language_model
-        self.rotary = next(
-            (m.rotary_emb for _, m in lm.named_modules() if hasattr(m, "rotary_emb")),
-            None,
-        )
-        for name, child in list(lm.model.children().items()):
-            if name != "embed_tokens":
-                setattr(lm.model, name, [] if isinstance(child, list) else nn.Identity())
+        self.rotary = next((m.rotary_emb for _, m in lm.named_modules() if hasattr(m, "rotary_emb")), None)
+        found = bio.decoder_layers(lm)
+        if found is not None:
+            setattr(found[0], found[1], [])
         dt = getattr(mx, compute_dtype)
         model.load_weights(
             [(n, w.astype(dt) if mx.issubdtype(w.dtype, mx.floating) else w) for n, w in weights.items()],
@@ -245,69 +261,77 @@ class Tower:
         mx.eval([w for n, w in tree_flatten(model.parameters()) if not n.startswith(LANGUAGE)])
         self.model, self.config, self.processor = model, model_config, processor
         self.nbytes = sum(w.nbytes for w in weights.values())
-        self.image_token = int(model_config.image_token_id)
+        self.image_token = int(
+            next(
+                v
+                for k in ("image_token_index", "image_token_id", "media_placeholder_token_id")
+                if (v := getattr(model_config, k, None)) is not None
+            )
+        )
 
     def attach(self, text_model: nn.Module) -> None:
         """Put M-RoPE in the text model's attention and DeepStack on its first layers, and let the
         tower embed tokens with the text model's embedding."""
-        if self.rotary is None:
-            raise Edge0Error(f"{self.config.model_type}: mlx-vlm's text model has no rotary embedding to place images")
         context = _Context()
         self.context = context
         layers = bio.decoder_layers(text_model)[2]
         depth = len(getattr(self.config.vision_config, "deepstack_visual_indexes", []) or [])
         for i, layer in enumerate(layers):
             attn = getattr(layer, "self_attn", None)
-            if attn is not None and hasattr(attn, "rope"):
+            if self.rotary is not None and attn is not None and hasattr(attn, "rope"):
                 attn.rope = MRoPE(self.rotary, context)
                 _mix(attn, _PositionedAttention)
             if i < depth:
                 layer._vl_context, layer._vl_deepstack = context, i
                 _mix(layer, _DeepStackLayer)
-        self.model.language_model.model.embed_tokens = bio.decoder_layers(text_model)[0].embed_tokens
+        ours = bio.decoder_layers(text_model)[0].embed_tokens
+        path = next(p for p, m in self.model.language_model.named_modules() if p.split(".")[-1] == "embed_tokens")
+        set_module(self.model.language_model, path, ours)
 
-    def prompt(self, tokens: list[int], images: list[bytes]) -> ImagePrompt:
-        """The prompt `tokens` (one image token per image, where the chat template put it) with
-        each image's tokens expanded and its pixels processed (numpy: any thread)."""
-        marks = [i for i, t in enumerate(tokens) if t == self.image_token]
-        if len(marks) != len(images):
-            raise Edge0Error(
-                f"the prompt has {len(marks)} image placeholders for {len(images)} images; send each image as its "
-                "own content part"
-            )
+    def prompt(self, text: str, images: list[bytes]) -> ImagePrompt:
+        """The prompt `text` (the chat template's, one image placeholder per image) through the
+        family's own processor, as mlx-vlm prepares it: its tokens (each image's expanded) and the
+        images' arrays (numpy: any thread)."""
+        from mlx_vlm.utils import prepare_inputs, should_add_special_tokens
+
         pixels = [decode_image(b) for b in images]
-        processed = self.processor.image_processor(pixels)
-        grid = np.array(processed["image_grid_thw"])
-        merge = int(self.config.vision_config.spatial_merge_size) ** 2
-        expanded: list[int] = []
-        last = 0
-        for mark, thw in zip(marks, grid):
-            expanded += tokens[last:mark] + [self.image_token] * int(np.prod(thw) // merge)
-            last = mark + 1
-        expanded += tokens[last:]
+        try:
+            inputs = prepare_inputs(
+                self.processor,
+                images=pixels,
+                prompts=[text],
+                image_token_index=self.image_token,
+                add_special_tokens=should_add_special_tokens(self.config.model_type, self.processor),
+            )
+        except (ValueError, IndexError) as e:  # the processor found placeholders and images that do not match
+            raise Edge0Error(
+                f"the prompt's image placeholders do not match its {len(images)} images ({e}); send each image as "
+                "its own content part"
+            ) from None
+        tokens = np.array(inputs.pop("input_ids"))[0].tolist()
+        inputs.pop("attention_mask", None)
+        visual = np.array(tokens) == self.image_token
         return ImagePrompt(
-            expanded,
+            tokens,
             [hashlib.sha256(b).hexdigest() for b in images],
-            np.array(expanded) == self.image_token,
-            np.asarray(processed["pixel_values"]),
-            grid,
+            visual,
+            {k: np.asarray(v) for k, v in inputs.items() if v is not None},
         )
 
     def features(self, prompt: ImagePrompt) -> ImagePrompt:
         """`prompt` with the tower's features: its input embeddings, M-RoPE positions, rope delta and
         DeepStack features (computed once, on the engine thread)."""
         if prompt.embeds is None:
+            extra = {k: mx.array(v) for k, v in prompt.inputs.items() if k != "pixel_values"}
             features = self.model.get_input_embeddings(
-                mx.array(prompt.tokens)[None], mx.array(prompt.pixels), image_grid_thw=mx.array(prompt.grid)
+                mx.array(prompt.tokens)[None], mx.array(prompt.inputs["pixel_values"]), **extra
             )
-            deepstack = list(features.deepstack_visual_embeds or [])
-            mx.eval(features.inputs_embeds, features.position_ids, deepstack)
-            prompt.embeds, prompt.positions, prompt.deepstack = (
-                features.inputs_embeds[0],
-                features.position_ids,
-                deepstack,
-            )
-            prompt.delta = int(np.array(features.rope_deltas).reshape(-1)[0])
+            deepstack = list(getattr(features, "deepstack_visual_embeds", None) or [])
+            positions = getattr(features, "position_ids", None) if self.rotary is not None else None
+            mx.eval(features.inputs_embeds, positions, deepstack)
+            prompt.embeds, prompt.positions, prompt.deepstack = features.inputs_embeds[0], positions, deepstack
+            deltas = getattr(features, "rope_deltas", None)
+            prompt.delta = int(np.array(deltas).reshape(-1)[0]) if positions is not None and deltas is not None else 0
         return prompt
 
     def feed(self, text_model, prompt: ImagePrompt, start: int, end: int, cache) -> None:

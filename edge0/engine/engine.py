@@ -185,9 +185,10 @@ class Engine:
     def takes_images(self) -> bool:
         return self.tower is not None
 
-    def image_prompt(self, tokens: list[int], images):
-        """A prompt whose chat template put one image placeholder per image (`images`: each one's
-        bytes, in order) with each image's tokens expanded and its features computed."""
+    def image_prompt(self, prompt, images):
+        """A prompt (text, or token ids) whose chat template put one image placeholder per image
+        (`images`: each one's bytes, in order), through the family's processor: its tokens, each
+        image's expanded (the tower's features are computed when it is prefilled)."""
         if self.tower is None:
             why = f" ({self.tower_note})" if self.tower_note else ""
             raise ImagesRefused(f"{self.model_id}: this model does not take images{why}; send text only")
@@ -196,8 +197,9 @@ class Engine:
                 bvision.decode_image(data)
             except ValueError as e:
                 raise ImagesRefused(f"image {i + 1}: {e}; send a PNG, JPEG, GIF or WebP image", i) from None
+        text = prompt if isinstance(prompt, str) else self.tokenizer.decode(list(prompt), skip_special_tokens=False)
         try:
-            return self.tower.prompt(tokens, list(images))
+            return self.tower.prompt(text, list(images))
         except Edge0Error as e:
             raise ImagesRefused(str(e)) from None
 
@@ -274,8 +276,8 @@ class Engine:
         reuse_cache, only prompt caches of this namespace are reused (edge0/engine/kv.py). `images`:
         each image's bytes, in the order of the prompt's image placeholders (image_prompt)."""
         self._leads()
-        tokens = self.encode(prompt)
-        vision = self.image_prompt(tokens, images) if images else None
+        vision = self.image_prompt(prompt, images) if images else None
+        tokens = vision.tokens if vision is not None else self.encode(prompt)
         request = Request(
             vision.tokens if vision is not None else tokens,
             max_tokens,

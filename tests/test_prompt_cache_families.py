@@ -41,3 +41,27 @@ def test_a_request_branching_inside_the_last_reply_reuses_the_prefix_and_gives_t
     assert got.tokens == want.tokens
     if bkv.can_trim_prompt_cache(engine.kv.make()):  # recurrent state starts again (nothing to cut back)
         assert got.stats["prefill_tokens"] < len(branch) - 8
+
+
+def test_a_chunked_attention_cache_is_not_cut_back_below_its_kept_chunk(store_for):
+    """llama4's local layers keep only their current chunk (mlx-lm's ChunkedKVCache drops the tokens
+    before it): a request sharing a prefix that ends before that chunk used to reuse the cache cut
+    back there anyway, and got other tokens, no error. Now it is not reused below the first chunk
+    boundary of the tokens it holds."""
+    store = store_for("llama4")  # attention_chunk_size 8
+    engine = edge0.load(store, prerouter=False)
+    first = engine.encode("hello world the answer is 42 and then some more words")
+    branch = first[:14] + engine.encode(" or so, said the tiny model")
+    engine.generate(first, max_tokens=8, ignore_eos=True, reuse_cache=True)
+    got = engine.generate(branch, max_tokens=8, ignore_eos=True, reuse_cache=True)
+    want = edge0.load(store, prerouter=False).generate(branch, max_tokens=8, ignore_eos=True)
+    assert got.tokens == want.tokens
+    assert got.stats["prefill_tokens"] == len(branch)  # the kept chunk starts after the shared prefix
+    cache = engine.kv.make()
+    z = mx.zeros((1, 1, 20, 32))
+    for c in cache:
+        c.update_and_fetch(z, z)
+        if hasattr(c, "maybe_trim_front"):
+            c.maybe_trim_front()
+    # 20 tokens, chunks of 8: the last 8 kept (12-19); a token at 12-15 would need 8-11 of its chunk
+    assert bkv.trim_floor(cache) == 16 and not bkv.trim_to(cache, 15) and bkv.trim_to(cache, 16)

@@ -40,6 +40,7 @@ __all__ = [
     "rewind_point",
     "rewind",
     "trim_to",
+    "trim_floor",
     "copy_cache",
     "KVFootprint",
     "kv_footprint",
@@ -122,13 +123,26 @@ def copy_cache(cache) -> list:
     return copy.deepcopy(cache)
 
 
+def trim_floor(cache) -> int:
+    """The fewest tokens `cache` can be cut back to: 0, or the first chunk boundary at or after the
+    tokens a chunked attention cache still holds (mlx-lm's ChunkedKVCache drops the tokens before
+    its last chunk's worth and cannot give them back; a token attends to its chunk's tokens before it)."""
+    floors = [
+        -(-c.start_position // c.chunk_size) * c.chunk_size
+        for layer in cache
+        for c in _leaves(layer)
+        if getattr(c, "start_position", 0) and getattr(c, "chunk_size", 0)
+    ]
+    return max(floors, default=0)
+
+
 def trim_to(cache, n: int) -> bool:
     """Make every layer hold its first `n` tokens (a prefill cancelled between layers leaves the
     first layers ahead of the others). False, and nothing changed, when a layer holding more than
-    `n` cannot be trimmed (recurrent state)."""
+    `n` cannot be trimmed (recurrent state) or no longer holds the tokens before `n` (trim_floor)."""
     leaves = [leaf for layer in cache for leaf in _leaves(layer)]  # a CacheList's caches each hold tokens
     ahead = [c for c in leaves if c.offset > n] if all(hasattr(c, "offset") for c in leaves) else None
-    if ahead is None or not all(c.is_trimmable() for c in ahead):
+    if ahead is None or not all(c.is_trimmable() for c in ahead) or n < trim_floor(cache):
         return False
     for c in ahead:
         c.trim(c.offset - n)

@@ -109,6 +109,7 @@ class ImageSpan:
     DeepStack layer's visual features at the span's image positions."""
 
     positions: mx.array | None = None
+    embeds: mx.array | None = None  # [1, L, D]: the span's input embeddings (images' features in place)
     visual: mx.array | None = None  # [L] bool: the span's image positions
     deepstack: list = field(default_factory=list)  # per layer: [n, D] features at those positions
 
@@ -177,6 +178,15 @@ class _DeepStackLayer:
         return h.at[:, idx].add(span.deepstack[self._vl_deepstack][None].astype(h.dtype))
 
 
+class _SpanEmbedding:
+    """Mixed into the text model's token embedding: a span of an image prompt is embedded as the
+    tower embedded it (the images' features in place), whatever the family's forward takes."""
+
+    def __call__(self, ids):
+        span = self._vl_context.span
+        return super().__call__(ids) if span is None else span.embeds
+
+
 def _mix(module: nn.Module, mixin: type) -> None:
     """Give `module` the behaviour of `mixin` over its own class (its parameters keep their names)."""
     cls = type(module)
@@ -228,6 +238,7 @@ class ImagePrompt:
         n = int(inside.sum())
         return ImageSpan(
             None if self.positions is None else self.positions[:, :, start:end],
+            self.embeds[None, start:end],
             mx.array(inside),
             [d[before : before + n] for d in self.deepstack],
         )
@@ -249,7 +260,17 @@ class Tower:
             )
         # the text model is Edge0's: mlx-vlm's own is never evaluated, and its layers go now
         lm = model.language_model
-        self.rotary = next((m.rotary_emb for _, m in lm.named_modules() if hasattr(m, "rotary_emb")), None)
+        from mlx_vlm.models.rope_utils import MRoPERotaryEmbedding
+
+        # an M-RoPE family places image tokens by their rows and columns; the others as text
+        self.rotary = next(
+            (
+                m.rotary_emb
+                for _, m in lm.named_modules()
+                if isinstance(getattr(m, "rotary_emb", None), MRoPERotaryEmbedding)
+            ),
+            None,
+        )
         found = bio.decoder_layers(lm)
         if found is not None:
             setattr(found[0], found[1], [])
@@ -287,6 +308,9 @@ class Tower:
         ours = bio.decoder_layers(text_model)[0].embed_tokens
         path = next(p for p, m in self.model.language_model.named_modules() if p.split(".")[-1] == "embed_tokens")
         set_module(self.model.language_model, path, ours)
+        # the tower computes a prompt's features outside any span: it embeds their text by the lookup
+        ours._vl_context = context
+        _mix(ours, _SpanEmbedding)
 
     def prompt(self, text: str, images: list[bytes]) -> ImagePrompt:
         """The prompt `text` (the chat template's, one image placeholder per image) through the
@@ -338,9 +362,7 @@ class Tower:
         """Feed tokens [start, end) of an image prompt into `cache` (one forward)."""
         self.context.span = self.features(prompt).span(start, end)
         try:
-            text_model(
-                mx.array(prompt.tokens[start:end])[None], cache=cache, input_embeddings=prompt.embeds[None, start:end]
-            )
+            text_model(mx.array(prompt.tokens[start:end])[None], cache=cache)
             mx.eval([c.state for c in cache])
         finally:
             self.context.span = None

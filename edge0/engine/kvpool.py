@@ -41,6 +41,7 @@ class Entry:
     eid: int = -1
     on_disk: bool = False  # the disk tier holds these tokens already
     namespace: str = ""  # only requests of the same namespace find it
+    floor: int = 0  # a trimmable cache's fewest tokens (a chunked attention cache's kept chunk: trim_floor)
 
 
 def _root(namespace: str) -> int:
@@ -82,9 +83,11 @@ class KVPool:
         first (for the disk tier)."""
         nbytes, trimmable = bkv.prompt_cache_nbytes(cache), bkv.can_trim_prompt_cache(cache)
         entry = Entry(list(tokens), cache, nbytes, prompt_end, trimmable, on_disk=on_disk, namespace=namespace)
+        entry.floor = bkv.trim_floor(cache) if trimmable else 0
         if entry.trimmable:
             for other in self._holding(tokens, namespace):
-                if len(other.tokens) <= len(tokens) and tokens[: len(other.tokens)] == other.tokens:
+                held = entry.floor <= len(other.tokens) <= len(tokens)  # the new cache can be cut back to it
+                if held and tokens[: len(other.tokens)] == other.tokens:
                     self._drop(other)
         entry.eid = next(self._ids)
         entry.keys = list(_block_hashes(entry.tokens, namespace)) or [_root(namespace)]
@@ -122,7 +125,7 @@ class KVPool:
             if e.namespace != namespace:  # a hash collision must never cross namespaces
                 continue
             k = d + bkv.common_prefix_len(e.tokens[d:], tokens[d:])
-            if not e.trimmable and k < len(e.tokens):
+            if k < len(e.tokens) and (not e.trimmable or k < e.floor):
                 continue
             if k > n or (k == n and best is not None and e.used > best.used):
                 best, n = e, k

@@ -187,7 +187,7 @@ class FakeEngine:
             return f"{THINK_START}\nAbout {rest}.\n{THINK_END}\n\n{rest}"
         return "Echo: " + content
 
-    def image_prompt(self, tokens, images):
+    def image_prompt(self, prompt, images):
         raise AssertionError("the server asked a model without a vision tower for an image prompt")
 
     def chat_prompt(self, messages, tools=None, **template_kwargs) -> list[int]:

@@ -14,7 +14,7 @@ from edge0.server.errors import APIError
 # Everything from this server ('self'), nothing inline, nothing from another host: the page works
 # offline, and injected markup could neither run nor send data anywhere.
 CSP = (
-    "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; connect-src 'self'; "
+    "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; "
     "base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
 )
 # `same-origin`, not `no-referrer`: with no-referrer a browser sends `Origin: null` on the page's

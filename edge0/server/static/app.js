@@ -21,14 +21,21 @@ const ui = {
   keyDialog: $("#key-dialog"),
   keyInput: $("#key-input"),
   keyError: $("#key-error"),
+  attach: $("#attach"),
+  attachments: $("#attachments"),
 };
 const FIELDS = ["temperature", "top_p", "max_tokens", "seed"];
+// What the server takes (docs/images.md): these media types, 20 MB an image, 16 a request.
+const IMAGE_TYPES = ["image/png", "image/jpeg", "image/gif", "image/webp"];
+const MAX_IMAGE_BYTES = 20 * 1024 * 1024;
+const MAX_IMAGES = 16;
 
 let conversations = loadConversations();
 let settings = loadSettings();
 let current = null; // the conversation shown
 let generation = null; // {controller, conversation} while a reply streams
 let modelId = null;
+let attached = []; // data URLs of the images the next message sends
 const stats = new StatsPanel($("#stats"), getJSON, () => askKey());
 
 function save() {
@@ -106,8 +113,58 @@ function messageNode(message) {
 }
 
 function fill(body, message) {
-  if (message.role === "assistant") (body.markdown ??= new MarkdownView(body)).update(message.content);
-  else body.textContent = message.content; // shown as typed
+  if (message.role === "assistant") return (body.markdown ??= new MarkdownView(body)).update(message.content);
+  body.textContent = message.content; // shown as typed
+  (message.images ?? []).forEach((url, i) => body.append(imageNode(url, `image ${i + 1}`)));
+}
+
+function imageNode(url, alt) {
+  const img = document.createElement("img");
+  img.className = "attached";
+  img.src = url; // a data: URL the user attached (the page's CSP allows no other image source)
+  img.alt = alt;
+  return img;
+}
+
+function renderAttachments() {
+  ui.attachments.replaceChildren(
+    ...attached.map((url, i) => {
+      const item = document.createElement("span");
+      const remove = document.createElement("button");
+      remove.type = "button";
+      remove.textContent = "×";
+      remove.setAttribute("aria-label", `Remove image ${i + 1}`);
+      remove.addEventListener("click", () => {
+        attached.splice(i, 1);
+        renderAttachments();
+      });
+      item.append(imageNode(url, `image ${i + 1} to send`), remove);
+      return item;
+    }),
+  );
+}
+
+function attach(files) {
+  for (const file of files) {
+    if (!IMAGE_TYPES.includes(file.type)) {
+      status(`${file.name || "That file"} is not a PNG, JPEG, GIF or WebP image.`);
+      continue;
+    }
+    if (file.size > MAX_IMAGE_BYTES) {
+      status(`${file.name || "That image"} is over 20 MB.`);
+      continue;
+    }
+    if (attached.length >= MAX_IMAGES) {
+      status(`At most ${MAX_IMAGES} images a message.`);
+      break;
+    }
+    const reader = new FileReader();
+    reader.addEventListener("load", () => {
+      attached.push(reader.result);
+      renderAttachments();
+    });
+    reader.readAsDataURL(file);
+  }
 }
 
 function describe(message) {
@@ -148,7 +205,11 @@ function requestBody(conversation) {
   if (conversation.system?.trim()) messages.push({ role: "system", content: conversation.system });
   for (const m of conversation.messages) {
     if (m.role === "assistant" && (m.error || m.streaming) && !m.content) continue;
-    messages.push({ role: m.role, content: m.content });
+    if (m.images?.length) {
+      const parts = m.images.map((url) => ({ type: "image_url", image_url: { url } }));
+      if (m.content) parts.push({ type: "text", text: m.content });
+      messages.push({ role: m.role, content: parts });
+    } else messages.push({ role: m.role, content: m.content });
   }
   const body = { messages };
   if (modelId) body.model = modelId;
@@ -164,13 +225,14 @@ async function snapshot() {
   }
 }
 
-async function send(text) {
-  if (generation || !text.trim()) return;
+async function send(text, images = []) {
+  if (generation || (!text.trim() && !images.length)) return;
   readSettings();
   const conversation = current;
   conversation.system = ui.system.value;
-  if (!conversation.messages.length) conversation.title = text.trim().replace(/\s+/g, " ").slice(0, 60);
-  conversation.messages.push({ role: "user", content: text });
+  if (!conversation.messages.length)
+    conversation.title = text.trim().replace(/\s+/g, " ").slice(0, 60) || `${images.length} image(s)`;
+  conversation.messages.push(images.length ? { role: "user", content: text, images } : { role: "user", content: text });
   const body = requestBody(conversation);
   const reply = { role: "assistant", content: "", streaming: true };
   conversation.messages.push(reply);
@@ -313,9 +375,23 @@ $("#key-form").addEventListener("submit", async (event) => {
 ui.form.addEventListener("submit", (event) => {
   event.preventDefault();
   const text = ui.prompt.value;
-  if (!text.trim() || generation) return;
+  if ((!text.trim() && !attached.length) || generation) return;
+  const images = attached;
   ui.prompt.value = "";
-  send(text);
+  attached = [];
+  renderAttachments();
+  send(text, images);
+});
+ui.attach.addEventListener("change", () => {
+  attach([...ui.attach.files]);
+  ui.attach.value = "";
+});
+ui.prompt.addEventListener("paste", (event) => {
+  const files = [...(event.clipboardData?.files ?? [])];
+  if (files.length) {
+    event.preventDefault();
+    attach(files);
+  }
 });
 ui.prompt.addEventListener("keydown", (event) => {
   if (event.key === "Enter" && !event.shiftKey && !event.isComposing) {

@@ -79,7 +79,9 @@ def client_command(client: str, line: str, prompt: str, extra: list[str] = ()) -
     exe = installed(client)
     assert words[0] == client and exe, (line, exe)
     argv = [exe, *words[1:], *extra]
-    if client == "claude":
+    if client == "claude" and prompt.startswith("{"):  # a stream-json user message (an image block) on stdin
+        argv += ["-p", "--input-format", "stream-json", "--output-format", "stream-json", "--verbose"]
+    elif client == "claude":
         argv += ["-p", prompt, "--allowedTools", "Bash(echo:*)"]
     elif client == "codex":
         argv += ["exec", "--skip-git-repo-check", "--dangerously-bypass-approvals-and-sandbox", prompt]
@@ -129,17 +131,24 @@ def serve_and_run(
 
     subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
     kwargs = dict(engine_kwargs)
-    if name := kwargs.pop("format", None):  # the agent writes this family's chat format
+    if store := kwargs.pop("store", None):  # the real engine on a store (a VL fixture's)
+        import edge0
+
+        engine = edge0.load(store)
+    elif name := kwargs.pop("format", None):  # the agent writes this family's chat format
         case = next(c for c in cases() if c.name == name)
         engine = FormatAgentEngine(case, Path(tempfile.mkdtemp(prefix=f"edge0-{name}-")), **kwargs)
     else:
         engine = AgentEngine(**kwargs)
-    config = ServerConfig(context_length=200_000, max_prompt_tokens=190_000, keepalive_s=keepalive_s)
+    # the real engine's random fixture never ends a reply by itself: at most 16 tokens
+    cap = {"max_tokens": 16} if store else {}
+    config = ServerConfig(context_length=200_000, max_prompt_tokens=190_000, keepalive_s=keepalive_s, **cap)
     app = Recorder(create_app(engine, config))
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True).start()
+    serving = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    serving.start()
     while not server.started:
         time.sleep(0.01)
     base = f"http://127.0.0.1:{sock.getsockname()[1]}"
@@ -162,14 +171,16 @@ def serve_and_run(
         Path(child_env["CODEX_HOME"]).mkdir()
         started = time.monotonic()
         try:
-            p = subprocess.run(
-                argv, cwd=work, env=child_env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout
-            )
+            given = {"input": prompt + "\n"} if prompt.startswith("{") else {"stdin": subprocess.DEVNULL}
+            p = subprocess.run(argv, cwd=work, env=child_env, capture_output=True, text=True, timeout=timeout, **given)
             rc, out, err = p.returncode, p.stdout, p.stderr
         except subprocess.TimeoutExpired as e:
             rc, out, err = "timeout", e.stdout or "", e.stderr or ""
         wall = time.monotonic() - started
     server.should_exit = True
+    if store:  # the real engine: its requests end (the server drains them), then its reader threads
+        serving.join(timeout=60)
+        engine.close()
     return {
         "client": client,
         "setup_line": line,
@@ -178,8 +189,20 @@ def serve_and_run(
         "stderr": err if isinstance(err, str) else err.decode("utf-8", "replace"),
         "wall_s": wall,
         "requests": app.requests,
-        "generations": len(engine.calls),
+        "generations": _generations(engine, app.requests),
     }
+
+
+def _generations(engine, requests: list) -> int:
+    """Generations the engine ran: the scripted engine counts its calls; the real one is asked
+    through the server's requests (every POST to a generation endpoint ran one)."""
+    calls = getattr(engine, "calls", None)
+    if calls is not None:
+        return len(calls)
+    return sum(
+        r["method"] == "POST" and r["path"] in ("/v1/messages", "/v1/chat/completions", "/v1/responses")
+        for r in requests
+    )
 
 
 def run_client(

@@ -479,13 +479,10 @@ def test_an_attached_image_is_shown_and_sent_to_a_vl_model(browser, tmp_path):
     is the engine's own for that image and text; a second message keeps the image in the history."""
     pytest.importorskip("mlx_vlm")
     import edge0
-    from edge0.store.convert import convert
-    from tests.fixtures.make import cached_dir
     from tests.fixtures.vision import random_image
-    from tests.test_vision import _mlx_vlm_4bit
+    from tests.test_vision import vl_store
 
-    src = _mlx_vlm_4bit()
-    engine = edge0.load(cached_dir("store", "vl-qwen3_vl_moe-from-mlx-vlm", lambda out: convert(src, out, quiet=True)))
+    engine = edge0.load(vl_store())
     picture = random_image(21)
     (tmp_path / "shot.png").write_bytes(picture)
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what is this?"}]}]

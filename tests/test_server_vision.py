@@ -23,7 +23,7 @@ import edge0  # noqa: E402
 from edge0.server.config import ServerConfig  # noqa: E402
 from tests.fake_server import running_server  # noqa: E402
 from tests.fixtures.vision import random_image  # noqa: E402
-from tests.test_vision import _mlx_vlm_4bit  # noqa: E402
+from tests.test_vision import vl_store  # noqa: E402
 
 QUESTION = "Describe the image."
 N = 8
@@ -37,18 +37,10 @@ MATRIX = [
 ]
 
 
-def _store(family: str):
-    from edge0.store.convert import convert
-    from tests.fixtures.make import cached_dir
-
-    src = _mlx_vlm_4bit(family)
-    return cached_dir("store", f"vl-{family}-from-mlx-vlm", lambda out: convert(src, out, quiet=True))
-
-
 @pytest.fixture(scope="module", params=MATRIX)
 def served(request):
     family, executor = request.param
-    engine = edge0.load(_store(family), decode_executor=executor)
+    engine = edge0.load(vl_store(family), decode_executor=executor)
     with running_server(engine, ServerConfig()) as url:
         yield engine, url
     engine.close()
@@ -259,6 +251,18 @@ def test_a_conversation_extended_after_its_image_reuses_the_prefix(served):
     assert (again.choices[0].message.content or "") == want and again.usage.prompt_tokens == prompt_tokens
 
 
+def _zero_png() -> bytes:
+    """A PNG whose header says 0 by 0 pixels (no encoder writes one: built by hand)."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = struct.pack(">IIBBBBB", 0, 0, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"")) + chunk(b"IEND", b"")
+
+
 def _png(width: int, height: int) -> bytes:
     from PIL import Image
 
@@ -272,6 +276,7 @@ def _png(width: int, height: int) -> bytes:
     [
         ("data:image/png;base64," + _b64(b"not a png at all"), "messages.0.content.0", "not a readable image"),
         ("data:image/png;base64," + _b64(_png(20000, 8)), "messages.0.content.0", "each side must be 1 to 8192"),
+        ("data:image/png;base64," + _b64(_zero_png()), "messages.0.content.0", "image 1:"),
         ("data:image/tiff;base64," + _b64(b"II*\0"), "messages.0.content.0", "media type 'image/tiff'"),
         ("https://example.com/cat.png", "messages.0.content.0", "image links are not fetched"),
         ("data:image/png;base64,@@@", "messages.0.content.0", "not valid base64"),
@@ -322,11 +327,7 @@ def test_claude_code_sends_a_pasted_image_and_gets_a_reply(tmp_path):
 
     if problem := _client_problem("claude"):
         pytest.skip(problem)
-    from edge0.store.convert import convert
-    from tests.fixtures.make import cached_dir
-
-    src = _mlx_vlm_4bit()
-    store = cached_dir("store", "vl-qwen3_vl_moe-from-mlx-vlm", lambda out: convert(src, out, quiet=True))
+    store = vl_store()
     block = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": _b64(random_image(31))}}
     message = {"type": "user", "message": {"role": "user", "content": [block, {"type": "text", "text": QUESTION}]}}
     # no tools and a short system prompt: Claude Code's own (70,000 tokens) would take minutes to
@@ -350,3 +351,70 @@ def test_claude_code_sends_a_pasted_image_and_gets_a_reply(tmp_path):
     assert replies and all(replies), printed[-1]
     # its result: the reply, or (a reply cut by the 16-token cap) Claude Code's words for that; never a refusal
     assert printed[-1]["result"] in replies or "exceeded" in printed[-1]["result"], printed[-1]
+
+
+def test_image_links_are_fetched_only_with_the_flag(served):
+    """--fetch-image-urls: a Chat Completions link and an Anthropic url source are fetched (here from
+    a local server) and answered as the same image sent as data; a page that is not an image, a
+    missing one and an oversized one are 400s naming the part. Without the flag: the 400 says so."""
+    import http.server
+    import threading
+
+    from edge0.server import images
+
+    engine, url = served
+    picture = random_image(16)
+    pages = {"/a.png": ("image/png", picture), "/page": ("text/html", b"<html></html>")}
+
+    class Pages(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            kind, body = pages.get(self.path, (None, b""))
+            self.send_response(200 if kind else 404)
+            if kind:
+                self.send_header("Content-Type", kind)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    site = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Pages)
+    threading.Thread(target=site.serve_forever, daemon=True).start()
+    link = f"http://127.0.0.1:{site.server_address[1]}"
+    want, prompt_tokens = _want(engine, [("user", [picture], QUESTION)])
+
+    def chat(base, image_url):
+        content = [{"type": "image_url", "image_url": {"url": image_url}}, {"type": "text", "text": QUESTION}]
+        body = {"model": "m", "max_tokens": N, "temperature": 0, "messages": [{"role": "user", "content": content}]}
+        return httpx.post(base + "/v1/chat/completions", json=body, timeout=60)
+
+    try:
+        refused = chat(url, link + "/a.png")
+        assert refused.status_code == 400 and "--fetch-image-urls" in refused.json()["error"]["message"]
+        with running_server(engine, ServerConfig(fetch_image_urls=True)) as base:
+            r = chat(base, link + "/a.png")
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["message"]["content"] == want
+            assert r.json()["usage"]["prompt_tokens"] == prompt_tokens
+            block = {"type": "image", "source": {"type": "url", "url": link + "/a.png"}}
+            m = httpx.post(
+                base + "/v1/messages",
+                json={
+                    "model": "m",
+                    "max_tokens": N,
+                    "temperature": 0,
+                    "messages": [{"role": "user", "content": [block, {"type": "text", "text": QUESTION}]}],
+                },
+                timeout=60,
+            )
+            assert m.status_code == 200 and m.json()["content"][0]["text"] == want, m.text
+            for path, says in (("/page", "text/html"), ("/gone.png", "HTTP 404")):
+                bad = chat(base, link + path)
+                assert bad.status_code == 400 and says in bad.json()["error"]["message"]
+                assert bad.json()["error"]["param"] == "messages.0.content.0"
+            pages["/big.png"] = ("image/png", b"\0" * (images.MAX_IMAGE_BYTES + 1))
+            big = chat(base, link + "/big.png")
+            assert big.status_code == 400 and "over 20 MB" in big.json()["error"]["message"]
+    finally:
+        site.shutdown()

@@ -39,14 +39,41 @@ def _mlx_vlm_4bit(family: str = "qwen3_vl_moe") -> str:
 _references: dict = {}
 
 
+def vl_store(family: str = "qwen3_vl_moe"):
+    """`edge0 convert` of the VL fixture in HF layout (the text model quantized as mlx-lm does)."""
+    hf = vl_fixture_dir(family)
+    return cached_dir("store", f"vl-{family}", lambda out: convert(str(hf), out, quiet=True))
+
+
+def _quantized_as(model, store) -> None:
+    """mlx-vlm's `model` with its text model quantized as the store's is: the modules the store holds
+    scales for, at the store's bits (mlx-lm's per-module overrides included); the tower as it is."""
+    import mlx.nn as nn
+    from safetensors import safe_open
+
+    q = json.loads((store / "config.json").read_text())["quantization"]
+    with safe_open(str(store / "model.safetensors"), "numpy") as f:
+        names = set(f.keys())
+    for layer in json.loads((store / "edge0-manifest.json").read_text())["expert_layers"]:
+        names.update(f"{layer['module']}.{t}" for t in layer["tensors"])
+
+    def predicate(path, module):
+        if not path.startswith("language_model.") or f"{path}.scales" not in names:
+            return False
+        return q[path] if path in q else True
+
+    nn.quantize(model, q["group_size"], q["bits"], class_predicate=predicate)
+
+
 def _reference(family: str):
-    """mlx-vlm's model and processor on its 4-bit output, and an Edge0 store converted from it."""
+    """mlx-vlm's model of the HF fixture with its text model quantized as mlx-lm quantizes it, its
+    processor, and the Edge0 store converted from the same checkpoint."""
     from mlx_vlm import load
 
     if family not in _references:
-        src = _mlx_vlm_4bit(family)
-        model, processor = load(src)
-        store = cached_dir("store", f"vl-{family}-from-mlx-vlm", lambda out: convert(src, out, quiet=True))
+        store = vl_store(family)
+        model, processor = load(str(vl_fixture_dir(family)))
+        _quantized_as(model, store)
         _references[family] = (model, processor, store)
     return _references[family]
 
@@ -294,3 +321,22 @@ def test_every_vl_moe_family_of_mlx_vlm_has_a_case_or_a_reason():
     missing = [f for f in found if f not in FAMILIES and f not in NOT_YET and f in ALL_FAMILIES]
     assert not missing, f"VL MoE families Edge0 runs with neither a test nor a reason: {missing}"
     assert not [f for f in NOT_YET if f not in found], "a reason for a family the installed mlx-vlm lacks"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_mlx_vlms_own_4bit_output_converts_and_decodes_as_mlx_vlm_does(family):
+    """The layout mlx-community publishes (mlx-vlm's conversion: its tower in float, its text model
+    at 4 bits, routers included) converts, and serves mlx-vlm's tokens for it."""
+    from mlx_vlm import load
+
+    src = _mlx_vlm_4bit(family)
+    store = cached_dir("store", f"vl-{family}-from-mlx-vlm", lambda out: convert(src, out, quiet=True))
+    model, processor = load(src)
+    engine = edge0.load(store, decode_executor="exact")
+    try:
+        for images in ([random_image(1)], [random_image(2, 96, 64), random_image(3)]):
+            prompt, want, prompt_tokens = _mlx_vlm_tokens((model, processor, store), images)
+            out = engine.generate(prompt, 10, images=images)
+            assert out.tokens == want and out.stats["prompt_tokens"] == prompt_tokens
+    finally:
+        engine.close()

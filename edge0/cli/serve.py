@@ -178,6 +178,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--max-messages", type=_count(1), default=512, help="messages per chat request (default 512)")
     p.add_argument(
+        "--fetch-image-urls",
+        action="store_true",
+        help="fetch images given by http(s) links (the server reaches any host a client names: only with "
+        "trusted clients); by default a link is a 400 and clients send the image itself",
+    )
+    p.add_argument(
         "--memory-low",
         type=_size("--memory-low"),
         default=None,
@@ -274,6 +280,7 @@ def main(argv=None) -> int:
         context_length=context,
         max_prompt_tokens=max_prompt_tokens,
         max_messages=args.max_messages,
+        fetch_image_urls=args.fetch_image_urls,
         memory_low=memory_low,
         memory_poll_s=args.memory_poll_s,
         allowed_hosts=tuple(args.allowed_host),

@@ -55,8 +55,10 @@ class ImageBlock(Strict):
     def part(self, param: str) -> dict:
         """The block as a template message's image part (base64 data; a link or file is a 400)."""
         s = self.source
+        if s.type == "url" and s.url:
+            return images.link_part(s.url, f"{param}.source")
         if s.type != "base64":
-            return images.url_refused(f"{param}.source", "a URL" if s.type == "url" else "a file id")
+            return images.url_refused(f"{param}.source", "a file id" if s.type == "file" else "an empty URL")
         return images.base64_part(s.media_type, s.data, f"{param}.source")
 
 

@@ -46,6 +46,9 @@ class ServerConfig:
     tokenize_concurrency: int = 2  # prompts rendered and tokenized at once before the queue (admission.py)
     # a stream with no event for this long gets a keep-alive event: under the 15 s some clients' idle guards allow
     keepalive_s: float = 10.0
+    # --fetch-image-urls: fetch an image given by an http(s) link (any host the server can reach: for
+    # trusted clients only); else such a request is a 400 that says to send the image itself
+    fetch_image_urls: bool = False
 
     def api_keys(self) -> tuple[str, ...]:
         """The keys accepted (none: no key is required)."""

@@ -194,7 +194,8 @@ async def prompt_tokens(request: Request, prompt: Prompt, record: bool = False) 
             prompt.param,
             "context_length_exceeded",
         )
-    images, image_params = take_images(prompt.messages)  # before the template renders their parts
+    # read (fetched, with --fetch-image-urls) before the template renders their parts
+    images, image_params = await run_in_threadpool(take_images, prompt.messages, config.fetch_image_urls)
     tokens = await state.tokenizing.run(_tokenize, engine, prompt, chars=chars)  # bounded: admission.py
     vision = None
     if images:

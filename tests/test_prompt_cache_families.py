@@ -35,12 +35,18 @@ def test_a_request_branching_inside_the_last_reply_reuses_the_prefix_and_gives_t
     store = store_for(family)
     engine = edge0.load(store, prerouter=False)
     first = engine.generate(PROMPT, max_tokens=8, ignore_eos=True, reuse_cache=True)
+    shared = len(engine.encode(PROMPT)) + 3
     branch = engine.encode(PROMPT) + first.tokens[:3] + [11, 12, 13]
+    floor = engine.kv.pool.newest.floor  # a chunked attention cache holds only its last chunk's worth
     got = engine.generate(branch, max_tokens=8, ignore_eos=True, reuse_cache=True)
     want = edge0.load(store, prerouter=False).generate(branch, max_tokens=8, ignore_eos=True)
     assert got.tokens == want.tokens
-    if bkv.can_trim_prompt_cache(engine.kv.make()):  # recurrent state starts again (nothing to cut back)
+    # recurrent state starts again from the prompt's end (nothing to cut back); a chunked attention cache
+    # is cut back only down to its floor, which the branch may be below (llama4: then nothing is reused)
+    if bkv.can_trim_prompt_cache(engine.kv.make()) and shared >= floor:
         assert got.stats["prefill_tokens"] < len(branch) - 8
+    elif shared < floor:
+        assert got.stats["prefill_tokens"] == len(branch)
 
 
 def test_a_chunked_attention_cache_is_not_cut_back_below_its_kept_chunk(store_for):

@@ -52,7 +52,7 @@ def assemble(
         path = layer["module"]
         inner = get_module(model, path)
         if isinstance(inner, list):  # per-expert modules: one of them runs each expert's stored tensors
-            stream = StreamingExpertList(_quantized_like(inner[0], path, layer["tensors"], q), layer["layer"])
+            stream = StreamingExpertList(quantized_like(inner[0], layer["tensors"], q), layer["layer"])
         else:
             stream = StreamingExperts(inner, layer["layer"])
         set_module(model, path, stream)
@@ -82,8 +82,10 @@ def assemble(
     return model
 
 
-def _quantized_like(template: nn.Module, path: str, tensors, q: dict | None) -> nn.Module:
-    """One expert's module quantized as the store holds that list's experts."""
+def quantized_like(template: nn.Module, tensors, q: dict | None) -> nn.Module:
+    """`template` with the modules quantized whose `.scales` are among `tensors` (names relative to
+    it), as `q` (config.json's "quantization") says: one expert's module as the store holds that
+    list's experts, a vision tower as its checkpoint holds it."""
     if q:
         nn.quantize(
             template,

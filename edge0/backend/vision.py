@@ -18,6 +18,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from edge0.backend import io as bio
+from edge0.backend.assemble import quantized_like
 from edge0.backend.modules import set_module
 from edge0.errors import Edge0Error
 
@@ -249,15 +250,7 @@ class Tower:
 
     def __init__(self, root: Path, config: dict, weights: dict, compute_dtype: str, processor):
         model, _, model_config = _vlm_model(config, root)
-        q = config.get("quantization")
-        if q and any(n.endswith(".scales") for n in weights):
-            nn.quantize(
-                model,
-                q["group_size"],
-                q["bits"],
-                mode=q.get("mode", "affine"),
-                class_predicate=lambda p, m: hasattr(m, "to_quantized") and f"{p}.scales" in weights,
-            )
+        quantized_like(model, weights, config.get("quantization"))
         # the text model is Edge0's: mlx-vlm's own is never evaluated, and its layers go now
         lm = model.language_model
         from mlx_vlm.models.rope_utils import MRoPERotaryEmbedding

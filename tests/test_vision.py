@@ -340,3 +340,22 @@ def test_mlx_vlms_own_4bit_output_converts_and_decodes_as_mlx_vlm_does(family):
             assert out.tokens == want and out.stats["prompt_tokens"] == prompt_tokens
     finally:
         engine.close()
+
+
+def test_without_mlx_vlm_a_vl_checkpoint_converts_and_loads_text_only(tmp_path, monkeypatch, capsys):
+    """A user without the `vision` extra: the checkpoint converts (its language model, said on
+    stderr), and a store with a tower loads text only, its load line saying why."""
+    from edge0.backend import vision as bvision
+
+    with_tower = vl_store()  # converted with mlx-vlm
+    monkeypatch.setattr(bvision, "available", lambda: False)
+    store = convert(str(vl_fixture_dir()), tmp_path / "store", quiet=True)
+    assert "mlx-vlm is not installed" in capsys.readouterr().err
+    assert "vision" not in json.loads((store / "edge0-manifest.json").read_text())
+    engine = edge0.load(with_tower)
+    try:
+        assert engine.tower is None and "mlx-vlm is not installed" in engine.describe()
+        with pytest.raises(ImagesRefused, match="this model does not take images"):
+            engine.generate("hello", 2, images=[random_image(1)])
+    finally:
+        engine.close()

@@ -53,6 +53,13 @@ def _vlm_classes(config: dict, where: Path):
         ) from None
 
 
+def available() -> bool:
+    """Whether mlx-vlm is installed (the `vision` extra): without it a VL model is served text only."""
+    import importlib.util
+
+    return importlib.util.find_spec("mlx_vlm") is not None
+
+
 def has_tower(config: dict) -> bool:
     """Whether a checkpoint's config describes a vision tower."""
     return isinstance(config.get("vision_config"), dict) and bool(config["vision_config"])

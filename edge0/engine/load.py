@@ -109,6 +109,8 @@ def _tower(root: Path, manifest: dict, config: dict, compute: str, model, stage)
         return None, ""
     if stage is not None:
         return None, "text only across ranks"
+    if not bvision.available():
+        return None, "text only: mlx-vlm is not installed (pip install 'edge0[vision]')"
     return bvision.load_tower(root, entry, config, compute, model), ""
 
 

@@ -215,7 +215,16 @@ def _tower(src: Path, config: dict) -> dict:
     """A VL checkpoint's vision tower and projector (kept as the checkpoint stores them), else {}."""
     from edge0.backend import vision as bvision
 
-    return bvision.tower_weights(src, config) if bvision.has_tower(config) else {}
+    if not bvision.has_tower(config):
+        return {}
+    if not bvision.available():
+        print(
+            f"{src}: a vision-language model; mlx-vlm is not installed, so the store holds the language model "
+            "only (pip install 'edge0[vision]' and convert again to keep its vision tower)",
+            file=sys.stderr,
+        )
+        return {}
+    return bvision.tower_weights(src, config)
 
 
 def _materialize(weights: dict, name: str, bar):

@@ -312,13 +312,12 @@ class Tower:
         ours._vl_context = context
         _mix(ours, _SpanEmbedding)
 
-    def prompt(self, text: str, images: list[bytes]) -> ImagePrompt:
+    def prompt(self, text: str, images: list[bytes], pixels: list) -> ImagePrompt:
         """The prompt `text` (the chat template's, one image placeholder per image) through the
         family's own processor, as mlx-vlm prepares it: its tokens (each image's expanded) and the
-        images' arrays (numpy: any thread)."""
+        images' arrays (numpy: any thread). `pixels`: each image decoded (decode_image)."""
         from mlx_vlm.utils import prepare_inputs, should_add_special_tokens
 
-        pixels = [decode_image(b) for b in images]
         try:
             inputs = prepare_inputs(
                 self.processor,

@@ -192,14 +192,15 @@ class Engine:
         if self.tower is None:
             why = f" ({self.tower_note})" if self.tower_note else ""
             raise ImagesRefused(f"{self.model_id}: this model does not take images{why}; send text only")
+        pixels = []
         for i, data in enumerate(images):
             try:
-                bvision.decode_image(data)
+                pixels.append(bvision.decode_image(data))
             except ValueError as e:
                 raise ImagesRefused(f"image {i + 1}: {e}; send a PNG, JPEG, GIF or WebP image", i) from None
         text = prompt if isinstance(prompt, str) else self.tokenizer.decode(list(prompt), skip_special_tokens=False)
         try:
-            return self.tower.prompt(text, list(images))
+            return self.tower.prompt(text, list(images), pixels)
         except Edge0Error as e:
             raise ImagesRefused(str(e)) from None
 

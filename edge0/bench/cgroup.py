@@ -4,6 +4,7 @@ than compute, as it is on the machines Edge0 is for."""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -107,12 +108,13 @@ def block_device(path) -> tuple[int, int] | None:
 
 
 class ReadLimit(Cgroup):
-    """A child block-I/O cgroup of this process's own that limits reads from one disk to `rate`
-    bytes/s: buffered and O_DIRECT reads alike (page-cache hits are not throttled)."""
+    """A child block-I/O cgroup of this process's own that limits reads from each disk of a store
+    (its own, and those of its stripe directories) to `rate` bytes/s: buffered and O_DIRECT reads
+    alike (page-cache hits are not throttled)."""
 
-    def __init__(self, path: Path, device: tuple[int, int], rate: int, version: int):
+    def __init__(self, path: Path, devices: list[tuple[int, int]], rate: int, version: int):
         super().__init__(path)
-        self.device, self.rate, self.version = device, rate, version
+        self.devices, self.rate, self.version = devices, rate, version
 
     @staticmethod
     def parent() -> tuple[Path | None, int, str]:
@@ -148,55 +150,74 @@ class ReadLimit(Cgroup):
 
     @classmethod
     def create(cls, store, rate: int) -> "ReadLimit":
-        """A read limit of `rate` bytes/s on the disk holding `store`; OSError/ValueError with the reason."""
+        """A read limit of `rate` bytes/s on each disk holding `store`'s experts; OSError/ValueError
+        with the reason."""
         parent, version, reason = cls.parent()
         if parent is None:
             raise ValueError(reason)
-        device = block_device(store)
-        if device is None:
-            raise ValueError(
-                f"{store} is on a file system with no block device (tmpfs, overlay); a read limit throttles a disk"
-            )
+        devices = []
+        for d in stripe_dirs(store):
+            device = block_device(d)
+            if device is None:
+                raise ValueError(
+                    f"{d} is on a file system with no block device (tmpfs, overlay); a read limit throttles a disk"
+                )
+            devices += [device] if device not in devices else []
         path = parent / f"edge0-read-{os.getpid()}"
         path.mkdir(exist_ok=True)
-        cg = cls(path, device, rate, version)
+        cg = cls(path, devices, rate, version)
         try:
-            dev = f"{device[0]}:{device[1]}"
-            if version == 1:
-                (path / "blkio.throttle.read_bps_device").write_text(f"{dev} {rate}")
-            else:
-                (path / "io.max").write_text(f"{dev} rbps={rate}")
+            for major, minor in devices:  # one line per device: each gets its own limit
+                if version == 1:
+                    (path / "blkio.throttle.read_bps_device").write_text(f"{major}:{minor} {rate}")
+                else:
+                    (path / "io.max").write_text(f"{major}:{minor} rbps={rate}")
         except OSError:
             cg.remove()
             raise
         return cg
 
     def bytes_read(self) -> int:
-        """Bytes read from the limited disk by processes in the cgroup so far."""
-        dev = f"{self.device[0]}:{self.device[1]}"
+        """Bytes read from the limited disks by processes in the cgroup so far."""
+        devs = {f"{major}:{minor}" for major, minor in self.devices}
         try:
             if self.version == 1:
                 text = (self.path / "blkio.throttle.io_service_bytes").read_text()
                 return sum(
                     int(f[2])
                     for f in (l.split() for l in text.splitlines())
-                    if len(f) == 3 and f[0] == dev and f[1] == "Read"
+                    if len(f) == 3 and f[0] in devs and f[1] == "Read"
                 )
             text = (self.path / "io.stat").read_text()
-            for line in text.splitlines():
-                if line.startswith(dev + " "):
-                    return int(dict(kv.split("=") for kv in line.split()[1:]).get("rbytes", 0))
+            return sum(
+                int(dict(kv.split("=") for kv in line.split()[1:]).get("rbytes", 0))
+                for line in text.splitlines()
+                if line.split(" ", 1)[0] in devs
+            )
         except OSError:
-            pass
-        return 0
+            return 0
 
     def describe(self) -> dict:
+        """The limit per device, and the store's whole read rate under it (every device at once)."""
         return {
             "rate_bytes_per_s": self.rate,
-            "device": f"{self.device[0]}:{self.device[1]}",
+            "devices": [f"{major}:{minor}" for major, minor in self.devices],
+            "store_rate_bytes_per_s": self.rate * len(self.devices),
             "cgroup": str(self.path),
             "cgroup_version": self.version,
         }
+
+
+def stripe_dirs(store) -> list[Path]:
+    """The directories holding a store's experts: the store, and its stripe directories if any."""
+    from edge0.store.format import MANIFEST
+    from edge0.store.stripes import store_dirs
+
+    try:
+        manifest = json.loads((Path(store) / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return [Path(store)]
+    return store_dirs(store, manifest)
 
 
 def read_limit_refusal(store, rate: int) -> str:

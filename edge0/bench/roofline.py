@@ -22,6 +22,7 @@ from pathlib import Path
 from edge0.store.format import MANIFEST
 from edge0.store.pagecache import evict
 from edge0.store.readers import DEFAULT_QUEUE_DEPTH
+from edge0.store.stripes import layer_parts, store_dirs
 
 
 def measure_read_rate(
@@ -30,23 +31,28 @@ def measure_read_rate(
     """Random expert-row reads over the store's expert files, `queue_depth` at a time, for up to
     `seconds` (or the whole store once): bytes per second, after dropping those files from the
     page cache (`page_cache_dropped` False where the OS cannot: the rate may then be memory's);
-    `warm`: after reading them whole instead, so the rate is the page cache's."""
+    `warm`: after reading them whole instead, so the rate is the page cache's. A store striped
+    over several directories reads each one's parts of the rows, `queue_depth` per directory."""
     store = Path(store)
-    entries = json.loads((store / MANIFEST).read_text())["expert_layers"]
+    manifest = json.loads((store / MANIFEST).read_text())
+    dirs = store_dirs(store, manifest)
     rows = [
-        (e["file"], int(e["offset"]) + i * int(e["expert_stride"]), int(e["expert_stride"]))
-        for e in entries
+        (dirs[p["dir"]] / p["file"], int(p["offset"]) + i * int(p["row_bytes"]), int(p["row_bytes"]))
+        for e in manifest["expert_layers"]
+        for p in layer_parts(e)
+        if p["row_bytes"]
         for i in range(int(e["num_experts"]))
     ]
     random.Random(0).shuffle(rows)
     files = sorted({f for f, _, _ in rows})
     if warm:
         for f in files:
-            with open(store / f, "rb") as fh:
+            with open(f, "rb") as fh:
                 while fh.read(64 << 20):
                     pass
-    dropped = not warm and evict([store / f for f in files]) is not None
-    fds = {f: os.open(store / f, os.O_RDONLY) for f in files}
+    dropped = not warm and evict(files) is not None
+    fds = {f: os.open(f, os.O_RDONLY) for f in files}
+    queue_depth *= len(dirs)
     lock, next_row, total = threading.Lock(), [0], [0]
     deadline = time.monotonic() + seconds
 
@@ -113,7 +119,8 @@ def add_rooflines(result: dict, device_rate: float | None, page_cache_rate: floa
     arms = result["arms"]
     ref = next((a for a in arms if a["name"] == "mlx-lm-resident" and a["status"] == "ok"), None)
     resident = ref["metrics"]["decode_tps"] if ref else None
-    limit = (result["settings"].get("read_limit") or {}).get("rate_bytes_per_s")
+    rl = result["settings"].get("read_limit") or {}
+    limit = rl.get("store_rate_bytes_per_s") or rl.get("rate_bytes_per_s")
     for a in arms:
         rate = device_rate
         if limit and a["storage"] == "capped":

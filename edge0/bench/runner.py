@@ -194,12 +194,14 @@ def read_limit_info(args, model: Model) -> dict:
     """What --read-limit set, for the JSON: the rate, the disk and which arms ran inside it."""
     if args.read_limit is None:
         return {"rate_bytes_per_s": None}
-    from edge0.bench.cgroup import ReadLimit, block_device
+    from edge0.bench.cgroup import ReadLimit, block_device, stripe_dirs
 
-    major, minor = block_device(model.store)
+    devices = sorted({block_device(d) for d in stripe_dirs(model.store)})
     return {
         "rate_bytes_per_s": args.read_limit,
-        "device": f"{major}:{minor}",
+        "device": ", ".join(f"{major}:{minor}" for major, minor in devices),
+        # each disk of a striped store has the limit: the store reads at their sum
+        "store_rate_bytes_per_s": args.read_limit * len(devices),
         "cgroup_version": ReadLimit.parent()[1],
         "arms": "capped",
     }

@@ -36,6 +36,12 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
+STRIPE_HELP = (
+    "another directory, on another disk, to cut every expert's row over (repeatable: one per disk; "
+    "it must not exist yet): each read then draws on every disk at once (docs/store-format.md)"
+)
+
+
 # -- model-loading flags ------------------------------------------------------------------------
 _TYPES = {"int": int, "float": float}
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from edge0.cli.common import OneLineParser, run_main
+from edge0.cli.common import STRIPE_HELP, OneLineParser, run_main
 from edge0.store.convert import convert
 
 
@@ -21,8 +21,9 @@ def main(argv=None) -> int:
         action="store_true",
         help="load a tokenizer that is Python code shipped with the model (Kimi's): it runs with your rights",
     )
+    p.add_argument("--stripe", action="append", metavar="DIR", help=STRIPE_HELP)
     args = p.parse_args(argv)
-    convert(args.hf_path, args.out, dtype=args.dtype, trust_remote_code=args.trust_remote_code)
+    convert(args.hf_path, args.out, dtype=args.dtype, trust_remote_code=args.trust_remote_code, stripes=args.stripe)
     return 0
 
 

@@ -21,11 +21,11 @@ def measure_reads(store, layers: list[int], num_experts: int, per_layer: int = 8
     cold, warm, forced = {}, {}, True
     for l in sample:
         ids = rng.choice(num_experts, size=min(per_layer, num_experts), replace=False)
-        path = store.root / store.layers[l]["file"]
+        paths = store.layer_paths(l)
         store.read(l, [int(ids[0])])  # first-use costs (mmap, page tables) are not read costs
         tc, tw = [], []
         for e in ids:
-            forced &= evict([path]) is not None
+            forced &= evict(paths) is not None
             tc.append(_timed_read(store, l, int(e)))
             tw.append(_timed_read(store, l, int(e)))
         cold[l], warm[l] = float(np.median(tc)), float(np.median(tw))

@@ -29,12 +29,12 @@ from edge0.store.format import (
     RESIDENT_FILE,
     VERSION,
     VISION_FILE,
-    expert_file,
     seal,
     sha256_file,
 )
 from edge0.store.outdir import output_lock, partial_dir, remove_stale_partials, unwind_on_termination
-from edge0.store.writer import SafetensorsWriter, write_expert_layer
+from edge0.store.stripes import StripeDirs
+from edge0.store.writer import SafetensorsWriter, write_layer
 from edge0.version import __version__
 
 PARTS = ("weight", "scales", "biases", "bias")
@@ -84,9 +84,12 @@ def convert(
     quiet: bool = False,
     reuse: bool = False,
     trust_remote_code: bool = False,
+    stripes: list | None = None,
 ) -> Path:
     """Convert `hf_path` (local dir or repo id) into an edge0 store at `out`; returns its path.
     `trust_remote_code`: load a tokenizer that is Python code shipped with the model (Kimi's).
+    `stripes`: more directories (one per disk, none existing yet) to cut every expert's row over,
+    beside the store's own (store/stripes.py).
 
     `out` must not exist, and a conversion to `out` already running in another process is an
     error. With `reuse` (the bundled model's first use), a store already at `out` is returned as
@@ -118,12 +121,20 @@ def convert(
         if out.exists():
             raise Edge0Error(f"-o {out}: already exists; choose a new output directory or delete it")
         remove_stale_partials(out, quiet)
+        dirs = StripeDirs(stripes or [], quiet)
         with unwind_on_termination():
-            return _convert(src, str(hf_path), out, config, dtype, quiet, trust_remote_code)
+            return _convert(src, str(hf_path), out, config, dtype, quiet, trust_remote_code, dirs)
 
 
 def _convert(
-    src: Path, hf_path: str, out: Path, config: dict, dtype: str | None, quiet: bool, trust_remote_code: bool
+    src: Path,
+    hf_path: str,
+    out: Path,
+    config: dict,
+    dtype: str | None,
+    quiet: bool,
+    trust_remote_code: bool,
+    dirs: StripeDirs,
 ) -> Path:
     from edge0.backend import io as bio
     from edge0.backend import quant
@@ -144,10 +155,11 @@ def _convert(
     tmp = partial_dir(out, os.getpid())
     total = sum(weights[k].nbytes for k in weights) + sum(w.nbytes for w in tower.values())
     bar = tqdm(total=total, unit="B", unit_scale=True, desc="convert", disable=quiet)
-    files = {}
+    files, committed = {}, False
     try:
         shutil.rmtree(tmp, ignore_errors=True)
         (tmp / "experts").mkdir(parents=True)
+        dirs.make()
         files[RESIDENT_FILE], resident_crc32 = _write(tmp / RESIDENT_FILE, resident, weights, bar)
         vision = None
         if tower:
@@ -155,10 +167,9 @@ def _convert(
             files[VISION_FILE], _ = _write(tmp / VISION_FILE, sorted(tower), tower, bar)
         expert_layers = []
         for path, layer, names in layers:
-            rel = expert_file(layer)
             entries = [(k, bio.st_dtype(weights[k]), tuple(weights[k].shape)) for k in names]
-            files[rel], fields = write_expert_layer(tmp / rel, path, entries, lambda k: _materialize(weights, k, bar))
-            expert_layers.append({"layer": layer, "module": path, "file": rel, **fields})
+            entry = write_layer(tmp, dirs, files, layer, path, entries, lambda k: _materialize(weights, k, bar))
+            expert_layers.append(entry)
         bar.close()
         bio.save_config(dict(config), config_path=tmp / CONFIG_FILE, keep_vision_config=bool(vision))
         tokenizer.save_pretrained(str(tmp))
@@ -191,11 +202,16 @@ def _convert(
         }
         if vision:
             manifest["vision"] = vision
+        if dirs.final:
+            manifest["stripes"] = dirs.manifest()
         (tmp / MANIFEST).write_text(json.dumps(seal(manifest), indent=1))
+        dirs.commit()
+        committed = True
         os.rename(tmp, out)
     except BaseException:
         bar.close()
         shutil.rmtree(tmp, ignore_errors=True)
+        dirs.discard(committed)
         raise
     if not quiet:
         print(

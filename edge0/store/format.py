@@ -9,6 +9,7 @@ from pathlib import Path
 
 from edge0.errors import Edge0Error
 from edge0.store.manifest_checks import check_manifest
+from edge0.store.stripes import check_dirs, layer_files, layer_parts, locate
 
 FORMAT = "edge0-store"
 VERSION = 2
@@ -47,6 +48,7 @@ def open_manifest(root, verify: bool = False) -> dict:
     """Read and check a store's manifest. Sizes are always checked; sha256 too with `verify`."""
     root = Path(root)
     path, manifest = read_manifest(root)
+    check_dirs(root, manifest, path)
     if "manifest_sha256" not in manifest and manifest["version"] >= 2:
         raise Edge0Error(f"{path}: {_NO_CHECKSUM_V2}; check the store with: edge0 verify {root}; {_regenerate(root)}")
     if "manifest_sha256" in manifest and manifest["manifest_sha256"] != manifest_checksum(manifest):
@@ -57,9 +59,9 @@ def open_manifest(root, verify: bool = False) -> dict:
     # the tensors every load depends on; config, tokenizer and sidecars are checked by
     # edge0 verify (a user may edit or replace them; each has its own checks at load)
     for rel in tensor_files(manifest):
-        check_file(root, rel, manifest["files"][rel], verify)
+        check_file(root, locate(root, manifest, rel), manifest["files"][rel], verify)
     for entry in manifest["expert_layers"]:
-        check_layout(path, root, entry)
+        check_layout(path, root, entry, manifest)
     return manifest
 
 
@@ -97,8 +99,8 @@ def read_manifest(root: Path) -> tuple[Path, dict]:
 
 
 def tensor_files(manifest: dict) -> list[str]:
-    """The model's tensor files: the resident weights and one file per MoE layer."""
-    return [RESIDENT_FILE, *(e["file"] for e in manifest.get("expert_layers") or [])]
+    """The model's tensor files: the resident weights and each MoE layer's file (or its parts)."""
+    return [RESIDENT_FILE, *(f for e in manifest.get("expert_layers") or [] for f in layer_files(e))]
 
 
 def is_sidecar(rel: str) -> bool:
@@ -124,6 +126,7 @@ def verify_store(root) -> tuple[dict, list[str]]:
     each problem on one line. A manifest that cannot be read is an Edge0Error."""
     root = Path(root)
     path, manifest = read_manifest(root)
+    check_dirs(root, manifest, path)
     problems = []
     if "manifest_sha256" not in manifest:
         why = (
@@ -136,21 +139,22 @@ def verify_store(root) -> tuple[dict, list[str]]:
         problems.append(f"{path}: changed after conversion (its checksum differs); {_regenerate(root)}")
     for rel, info in manifest["files"].items():
         try:
-            check_file(root, rel, info, verify=True)
+            check_file(root, locate(root, manifest, rel), info, verify=True)
         except Edge0Error as e:
             note = " (a sidecar: replaced, or damaged)" if is_sidecar(rel) else ""
             problems.append(f"{e}{note}")
     for entry in manifest["expert_layers"]:
         try:
-            check_layout(path, root, entry)
+            check_layout(path, root, entry, manifest)
         except (Edge0Error, OSError) as e:  # a missing file is reported above
             problems += [str(e)] if isinstance(e, Edge0Error) else []
     return manifest, problems
 
 
-def check_layout(path: Path, root: Path, entry: dict) -> None:
-    """An expert-major entry must describe rows that lie inside its 4 KiB-aligned file; a
-    tensor-major one, tensors that lie inside theirs."""
+def check_layout(path: Path, root: Path, entry: dict, manifest: dict) -> None:
+    """An expert-major entry must describe rows that lie inside its 4 KiB-aligned file (or, cut
+    over several directories, parts that make up the row, each inside its file); a tensor-major
+    one, tensors that lie inside theirs."""
     layout = entry.get("layout")
     if layout is None:  # tensor-major (version 1 layout)
         size = (root / entry["file"]).stat().st_size
@@ -161,19 +165,30 @@ def check_layout(path: Path, root: Path, entry: dict) -> None:
     if layout != EXPERT_MAJOR:
         raise Edge0Error(f"{path}: layer {entry.get('layer')} has unknown layout {layout!r}; {_regenerate(root)}")
     try:
-        offset, stride, num = int(entry["offset"]), int(entry["expert_stride"]), int(entry["num_experts"])
+        stride, num = int(entry["expert_stride"]), int(entry["num_experts"])
         ends = [int(t["expert_offset"]) + int(t["expert_nbytes"]) for t in entry["tensors"].values()]
+        parts = [(p["file"], int(p["offset"]), int(p["row_start"]), int(p["row_bytes"])) for p in layer_parts(entry)]
     except (KeyError, TypeError, ValueError):
         raise Edge0Error(
             f"{path}: layer {entry.get('layer')} lacks expert-major layout fields; {_regenerate(root)}"
         ) from None
-    size = (root / entry["file"]).stat().st_size
-    if offset % ALIGN or stride % ALIGN or max(ends) > stride or offset + num * stride != size:
-        raise Edge0Error(f"{root / entry['file']}: layout in the manifest does not match the file; {_regenerate(root)}")
+    starts = [sum(p[3] for p in parts[:i]) for i in range(len(parts) + 1)]
+    if [p[2] for p in parts] != starts[:-1] or starts[-1] != stride:
+        raise Edge0Error(f"{path}: layer {entry.get('layer')}: its parts do not make up its rows; {_regenerate(root)}")
+    for rel, offset, _, size in parts:
+        f = locate(root, manifest, rel)
+        if (
+            offset % ALIGN
+            or size % ALIGN
+            or stride % ALIGN
+            or max(ends) > stride
+            or offset + num * size != f.stat().st_size
+        ):
+            raise Edge0Error(f"{f}: layout in the manifest does not match the file; {_regenerate(root)}")
 
 
-def check_file(root: Path, rel: str, info: dict, verify: bool) -> None:
-    f = root / rel
+def check_file(root: Path, f: Path, info: dict, verify: bool) -> None:
+    """The file `f` of the store at `root` has the manifest's size (and sha256, with `verify`)."""
     if not f.is_file():
         raise Edge0Error(f"{f} is missing; {_regenerate(root)}")
     size = f.stat().st_size
@@ -205,7 +220,9 @@ def manifest_hash(root) -> str:
     # the model's tensors only: config, tokenizer and sidecar files were hashed later (format 2)
     files = {k: v for k, v in (m.get("files") or {}).items() if k in set(tensor_files(m))}
     for entry in m.get("expert_layers") or []:
-        if entry.get("layout") == EXPERT_MAJOR:
+        if entry.get("layout") == EXPERT_MAJOR:  # its logical file, whether one or cut in parts
+            for rel in layer_files(entry):
+                files.pop(rel, None)
             files[entry["file"]] = entry["tensor_major"]
     ident = {k: m.get(k) for k in ("format", "model_type", "spec", "quantization")}
     ident.update(version=1, files=files)

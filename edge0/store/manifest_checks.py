@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path, PurePosixPath
 
 from edge0.errors import Edge0Error
+from edge0.store.stripes import check_names, store_dirs
 from edge0.units import SAFETENSORS_DTYPES, tensor_nbytes
 
 
@@ -58,8 +59,10 @@ def check_manifest(path: Path, root: Path, manifest) -> None:
             raise bad(key, f"is missing or not {name}")
     if not isinstance(manifest.get("spec"), (dict, type(None))):
         raise bad("spec", "is not an object or null")
+    check_names(manifest, bad)
+    dirs = store_dirs(root, manifest)
     for rel, info in manifest["files"].items():
-        inside_store(root, rel, "a key of files", path)
+        inside_store(dirs[info.get("dir", 0)] if isinstance(info, dict) else root, rel, "a key of files", path)
         if not isinstance(info, dict) or not _count(info.get("size")) or not isinstance(info.get("sha256"), str):
             raise bad(f"files[{rel!r}]", "needs a size (an integer >= 0) and a sha256 (a string)")
     if not manifest["expert_layers"]:
@@ -75,7 +78,14 @@ def _check_layer(key: str, entry, files: dict, spec_experts, bad, root: Path, pa
     if not _count(entry.get("layer")) or not isinstance(entry.get("module"), str):
         raise bad(key, "needs a layer (an integer >= 0) and a module (a string)")
     inside_store(root, entry.get("file"), f"{key}.file", path)
-    if entry["file"] not in files:
+    if "parts" in entry:  # cut over several directories: `file` names the layer, its parts hold it
+        parts = entry["parts"]
+        if not (isinstance(parts, list) and parts and all(isinstance(p, dict) for p in parts)):
+            raise bad(f"{key}.parts", "is not a list of parts")
+        for i, p in enumerate(parts):
+            if p.get("file") not in files or not all(_count(p.get(k)) for k in ("offset", "row_start", "row_bytes")):
+                raise bad(f"{key}.parts[{i}]", "needs a file listed in files, an offset, a row_start and row_bytes")
+    elif entry["file"] not in files:
         raise bad(f"{key}.file", f"{entry['file']!r} is not listed in files")
     experts = entry.get("num_experts")
     if not _count(experts, 1):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 import time
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +19,7 @@ from edge0.errors import Edge0Error
 from edge0.store.format import ALIGN, EXPERT_MAJOR, RELAYOUT
 from edge0.store.pacing import StoragePacer
 from edge0.store.readers import CHUNK, DEFAULT_QUEUE_DEPTH, IOV_MAX, aligned_empty, choose_io, make_reader, split
+from edge0.store.stripes import layer_files, layer_parts, store_dirs
 
 
 def _runs(ids: list[int]):
@@ -54,6 +56,7 @@ class ExpertStore:
         pace_reads: int | None = None,
     ):
         self.root = Path(root)
+        self.dirs = store_dirs(root, manifest)
         self.layers = {int(l["layer"]): l for l in manifest["expert_layers"]}
         # per layer: the manifest's crc32 of each expert, and which were checked (once per process)
         self._crc = {
@@ -67,9 +70,16 @@ class ExpertStore:
         self.reason = "requested"
         if io == "auto":
             files = manifest.get("files", {})
-            io, self.reason = choose_io(sum(files.get(l["file"], {}).get("size", 0) for l in self.layers.values()))
-        pacer = StoragePacer(pace_reads) if pace_reads else None
-        self._reader = make_reader(io, self.root, queue_depth, cold_reads, pacer)
+            sizes = [files.get(f, {}).get("size", 0) for l in self.layers.values() for f in layer_files(l)]
+            io, self.reason = choose_io(sum(sizes))
+        # one reader per directory (each its own disk: its own queue, and its own pace)
+        self._readers = [
+            make_reader(io, d, queue_depth, cold_reads, StoragePacer(pace_reads) if pace_reads else None)
+            for d in self.dirs
+        ]
+        self._reader = self._readers[0]
+        # the parts beyond the first are read on these threads while the caller reads the first
+        self._fanout = ThreadPoolExecutor(4 * (len(self.dirs) - 1), "edge0-stripe") if len(self.dirs) > 1 else None
         self._lock = threading.Lock()
         self.bytes_read = 0
 
@@ -84,11 +94,19 @@ class ExpertStore:
 
     @cold_reads.setter
     def cold_reads(self, value: bool) -> None:
-        self._reader.cold_reads = value
+        for r in self._readers:
+            r.cold_reads = value
 
     def expert_nbytes(self, layer: int) -> int:
         """Bytes of one expert of `layer` (all its tensors, without row padding)."""
         return sum(t["expert_nbytes"] for t in self.layers[layer]["tensors"].values())
+
+    def layer_paths(self, layer: int) -> list[Path]:
+        """The files that hold `layer`'s experts (one, or one per stripe directory)."""
+        info = self.layers[layer]
+        if info.get("layout") != EXPERT_MAJOR:
+            return [self.root / info["file"]]
+        return [self.dirs[p["dir"]] / p["file"] for p in layer_parts(info)]
 
     def _fill(self, info: dict, ids: list[int] | None) -> dict[str, tuple[np.ndarray, str, tuple]]:
         """Read experts `ids` (None: all, in large reads) of one layer into fresh arrays."""
@@ -106,7 +124,7 @@ class ExpertStore:
             name: block[starts[name] : starts[name] + n * int(t["expert_nbytes"])].reshape(n, int(t["expert_nbytes"]))
             for name, t in tensors.items()
         }
-        ranges, aligned = [], False
+        aligned = False
         if info.get("layout") == EXPERT_MAJOR:
             stride = int(info["expert_stride"])
             row, pos = [], 0  # one expert's row: (gap before, tensor name), then the tail padding
@@ -118,27 +136,35 @@ class ExpertStore:
             aligned = not tail and all(
                 gap == 0 and int(tensors[name]["expert_nbytes"]) % ALIGN == 0 for gap, name in row
             )
-            # experts per read: at most CHUNK bytes and IOV_MAX segments
-            per = max(1, min(CHUNK // stride, IOV_MAX // (2 * len(row) + 1)))
-            for i, e, k in runs:
-                for j in range(0, k, per):
-                    segments = []
-                    for r in range(i + j, i + min(k, j + per)):
-                        for gap, name in row:
-                            segments += [gap, out[name][r]] if gap else [out[name][r]]
-                        segments += [tail] if tail else []
-                    ranges.append((int(info["offset"]) + (e + j) * stride, (min(k, j + per) - j) * stride, segments))
+            reads = [
+                (part, _part_ranges(part, row, tail, out, runs)) for part in layer_parts(info) if part["row_bytes"]
+            ]
         else:
+            ranges = []
             for name, t in tensors.items():
                 size = int(t["expert_nbytes"])
                 for i, e, k in runs:
                     ranges += split(int(t["offset"]) + e * size, out[name][i : i + k].reshape(-1))
-        self._reader.read(info["file"], ranges, aligned)
+            reads = [({"dir": 0, "file": info["file"]}, ranges)]
+        self._read_parts(reads, aligned)
         if int(info["layer"]) in self._checked:
             self._check(info, list(range(n)) if ids is None else ids, out)
         with self._lock:
             self.bytes_read += sum(b.nbytes for b in out.values())
         return {name: (out[name], t["dtype"], tuple(t["shape"][1:])) for name, t in tensors.items()}
+
+    def _read_parts(self, reads: list, aligned: bool) -> None:
+        """Each part's ranges from its directory's reader, the directories at once."""
+        futures = [
+            self._fanout.submit(self._readers[part["dir"]].read, part["file"], ranges, aligned)
+            for part, ranges in reads[1:]
+        ]
+        try:
+            if reads:
+                self._readers[reads[0][0]["dir"]].read(reads[0][0]["file"], reads[0][1], aligned)
+        finally:
+            for f in futures:
+                f.result()
 
     def _check(self, info: dict, ids: list[int], out: dict) -> None:
         """Compare the experts of this read that were never checked with their crc32."""
@@ -183,8 +209,9 @@ class ExpertStore:
 
     def io_stats(self) -> dict:
         """Which reader ran and why, reads issued, bytes issued (with row padding) and read
-        (tensor bytes), the most reads in flight at once, and direct-I/O fallbacks."""
-        d = self._reader.stats()
+        (tensor bytes), the most reads in flight at once, and direct-I/O fallbacks (summed over
+        the stripe directories, with each one's own under "dirs" when there are several)."""
+        d = _summed([r.stats() for r in self._readers])
         d.update(
             reason=self.reason,
             bytes_read=self.bytes_read,
@@ -207,8 +234,11 @@ class ExpertStore:
             )
         else:
             line += "; expert-major layout: 1 read per expert"
+        if len(self.dirs) > 1:
+            line += f"; every expert striped over {len(self.dirs)} directories ({', '.join(map(str, self.dirs))})"
         if s["paced"]:
-            line += f"; paced as a {s['paced']['rate_bytes_per_s'] / 1e6:g} MB/s disk"
+            each = s["paced"]["rate_bytes_per_s"] / len(self.dirs) / 1e6
+            line += f"; paced as a {each:g} MB/s disk" + (" each" if len(self.dirs) > 1 else "")
         line += "; experts checked (crc32) when first read" if s["expert_checks"] else "; experts not checked when read"
         if self.resident_checked:
             line += f", resident weights ({self.resident_checked}) at load"
@@ -218,4 +248,57 @@ class ExpertStore:
         return line
 
     def close(self) -> None:
-        self._reader.close()
+        if self._fanout is not None:
+            self._fanout.shutdown(wait=True)
+        for r in self._readers:
+            r.close()
+
+
+def _part_ranges(part: dict, row: list, tail: int, out: dict, runs: list) -> list:
+    """The (file offset, length, segments) reads of one part of a layer's rows: for each run of
+    consecutive experts (at most CHUNK bytes and IOV_MAX segments a read), the row bytes
+    [row_start, row_start + row_bytes) of each, scattered into the output arrays."""
+    start, size = int(part["row_start"]), int(part["row_bytes"])
+    per = max(1, min(CHUNK // size, IOV_MAX // (2 * len(row) + 1)))
+    ranges = []
+    for i, e, k in runs:
+        for j in range(0, k, per):
+            segments = []
+            for r in range(i + j, i + min(k, j + per)):
+                whole = []
+                for gap, name in row:
+                    whole += [gap, out[name][r]] if gap else [out[name][r]]
+                segments += _cut(whole + ([tail] if tail else []), start, start + size)
+            ranges.append((int(part["offset"]) + (e + j) * size, (min(k, j + per) - j) * size, segments))
+    return ranges
+
+
+def _cut(segments: list, start: int, end: int) -> list:
+    """The segments of a row (arrays, or ints: bytes to skip) that cover its bytes [start, end)."""
+    out, pos = [], 0
+    for s in segments:
+        n = s if isinstance(s, int) else s.nbytes
+        lo, hi = max(pos, start), min(pos + n, end)
+        if lo < hi:
+            out.append(hi - lo if isinstance(s, int) else s[lo - pos : hi - pos])
+        pos += n
+    return out
+
+
+def _summed(stats: list[dict]) -> dict:
+    """One reader's stats, or several directories' readers' added up (rates of paced disks too)."""
+    if len(stats) == 1:
+        return stats[0]
+    d = dict(stats[0])
+    for k in ("reads", "bytes_issued", "direct_fallbacks"):
+        d[k] = sum(s[k] for s in stats)
+    d["max_queue_depth"] = max(s["max_queue_depth"] for s in stats)
+    d["direct_fallback_reasons"] = sorted({r for s in stats for r in s["direct_fallback_reasons"]})
+    if d["paced"]:
+        paced = [s["paced"] for s in stats]
+        d["paced"] = {
+            **paced[0],
+            **{k: sum(p[k] for p in paced) for k in ("rate_bytes_per_s", "reads", "storage_bytes", "waited_s")},
+        }
+    d["dirs"] = stats
+    return d

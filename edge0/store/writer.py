@@ -15,7 +15,8 @@ import struct
 import zlib
 from pathlib import Path
 
-from edge0.store.format import ALIGN, EXPERT_MAJOR, sha256_file
+from edge0.store.format import ALIGN, EXPERT_MAJOR, expert_file, sha256_file
+from edge0.store.stripes import PART_FORMAT, StripeDirs, mark_file, part_file, row_parts
 from edge0.units import tensor_nbytes
 
 # Start of each tensor inside an expert row: keeps every tensor aligned for any dtype view.
@@ -109,18 +110,48 @@ def write_expert_layer(path, module: str, tensors: list[tuple[str, str, tuple]],
     file, the manifest layer entry's layout fields), where `tensor_major` is the size and sha256
     of the tensor-major file the same tensors would make (the store's identity; see
     format.manifest_hash)."""
-    path = Path(path)
+    infos, fields = write_expert_parts([path], module, tensors, get_bytes)
+    return infos[0], fields
+
+
+def write_expert_parts(paths: list, module: str, tensors: list[tuple[str, str, tuple]], get_bytes) -> tuple[list, dict]:
+    """`write_expert_layer` with each row cut into `len(paths)` parts (stripes.row_parts), part k
+    in `paths[k]` as the safetensors tensor `{module}.experts.part-K` uint8 [E, row bytes]; one
+    path writes the plain layer file. Returns ([{"size", "sha256"}] per file, the layout fields,
+    with "parts": [{"offset", "row_start", "row_bytes"}] when cut)."""
+    paths = [Path(p) for p in paths]
     num, stride, layout = expert_major_layout(module, tensors)
-    meta = {"format": "edge0-expert-major", "tensors": json.dumps(layout, separators=(",", ":"))}
-    head, _ = _header([(f"{module}.experts", "U8", (num, stride))], meta, ALIGN)
+    table = json.dumps(layout, separators=(",", ":"))
+    cuts = row_parts(stride, len(paths)) if len(paths) > 1 else [(0, stride)]
+    heads = []
+    for k, (start, size) in enumerate(cuts):
+        if len(paths) == 1:
+            heads.append(
+                _header(
+                    [(f"{module}.experts", "U8", (num, stride))],
+                    {"format": "edge0-expert-major", "tensors": table},
+                    ALIGN,
+                )[0]
+            )
+        else:
+            meta = {
+                "format": PART_FORMAT,
+                "part": str(k),
+                "parts": str(len(paths)),
+                "row_start": str(start),
+                "tensors": table,
+            }
+            heads.append(_header([(f"{module}.experts.part-{k}", "U8", (num, size))], meta, ALIGN)[0])
     tm_head, _ = _header(tensors, {"format": "mlx"}, 8)  # what SafetensorsWriter would write
     tm_sha, tm_size = hashlib.sha256(tm_head), len(tm_head)
-    tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
+    tmps = [p.with_name(f".{p.name}.partial-{os.getpid()}") for p in paths]
     crcs = [0] * num  # per expert: crc32 of its tensors' bytes in this order, checked when first read
     try:
-        with open(tmp, "wb") as fh:
-            fh.write(head)
-            fh.truncate(len(head) + num * stride)  # the padding reads back as zeros
+        handles = [open(t, "wb") for t in tmps]
+        try:
+            for fh, head, (_, size) in zip(handles, heads, cuts):
+                fh.write(head)
+                fh.truncate(len(head) + num * size)  # the padding reads back as zeros
             for name, _, _ in tensors:
                 t = layout[name[len(module) + 1 :]]
                 n = t["expert_nbytes"]
@@ -130,21 +161,54 @@ def write_expert_layer(path, module: str, tensors: list[tuple[str, str, tuple]],
                 tm_sha.update(data)
                 tm_size += len(data)
                 for e in range(num):
-                    fh.seek(len(head) + e * stride + t["expert_offset"])
-                    fh.write(data[e * n : (e + 1) * n])
-                    crcs[e] = zlib.crc32(data[e * n : (e + 1) * n], crcs[e])
+                    one = data[e * n : (e + 1) * n]
+                    pos = t["expert_offset"]
+                    for fh, head, (start, size) in zip(handles, heads, cuts):
+                        lo, hi = max(pos, start), min(pos + n, start + size)
+                        if lo < hi:  # the part of this tensor that falls in this part of the row
+                            fh.seek(len(head) + e * size + lo - start)
+                            fh.write(one[lo - pos : hi - pos])
+                    crcs[e] = zlib.crc32(one, crcs[e])
                 del data
-        info = {"size": tmp.stat().st_size, "sha256": sha256_file(tmp)}
-        os.replace(tmp, path)
+        finally:
+            for fh in handles:
+                fh.close()
+        infos = [{"size": t.stat().st_size, "sha256": sha256_file(t)} for t in tmps]
+        for t, p in zip(tmps, paths):
+            os.replace(t, p)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        for t in tmps:
+            t.unlink(missing_ok=True)
         raise
-    return info, {
+    fields = {
         "num_experts": num,
         "layout": EXPERT_MAJOR,
-        "offset": len(head),
+        **({"offset": len(heads[0])} if len(paths) == 1 else {}),
         "expert_stride": stride,
         "tensors": layout,
         "tensor_major": {"size": tm_size, "sha256": tm_sha.hexdigest()},
         "expert_crc32": crcs,
     }
+    if len(paths) == 1:
+        return infos, fields
+    parts = [{"offset": len(h), "row_start": start, "row_bytes": size} for h, (start, size) in zip(heads, cuts)]
+    return infos, {**fields, "parts": parts}
+
+
+def write_layer(tmp: Path, dirs: StripeDirs, files: dict, layer: int, module: str, tensors: list, get_bytes) -> dict:
+    """Write one MoE layer's experts (into `tmp`, the store's partial directory, and cut over the
+    stripe directories if there are any); add its files to `files`; returns its manifest entry."""
+    rel = expert_file(layer)
+    if not dirs.final:
+        infos, fields = write_expert_parts([tmp / rel], module, tensors, get_bytes)
+        files[rel] = infos[0]
+        return {"layer": layer, "module": module, "file": rel, **fields}
+    rels = [part_file(layer, k) for k in range(dirs.count)]
+    infos, fields = write_expert_parts([dirs.path(tmp, k) / r for k, r in enumerate(rels)], module, tensors, get_bytes)
+    for k, (r, info) in enumerate(zip(rels, infos)):
+        files[r] = {**info, "dir": k} if k else info
+    for k in range(1, dirs.count):
+        f = dirs.path(tmp, k) / mark_file(k)
+        files[mark_file(k)] = {"size": f.stat().st_size, "sha256": sha256_file(f), "dir": k}
+    parts = [{"dir": k, "file": r, **p} for k, (r, p) in enumerate(zip(rels, fields.pop("parts")))]
+    return {"layer": layer, "module": module, "file": rel, **fields, "parts": parts}

@@ -239,3 +239,16 @@ def test_a_manifest_cannot_place_other_files_on_a_stripe_directory(striped, tmp_
     (store / "edge0-manifest.json").write_text(json.dumps(seal({k: v for k, v in m.items() if k != "manifest_sha256"})))
     with pytest.raises(Edge0Error, match="holds only expert parts"):
         open_manifest(store)
+
+
+def test_the_bench_limits_and_measures_every_directory_of_a_striped_store(striped):
+    from edge0.bench.cgroup import block_device, stripe_dirs
+    from edge0.bench.roofline import measure_read_rate
+
+    m = open_manifest(striped)
+    assert stripe_dirs(striped) == [Path(striped), *map(Path, m["stripes"]["dirs"])]
+    # here all three are on one disk: one limit line, so the store's rate is not counted thrice
+    assert len({block_device(d) for d in stripe_dirs(striped)}) == 1
+    r = measure_read_rate(striped, queue_depth=2, seconds=1.0, warm=True)
+    assert r["bytes"] == sum(p["row_bytes"] * e["num_experts"] for e in m["expert_layers"] for p in layer_parts(e))
+    assert r["read_size"] == 4096 and r["queue_depth"] == 2 * 3

@@ -1,8 +1,9 @@
 """One rank of tests/test_distributed.py: `python tests/dist_worker.py RUNS.json OUT.json`, started
 with MLX_HOSTFILE and MLX_RANK like mlx.launch does. For each run (load keywords and a prompt) it
 loads the engine, generates on rank 0 (follows elsewhere) and writes what this rank saw: the
-generated tokens (rank 0), the expert files it opened, its layers, MoE layers and adapted linears,
-and rank 0's stats; or the one-line refusal of a load that is refused across ranks."""
+generated tokens (rank 0; a batch's and an interleaved session's too, when the run has them), the
+expert files it opened, its layers, MoE layers and adapted linears, and rank 0's stats; or the
+one-line refusal of a load that is refused across ranks."""
 
 import json
 import os
@@ -52,6 +53,15 @@ for run in runs:
             for p in run.get("turns", [])
         ]
         out.update(tokens=res.tokens, layer_stats=stats["layers"], ranks=stats["ranks"], prerouter=stats["prerouter"])
+        if run.get("batch"):  # prompts decoded together in one batch
+            got = engine.generate_batch(run["batch"], max_tokens=run["max_tokens"], ignore_eos=True)
+            out["batch"] = [r.tokens for r in got]
+            out["batch_stats"] = got[0].stats["batch"]
+        # an agent's session: conversations interleaved, each turn reusing what the pool kept of it
+        out["session"] = []
+        for p in run.get("session", []):
+            r = engine.generate(p, max_tokens=run["max_tokens"], ignore_eos=True, reuse_cache=True)
+            out["session"].append({"tokens": r.tokens, "cached": r.stats["prompt_tokens"] - r.stats["prefill_tokens"]})
     engine.close()
     out["opened"] = list(opened)
     results.append(out)

@@ -30,16 +30,21 @@ HYBRID = (
 SAMPLE = ("mixtral", "olmoe", "gpt_oss", "minimax", "dbrx")  # dbrx: its ends are wte, blocks, norm_f
 
 
-def _families_across_ranks(families, store_for, tmp_path, ranks=2, fixture=None, turns=(), **options):
+def _families_across_ranks(
+    families, store_for, tmp_path, ranks=2, fixture=None, turns=(), batch=(), session=(), **options
+):
     """Each of `families` (fixtures with `fixture` keywords) on `ranks` ranks in one launch: the
     single process's greedy tokens, each rank running its own contiguous layers, or refused on
     every rank with its REFUSED reason; then `turns`, prompts one after another reusing the KV
-    cache, each as one process gives it."""
+    cache, each as one process gives it; `batch`, prompts decoded together, each as it decodes
+    alone; `session`, prompts of interleaved conversations reusing what the prompt caches kept,
+    each with the tokens and the cached prompt tokens of one process running the same session."""
     runs = [
         {"store": str(store_for(f, **(fixture or {}))), "options": {"prerouter": False, **options}} for f in families
     ]
     for run in runs:
         run.update(prompt=PROMPT, max_tokens=TOKENS, ignore_eos=True, turns=list(turns))
+        run.update(batch=list(batch), session=list(session))
     (tmp_path / "runs.json").write_text(json.dumps(runs))
     argv = [sys.executable, str(ROOT / "tests" / "dist_worker.py"), str(tmp_path / "runs.json")]
     argvs = [argv + [str(tmp_path / f"out-{r}.json")] for r in range(ranks)]
@@ -69,7 +74,48 @@ def _families_across_ranks(families, store_for, tmp_path, ranks=2, fixture=None,
             want = [cold.generate(t, max_tokens=TOKENS, ignore_eos=True).tokens for t in turns]
             if got[0]["turns"] != want:
                 wrong[family] = ("turns", got[0]["turns"], want)
+        if batch:
+            cold = edge0.load(runs[i]["store"], **runs[i]["options"])
+            cold.prefiller.layerwise = False
+            want = [cold.generate(p, max_tokens=TOKENS, ignore_eos=True).tokens for p in batch]
+            if got[0]["batch"] != want or got[0]["batch_stats"]["batch_steps"] > TOKENS + 1:  # together, not in turn
+                wrong[family] = ("batch", got[0]["batch"], want, got[0]["batch_stats"])
+        if session:
+            one = edge0.load(runs[i]["store"], **runs[i]["options"])
+            one.prefiller.layerwise = False
+            want = []
+            for p in session:
+                r = one.generate(p, max_tokens=TOKENS, ignore_eos=True, reuse_cache=True)
+                want.append({"tokens": r.tokens, "cached": r.stats["prompt_tokens"] - r.stats["prefill_tokens"]})
+            # the session's later turns find their first turns in the pool (agent_session)
+            if got[0]["session"] != want or not all(t["cached"] > 0 for t in got[0]["session"][3:]):
+                wrong[family] = ("session", got[0]["session"], want)
     assert not wrong, wrong
+
+
+def agent_session() -> list[str]:
+    """An agent's requests: its main thread, a side request, a subagent sharing the system prompt,
+    the main thread's next turn (which must find its first turn in the pool: two other
+    conversations ran in between), and the subagent's next turn."""
+    system = PROMPT * 8
+    main = system + " the task: count the stars"
+    sub = system + " the subtask: count the moons"
+    return [main, "a short side request about a title", sub, main + " and then the planets", sub + " and the suns"]
+
+
+BATCH = [PROMPT, "the sea " * 9, PROMPT + " and a dragon", "why " * 3]
+
+
+def test_a_hybrid_family_batches_and_keeps_an_agent_sessions_prefixes_on_two_ranks(store_for, tmp_path):
+    """Four prompts decoded together give each one's tokens alone; an agent's interleaved
+    conversations each reuse what the pool kept (rank 0's prompt caches, mirrored on rank 1)."""
+    _families_across_ranks(("qwen3_next",), store_for, tmp_path, batch=BATCH, session=agent_session())
+
+
+@pytest.mark.slow  # one launch: plain KV, hybrid, CacheList and SSM families batched and in a session
+def test_families_batch_and_keep_an_agent_sessions_prefixes_on_two_ranks(store_for, tmp_path):
+    families = ("qwen3_moe", "mixtral", "gpt_oss", *HYBRID)
+    _families_across_ranks(families, store_for, tmp_path, batch=BATCH, session=agent_session())
 
 
 @pytest.mark.slow  # in the default suite's time budget: every family across ranks runs under -m slow

@@ -24,6 +24,8 @@ from edge0.backend import layer_probe as lp
 from edge0.backend.quantized_batch import BatchQuantizedKVCache
 
 __all__ = [
+    "Caches",
+    "watch",
     "make_prompt_cache",
     "make_cache",
     "can_trim_prompt_cache",
@@ -54,6 +56,29 @@ __all__ = [
 ]
 
 
+class Caches(list):
+    """A prompt cache: one cache per layer. A list that a pipeline's rank 0 can name (`mirror`)
+    and learn is dropped (a weak reference), so the other ranks keep their layers' share of it."""
+
+    __slots__ = ("__weakref__", "mirror")
+
+
+# Across ranks, rank 0 hears of every prompt cache made and every change one goes through outside a
+# forward, so the other ranks make the same change to theirs (edge0/distributed/mirror.py).
+_watcher = None
+
+
+def watch(fn) -> None:
+    """`fn(op, out, *args)` hears of each prompt-cache op below (None: nobody listens)."""
+    global _watcher
+    _watcher = fn
+
+
+def _note(op: str, out, *args) -> None:
+    if _watcher is not None:
+        _watcher(op, out, *args)
+
+
 def make_cache(model, kv_bits: int | None = None, group_size: int = 64) -> list:
     """The model's prompt cache; with `kv_bits`, its full-attention layers' caches quantized from
     the first token (mlx-lm's QuantizedKVCache; sliding windows, which mlx-lm cannot quantize, and
@@ -61,6 +86,8 @@ def make_cache(model, kv_bits: int | None = None, group_size: int = 64) -> list:
     cache = make_prompt_cache(model)
     if kv_bits is not None:
         cache = [c.to_quantized(group_size=group_size, bits=kv_bits) if type(c) is KVCache else c for c in cache]
+    cache = Caches(cache)
+    _note("make", cache)
     return cache
 
 
@@ -88,6 +115,8 @@ def read_prompt_cache(path: str):
     fails here and not in a later forward."""
     cache, metadata = load_prompt_cache(path, return_metadata=True)
     mx.eval([c.state for c in cache])
+    cache = Caches(cache)
+    _note("read", cache)
     return cache, metadata
 
 
@@ -120,7 +149,9 @@ def prompt_cache_digest(cache) -> str:
 def copy_cache(cache) -> list:
     """An independent copy of a prompt cache: MLX updates a cache's arrays in place, so a copy
     that only shared them would write into the original."""
-    return copy.deepcopy(cache)
+    out = Caches(copy.deepcopy(list(cache)))
+    _note("copy", out, cache)
+    return out
 
 
 def trim_floor(cache) -> int:
@@ -143,9 +174,11 @@ def trim_to(cache, n: int) -> bool:
     leaves = [leaf for layer in cache for leaf in _leaves(layer)]  # a CacheList's caches each hold tokens
     ahead = [c for c in leaves if c.offset > n] if all(hasattr(c, "offset") for c in leaves) else None
     if ahead is None or not all(c.is_trimmable() for c in ahead) or n < trim_floor(cache):
+        _note("trim", cache, n, False)
         return False
     for c in ahead:
         c.trim(c.offset - n)
+    _note("trim", cache, n, True)
     return True
 
 
@@ -178,10 +211,11 @@ def merge_caches(caches: list[list]) -> list:
     """One batched cache per layer from each sequence's own cache (mlx-lm left-pads the shorter
     ones; the padding is masked and each row keeps its own positions). Evaluated here, so the
     sequences' own caches can go as soon as the caller drops them."""
-    merged = [_merge(list(layer)) for layer in zip(*caches)]
+    merged = Caches(_merge(list(layer)) for layer in zip(*caches))
     for m, layer in zip(merged, zip(*caches)):
         _rows_delta(m, [getattr(c, "rope_delta", None) for c in layer])
     mx.eval([x for c in merged for _, x in tree_flatten(c.state) if isinstance(x, mx.array)])
+    _note("merge", merged, caches)
     return merged
 
 
@@ -198,6 +232,7 @@ def filter_cache(cache: list, rows: list[int]) -> None:
         c.filter(idx)
         if getattr(c, "rope_delta", None) is not None:
             c.rope_delta = c.rope_delta[idx]
+    _note("filter", cache, rows)
 
 
 def join_rows(merged: list | None, cache: list) -> list:
@@ -210,18 +245,28 @@ def join_rows(merged: list | None, cache: list) -> list:
         if getattr(m, "rope_delta", None) is not None:
             m.rope_delta = mx.concatenate([m.rope_delta, mx.array([c.rope_delta])])
     mx.eval([x for c in merged for _, x in tree_flatten(c.state) if isinstance(x, mx.array)])
+    _note("join", merged, merged, cache)
     return merged
 
 
 def extract_row(merged: list, row: int) -> list:
     """A sequence's own cache, copied out of row `row` of a batch's `merged` cache (its padding
     left out), e.g. to keep its conversation's KV for the next request."""
-    out = [c.extract(row) for c in merged]
+    out = Caches(_extract(c, row) for c in merged)
     for o, m in zip(out, merged):
         if getattr(m, "rope_delta", None) is not None:
             o.rope_delta = int(m.rope_delta[row].item())
     mx.eval([x for c in out for _, x in tree_flatten(c.state) if isinstance(x, mx.array)])
+    _note("extract", out, merged, row)
     return out
+
+
+def _extract(cache, row: int):
+    """One row of a layer's batched cache; a recurrent state never fed (a pipeline's rank 0 keeps
+    one for each linear-attention layer another rank runs) stays empty (mlx-lm's extract fails)."""
+    if isinstance(cache, ArraysCache) and all(c is None for c in cache.cache):
+        return ArraysCache(len(cache.cache))
+    return cache.extract(row)
 
 
 def rows_can_drop_tails(cache) -> bool:
@@ -234,6 +279,7 @@ def drop_row_tails(merged: list, drops: list[int]) -> None:
     """Row i of a batch's `merged` cache drops its last `drops[i]` tokens: they are rolled to the
     front of the row and become left padding (mlx-lm's right padding, finalized), each row's
     positions going on from its kept tokens."""
+    _note("drop_tails", merged, drops)
     if not any(drops):
         return
     for c in merged:
@@ -254,6 +300,7 @@ def rewind(cache, drop: int, fed: int, point) -> bool:
     layer is trimmed. With one (recurrent layers), every layer goes back to before the forward
     (trimmed by `fed`, states put back), and the caller feeds the kept tokens again. Returns
     whether it did (a replay is due)."""
+    _note("rewind", cache, drop, fed)
     if point is None:
         trim_prompt_cache(cache, drop)
         return False

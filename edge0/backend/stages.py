@@ -12,6 +12,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import (
     ArraysCache,
+    BatchKVCache,
+    BatchRotatingKVCache,
     CacheList,
     ChunkedKVCache,
     KVCache,
@@ -21,6 +23,7 @@ from mlx_lm.models.cache import (
 )
 from mlx_lm.models.pipeline import PipelineMixin
 
+from edge0.backend.quantized_batch import BatchQuantizedKVCache
 from edge0.errors import Edge0Error
 
 
@@ -95,14 +98,15 @@ class SkipLayer(nn.Module):
         # a CacheList's caches each count tokens; a recurrent state counts none and stays empty
         for c in cache.caches if isinstance(cache, CacheList) else [cache] if cache is not None else []:
             if isinstance(c, _SKIPPABLE):
-                width = c.group_size if isinstance(c, QuantizedKVCache) else 1
+                width = c.group_size if isinstance(c, (QuantizedKVCache, BatchQuantizedKVCache)) else 1
                 z = mx.zeros((x.shape[0], 1, x.shape[1], width), dtype=x.dtype)
                 c.update_and_fetch(z, z)
         return x
 
 
-# the caches a SkipLayer keeps in step (each keeps its offset from the keys it is fed)
-_SKIPPABLE = (KVCache, RotatingKVCache, ChunkedKVCache, QuantizedKVCache)
+# the caches a SkipLayer keeps in step (each keeps its offset from the keys it is fed), one
+# sequence's or a batch's rows
+_SKIPPABLE = (KVCache, RotatingKVCache, ChunkedKVCache, QuantizedKVCache, BatchKVCache, BatchRotatingKVCache)
 # families mlx-lm does not pipeline whose layers hand each other more than the hidden state
 _SHARED_ACROSS_LAYERS = {
     "gemma4": "its later layers attend with the KV an earlier layer computed (KV sharing)",
@@ -279,6 +283,21 @@ def set_stage_source(model, source) -> None:
     model runs (rank 0 receives it from the previous stage there)."""
     inner = _pipeline_module(model)[1]
     object.__setattr__(inner[_names(inner)[0]], "source", source)
+
+
+class CacheWatch:
+    """Mixed into rank 0's model: hands each forward's prompt cache to `cache_seen` before it runs
+    (the stage exchange names that cache in the forward's message to the other ranks)."""
+
+    def __call__(self, *args, **kwargs):
+        self.cache_seen(kwargs.get("cache"))
+        return super().__call__(*args, **kwargs)
+
+
+def watch_forwards(model, fn) -> None:
+    """`fn(cache)` hears of the prompt cache of each forward of `model` (rank 0 of a pipeline)."""
+    model.__class__ = type(f"Watched{type(model).__name__}", (CacheWatch, type(model)), {})
+    object.__setattr__(model, "cache_seen", fn)
 
 
 # -- stage boundaries that carry more than the hidden state ----------------------------------------

@@ -7,17 +7,21 @@ direction the hidden state flows, since rank 0 runs the last layers:
 
 Each op is one trip around the ring, started by rank 0 and ending back at it:
 
-- FORWARD (a prefill chunk, step -1, or a decode step >= 0): the first stage embeds the token
-  ids, every stage runs its layers on the hidden state it received and sends the result on;
-  rank 0 finishes the token with its layers and the head, and samples. The header carries how
-  many tokens the KV cache holds before the call, so every stage trims or resets its own KV cache
-  exactly as rank 0's did; and the step number, so every stage runs the same StepHooks at the same
-  points (the pre-router's stager reads and swaps experts as it does in one process).
+- FORWARD (a prefill chunk, step -1, or a decode step >= 0; one row or a batch's rows): the first
+  stage embeds the token ids, every stage runs its layers on the hidden state it received and
+  sends the result on; rank 0 finishes the token with its layers and the head, and samples. The
+  header names the prompt cache the forward runs on (each rank holds its layers' share of every
+  prompt cache of rank 0, mirror.py) and the step number, so every stage runs the same StepHooks
+  at the same points (the pre-router's stager reads and swaps experts as it does in one process;
+  a batch's step also carries which row each row was, and which rows end).
   Pre-router heads whose consumer layer is on a later stage send their logits with the hidden
   state; the consumer's stage routes them (with its own router bias) before its layers run.
 - START / FINISH: a generation begins / ends (hooks.start / hooks.finish on every stage); FINISH
   collects every rank's statistics.
 - STOP: rank 0 is closing; the others return from `follow`.
+
+Any message may carry the prompt-cache ops rank 0 did since its last one (mirror.py), which every
+other rank applies, in order, before it acts on the message.
 
 Only rank 0 samples: the sampled token reaches the first stage as the next FORWARD's token ids,
 which is the only place it is needed.
@@ -37,6 +41,7 @@ from edge0.backend import core as B
 from edge0.backend import distributed as bdist
 from edge0.backend import kvcache as bkv
 from edge0.backend import stages as bstages
+from edge0.distributed.mirror import Journal, Replica
 from edge0.engine.hooks import StepHooks
 from edge0.engine.parts import Parts
 from edge0.errors import Edge0Error, PeerLost
@@ -45,8 +50,8 @@ from edge0.streaming.stats import COUNTERS
 FORWARD, START, FINISH, STOP = 1, 2, 3, 4
 OPS = {FORWARD: "forward", START: "start", FINISH: "finish", STOP: "stop"}
 # header fields (int32)
-OP, TOKENS, HIDDEN, OFFSET, STEP, N_PRED, EXPERTS, PAYLOAD, SEQ = range(9)
-HEADER = 9
+OP, TOKENS, HIDDEN, OFFSET, STEP, N_PRED, EXPERTS, PAYLOAD, SEQ, ROWS, CACHE, OPS_BYTES = range(12)
+HEADER = 12
 
 
 class Pipeline:
@@ -72,10 +77,11 @@ class Pipeline:
         self.bytes_sent = 0
         self.forwards = 0
         self.ranks: list[dict] = []  # rank 0: the other ranks' statistics, from the last FINISH
-        self.cache = None  # a follower: its stage's KV cache, in step with rank 0's (_sync)
-        # the tokens that cache holds, counted here: a stage of only linear-attention or SSM layers
-        # keeps no cache that counts them
-        self.held = 0
+        self.journal = Journal() if self.leads else None  # rank 0: its prompt caches' ops, for the others
+        self.replica = None if self.leads else Replica(parts.kv.make)  # the others: their share of them
+        self.cache = None  # rank 0: the prompt cache of the forward running now (watch_forwards)
+        # rank 0: this step's rows and which of them end (StepHooks.rows, last_step), for the others' hooks
+        self.previous, self.last, self.ending = None, False, None
         # where a rank waits for the next message without spinning (see bdist.ring_sockets); none
         # found means MLX's spinning receive, reported in the stats
         self.sockets = bdist.ring_sockets()
@@ -105,8 +111,27 @@ class Pipeline:
         n_pred: int = 0,
         experts: int = 0,
         payload: int = 0,
+        rows: int = 1,
+        cache: int = 0,
+        blob: bytes = b"",
     ) -> None:
-        self._send(bdist.int_array([op, tokens, hidden, offset, step, n_pred, experts, payload, self.seq]))
+        """A header, then `blob` (the JSON of prompt-cache ops and step details, mirror.py) if any."""
+        fields = [op, tokens, hidden, offset, step, n_pred, experts, payload, self.seq, rows, cache, len(blob)]
+        self._send(bdist.int_array(fields))
+        if blob:
+            self._send(B.array(np.frombuffer(blob, dtype=np.uint8)))
+
+    def _blob(self, step: dict | None = None) -> bytes:
+        """Rank 0: the prompt-cache ops since the last message, and `step`'s details, as JSON."""
+        ops = self.journal.take()
+        if not ops and step is None:
+            return b""
+        return json.dumps({"ops": ops, "step": step}).encode()
+
+    def _recv_blob(self, h: list[int]) -> bytes:
+        if not h[OPS_BYTES]:
+            return b""
+        return bytes(B.to_numpy(self._recv((h[OPS_BYTES],), "uint8")))
 
     def _recv(self, shape, dtype: str):
         try:
@@ -156,28 +181,44 @@ class Pipeline:
 
     # -- rank 0 --------------------------------------------------------------------------------
     def source(self, inputs):
-        """Rank 0's hidden state for a forward of token ids `inputs` [1, T]: the ids go to the first
-        stage, the hidden state comes back from rank 1 (StageEmbedding calls this)."""
+        """Rank 0's hidden state for a forward of token ids `inputs` [B, T] on the prompt cache
+        `watch_forwards` saw: the ids go to the first stage, the hidden state comes back from
+        rank 1 (StageEmbedding calls this)."""
         if not self.generating:
             raise Edge0Error(
                 "a distributed engine runs generations only (generate, stream_generate, chat, "
                 "decode_logits); logits, prerouted_logits and traces run in one process"
             )
-        t = int(inputs.shape[-1])
-        offset = bkv.cache_offset(self.parts.kv.in_use)
+        rows, t = int(inputs.shape[0]), int(inputs.shape[-1])
+        name = self.journal.name(self.cache)
+        step = None
+        if self.step >= 0:
+            step = {"previous": self.previous, "last": self.last, "ending": self.ending}
         with self._op():
-            self._send_header(FORWARD, tokens=t, offset=offset, step=self.step)
+            self._send_header(
+                FORWARD,
+                tokens=t,
+                offset=_held(self.cache),
+                step=self.step,
+                rows=rows,
+                cache=name,
+                blob=self._blob(step),
+            )
             self._send(inputs.reshape(-1).astype(B.dtype("int32")))
             t0 = time.perf_counter()
             h = self._recv_header()
             self._expect(h, FORWARD)
             preds = self._recv_predictions(h)
-            hidden = self._recv((1, t, h[HIDDEN]), self.dtype)
+            hidden = self._recv((rows, t, h[HIDDEN]), self.dtype)
             self.received_at = time.perf_counter()
             self.wait_s += self.received_at - t0
         self.forwards += 1
         self._route_predictions(preds)
         return hidden
+
+    def _seen(self, cache) -> None:
+        """Rank 0: the prompt cache of the forward about to run (its StageEmbedding asks `source`)."""
+        self.cache = cache
 
     @contextmanager
     def _op(self):
@@ -194,7 +235,7 @@ class Pipeline:
         """Send `op` around the ring and wait for it to come back (with the ranks' statistics
         for FINISH)."""
         with self._op():
-            self._send_header(op)
+            self._send_header(op, blob=self._blob())
             h = self._recv_header()
             self._expect(h, op)
             if not h[PAYLOAD]:
@@ -232,6 +273,8 @@ class Pipeline:
         stepper = self.parts.stepper
         stepper.hooks = LeaderHooks(stepper.hooks, self)
         bstages.set_stage_source(self.parts.model, self.source)
+        bstages.watch_forwards(self.parts.model, self._seen)
+        bkv.watch(self.journal)
 
     # -- every rank ------------------------------------------------------------------------------
     def own_stats(self) -> dict:
@@ -310,41 +353,51 @@ class Pipeline:
             h = self._recv_header()
             self.seq = h[SEQ]
             op = h[OP]
+            blob = self._recv_blob(h)
+            detail = json.loads(blob) if blob else {}
+            self.replica.apply(detail.get("ops", []))
+            on = blob if self.to != 0 else b""  # the next rank needs them too, unless it is rank 0
             if op == FORWARD:
                 self.wait_s += time.perf_counter() - t0
-                self._forward(h)
+                self._forward(h, detail.get("step"), on)
             elif op == START:
                 hooks.start()
                 B.reset_peak_memory()
-                self._send_header(START)
+                self._send_header(START, blob=on)
             elif op == FINISH:
                 hooks.finish()
                 ranks = json.loads(bytes(B.to_numpy(self._recv((h[PAYLOAD],), "uint8")))) if h[PAYLOAD] else []
-                blob = json.dumps(ranks + [self.own_stats()]).encode()
-                self._send_header(FINISH, payload=len(blob))
-                self._send(B.array(np.frombuffer(blob, dtype=np.uint8)))
+                stats = json.dumps(ranks + [self.own_stats()]).encode()
+                self._send_header(FINISH, payload=len(stats), blob=on)
+                self._send(B.array(np.frombuffer(stats, dtype=np.uint8)))
             elif op == STOP:
-                self._send_header(STOP)
+                self._send_header(STOP, blob=on)
                 self.closed = True
                 return
             else:
                 raise Edge0Error(f"rank {self.stage.rank}: unknown op {op} from rank {self.frm}; restart every rank")
 
-    def _forward(self, h: list[int]) -> None:
-        """One FORWARD on a follower: the same step as rank 0's (edge0/engine/step.py)."""
-        model, step, t = self.parts.model, h[STEP], h[TOKENS]
+    def _forward(self, h: list[int], step_detail: dict | None, on: bytes) -> None:
+        """One FORWARD on a follower: the same step as rank 0's (edge0/engine/step.py), on this
+        rank's share of the prompt cache rank 0's forward runs on."""
+        model, step, t, rows = self.parts.model, h[STEP], h[TOKENS], h[ROWS]
         t0 = time.perf_counter()
         if self.stage.first:
             preds = {}
-            x = self._recv((1, t), "int32")
+            x = self._recv((rows, t), "int32")
         else:
             preds = self._recv_predictions(h)
-            x = self._recv((1, t, h[HIDDEN]), self.dtype)
+            x = self._recv((rows, t, h[HIDDEN]), self.dtype)
         received = time.perf_counter()
         self.wait_s += received - t0
         self.forwards += 1
-        cache = self._sync(h[OFFSET])
-        self.held += t
+        cache = self.replica.get(h[CACHE])
+        held = _held(cache)
+        if h[OFFSET] >= 0 and held >= 0 and held != h[OFFSET]:
+            raise Edge0Error(
+                f"this stage's KV cache holds {held} tokens, rank 0's {h[OFFSET]}: the ranks are out of step; "
+                "restart every rank"
+            )
         routed = {}
 
         def forward():
@@ -364,32 +417,42 @@ class Pipeline:
                 step=step,
                 n_pred=len(routed),
                 experts=int(next(iter(routed.values())).shape[-1]) if routed else 0,
+                rows=rows,
+                cache=h[CACHE],
+                blob=on,
             )
             self._send_predictions(routed)
             self._send(out)
 
         if step >= 0:  # the same step as rank 0's (edge0/engine/step.py)
-            self.parts.stepper.follow(step, t, forward, send, cache)
+            detail = step_detail or {}
+            ending = detail.get("ending")
+            self.parts.stepper.follow(
+                step,
+                rows * t,
+                forward,
+                send,
+                cache,
+                per_row=t if rows > 1 else 0,
+                previous=detail.get("previous"),
+                last=detail.get("last", False),
+                ending=ending or (),
+            )
             return
         out = forward()  # a prefill chunk: not a step, no hooks
         B.eval(out, [c.state for c in cache])
         send(out)
 
-    def _sync(self, offset: int):
-        """This stage's cache holding exactly `offset` tokens, as rank 0's does before the forward
-        (a new cache at 0; trimmed where rank 0's prompt caches trimmed theirs)."""
-        held = self.held if self.cache is not None else 0
-        if offset == 0:
-            self.cache = self.parts.kv.make()
-        elif held > offset and bkv.can_trim_prompt_cache(self.cache):
-            bkv.trim_prompt_cache(self.cache, held - offset)
-        elif held != offset:
-            raise Edge0Error(
-                f"this stage's KV cache holds {held} tokens, rank 0's {offset}: the ranks are out of step; "
-                "restart every rank"
-            )
-        self.held = offset
-        return self.cache
+
+def _held(cache) -> int:
+    """Tokens a one-row prompt cache holds (cache_offset), or -1 where it does not say (a batch's
+    rows each hold their own count; a stage of only linear-attention or SSM layers counts none)."""
+    if not bkv.counts_tokens(cache):
+        return -1
+    try:
+        return bkv.cache_offset(cache)
+    except (TypeError, ValueError):
+        return -1
 
 
 class LeaderHooks(StepHooks):
@@ -408,18 +471,31 @@ class LeaderHooks(StepHooks):
     def before_step(self, step: int) -> None:
         self.inner.before_step(step)
 
+    def multi_token(self, step: int, n_tokens: int) -> None:
+        self.inner.multi_token(step, n_tokens)
+
+    def rows(self, step: int, previous: list) -> None:
+        self.pipeline.previous = [None if p is None else int(p) for p in previous]
+        self.inner.rows(step, previous)
+
     def last_step(self, step: int, rows: list[int] | None = None) -> None:
         if rows is None:
+            self.pipeline.last = True
             self.inner.last_step(step)
         else:
+            self.pipeline.ending = [int(r) for r in rows]
             self.inner.last_step(step, rows)
+
+    def kept(self, step: int, position: int) -> None:
+        self.inner.kept(step, position)
 
     def before_forward(self, step: int) -> None:
         self.pipeline.step = step
         self.inner.before_forward(step)
 
     def after_forward(self, step: int, outputs) -> None:
-        self.pipeline.step = -1
+        p = self.pipeline
+        p.step, p.previous, p.last, p.ending = -1, None, False, None
         self.inner.after_forward(step, outputs)
 
     def step_done(self, step: int) -> None:

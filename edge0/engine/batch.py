@@ -56,8 +56,6 @@ class _OwnFailure(Exception):
 
 def batch_problem(parts: Parts) -> str | None:
     """Why an engine of these `parts` cannot decode a batch (None if it can)."""
-    if parts.pipeline is not None:
-        return "a batch decodes in one process, not across ranks under mlx.launch"
     problem = bkv.batch_problem(parts.kv.make())
     return f"{parts.model_id}: {problem}" if problem else None
 

@@ -147,17 +147,18 @@ class Stepper:
         n, nxt = self.run(step, len(inputs), lambda: bfw.forward_all(self.model, inputs, cache), finish)
         return n, nxt, replayed
 
-    def follow(self, step: int, n_tokens: int, forward: Callable, send: Callable, cache):
+    def follow(self, step: int, n_tokens: int, forward: Callable, send: Callable, cache, **rows):
         """A pipeline follower's step of `n_tokens` tokens: this stage's forward (`forward()`,
         evaluated here with its `cache`) and `send(out)` to the next rank between after_forward
-        and step_done."""
+        and step_done; `rows`: a batch's `per_row`, `previous`, `last` and `ending`, as rank 0's
+        step had them (`run`)."""
 
         def finish(out):
             B.eval(out, [c.state for c in cache])
             send(out)
             return out, None
 
-        return self.run(step, n_tokens, forward, finish)
+        return self.run(step, n_tokens, forward, finish, **rows)
 
 
 def sample_rows(samplers: list, logprobs) -> list[int | Exception]:

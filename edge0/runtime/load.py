@@ -28,10 +28,10 @@ def load_engine(path, options: LoadOptions) -> Engine:
     engine = open_engine(root, options, stage_planner(group, options))
     if engine.stage is not None:
         join(engine, group)
-        # the other ranks mirror rank 0's cache by its token count alone: a cache taken from the
-        # memory pool or the disk tier (another conversation's) would leave them trimming a
-        # different one, so across ranks only the newest is kept (describe() says so)
-        engine.kv.use_pool(0)
+        if engine.pipeline is not None and not engine.pipeline.leads:
+            # the other ranks keep their share of rank 0's prompt caches, as rank 0 says
+            # (distributed/mirror.py): a pool of their own would keep nothing
+            engine.kv.use_pool(0)
     heads = heads_path(root, options.prerouter, engine.spec)
     if heads is not None:
         attach_prerouter(engine, heads, diagnostics=options.prerouter_diagnostics)

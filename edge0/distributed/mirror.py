@@ -1,0 +1,133 @@
+"""Every prompt cache of rank 0, mirrored on the other ranks for their layers.
+
+Rank 0 owns the prompt caches: the lone sequence's, each waiting sequence's own, a batch's merged
+rows, the pool's entries of other conversations. Its caches for the other stages' layers are
+placeholders (SkipLayers feed them one-wide keys), so every operation on them is cheap there;
+the other ranks hold the real thing for their layers. Rank 0's `Journal` hears of each cache made
+and each change one goes through outside a forward (backend/kvcache.py: copy, trim, merge, join,
+filter, extract) and of each cache dropped (a weak reference), names each cache with a number,
+and hands the ops to the next message; each other rank's `Replica` makes the same change to its
+own cache of that number, in the same order, before it acts on the message. A forward names the
+cache it runs on. So batching, a pool of many conversations and end-of-prompt snapshots of
+recurrent state work across ranks as in one process, with no rule of thumb about token counts.
+
+What has no mirror is refused where rank 0 does it: caches read from disk (the disk tier is off
+across ranks), a speculative verify's rewinds (speculation runs in one process).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import deque
+
+from edge0.backend import kvcache as bkv
+from edge0.errors import Edge0Error
+
+_NOT_ACROSS_RANKS = {
+    "read": "a prompt cache read from disk (the disk tier is off across ranks)",
+    "drop_tails": "a batched verify's rejected drafts (speculative decoding runs in one process)",
+    "rewind": "a verify's rewind (speculative decoding runs in one process)",
+}
+
+
+class Journal:
+    """Rank 0: names its prompt caches and queues, in order, what the other ranks must do to
+    theirs (`take()` hands the queue to the next message)."""
+
+    def __init__(self):
+        self.ops: deque = deque()
+        self.last = 0  # the last name given
+        self.live = 0  # caches named and not dropped yet
+
+    def __call__(self, op: str, out, *args) -> None:
+        if op in _NOT_ACROSS_RANKS:
+            raise Edge0Error(f"across ranks: {_NOT_ACROSS_RANKS[op]} is not mirrored on the other ranks")
+        if op == "make":
+            self.ops.append(("make", self._name(out)))
+        elif op == "copy":
+            self.ops.append(("copy", self._name(out), self.name(args[0])))
+        elif op == "trim":
+            self.ops.append(("trim", self.name(out), int(args[0]), bool(args[1])))
+        elif op == "merge":
+            self.ops.append(("merge", self._name(out), [self.name(c) for c in args[0]]))
+        elif op == "join":
+            self.ops.append(("join", self.name(args[0]), self.name(args[1])))
+        elif op == "filter":
+            self.ops.append(("filter", self.name(out), [int(r) for r in args[0]]))
+        elif op == "extract":
+            self.ops.append(("extract", self._name(out), self.name(args[0]), int(args[1])))
+        else:
+            raise Edge0Error(f"across ranks: prompt-cache op {op!r} has no mirror")
+
+    def _name(self, cache) -> int:
+        self.last += 1
+        self.live += 1
+        cache.mirror = self.last
+        weakref.finalize(cache, self._dropped, self.last)
+        return self.last
+
+    def _dropped(self, name: int) -> None:  # may run in any thread, when the GC frees the cache
+        self.live -= 1
+        self.ops.append(("drop", name))
+
+    @staticmethod
+    def name(cache) -> int:
+        """The number the other ranks know `cache` by."""
+        name = getattr(cache, "mirror", None)
+        if name is None:
+            raise Edge0Error(
+                "across ranks: a prompt cache made before the ranks were joined, or outside the "
+                "prompt-cache ops the other ranks mirror, was used; restart every rank"
+            )
+        return name
+
+    def take(self) -> list:
+        """The ops queued so far, oldest first (each taken once)."""
+        out = []
+        while self.ops:
+            out.append(self.ops.popleft())
+        return out
+
+
+class Replica:
+    """Another rank: its caches by rank 0's names, changed as rank 0's ops say (`apply`)."""
+
+    def __init__(self, make):
+        self.make = make  # () -> a new prompt cache of this stage's model
+        self.caches: dict[int, list] = {}
+
+    def get(self, name: int) -> list:
+        try:
+            return self.caches[name]
+        except KeyError:
+            raise Edge0Error(
+                f"this rank holds no prompt cache {name}: the ranks are out of step; restart every rank"
+            ) from None
+
+    def apply(self, ops: list) -> None:
+        """Make rank 0's changes to this rank's caches, in order."""
+        for op, *args in ops:
+            if op == "make":
+                self.caches[args[0]] = self.make()
+            elif op == "copy":
+                self.caches[args[0]] = bkv.copy_cache(self.get(args[1]))
+            elif op == "trim":
+                name, n, done = args
+                if bkv.trim_to(self.get(name), n) != done:
+                    raise Edge0Error(
+                        f"prompt cache {name} could {'not ' if done else ''}be cut back to {n} tokens here and "
+                        f"{'' if done else 'not '}on rank 0: the ranks are out of step; restart every rank"
+                    )
+            elif op == "merge":
+                self.caches[args[0]] = bkv.merge_caches([self.get(n) for n in args[1]])
+            elif op == "join":
+                merged, cache = args
+                bkv.join_rows(self.get(merged), self.get(cache))
+            elif op == "filter":
+                bkv.filter_cache(self.get(args[0]), args[1])
+            elif op == "extract":
+                self.caches[args[0]] = bkv.extract_row(self.get(args[1]), args[2])
+            elif op == "drop":
+                self.caches.pop(args[0], None)
+            else:
+                raise Edge0Error(f"unknown prompt-cache op {op!r} from rank 0; restart every rank")

@@ -118,6 +118,16 @@ def test_families_batch_and_keep_an_agent_sessions_prefixes_on_two_ranks(store_f
     _families_across_ranks(families, store_for, tmp_path, batch=BATCH, session=agent_session())
 
 
+@pytest.mark.slow  # one launch
+def test_deepseek_v41_resumes_a_conversation_from_its_end_of_prompt_copy_on_two_ranks(store_for, tmp_path):
+    """Its caches cannot be cut back: the next turn resumes from a copy taken at the prompt's end
+    (216 cached tokens here), which rank 1 takes of its own layers too. Before the prompt caches
+    were mirrored the pool was off across ranks, so no copy was taken and the turn ran cold."""
+    first = PROMPT * 12
+    session = [first, first + " and then", "unrelated " * 20]
+    _families_across_ranks(("deepseek_v41",), store_for, tmp_path, session=session)
+
+
 @pytest.mark.slow  # in the default suite's time budget: every family across ranks runs under -m slow
 def test_families_mlx_lm_does_not_pipeline_give_the_single_process_tokens_on_two_ranks(store_for, tmp_path):
     _families_across_ranks(SAMPLE, store_for, tmp_path)

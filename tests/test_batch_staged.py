@@ -77,20 +77,6 @@ def test_a_prefill_token_between_a_stage_and_its_swap_leaves_the_slots_alone(sto
     assert each_pair_computes_its_expert(engine, layer, ex, rows)
 
 
-def test_an_overflows_misses_take_a_slot_only_from_a_less_used_cached_expert():
-    """Hand-set use: a call routes 5, 6, 1 and 7 while 1-4 are cached in 4 slots, so its misses
-    compete with 2, 3 and 4 for three slots, by recent use (ties keep the cached expert)."""
-    from edge0.streaming.staged import overflow_split
-
-    cached, order = {1: 0, 2: 1, 3: 2, 4: 3}, [5, 6, 1, 7]
-    use = np.array([0, 1, 9, 5, 0.1, 3, 0.5, 8])  # by expert: 7 passes 3, 5 passes only 4
-    assert overflow_split(order, cached, use, 4) == ([1], [7], [5, 6])
-    use[[4, 5, 7]] = [2, 1, 2]  # 7 ties with 4, the least used cached one: nothing is admitted
-    assert overflow_split(order, cached, use, 4) == ([1], [], [5, 6, 7])
-    # an empty slot goes to the best miss, however little used
-    assert overflow_split(order, {1: 0, 2: 1, 3: 2}, use, 4) == ([1], [7], [5, 6])
-
-
 def test_a_batch_overflow_keeps_the_experts_its_rows_routed_lately(store_for):
     """Two steps of one row route experts 0 and 1 into the two slots; a batch step of four new
     experts, each routed once, reads them for that step only and leaves 0 and 1 cached (filling

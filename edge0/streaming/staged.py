@@ -25,7 +25,6 @@ the substitute takes the routed expert's gate weight, through a per-step alias i
 from __future__ import annotations
 
 import time
-from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -35,6 +34,7 @@ from edge0.cache import substitute
 from edge0.store.pacing import thread_storage_bytes
 from edge0.streaming.exact import ExactExecutor, raw_nbytes, to_device
 from edge0.streaming.lookahead import RECALL_DECAY, updated_recall
+from edge0.streaming.overflow import admission_order, decayed_use, overflow_split, stage_split
 from edge0.streaming.pool import SlotSet
 
 
@@ -103,16 +103,9 @@ class StagedExecutor(ExactExecutor):
         if ids.ndim == 1:
             experts, alias = self.route_experts(ids, scores)
         else:  # the step's own host route substitutes, if at all
-            order = admission_order(ids)
-            if len(order) > self.slots.n_slots:  # ranked by the use the step will count with its route
-                use = decayed_use(self.use, ids)
-                kept, admit, rest = overflow_split(order, self.slots.slot_of, use, self.slots.n_slots)
-                fill = kept + admit
-            else:
-                fill, rest = order, []
-            experts, alias = sorted(fill), {}
-            beyond = sorted(rest)  # read ahead too, for the step's overflow
-            if beyond:
+            experts, beyond = stage_split(ids, self.slots.slot_of, self.use, self.slots.n_slots)
+            alias = {}
+            if beyond:  # read ahead too, for the step's overflow
                 self._read([])  # a read ahead not taken yet: counted, then replaced
                 self._beyond = (np.array(beyond), self.reader.submit(self.store.read, self.layer, beyond), "batch")
                 self.stats.beyond_ahead += len(beyond)
@@ -395,52 +388,6 @@ class StagedExecutor(ExactExecutor):
         staged from here: it routes on the host)."""
         if self._inflight is not None:
             self._inflight(route=False)
-
-
-def admission_order(ids: np.ndarray) -> list[int]:
-    """The distinct experts of a multi-token call's routes (ids [..., T, K]): those routed by the
-    most of its tokens first, then the later tokens' first. Both are the likeliest to be routed
-    again by the next step; against earliest-token first this read 2-5% fewer bytes per token in
-    verifies (docs/speculative.md)."""
-    rows = ids.reshape(-1, ids.shape[-1])  # T tokens, K routed each
-    counts = Counter(rows.reshape(-1).tolist())
-    latest_first = dict.fromkeys(rows[::-1].reshape(-1).tolist())
-    return sorted(latest_first, key=lambda e: -counts[e])  # stable: latest first among equal counts
-
-
-# a call's weight in `use` halves in about 7 calls: a batch's experts of the last few steps
-# (0.8-0.95 read within 2% of each other in the slot simulation, docs/benchmarks.md "Several sequences at once";
-# this call's counts alone 12% more)
-USE_DECAY = 0.9
-
-
-def decayed_use(use: np.ndarray, ids) -> np.ndarray:
-    """Use counts [E] after a call routing `ids` (any shape): decayed once, +1 per (token, k)."""
-    use = use * USE_DECAY
-    np.add.at(use, np.reshape(ids, -1), 1)
-    return use
-
-
-def overflow_split(order: list[int], cached, use: np.ndarray, n_slots: int) -> tuple[list, list, list]:
-    """A union wider than the slots (`order`: its experts in `admission_order`) -> (the cached
-    ones, the misses that take a slot, the misses read for this call only). The misses compete
-    for the slots with the cached experts this call does not route, by recent use: a miss is
-    admitted only if it was routed more lately than a cached expert it would displace (ties keep
-    the cached one; misses of equal use go in admission order). Against admitting misses into
-    every free slot, a batch of 4 reads 11% fewer experts a token (the slot simulation in docs/benchmarks.md)."""
-    hits, misses = split_cached(order, cached)
-    routed = set(order)
-    others = [e for e in cached if e not in routed]
-    free = n_slots - len(hits)  # the others, and any empty slots
-    # stable sort: cached first, then misses in admission order, among equal use
-    ranked = sorted([(e, True) for e in others] + [(e, False) for e in misses], key=lambda p: -use[p[0]])
-    won = {e for e, was_cached in ranked[:free] if not was_cached}
-    return hits, [e for e in misses if e in won], [e for e in misses if e not in won]
-
-
-def split_cached(order: list[int], cached) -> tuple[list[int], list[int]]:
-    """Experts `order` -> (those in `cached`, the others), each in their order."""
-    return [e for e in order if e in cached], [e for e in order if e not in cached]
 
 
 def follow_routes(executors, fn) -> None:

@@ -31,10 +31,10 @@ import numpy as np
 
 from edge0.backend import core as B
 from edge0.cache import substitute
-from edge0.store.pacing import thread_storage_bytes
 from edge0.streaming.exact import ExactExecutor, raw_nbytes, to_device
-from edge0.streaming.lookahead import RECALL_DECAY, updated_recall
+from edge0.streaming.lookahead import updated_recall, updated_storage_share
 from edge0.streaming.overflow import admission_order, decayed_use, overflow_split, stage_split
+from edge0.streaming.parts import CallRead, DeferredPart, ReadAhead, Staged, read_call
 from edge0.streaming.pool import SlotSet
 
 
@@ -62,17 +62,17 @@ class StagedExecutor(ExactExecutor):
         self.wants_scores = slots.cache.policy.needs_scores or alpha > 0
         self.step = 0
         self.trusted = False  # this step's route was staged ahead: no host sync
-        self._pending: tuple | None = None  # (evicted, loaded, slots, read Future, alias, one row)
-        # experts read ahead of their call: (ids, read Future, "batch" | "lookahead"), a batch's
-        # staged union beyond the slots or the layer before's prediction (streaming/lookahead.py)
-        self._beyond: tuple | None = None
+        self._pending: Staged | None = None  # the next step's stage, until its swap
+        # experts read ahead of their call (a batch's staged union beyond the slots, or the layer
+        # before's prediction: streaming/lookahead.py), until a call takes them
+        self._ahead: ReadAhead | None = None
         self.predicted: np.ndarray | None = None  # the layer before's prediction of the next host route
         self.recall = 1.0  # how well those predictions agreed lately (lookahead.updated_recall)
         # the share of this layer's on-demand read bytes that came from storage lately, not the
         # page cache (None: not measured, or the kernel does not say)
         self.storage_share: float | None = None
         self._dropped = []  # device scalars, read after the step by collect_dropped
-        self._inflight = None  # a call's deferred misses part (see _split), until it runs
+        self._inflight: DeferredPart | None = None  # a call's deferred misses part (see _split), until it runs
         # fn(layer), set by a stager: called after a call that routed on the host, when this
         # step's slots are planned, so the next step's reads can start before the forward ends
         self.after_route = None
@@ -107,7 +107,7 @@ class StagedExecutor(ExactExecutor):
             alias = {}
             if beyond:  # read ahead too, for the step's overflow
                 self._read([])  # a read ahead not taken yet: counted, then replaced
-                self._beyond = (np.array(beyond), self.reader.submit(self.store.read, self.layer, beyond), "batch")
+                self._ahead = ReadAhead.start(self.reader, self.store, self.layer, beyond, "batch")
                 self.stats.beyond_ahead += len(beyond)
         hits, loaded, evicted, slots = self.slots.plan(self.step + 1, experts, scores)
         if ids.ndim == 1:
@@ -116,7 +116,7 @@ class StagedExecutor(ExactExecutor):
             self.stats.bytes_used += len(experts) * self.expert_nbytes
             self.stats.distinct_experts.update(experts)
         future = self.reader.submit(self.store.read, self.layer, loaded) if loaded else None
-        self._pending = (evicted, loaded, slots, future, alias, ids.ndim == 1)
+        self._pending = Staged(evicted, loaded, slots, future, alias, ids.ndim == 1)
 
     def takes_predictions(self) -> bool:
         """Whether this layer's next call routes on the host (a staged route needs no prediction)."""
@@ -131,11 +131,11 @@ class StagedExecutor(ExactExecutor):
         (that call takes those it routes; the rest are counted as wasted)."""
         ids = np.unique(ids)
         self.predicted = ids[ids < self.slots.num_experts]  # a router may also score zero experts (LongCat)
-        if not read or self._beyond is not None or not self.takes_predictions():
+        if not read or self._ahead is not None or not self.takes_predictions():
             return
         want = [e for e in self.predicted.tolist() if e not in self.slots.slot_of]
         if want:
-            self._beyond = (np.array(want), self.reader.submit(self.store.read, self.layer, want), "lookahead")
+            self._ahead = ReadAhead.start(self.reader, self.store, self.layer, want, "lookahead")
             self.stats.lookahead_reads += len(want)
 
     def _score_prediction(self, ids: np.ndarray) -> None:
@@ -154,19 +154,20 @@ class StagedExecutor(ExactExecutor):
         if self._pending is None:
             self.trusted = False
             return
-        evicted, loaded, slots, future, alias, one_row = self._pending
-        self._pending = None
+        staged, self._pending = self._pending, None
         raw = None
-        if future is not None:
+        if staged.read is not None:
             t0 = time.perf_counter()
-            raw = future.result()
+            raw = staged.read.result()
             self.stats.stall_s += time.perf_counter() - t0
-            self.stats.loads += len(loaded)
+            self.stats.loads += len(staged.loaded)
             self.stats.bytes_read += raw_nbytes(raw)
-            self.stats.slot_rewrites += len(loaded)
-        self.stats.slot_scatters += self.slots.apply(evicted, loaded, slots, raw, alias, in_place=True)
+            self.stats.slot_rewrites += len(staged.loaded)
+        self.stats.slot_scatters += self.slots.apply(
+            staged.evicted, staged.loaded, staged.slots, raw, staged.alias, in_place=True
+        )
         # a batch's stage is the union of its rows: the step routes on the host, even if one row is left
-        self.trusted = one_row
+        self.trusted = staged.one_row
 
     def settle(self) -> None:
         """Finish a pending stage (so cache membership and slot contents agree) and return to
@@ -179,60 +180,28 @@ class StagedExecutor(ExactExecutor):
 
     def _read(self, want) -> dict | None:
         """Store bytes of experts `want` (in that order; None if none): from the read ahead
-        beyond the slots where it has them, the others read now."""
-        ahead, self._beyond = self._beyond, None
+        where it has them, the others read now."""
         t0 = time.perf_counter()
-        raw = self._merged(want, self._fetch(want, ahead))
+        raw = self._counted(want, read_call(self.store, self.layer, want, self._take_ahead()))
         self.stats.stall_s += time.perf_counter() - t0
         return raw
 
-    def _fetch(self, want, ahead) -> tuple:
-        """Waits for the read ahead (`ahead`: (ids, Future, kind) or None) and reads the experts of
-        `want` it lacks; no bookkeeping, so it may run on a reader thread."""
-        ids, raw, kind = (None, None, None) if ahead is None else (ahead[0], ahead[1].result(), ahead[2])
-        missing = np.asarray(want, dtype=np.int64)
-        if ids is not None:
-            missing = missing[~np.isin(missing, ids)]
-        if not len(missing):
-            return ids, raw, kind, missing, None, None
-        before = thread_storage_bytes()
-        more = self.store.read(self.layer, missing)
-        after = thread_storage_bytes()
-        return ids, raw, kind, missing, more, None if before is None or after is None else after - before
+    def _take_ahead(self) -> ReadAhead | None:
+        """The read ahead, for the call that takes it (once: the next call reads for itself)."""
+        ahead, self._ahead = self._ahead, None
+        return ahead
 
-    def _merged(self, want, fetched) -> dict | None:
-        """A `_fetch`'s bytes as the store bytes of `want` (in that order; None if none), counted."""
-        ids, raw, kind, missing, more, from_storage = fetched
-        if from_storage is not None:  # lookahead.py: copies out of the page cache are not worth reading ahead
-            share = min(1.0, from_storage / max(1, raw_nbytes(more)))
-            last = self.storage_share
-            self.storage_share = share if last is None else RECALL_DECAY * last + (1 - RECALL_DECAY) * share
-        s = self.stats
-        for got, n in ((raw, 0 if ids is None else len(ids)), (more, len(missing))):
-            if got is not None:
-                s.loads += n
-                s.bytes_read += raw_nbytes(got)
-        used = 0 if ids is None else int(np.isin(ids, want).sum())
-        if kind == "lookahead":
-            s.lookahead_used += used
-            s.lookahead_wasted_bytes += (len(ids) - used) * self.expert_nbytes
-        elif kind == "batch":
-            s.beyond_ahead_used += used
-        if not len(want):
-            return None
-        if ids is None:
-            return more
-        if len(missing):
-            ids = np.concatenate([ids, missing])
-            raw = {n: (np.concatenate([b, more[n][0]]), d, shape) for n, (b, d, shape) in raw.items()}
-        at = {int(e): i for i, e in enumerate(ids)}
-        pick = np.array([at[int(e)] for e in want])
-        return {n: (b[pick], d, shape) for n, (b, d, shape) in raw.items()}
+    def _counted(self, want, got: CallRead) -> dict | None:
+        """A call's read as the store bytes of `want` (in that order; None if none), counted."""
+        if got.from_storage is not None:  # lookahead.py: copies out of the page cache are not worth reading ahead
+            self.storage_share = updated_storage_share(self.storage_share, got.from_storage, raw_nbytes(got.more))
+        got.count(self.stats, want, self.expert_nbytes)
+        return got.bytes_of(want)
 
     def resize(self, n_slots: int) -> None:
         """Between generations (nothing staged): `n_slots` slots, the policy choosing who stays."""
         self._finish_inflight()
-        if self._pending is not None or self._beyond is not None:
+        if self._pending is not None or self._ahead is not None:
             raise RuntimeError(f"layer {self.layer}: a staged step is pending; settle() it before resizing")
         self.slots.resize(n_slots)
         self.trusted = False
@@ -349,38 +318,34 @@ class StagedExecutor(ExactExecutor):
             )
         ]
 
-    def _deferred(self, misses: list, evicted, loaded, slots, part_of):
+    def _deferred(self, misses: list, evicted, loaded, slots, part_of) -> DeferredPart:
         """A host-routed call's misses read on the call reader, from now: returns its deferred part,
         which waits for the bytes, writes `loaded` (the first of `misses`) into their `slots` in
-        place and returns `part_of(the bytes read)`. It runs once (later calls return its part);
-        if the read fails, the cache forgets the misses it admitted."""
-        ahead, self._beyond = self._beyond, None
-        future = self.call_reader.submit(self._fetch, misses, ahead)
-        made = []
+        place and returns `part_of(the bytes read)` (`_land`)."""
+        future = self.call_reader.submit(read_call, self.store, self.layer, misses, self._take_ahead())
+        self._inflight = DeferredPart(misses, evicted, loaded, slots, future, part_of, self._land)
+        return self._inflight
 
-        def part(route: bool = True):
-            if made:
-                return made[0]
-            self._inflight = None
-            s = self.stats
-            t0 = time.perf_counter()
-            try:
-                raw = self._merged(misses, future.result())
-            except BaseException:
-                self.slots.forget(evicted, loaded)
-                raise
-            n = len(loaded)
-            slot_raw = {k: (b[:n], d, shape) for k, (b, d, shape) in raw.items()} if n else None
-            s.slot_scatters += self.slots.apply(evicted, loaded, slots, slot_raw, in_place=True)
-            s.slot_rewrites += n
-            made.append(part_of(raw))
-            s.stall_s += time.perf_counter() - t0
-            if route:
-                self._routed()
-            return made[0]
-
-        self._inflight = part
-        return part
+    def _land(self, part: DeferredPart, route: bool) -> tuple:
+        """A deferred part's first call: its bytes written and its part made; if the read failed,
+        the cache forgets the misses it admitted."""
+        self._inflight = None
+        s = self.stats
+        t0 = time.perf_counter()
+        try:
+            raw = self._counted(part.misses, part.read.result())
+        except BaseException:
+            self.slots.forget(part.evicted, part.loaded)
+            raise
+        n = len(part.loaded)
+        slot_raw = {k: (b[:n], d, shape) for k, (b, d, shape) in raw.items()} if n else None
+        s.slot_scatters += self.slots.apply(part.evicted, part.loaded, part.slots, slot_raw, in_place=True)
+        s.slot_rewrites += n
+        made = part.part_of(raw)
+        s.stall_s += time.perf_counter() - t0
+        if route:
+            self._routed()
+        return made
 
     def _finish_inflight(self) -> None:
         """A call's deferred misses part its caller never took (an error while building the layer):

@@ -61,7 +61,7 @@ class StagedExecutor(ExactExecutor):
         self.alpha = alpha
         self.wants_scores = slots.cache.policy.needs_scores or alpha > 0
         self.step = 0
-        self.trusted = False  # this step's route was staged ahead: no host sync
+        self._trusted = False  # this step's route was staged ahead: no host sync
         self._pending: Staged | None = None  # the next step's stage, until its swap
         # experts read ahead of their call (a batch's staged union beyond the slots, or the layer
         # before's prediction: streaming/lookahead.py), until a call takes them
@@ -73,9 +73,9 @@ class StagedExecutor(ExactExecutor):
         self.storage_share: float | None = None
         self._dropped = []  # device scalars, read after the step by collect_dropped
         self._inflight: DeferredPart | None = None  # a call's deferred misses part (see _split), until it runs
-        # fn(layer), set by a stager: called after a call that routed on the host, when this
+        # fn(layer), a stager's (on_route): called after a call that routed on the host, when this
         # step's slots are planned, so the next step's reads can start before the forward ends
-        self.after_route = None
+        self._after_route = None
         # how often each expert was routed lately (rows of host-routed calls, decayed a call): who
         # keeps a slot when a call's union is wider than the slots (see overflow_split)
         self.use = np.zeros(self.slots.num_experts)
@@ -118,9 +118,19 @@ class StagedExecutor(ExactExecutor):
         future = self.reader.submit(self.store.read, self.layer, loaded) if loaded else None
         self._pending = Staged(evicted, loaded, slots, future, alias, ids.ndim == 1)
 
+    def distrust(self) -> None:
+        """The next call routes on the host even after a swap (a row joined the batch since the
+        stage: it has no prediction)."""
+        self._trusted = False
+
+    def on_route(self, fn) -> None:
+        """Call `fn(layer)` after each host-routed call from now on (a stager staging this layer's
+        next step as soon as it has routed); None stops it."""
+        self._after_route = fn
+
     def takes_predictions(self) -> bool:
         """Whether this layer's next call routes on the host (a staged route needs no prediction)."""
-        return not self.trusted and self._pending is None
+        return not self._trusted and self._pending is None
 
     def routes_on_host(self) -> bool:
         return self.takes_predictions()  # one token's call; a staged route (trusted) needs no sync
@@ -152,7 +162,7 @@ class StagedExecutor(ExactExecutor):
         last step of the sequences before it staged nothing): the step routes on the host."""
         self._finish_inflight()
         if self._pending is None:
-            self.trusted = False
+            self._trusted = False
             return
         staged, self._pending = self._pending, None
         raw = None
@@ -167,7 +177,7 @@ class StagedExecutor(ExactExecutor):
             staged.evicted, staged.loaded, staged.slots, raw, staged.alias, in_place=True
         )
         # a batch's stage is the union of its rows: the step routes on the host, even if one row is left
-        self.trusted = staged.one_row
+        self._trusted = staged.one_row
 
     def settle(self) -> None:
         """Finish a pending stage (so cache membership and slot contents agree) and return to
@@ -176,7 +186,7 @@ class StagedExecutor(ExactExecutor):
         if self._pending is not None:
             self.swap()
         self._read([])  # a read ahead beyond the slots its step never took: counted as read
-        self.trusted = False
+        self._trusted = False
 
     def _read(self, want) -> dict | None:
         """Store bytes of experts `want` (in that order; None if none): from the read ahead
@@ -204,7 +214,7 @@ class StagedExecutor(ExactExecutor):
         if self._pending is not None or self._ahead is not None:
             raise RuntimeError(f"layer {self.layer}: a staged step is pending; settle() it before resizing")
         self.slots.resize(n_slots)
-        self.trusted = False
+        self._trusted = False
 
     def take_dropped(self) -> list:
         """This step's device counters of routed experts that were not staged (see collect_dropped)."""
@@ -224,14 +234,14 @@ class StagedExecutor(ExactExecutor):
             return super().__call__(indices, scores)  # joining a batch), not a step: the slots wait for the swap
         self.stats.calls += 1
         multi = indices.size > indices.shape[-1]  # several tokens: a verify, or a batch of sequences
-        if self.trusted and not multi:
-            self.trusted = False
+        if self._trusted and not multi:
+            self._trusted = False
             self.step += 1
             local = self.slots.local(indices)
             self._dropped.append((local == self.slots.zero).sum())
             return [(self.slots.params, local)]
         # a multi-token step routes on the host even after a swap: what was staged is in the slots (hits)
-        self.trusted = False
+        self._trusted = False
         ids, scores = self.host_route(indices, scores) if self.wants_scores else (self.host_ids(indices), None)
         self._score_prediction(ids)
         self.use = decayed_use(self.use, ids)
@@ -265,8 +275,8 @@ class StagedExecutor(ExactExecutor):
         return parts
 
     def _routed(self) -> None:
-        if self.after_route is not None:
-            self.after_route(self.layer)
+        if self._after_route is not None:
+            self._after_route(self.layer)
 
     def _overflow(self, ids: np.ndarray, scores):
         """More distinct experts than slots: the cached ones stay, `overflow_split` picks the misses
@@ -356,10 +366,9 @@ class StagedExecutor(ExactExecutor):
 
 
 def follow_routes(executors, fn) -> None:
-    """Call `fn(layer)` after each of the staged `executors`' host-routed calls from now on (a
-    stager staging a layer's next step as soon as it has routed); None stops it."""
+    """`on_route(fn)` on each of the staged `executors` (None stops it)."""
     for ex in executors:
-        ex.after_route = fn
+        ex.on_route(fn)
 
 
 def collect_dropped(executors) -> int:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from edge0.streaming.overflow import admission_order, decayed_use, overflow_split, split_cached, stage_split
+from edge0.streaming.overflow import admission_order, call_split, decayed_use, overflow_split, split_cached, stage_split
 
 
 def test_an_overflowing_verify_admits_the_experts_most_of_its_tokens_route_then_the_latest_tokens():
@@ -44,6 +44,18 @@ def test_misses_of_equal_use_take_the_slots_in_admission_order():
     use = np.zeros(8)
     assert overflow_split([6, 2, 5], {}, use, 2) == ([], [6, 2], [5])
     assert overflow_split([5, 2, 6], {}, use, 2) == ([], [5, 2], [6])
+
+
+def test_a_call_overflows_only_when_its_union_outgrows_the_slots():
+    """Two rows route 1, 2 and 3, 1: three experts. In three slots they fit; in two, 1 (cached)
+    stays and 3 (the later row's) passes the little-used cached 9 for the other slot."""
+    ids = np.array([[[1, 2]], [[3, 1]]])  # B = 2 rows x T = 1 x K = 2
+    use = np.zeros(10)
+    use[[1, 2, 3, 9]] = [2, 1, 1, 0.5]
+    assert call_split(ids, {1: 0, 9: 1}, use, 3) is None
+    assert call_split(ids, {1: 0, 9: 1}, use, 2) == ([1], [3], [2])
+    use[9] = 1  # a tie keeps the cached expert
+    assert call_split(ids, {1: 0, 9: 1}, use, 2) == ([1], [], [3, 2])
 
 
 def test_a_batch_stage_within_the_slots_stages_its_whole_union():

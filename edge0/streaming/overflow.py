@@ -54,6 +54,14 @@ def overflow_split(order: list[int], cached, use: np.ndarray, n_slots: int) -> t
     return hits, [e for e in misses if e in won], [e for e in misses if e not in won]
 
 
+def call_split(ids: np.ndarray, cached, use: np.ndarray, n_slots: int) -> tuple[list, list, list] | None:
+    """A host-routed call's routes (ids [..., T, K]; `use` already counting them) -> None when
+    their union fits the slots, else their `overflow_split` in `admission_order`."""
+    if len(np.unique(ids)) <= n_slots:
+        return None
+    return overflow_split(admission_order(ids), cached, use, n_slots)
+
+
 def stage_split(rows: np.ndarray, cached, use: np.ndarray, n_slots: int) -> tuple[list[int], list[int]]:
     """A batch's next routes (host ids [B, K]) -> (the experts to stage into the slots, those read
     ahead for the step only), each sorted. A union beyond the slots splits as the step's own

@@ -33,7 +33,7 @@ from edge0.backend import core as B
 from edge0.cache import substitute
 from edge0.streaming.exact import ExactExecutor, raw_nbytes, to_device
 from edge0.streaming.lookahead import updated_recall, updated_storage_share
-from edge0.streaming.overflow import admission_order, decayed_use, overflow_split, stage_split
+from edge0.streaming.overflow import call_split, decayed_use, stage_split
 from edge0.streaming.parts import CallRead, DeferredPart, ReadAhead, Staged, read_call
 from edge0.streaming.pool import SlotSet
 
@@ -248,8 +248,9 @@ class StagedExecutor(ExactExecutor):
         if multi and scores is not None:  # the cache policy sees one score row per call: the tokens' mean
             scores = np.reshape(scores, (-1, scores.shape[-1])).mean(axis=0)
         self.step += 1
-        if len(np.unique(ids)) > self.slots.n_slots:  # e.g. a verify's union of experts wider than the cache
-            return self._overflow(ids, scores)
+        split = call_split(ids, self.slots.slot_of, self.use, self.slots.n_slots)
+        if split is not None:  # e.g. a verify's union of experts wider than the cache
+            return self._overflow(ids, *split, scores)
         experts, alias = self.route_experts(ids, scores)
         hits, loaded, evicted, slots = self.slots.plan(self.step, experts, scores)
         s = self.stats
@@ -278,19 +279,17 @@ class StagedExecutor(ExactExecutor):
         if self._after_route is not None:
             self._after_route(self.layer)
 
-    def _overflow(self, ids: np.ndarray, scores):
-        """More distinct experts than slots: the cached ones stay, `overflow_split` picks the misses
-        that take a slot, and the others are read for this call only; all are read once and every
+    def _overflow(self, ids: np.ndarray, hits: list, admit: list, rest: list, scores):
+        """More distinct experts than slots: the cached ones (`hits`) stay, the misses `admit` take
+        a slot and `rest` are read for this call only (`call_split`); all are read once and every
         (token, k) pair is computed once, in the part of its expert's source (`_split`)."""
-        order = admission_order(ids)
-        hits, admit, rest = overflow_split(order, self.slots.slot_of, self.use, self.slots.n_slots)
         _, loaded, evicted, slots = self.slots.plan(self.step, hits + admit, scores)
         s = self.stats
         s.fallbacks += 1
         s.hits += len(hits)
         s.misses += len(admit) + len(rest)
-        s.bytes_used += len(order) * self.expert_nbytes
-        s.distinct_experts.update(order)
+        s.bytes_used += (len(hits) + len(admit) + len(rest)) * self.expert_nbytes
+        s.distinct_experts.update(hits + admit + rest)
         return self._split(ids, hits, list(loaded) + rest, evicted, loaded, slots)
 
     def _split(self, ids: np.ndarray, hits, misses: list, evicted, loaded, slots) -> list:

@@ -77,7 +77,7 @@ class StagedExecutor(ExactExecutor):
         # step's slots are planned, so the next step's reads can start before the forward ends
         self._after_route = None
         # how often each expert was routed lately (rows of host-routed calls, decayed a call): who
-        # keeps a slot when a call's union is wider than the slots (see overflow_split)
+        # keeps a slot when a call's union is wider than the slots (streaming/overflow.py)
         self.use = np.zeros(self.slots.num_experts)
 
     def route_experts(self, ids: np.ndarray, scores) -> tuple[list[int], dict[int, int]]:
@@ -94,10 +94,9 @@ class StagedExecutor(ExactExecutor):
     def stage(self, ids, scores=None) -> None:
         """Start reading the experts of the *next* step (host ids of one token's route [K], or of a
         batch's rows [B, K]; router scores [E] when `wants_scores`) in the background. A batch's
-        union beyond the slots keeps the cached experts and stages the misses `overflow_split`
-        admits (as the step's own overflow does: staging others would evict experts the step then
-        reads again); the rest is read ahead too, for the step only. A batch's step routes on the
-        host and counts its hits and misses there; here only the reads count (at the swap)."""
+        union beyond the slots stages what its step's own overflow will keep (`stage_split`); the
+        rest is read ahead too, for the step only. A batch's step routes on the host and counts
+        its hits and misses there; here only the reads count (at the swap)."""
         self._finish_inflight()
         ids = np.asarray(ids)
         if ids.ndim == 1:

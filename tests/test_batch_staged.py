@@ -77,20 +77,6 @@ def test_a_prefill_token_between_a_stage_and_its_swap_leaves_the_slots_alone(sto
     assert each_pair_computes_its_expert(engine, layer, ex, rows)
 
 
-def test_an_overflows_misses_take_a_slot_only_from_a_less_used_cached_expert():
-    """Hand-set use: a call routes 5, 6, 1 and 7 while 1-4 are cached in 4 slots, so its misses
-    compete with 2, 3 and 4 for three slots, by recent use (ties keep the cached expert)."""
-    from edge0.streaming.staged import overflow_split
-
-    cached, order = {1: 0, 2: 1, 3: 2, 4: 3}, [5, 6, 1, 7]
-    use = np.array([0, 1, 9, 5, 0.1, 3, 0.5, 8])  # by expert: 7 passes 3, 5 passes only 4
-    assert overflow_split(order, cached, use, 4) == ([1], [7], [5, 6])
-    use[[4, 5, 7]] = [2, 1, 2]  # 7 ties with 4, the least used cached one: nothing is admitted
-    assert overflow_split(order, cached, use, 4) == ([1], [], [5, 6, 7])
-    # an empty slot goes to the best miss, however little used
-    assert overflow_split(order, {1: 0, 2: 1, 3: 2}, use, 4) == ([1], [7], [5, 6])
-
-
 def test_a_batch_overflow_keeps_the_experts_its_rows_routed_lately(store_for):
     """Two steps of one row route experts 0 and 1 into the two slots; a batch step of four new
     experts, each routed once, reads them for that step only and leaves 0 and 1 cached (filling
@@ -102,3 +88,27 @@ def test_a_batch_overflow_keeps_the_experts_its_rows_routed_lately(store_for):
     assert each_pair_computes_its_expert(engine, layer, ex, rows)
     assert sorted(ex.slots.slot_of) == [0, 1]
     assert ex.stats.loads == 6 and ex.stats.fallbacks == 1  # 0 and 1 once, then the four for the step
+
+
+def test_a_calls_read_takes_the_read_aheads_rows_and_reads_only_the_rest():
+    """A read ahead of 7 and 3 (a prediction), a call of 3 and 5: 5 alone is read now, the bytes
+    come back in the call's order, and 7 counts as a prediction read for nothing."""
+    from concurrent.futures import Future
+
+    from edge0.streaming.parts import ReadAhead, read_call
+    from edge0.streaming.stats import LayerStats
+
+    class Store:
+        def read(self, layer, ids):
+            self.asked = [int(e) for e in ids]
+            return {"w": (np.array([[e, e] for e in ids], dtype=np.uint8), "U8", (2,))}
+
+    store, ahead = Store(), Future()
+    ahead.set_result({"w": (np.array([[7, 7], [3, 3]], dtype=np.uint8), "U8", (2,))})
+    got = read_call(store, 0, [3, 5], ReadAhead(np.array([7, 3]), ahead, "lookahead"))
+    assert store.asked == [5]
+    assert got.bytes_of([3, 5])["w"][0].tolist() == [[3, 3], [5, 5]]
+    stats = LayerStats()
+    got.count(stats, [3, 5], 100)
+    assert (stats.loads, stats.bytes_read, stats.lookahead_used, stats.lookahead_wasted_bytes) == (3, 6, 1, 100)
+    assert stats.beyond_ahead_used == 0

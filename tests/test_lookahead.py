@@ -10,7 +10,7 @@ import pytest
 import edge0
 from edge0.backend.lookahead import predictor, router_of
 from edge0.store.pacing import thread_storage_bytes
-from edge0.streaming.lookahead import RECALL_FLOOR, STORAGE_FLOOR, Lookahead, updated_recall
+from edge0.streaming.lookahead import RECALL_FLOOR, STORAGE_FLOOR, Lookahead, updated_recall, updated_storage_share
 from tests.fixtures import ALL_FAMILIES
 
 PROMPT = "the layer ahead reads while this one computes"
@@ -49,6 +49,12 @@ def test_recall_is_a_decayed_average_and_auto_stops_reading_below_the_floor():
     auto.issue(np.array([0]))
     on.issue(np.array([0]))
     assert target.reads[3:] == [False, True, True]
+
+
+def test_the_storage_share_starts_at_the_first_read_then_decays_like_the_recall():
+    assert updated_storage_share(None, 300, 1000) == pytest.approx(0.3)
+    assert updated_storage_share(0.5, 2000, 1000) == pytest.approx(0.8 * 0.5 + 0.2 * 1.0)  # at most all of it
+    assert updated_storage_share(0.5, 0, 0) == pytest.approx(0.4)  # nothing read: no share from storage
 
 
 def test_a_layer_measures_how_much_of_its_on_demand_reads_came_from_storage(store_for):

@@ -22,7 +22,6 @@ from edge0.engine import speculative as esp
 from edge0.engine.drafters import Draft, Drafter, ModelDrafter, PromptLookup
 from edge0.engine.speculative import Speculator
 from edge0.errors import Edge0Error
-from edge0.streaming.staged import admission_order
 from tests.fixtures.families import SPECD, UNIVERSAL
 from tests.fixtures.make import reference_dir
 
@@ -94,12 +93,6 @@ def test_greedy_tokens_identical_for_every_executor_and_drafter(family, executor
                 assert sp["replays"] > 0
     if executors != "exact":
         assert engine.stats()["totals"]["fallbacks"] > 0  # the staged layers met unions wider than their slots
-
-
-def test_an_overflowing_verify_admits_the_experts_most_of_its_tokens_route_then_the_latest_tokens():
-    # T = 3 tokens, K = 2: expert 2 is routed by two tokens; then the last token's, then earlier ones'
-    assert admission_order(np.array([[[1, 2], [3, 2], [4, 5]]], dtype=np.uint32)) == [2, 4, 5, 3, 1]
-    assert admission_order(np.array([[7, 8], [8, 7], [9, 7]])) == [7, 8, 9]
 
 
 class VerifyReads(StepHooks):

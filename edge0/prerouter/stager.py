@@ -54,7 +54,7 @@ class PreRouterStager(StepHooks):
         self.pr.select_rows(previous)
         if any(p is None for p in previous):
             for ex in self.staged.values():
-                ex.trusted = False
+                ex.distrust()
 
     def before_forward(self, step: int) -> None:
         self.pr.stepping = True

@@ -47,3 +47,10 @@ def updated_recall(recall: float, predicted: np.ndarray, routed: np.ndarray) -> 
     routed = np.unique(routed)
     agreed = np.isin(routed, predicted).sum() / max(1, len(routed))
     return RECALL_DECAY * recall + (1 - RECALL_DECAY) * float(agreed)
+
+
+def updated_storage_share(share: float | None, from_storage: int, nbytes: int) -> float:
+    """The storage share average (None: none yet) after an on-demand read of `nbytes` bytes,
+    `from_storage` of them from storage (the rest copied out of the page cache)."""
+    now = min(1.0, from_storage / max(1, nbytes))
+    return now if share is None else RECALL_DECAY * share + (1 - RECALL_DECAY) * now

@@ -25,16 +25,16 @@ the substitute takes the routed expert's gate weight, through a per-step alias i
 from __future__ import annotations
 
 import time
-from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
 from edge0.backend import core as B
 from edge0.cache import substitute
-from edge0.store.pacing import thread_storage_bytes
 from edge0.streaming.exact import ExactExecutor, raw_nbytes, to_device
-from edge0.streaming.lookahead import RECALL_DECAY, updated_recall
+from edge0.streaming.lookahead import updated_recall, updated_storage_share
+from edge0.streaming.overflow import call_split, decayed_use, stage_split
+from edge0.streaming.parts import CallRead, DeferredPart, ReadAhead, Staged, read_call
 from edge0.streaming.pool import SlotSet
 
 
@@ -61,23 +61,23 @@ class StagedExecutor(ExactExecutor):
         self.alpha = alpha
         self.wants_scores = slots.cache.policy.needs_scores or alpha > 0
         self.step = 0
-        self.trusted = False  # this step's route was staged ahead: no host sync
-        self._pending: tuple | None = None  # (evicted, loaded, slots, read Future, alias, one row)
-        # experts read ahead of their call: (ids, read Future, "batch" | "lookahead"), a batch's
-        # staged union beyond the slots or the layer before's prediction (streaming/lookahead.py)
-        self._beyond: tuple | None = None
+        self._trusted = False  # this step's route was staged ahead: no host sync
+        self._pending: Staged | None = None  # the next step's stage, until its swap
+        # experts read ahead of their call (a batch's staged union beyond the slots, or the layer
+        # before's prediction: streaming/lookahead.py), until a call takes them
+        self._ahead: ReadAhead | None = None
         self.predicted: np.ndarray | None = None  # the layer before's prediction of the next host route
         self.recall = 1.0  # how well those predictions agreed lately (lookahead.updated_recall)
         # the share of this layer's on-demand read bytes that came from storage lately, not the
         # page cache (None: not measured, or the kernel does not say)
         self.storage_share: float | None = None
         self._dropped = []  # device scalars, read after the step by collect_dropped
-        self._inflight = None  # a call's deferred misses part (see _split), until it runs
-        # fn(layer), set by a stager: called after a call that routed on the host, when this
+        self._inflight: DeferredPart | None = None  # a call's deferred misses part (see _split), until it runs
+        # fn(layer), a stager's (on_route): called after a call that routed on the host, when this
         # step's slots are planned, so the next step's reads can start before the forward ends
-        self.after_route = None
+        self._after_route = None
         # how often each expert was routed lately (rows of host-routed calls, decayed a call): who
-        # keeps a slot when a call's union is wider than the slots (see overflow_split)
+        # keeps a slot when a call's union is wider than the slots (streaming/overflow.py)
         self.use = np.zeros(self.slots.num_experts)
 
     def route_experts(self, ids: np.ndarray, scores) -> tuple[list[int], dict[int, int]]:
@@ -94,27 +94,19 @@ class StagedExecutor(ExactExecutor):
     def stage(self, ids, scores=None) -> None:
         """Start reading the experts of the *next* step (host ids of one token's route [K], or of a
         batch's rows [B, K]; router scores [E] when `wants_scores`) in the background. A batch's
-        union beyond the slots keeps the cached experts and stages the misses `overflow_split`
-        admits (as the step's own overflow does: staging others would evict experts the step then
-        reads again); the rest is read ahead too, for the step only. A batch's step routes on the
-        host and counts its hits and misses there; here only the reads count (at the swap)."""
+        union beyond the slots stages what its step's own overflow will keep (`stage_split`); the
+        rest is read ahead too, for the step only. A batch's step routes on the host and counts
+        its hits and misses there; here only the reads count (at the swap)."""
         self._finish_inflight()
         ids = np.asarray(ids)
         if ids.ndim == 1:
             experts, alias = self.route_experts(ids, scores)
         else:  # the step's own host route substitutes, if at all
-            order = admission_order(ids)
-            if len(order) > self.slots.n_slots:  # ranked by the use the step will count with its route
-                use = decayed_use(self.use, ids)
-                kept, admit, rest = overflow_split(order, self.slots.slot_of, use, self.slots.n_slots)
-                fill = kept + admit
-            else:
-                fill, rest = order, []
-            experts, alias = sorted(fill), {}
-            beyond = sorted(rest)  # read ahead too, for the step's overflow
-            if beyond:
+            experts, beyond = stage_split(ids, self.slots.slot_of, self.use, self.slots.n_slots)
+            alias = {}
+            if beyond:  # read ahead too, for the step's overflow
                 self._read([])  # a read ahead not taken yet: counted, then replaced
-                self._beyond = (np.array(beyond), self.reader.submit(self.store.read, self.layer, beyond), "batch")
+                self._ahead = ReadAhead.start(self.reader, self.store, self.layer, beyond, "batch")
                 self.stats.beyond_ahead += len(beyond)
         hits, loaded, evicted, slots = self.slots.plan(self.step + 1, experts, scores)
         if ids.ndim == 1:
@@ -123,11 +115,21 @@ class StagedExecutor(ExactExecutor):
             self.stats.bytes_used += len(experts) * self.expert_nbytes
             self.stats.distinct_experts.update(experts)
         future = self.reader.submit(self.store.read, self.layer, loaded) if loaded else None
-        self._pending = (evicted, loaded, slots, future, alias, ids.ndim == 1)
+        self._pending = Staged(evicted, loaded, slots, future, alias, ids.ndim == 1)
+
+    def distrust(self) -> None:
+        """The next call routes on the host even after a swap (a row joined the batch since the
+        stage: it has no prediction)."""
+        self._trusted = False
+
+    def on_route(self, fn) -> None:
+        """Call `fn(layer)` after each host-routed call from now on (a stager staging this layer's
+        next step as soon as it has routed); None stops it."""
+        self._after_route = fn
 
     def takes_predictions(self) -> bool:
         """Whether this layer's next call routes on the host (a staged route needs no prediction)."""
-        return not self.trusted and self._pending is None
+        return not self._trusted and self._pending is None
 
     def routes_on_host(self) -> bool:
         return self.takes_predictions()  # one token's call; a staged route (trusted) needs no sync
@@ -138,11 +140,11 @@ class StagedExecutor(ExactExecutor):
         (that call takes those it routes; the rest are counted as wasted)."""
         ids = np.unique(ids)
         self.predicted = ids[ids < self.slots.num_experts]  # a router may also score zero experts (LongCat)
-        if not read or self._beyond is not None or not self.takes_predictions():
+        if not read or self._ahead is not None or not self.takes_predictions():
             return
         want = [e for e in self.predicted.tolist() if e not in self.slots.slot_of]
         if want:
-            self._beyond = (np.array(want), self.reader.submit(self.store.read, self.layer, want), "lookahead")
+            self._ahead = ReadAhead.start(self.reader, self.store, self.layer, want, "lookahead")
             self.stats.lookahead_reads += len(want)
 
     def _score_prediction(self, ids: np.ndarray) -> None:
@@ -159,21 +161,22 @@ class StagedExecutor(ExactExecutor):
         last step of the sequences before it staged nothing): the step routes on the host."""
         self._finish_inflight()
         if self._pending is None:
-            self.trusted = False
+            self._trusted = False
             return
-        evicted, loaded, slots, future, alias, one_row = self._pending
-        self._pending = None
+        staged, self._pending = self._pending, None
         raw = None
-        if future is not None:
+        if staged.read is not None:
             t0 = time.perf_counter()
-            raw = future.result()
+            raw = staged.read.result()
             self.stats.stall_s += time.perf_counter() - t0
-            self.stats.loads += len(loaded)
+            self.stats.loads += len(staged.loaded)
             self.stats.bytes_read += raw_nbytes(raw)
-            self.stats.slot_rewrites += len(loaded)
-        self.stats.slot_scatters += self.slots.apply(evicted, loaded, slots, raw, alias, in_place=True)
+            self.stats.slot_rewrites += len(staged.loaded)
+        self.stats.slot_scatters += self.slots.apply(
+            staged.evicted, staged.loaded, staged.slots, raw, staged.alias, in_place=True
+        )
         # a batch's stage is the union of its rows: the step routes on the host, even if one row is left
-        self.trusted = one_row
+        self._trusted = staged.one_row
 
     def settle(self) -> None:
         """Finish a pending stage (so cache membership and slot contents agree) and return to
@@ -182,67 +185,35 @@ class StagedExecutor(ExactExecutor):
         if self._pending is not None:
             self.swap()
         self._read([])  # a read ahead beyond the slots its step never took: counted as read
-        self.trusted = False
+        self._trusted = False
 
     def _read(self, want) -> dict | None:
         """Store bytes of experts `want` (in that order; None if none): from the read ahead
-        beyond the slots where it has them, the others read now."""
-        ahead, self._beyond = self._beyond, None
+        where it has them, the others read now."""
         t0 = time.perf_counter()
-        raw = self._merged(want, self._fetch(want, ahead))
+        raw = self._counted(want, read_call(self.store, self.layer, want, self._take_ahead()))
         self.stats.stall_s += time.perf_counter() - t0
         return raw
 
-    def _fetch(self, want, ahead) -> tuple:
-        """Waits for the read ahead (`ahead`: (ids, Future, kind) or None) and reads the experts of
-        `want` it lacks; no bookkeeping, so it may run on a reader thread."""
-        ids, raw, kind = (None, None, None) if ahead is None else (ahead[0], ahead[1].result(), ahead[2])
-        missing = np.asarray(want, dtype=np.int64)
-        if ids is not None:
-            missing = missing[~np.isin(missing, ids)]
-        if not len(missing):
-            return ids, raw, kind, missing, None, None
-        before = thread_storage_bytes()
-        more = self.store.read(self.layer, missing)
-        after = thread_storage_bytes()
-        return ids, raw, kind, missing, more, None if before is None or after is None else after - before
+    def _take_ahead(self) -> ReadAhead | None:
+        """The read ahead, for the call that takes it (once: the next call reads for itself)."""
+        ahead, self._ahead = self._ahead, None
+        return ahead
 
-    def _merged(self, want, fetched) -> dict | None:
-        """A `_fetch`'s bytes as the store bytes of `want` (in that order; None if none), counted."""
-        ids, raw, kind, missing, more, from_storage = fetched
-        if from_storage is not None:  # lookahead.py: copies out of the page cache are not worth reading ahead
-            share = min(1.0, from_storage / max(1, raw_nbytes(more)))
-            last = self.storage_share
-            self.storage_share = share if last is None else RECALL_DECAY * last + (1 - RECALL_DECAY) * share
-        s = self.stats
-        for got, n in ((raw, 0 if ids is None else len(ids)), (more, len(missing))):
-            if got is not None:
-                s.loads += n
-                s.bytes_read += raw_nbytes(got)
-        used = 0 if ids is None else int(np.isin(ids, want).sum())
-        if kind == "lookahead":
-            s.lookahead_used += used
-            s.lookahead_wasted_bytes += (len(ids) - used) * self.expert_nbytes
-        elif kind == "batch":
-            s.beyond_ahead_used += used
-        if not len(want):
-            return None
-        if ids is None:
-            return more
-        if len(missing):
-            ids = np.concatenate([ids, missing])
-            raw = {n: (np.concatenate([b, more[n][0]]), d, shape) for n, (b, d, shape) in raw.items()}
-        at = {int(e): i for i, e in enumerate(ids)}
-        pick = np.array([at[int(e)] for e in want])
-        return {n: (b[pick], d, shape) for n, (b, d, shape) in raw.items()}
+    def _counted(self, want, got: CallRead) -> dict | None:
+        """A call's read as the store bytes of `want` (in that order; None if none), counted."""
+        if got.from_storage is not None:  # lookahead.py: copies out of the page cache are not worth reading ahead
+            self.storage_share = updated_storage_share(self.storage_share, got.from_storage, raw_nbytes(got.more))
+        got.count(self.stats, want, self.expert_nbytes)
+        return got.bytes_of(want)
 
     def resize(self, n_slots: int) -> None:
         """Between generations (nothing staged): `n_slots` slots, the policy choosing who stays."""
         self._finish_inflight()
-        if self._pending is not None or self._beyond is not None:
+        if self._pending is not None or self._ahead is not None:
             raise RuntimeError(f"layer {self.layer}: a staged step is pending; settle() it before resizing")
         self.slots.resize(n_slots)
-        self.trusted = False
+        self._trusted = False
 
     def take_dropped(self) -> list:
         """This step's device counters of routed experts that were not staged (see collect_dropped)."""
@@ -262,22 +233,23 @@ class StagedExecutor(ExactExecutor):
             return super().__call__(indices, scores)  # joining a batch), not a step: the slots wait for the swap
         self.stats.calls += 1
         multi = indices.size > indices.shape[-1]  # several tokens: a verify, or a batch of sequences
-        if self.trusted and not multi:
-            self.trusted = False
+        if self._trusted and not multi:
+            self._trusted = False
             self.step += 1
             local = self.slots.local(indices)
             self._dropped.append((local == self.slots.zero).sum())
             return [(self.slots.params, local)]
         # a multi-token step routes on the host even after a swap: what was staged is in the slots (hits)
-        self.trusted = False
+        self._trusted = False
         ids, scores = self.host_route(indices, scores) if self.wants_scores else (self.host_ids(indices), None)
         self._score_prediction(ids)
         self.use = decayed_use(self.use, ids)
         if multi and scores is not None:  # the cache policy sees one score row per call: the tokens' mean
             scores = np.reshape(scores, (-1, scores.shape[-1])).mean(axis=0)
         self.step += 1
-        if len(np.unique(ids)) > self.slots.n_slots:  # e.g. a verify's union of experts wider than the cache
-            return self._overflow(ids, scores)
+        split = call_split(ids, self.slots.slot_of, self.use, self.slots.n_slots)
+        if split is not None:  # e.g. a verify's union of experts wider than the cache
+            return self._overflow(ids, *split, scores)
         experts, alias = self.route_experts(ids, scores)
         hits, loaded, evicted, slots = self.slots.plan(self.step, experts, scores)
         s = self.stats
@@ -303,22 +275,20 @@ class StagedExecutor(ExactExecutor):
         return parts
 
     def _routed(self) -> None:
-        if self.after_route is not None:
-            self.after_route(self.layer)
+        if self._after_route is not None:
+            self._after_route(self.layer)
 
-    def _overflow(self, ids: np.ndarray, scores):
-        """More distinct experts than slots: the cached ones stay, `overflow_split` picks the misses
-        that take a slot, and the others are read for this call only; all are read once and every
+    def _overflow(self, ids: np.ndarray, hits: list, admit: list, rest: list, scores):
+        """More distinct experts than slots: the cached ones (`hits`) stay, the misses `admit` take
+        a slot and `rest` are read for this call only (`call_split`); all are read once and every
         (token, k) pair is computed once, in the part of its expert's source (`_split`)."""
-        order = admission_order(ids)
-        hits, admit, rest = overflow_split(order, self.slots.slot_of, self.use, self.slots.n_slots)
         _, loaded, evicted, slots = self.slots.plan(self.step, hits + admit, scores)
         s = self.stats
         s.fallbacks += 1
         s.hits += len(hits)
         s.misses += len(admit) + len(rest)
-        s.bytes_used += len(order) * self.expert_nbytes
-        s.distinct_experts.update(order)
+        s.bytes_used += (len(hits) + len(admit) + len(rest)) * self.expert_nbytes
+        s.distinct_experts.update(hits + admit + rest)
         return self._split(ids, hits, list(loaded) + rest, evicted, loaded, slots)
 
     def _split(self, ids: np.ndarray, hits, misses: list, evicted, loaded, slots) -> list:
@@ -356,38 +326,34 @@ class StagedExecutor(ExactExecutor):
             )
         ]
 
-    def _deferred(self, misses: list, evicted, loaded, slots, part_of):
+    def _deferred(self, misses: list, evicted, loaded, slots, part_of) -> DeferredPart:
         """A host-routed call's misses read on the call reader, from now: returns its deferred part,
         which waits for the bytes, writes `loaded` (the first of `misses`) into their `slots` in
-        place and returns `part_of(the bytes read)`. It runs once (later calls return its part);
-        if the read fails, the cache forgets the misses it admitted."""
-        ahead, self._beyond = self._beyond, None
-        future = self.call_reader.submit(self._fetch, misses, ahead)
-        made = []
+        place and returns `part_of(the bytes read)` (`_land`)."""
+        future = self.call_reader.submit(read_call, self.store, self.layer, misses, self._take_ahead())
+        self._inflight = DeferredPart(misses, evicted, loaded, slots, future, part_of, self._land)
+        return self._inflight
 
-        def part(route: bool = True):
-            if made:
-                return made[0]
-            self._inflight = None
-            s = self.stats
-            t0 = time.perf_counter()
-            try:
-                raw = self._merged(misses, future.result())
-            except BaseException:
-                self.slots.forget(evicted, loaded)
-                raise
-            n = len(loaded)
-            slot_raw = {k: (b[:n], d, shape) for k, (b, d, shape) in raw.items()} if n else None
-            s.slot_scatters += self.slots.apply(evicted, loaded, slots, slot_raw, in_place=True)
-            s.slot_rewrites += n
-            made.append(part_of(raw))
-            s.stall_s += time.perf_counter() - t0
-            if route:
-                self._routed()
-            return made[0]
-
-        self._inflight = part
-        return part
+    def _land(self, part: DeferredPart, route: bool) -> tuple:
+        """A deferred part's first call: its bytes written and its part made; if the read failed,
+        the cache forgets the misses it admitted."""
+        self._inflight = None
+        s = self.stats
+        t0 = time.perf_counter()
+        try:
+            raw = self._counted(part.misses, part.read.result())
+        except BaseException:
+            self.slots.forget(part.evicted, part.loaded)
+            raise
+        n = len(part.loaded)
+        slot_raw = {k: (b[:n], d, shape) for k, (b, d, shape) in raw.items()} if n else None
+        s.slot_scatters += self.slots.apply(part.evicted, part.loaded, part.slots, slot_raw, in_place=True)
+        s.slot_rewrites += n
+        made = part.part_of(raw)
+        s.stall_s += time.perf_counter() - t0
+        if route:
+            self._routed()
+        return made
 
     def _finish_inflight(self) -> None:
         """A call's deferred misses part its caller never took (an error while building the layer):
@@ -397,57 +363,10 @@ class StagedExecutor(ExactExecutor):
             self._inflight(route=False)
 
 
-def admission_order(ids: np.ndarray) -> list[int]:
-    """The distinct experts of a multi-token call's routes (ids [..., T, K]): those routed by the
-    most of its tokens first, then the later tokens' first. Both are the likeliest to be routed
-    again by the next step; against earliest-token first this read 2-5% fewer bytes per token in
-    verifies (docs/speculative.md)."""
-    rows = ids.reshape(-1, ids.shape[-1])  # T tokens, K routed each
-    counts = Counter(rows.reshape(-1).tolist())
-    latest_first = dict.fromkeys(rows[::-1].reshape(-1).tolist())
-    return sorted(latest_first, key=lambda e: -counts[e])  # stable: latest first among equal counts
-
-
-# a call's weight in `use` halves in about 7 calls: a batch's experts of the last few steps
-# (0.8-0.95 read within 2% of each other in the slot simulation, docs/benchmarks.md "Several sequences at once";
-# this call's counts alone 12% more)
-USE_DECAY = 0.9
-
-
-def decayed_use(use: np.ndarray, ids) -> np.ndarray:
-    """Use counts [E] after a call routing `ids` (any shape): decayed once, +1 per (token, k)."""
-    use = use * USE_DECAY
-    np.add.at(use, np.reshape(ids, -1), 1)
-    return use
-
-
-def overflow_split(order: list[int], cached, use: np.ndarray, n_slots: int) -> tuple[list, list, list]:
-    """A union wider than the slots (`order`: its experts in `admission_order`) -> (the cached
-    ones, the misses that take a slot, the misses read for this call only). The misses compete
-    for the slots with the cached experts this call does not route, by recent use: a miss is
-    admitted only if it was routed more lately than a cached expert it would displace (ties keep
-    the cached one; misses of equal use go in admission order). Against admitting misses into
-    every free slot, a batch of 4 reads 11% fewer experts a token (the slot simulation in docs/benchmarks.md)."""
-    hits, misses = split_cached(order, cached)
-    routed = set(order)
-    others = [e for e in cached if e not in routed]
-    free = n_slots - len(hits)  # the others, and any empty slots
-    # stable sort: cached first, then misses in admission order, among equal use
-    ranked = sorted([(e, True) for e in others] + [(e, False) for e in misses], key=lambda p: -use[p[0]])
-    won = {e for e, was_cached in ranked[:free] if not was_cached}
-    return hits, [e for e in misses if e in won], [e for e in misses if e not in won]
-
-
-def split_cached(order: list[int], cached) -> tuple[list[int], list[int]]:
-    """Experts `order` -> (those in `cached`, the others), each in their order."""
-    return [e for e in order if e in cached], [e for e in order if e not in cached]
-
-
 def follow_routes(executors, fn) -> None:
-    """Call `fn(layer)` after each of the staged `executors`' host-routed calls from now on (a
-    stager staging a layer's next step as soon as it has routed); None stops it."""
+    """`on_route(fn)` on each of the staged `executors` (None stops it)."""
     for ex in executors:
-        ex.after_route = fn
+        ex.on_route(fn)
 
 
 def collect_dropped(executors) -> int:

@@ -41,6 +41,7 @@ for run in runs:
         "moe_layers": sorted(engine.store.layers),
         "layers": list(range(engine.stage.start, engine.stage.end)),
         "lora": sorted(blora.lora_modules(engine.model)),
+        "layerwise": engine.prefiller.layerwise,  # prefill spans layer by layer (else chunk by chunk)
     }
     if engine.follower:
         engine.follow()

@@ -65,7 +65,7 @@ def _families_across_ranks(
         if not all(g["layers"] for g in got) or layers != list(range(len(layers))):
             wrong[family] = ("layers", layers)
             continue
-        want = single(runs[i]["store"], **runs[i]["options"])[0]
+        want = single(runs[i]["store"], got[0]["layerwise"], **runs[i]["options"])[0]
         if got[0]["tokens"] != want:
             wrong[family] = (got[0]["tokens"], want)
         elif turns:

@@ -143,13 +143,16 @@ def layer_index(path: str) -> int:
 
 def decoder_layers(model) -> tuple[nn.Module, str, list] | None:
     """(owner module, attribute, list) of the model's decoder layers (`model.layers`, wherever the
-    family keeps them: `model.layers`, `transformer.h`, `backbone.layers`, ...), or None."""
+    family keeps them: `model.layers`, `transformer.h`, `backbone.layers`, ...), or None. On a
+    pipeline stage of a family mlx-lm pipelines, the list starts with None for each layer another
+    stage runs (mlx-lm keeps the layer numbers): callers leave those entries as they are."""
     layers = getattr(model, "layers", None)
     if not layers:
         return None
     for _, m in model.named_modules():
         for key, value in m.items():
-            if isinstance(value, list) and value and value[0] is layers[0]:
+            first = next((v for v in value if v is not None), None) if isinstance(value, list) else None
+            if first is not None and first is layers[0]:
                 return m, key, value
     return None
 

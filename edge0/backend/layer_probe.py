@@ -190,7 +190,7 @@ def forward_without_experts(model, tokens: list[int], cache) -> None:
     """Feed `tokens` into `cache` lazily, every MoE block returning zeros: the cache's arrays get
     their shapes, and nothing is computed unless the caller evaluates them (the KV footprint)."""
     owner, key, layers = decoder_layers(model)
-    owner[key] = [_NoExperts(layer) for layer in layers]
+    owner[key] = [layer if layer is None else _NoExperts(layer) for layer in layers]
     try:
         model(mx.array([tokens]), cache=cache)
     finally:
@@ -204,11 +204,13 @@ def probe(model) -> Probe:
     if found is None:
         return Probe(why_not="the model has no list of decoder layers")
     owner, key, layers = found
-    recorders = [_Recorder(layer) for layer in layers]
+    held = [layer for layer in layers if layer is not None]  # None: another stage's (decoder_layers)
+    recorders = [_Recorder(layer) for layer in held]
     checkers = [_Checker(r, i + 1) for i, r in enumerate(recorders)]
     try:
         for wrappers in (recorders, checkers):
-            owner[key] = wrappers
+            it = iter(wrappers)
+            owner[key] = [None if layer is None else next(it) for layer in layers]
             mx.eval(model(mx.array([PROBE_TOKENS]), cache=make_prompt_cache(model)))
     except Exception as e:  # any failure means "not layer by layer", said by the caller
         return Probe(why_not=f"its layers could not be probed ({type(e).__name__}: {e})")

@@ -237,23 +237,35 @@ class SpanLayer:
         return mx.concatenate(ys, axis=axis) if len(ys) > 1 else ys[0]
 
 
-def prefill_layerwise(model, tokens: list[int], cache, plan: SpanPlan, found: lp.Probe, logits: bool = False):
-    """Feed `tokens` (one span) into `cache` layer by layer (see the module docstring), with the
-    probe's findings `found`; raises PrefillCancelled when `plan.should_stop()` says so (the cache
-    then holds part of the span). `logits`: returns the log-probs [1, V] after the span's last
-    token (computed for that position alone), as a decode step feeding it would; else None."""
+def prefill_layerwise(
+    model, tokens, cache, plan: SpanPlan, found: lp.Probe, logits: bool = False, output: bool = False
+):
+    """Feed `tokens` (one span: token ids, or a pipeline stage's input [1, T, D] as received) into
+    `cache` layer by layer (see the module docstring), with the probe's findings `found`; raises
+    PrefillCancelled when `plan.should_stop()` says so (the cache then holds part of the span).
+    `logits`: returns the log-probs [1, V] after the span's last token (computed for that position
+    alone), as a decode step feeding it would; `output`: returns the model's output over the span
+    (a pipeline stage's, for the next stage); else None."""
     owner, key, layers = lp.decoder_layers(model)
+    held = [layer for layer in layers if layer is not None]  # None: another stage's (decoder_layers)
     whole = whole_span(found, cache)
-    last = len(layers) - 1 if plan.skip_last else -1
-    tail = len(layers) - 1 if logits else -1
-    owner[key] = [
-        SpanLayer(layer, call, plan, whole, i == last, i == tail)
-        for i, (layer, call) in enumerate(zip(layers, found.calls))
-    ]
+    last = len(held) - 1 if plan.skip_last else -1
+    tail = len(held) - 1 if logits else -1
+    spans = iter(
+        [
+            SpanLayer(layer, call, plan, whole, i == last, i == tail)
+            for i, (layer, call) in enumerate(zip(held, found.calls))
+        ]
+    )
+    owner[key] = [None if layer is None else next(spans) for layer in layers]
     try:
-        out = model(mx.array(tokens)[None], cache=cache)  # without `logits`, never evaluated
+        inputs = tokens if isinstance(tokens, mx.array) else mx.array(tokens)[None]
+        out = model(inputs, cache=cache)  # without `logits` or `output`, never evaluated
     finally:
         owner[key] = layers
+    if output:
+        mx.eval(out, [c.state for c in cache])
+        return out
     mx.eval([c.state for c in cache])
     if not logits:
         return None

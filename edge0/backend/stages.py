@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+from contextlib import contextmanager
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -283,6 +284,28 @@ def set_stage_source(model, source) -> None:
     model runs (rank 0 receives it from the previous stage there)."""
     inner = _pipeline_module(model)[1]
     object.__setattr__(inner[_names(inner)[0]], "source", source)
+
+
+def pipelined_by_mlx_lm(model) -> bool:
+    """Whether the stage's layers are kept by mlx-lm's own PipelineMixin (not Edge0's SkipLayers)."""
+    return isinstance(_pipeline_module(model)[1], PipelineMixin)
+
+
+@contextmanager
+def probe_input(model, hidden: int, dtype):
+    """While the block runs, a stage that does not embed takes zeros [B, T, hidden] for its input
+    (the layer probe feeds token ids; such a stage's layers take a hidden state)."""
+    inner = _pipeline_module(model)[1]
+    embedding = inner[_names(inner)[0]]
+    if not isinstance(embedding, StageEmbedding) or embedding.embeds:
+        yield
+        return
+    source = embedding.source
+    object.__setattr__(embedding, "source", lambda ids: mx.zeros((*ids.shape, hidden), dtype=dtype))
+    try:
+        yield
+    finally:
+        object.__setattr__(embedding, "source", source)
 
 
 class CacheWatch:

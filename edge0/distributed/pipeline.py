@@ -439,7 +439,13 @@ class Pipeline:
                 ending=ending or (),
             )
             return
-        out = forward()  # a prefill chunk: not a step, no hooks
+        # a prefill span or chunk: not a step, no hooks; layer by layer where this stage can
+        prefiller = self.parts.prefiller
+        if prefiller.layerwise:
+            routed.update(self._route_predictions(preds))
+            out = bstages.stage_output(model, prefiller.stage_span(x, cache))
+        else:
+            out = forward()
         B.eval(out, [c.state for c in cache])
         send(out)
 

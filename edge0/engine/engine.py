@@ -68,8 +68,9 @@ class Engine:
         self.resident_bytes = bmod.resident_bytes(model)
         o = streaming.options
         self.kv = PromptCache(model, o.kv_bits, o.kv_group_size)
-        # one process: layer-major prefill spans; across ranks each stage runs chunks (distributed/)
-        self.prefiller = Prefiller(model, compute_dtype, o.prefill_span, layerwise=stage is None)
+        # layer-major prefill spans; across ranks each stage runs its own layers of a span that way
+        # where mlx-lm pipelines the family, else the span goes chunk by chunk (distributed/)
+        self.prefiller = Prefiller(model, compute_dtype, o.prefill_span, stage=stage)
         # every decode step runs there (step.py), with the step hooks: the pre-router's stager
         # once attached, or a test's oracle
         self.stepper = Stepper(model, streaming, StepHooks())

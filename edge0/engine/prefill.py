@@ -5,8 +5,10 @@ by `describe()` with the reason, from the probe run at load)."""
 
 from __future__ import annotations
 
+from edge0.backend import core as B
 from edge0.backend import forward as bfw
 from edge0.backend import layerwise as blw
+from edge0.backend import stages as bstages
 from edge0.backend import vision as bvision
 from edge0.errors import Edge0Error
 from edge0.spec import HIDDEN_KEYS, model_dims
@@ -26,12 +28,13 @@ DEFAULT_HEADS = 32  # for the score-matrix bound when the config does not say
 class Prefiller:
     """Feeds prompt tokens into a model's cache; counts spans fed layer by layer and chunk by chunk."""
 
-    def __init__(self, model, compute_dtype: str, span_tokens: int | None = None, layerwise: bool = True):
+    def __init__(self, model, compute_dtype: str, span_tokens: int | None = None, layerwise: bool = True, stage=None):
         """`span_tokens`: tokens per span (default from SPAN_ACTIVATION_BYTES); `layerwise`
-        False: always the chunked forward (a model split across ranks)."""
+        False: always the chunked forward. `stage`: this rank's pipeline stage (edge0.distributed),
+        whose spans go layer by layer through its own layers where mlx-lm pipelines the family."""
         self.model, self.compute_dtype = model, compute_dtype
-        self.probe = blw.probe(model) if layerwise else blw.lp.Probe(why_not="the model is split across ranks")
         hidden, heads = model_dims(blw.lp.model_config(model))
+        self.probe = self._probe(hidden, stage) if layerwise else blw.lp.Probe(why_not="switched off")
         self.hidden, self.heads = hidden or self.probe.hidden, heads or DEFAULT_HEADS
         self.span_tokens = span_tokens or default_span(self.hidden)
         self.layerwise = layerwise and self.probe.why_not is None
@@ -74,6 +77,27 @@ class Prefiller:
                 return i, None
             self.spans += 1
         return len(tokens), logprobs
+
+    def _probe(self, hidden: int, stage):
+        """The layer probe's findings for this model (a stage's, with a stand-in for its input)."""
+        if stage is None:
+            return blw.probe(self.model)
+        if not bstages.pipelined_by_mlx_lm(self.model):
+            why = (
+                "across ranks, for families mlx-lm pipelines only (this stage stands SkipLayers in for others' layers)"
+            )
+            return blw.lp.Probe(why_not=why)
+        with bstages.probe_input(self.model, hidden, B.dtype(self.compute_dtype)):
+            return blw.probe(self.model)
+
+    def stage_span(self, hidden, cache):
+        """A pipeline stage's share of a span rank 0 feeds layer by layer: its input `hidden` [1, T,
+        D] through its own layers, one at a time, into `cache`; returns what it sends on (its last
+        layer's output, computed, unlike one process's last layer)."""
+        plan = blw.SpanPlan(self.moe_chunk, self.heads, None, self.score_bytes, skip_last=False)
+        out = blw.prefill_layerwise(self.model, hidden, cache, plan, self.probe, output=True)
+        self.spans += 1
+        return out
 
     def takes_last(self, cache) -> bool:
         """Whether `feed` can give the log-probs after the prompt's last token into `cache`: layer

@@ -42,6 +42,7 @@ for run in runs:
         "layers": list(range(engine.stage.start, engine.stage.end)),
         "lora": sorted(blora.lora_modules(engine.model)),
         "layerwise": engine.prefiller.layerwise,  # prefill spans layer by layer (else chunk by chunk)
+        "why_not_layerwise": engine.prefiller.probe.why_not,
     }
     if engine.follower:
         engine.follow()

@@ -139,14 +139,16 @@ def wait_for_server(url: str, procs: list[subprocess.Popen], seconds: float = 90
 
 
 def single(store, layerwise: bool = False, **options):
+    """(tokens, stats) of one process prefilling as the ranks did (`layerwise`: layer by layer, else
+    chunk by chunk), with the prompt's last token in the first step (rank 0 feeds it there, since
+    every rank runs that step's hooks); stats["alone_layerwise"]: whether one process prefills this
+    model layer by layer when left to itself."""
     engine = edge0.load(store, **options)
-    # ranks prefill layer by layer where mlx-lm pipelines the family, else chunk by chunk
-    # (docs/distributed.md): compare like that; and rank 0 feeds a prompt's last token in the first
-    # step, whose hooks every rank runs, not in its span
+    alone = engine.prefiller.layerwise
     engine.prefiller.layerwise = layerwise
     engine.stepper.hooks.sees_first_forward = True
     res = engine.generate(PROMPT, max_tokens=TOKENS, ignore_eos=True)
-    return res.tokens, engine.stats()
+    return res.tokens, {**engine.stats(), "alone_layerwise": alone}
 
 
 # deepseek_v3 behind -m slow, with the three-rank test that runs its dense first layer too

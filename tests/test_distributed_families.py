@@ -65,9 +65,12 @@ def _families_across_ranks(
         if not all(g["layers"] for g in got) or layers != list(range(len(layers))):
             wrong[family] = ("layers", layers)
             continue
-        want = single(runs[i]["store"], got[0]["layerwise"], **runs[i]["options"])[0]
+        want, stats = single(runs[i]["store"], got[0]["layerwise"], **runs[i]["options"])
         if got[0]["tokens"] != want:
             wrong[family] = (got[0]["tokens"], want)
+        elif [g["layerwise"] for g in got] != [stats["alone_layerwise"]] * ranks:
+            # every stage feeds its layers a span at a time wherever one process would
+            wrong[family] = ("layer by layer", [g["layerwise"] for g in got], stats["alone_layerwise"])
         elif turns:
             cold = edge0.load(runs[i]["store"], **runs[i]["options"])
             cold.prefiller.layerwise = False

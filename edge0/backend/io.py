@@ -147,12 +147,13 @@ def decoder_layers(model) -> tuple[nn.Module, str, list] | None:
     pipeline stage of a family mlx-lm pipelines, the list starts with None for each layer another
     stage runs (mlx-lm keeps the layer numbers): callers leave those entries as they are."""
     layers = getattr(model, "layers", None)
-    if not layers:
+    ref = next((layer for layer in layers or () if layer is not None), None)
+    if ref is None:
         return None
     for _, m in model.named_modules():
         for key, value in m.items():
             first = next((v for v in value if v is not None), None) if isinstance(value, list) else None
-            if first is not None and first is layers[0]:
+            if first is not None and first is ref:
                 return m, key, value
     return None
 

@@ -142,12 +142,19 @@ class SpanLayer:
     def __call__(self, *args, **kwargs):
         # args[0] [B, T, ...]: the span's hidden states entering this layer
         self.plan.check()
+        stage_input = self.layer.stage_embedding if getattr(self.layer, "takes_received", False) else None
+        if stage_input is not None:  # a pipeline stage's first layer: the span as received (stages.StageInput)
+            args = (stage_input.received, *args[1:])
         if self.tail:
-            return self._tail(args, kwargs)
-        if self.last:
+            out = self._tail(args, kwargs)
+        elif self.last:
             stub = lp.Stub(mx.zeros_like) if self.call.moe is not None else None
-            return self._attention(args, kwargs, stub, state_only=True)
-        return self._whole(args, kwargs)
+            out = self._attention(args, kwargs, stub, state_only=True)
+        else:
+            out = self._whole(args, kwargs)
+        if getattr(self.layer, "sends", False):  # a stage's last layer: the span's output goes on (stages.StageOutput)
+            object.__setattr__(self.layer, "sent", out)
+        return out
 
     def _tail(self, args, kwargs):
         """The model's last layer when the span's last position's logits are wanted: its cache over
@@ -200,10 +207,13 @@ class SpanLayer:
         if tail and not whole and span > 1:
             bounds = [(c0, min(span - 1, c0 + chunk)) for c0 in range(0, span - 1, chunk)] + [(span - 1, span)]
         parts, out = [], None
+        stage_input = self.layer.stage_embedding if getattr(self.layer, "takes_received", False) else None
         for c0, c1 in bounds:
             plan.check()
             a = (args[0][:, c0:c1], *(_cut(x, c0, c1, span) for x in args[1:]))
             kw = {k: _cut(v, c0, c1, span) for k, v in kwargs.items()}
+            if stage_input is not None:  # the layer reads its input there (stages.StageInput): this chunk's
+                object.__setattr__(stage_input, "received", a[0])
             out = self.layer(*a, **kw) if stub is None else lp.run_stubbed(self.layer, self.call.moe, stub, a, kw)
             states = _state_arrays(list(a) + list(kw.values()))
             if state_only and not (tail and c1 == span):

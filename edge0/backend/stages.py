@@ -246,6 +246,8 @@ class StageInput:
     its input is the hidden state the previous stage sent, as received, whatever the family's
     forward did to its embedding's output (granitemoe multiplies it, afmoe scales it)."""
 
+    takes_received = True  # a layer-major span (backend/layerwise.py) hands it each chunk there
+
     def __call__(self, x, *args, **kwargs):
         return super().__call__(self.stage_embedding.received, *args, **kwargs)
 
@@ -253,6 +255,8 @@ class StageInput:
 class StageOutput:
     """Mixed into a stage's last layer (not the last stage): its output is what the stage sends on,
     before anything the family's forward does after its layers (granitemoe divides its logits)."""
+
+    sends = True  # a layer-major span (backend/layerwise.py) sets `sent` to the whole span's output
 
     def __call__(self, *args, **kwargs):
         out = super().__call__(*args, **kwargs)
@@ -284,11 +288,6 @@ def set_stage_source(model, source) -> None:
     model runs (rank 0 receives it from the previous stage there)."""
     inner = _pipeline_module(model)[1]
     object.__setattr__(inner[_names(inner)[0]], "source", source)
-
-
-def pipelined_by_mlx_lm(model) -> bool:
-    """Whether the stage's layers are kept by mlx-lm's own PipelineMixin (not Edge0's SkipLayers)."""
-    return isinstance(_pipeline_module(model)[1], PipelineMixin)
 
 
 @contextmanager

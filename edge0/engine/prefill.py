@@ -82,11 +82,6 @@ class Prefiller:
         """The layer probe's findings for this model (a stage's, with a stand-in for its input)."""
         if stage is None:
             return blw.probe(self.model)
-        if not bstages.pipelined_by_mlx_lm(self.model):
-            why = (
-                "across ranks, for families mlx-lm pipelines only (this stage stands SkipLayers in for others' layers)"
-            )
-            return blw.lp.Probe(why_not=why)
         with bstages.probe_input(self.model, hidden, B.dtype(self.compute_dtype)):
             return blw.probe(self.model)
 

@@ -2,8 +2,8 @@
 give the single process's greedy tokens, with and without pre-router heads (one predicting across
 the stage boundary), each rank opening only its own layers' expert files; `edge0 generate` runs
 under mlx.launch; a missing peer, a split that does not cover the layers, ranks with different
-stores and a rank killed mid-request are one-line errors (a server on rank 0 exits with it). Every
-family across ranks: test_distributed_families.py."""
+stores and a rank killed mid-request are one-line errors. Every family across ranks:
+test_distributed_families.py; the server on ranks: test_distributed_serving.py."""
 
 import json
 import os
@@ -314,145 +314,6 @@ def test_generate_under_mlx_launch_prints_the_single_process_text(store_for, tmp
     assert p.returncode == 0, p.stderr[-2000:]
     assert p.stdout == want + "\n"  # only rank 0 writes the text
     assert "rank 0 of 2: layers 1-1 + norm and head:" in p.stderr and "rank 1 of 2: layers 0-0 + embedding:" in p.stderr
-
-
-def test_the_server_listens_on_rank_0_and_the_other_rank_follows(store_for, tmp_path):
-    store = store_for("qwen3_moe")
-    want = edge0.load(store).generate(PROMPT, max_tokens=TOKENS).text
-    port = free_ports(1)[0]
-    argv = [sys.executable, "-m", "edge0.serve", "--model", str(store), "--port", str(port), "--log-level", "warning"]
-    procs = start(tmp_path, [argv, argv])
-    url = f"http://127.0.0.1:{port}/v1"
-    try:
-        wait_for_server(url, procs)
-        body = json.dumps({"prompt": PROMPT, "max_tokens": TOKENS, "temperature": 0}).encode()
-        req = urllib.request.Request(f"{url}/completions", body, {"content-type": "application/json"})
-        got = json.load(urllib.request.urlopen(req, timeout=30))["choices"][0]["text"]
-        stats = json.load(urllib.request.urlopen(f"{url}/stats", timeout=10))["engine"]
-        procs[0].send_signal(signal.SIGINT)  # rank 0 shuts down and releases rank 1
-    finally:
-        done = finish(procs, 20)
-    assert got == want
-    assert [r["rank"] for r in stats["ranks"]] == [0, 1] and all(r["forwards"] > 0 for r in stats["ranks"])
-    # rank 0 was interrupted (130, as for any verb), after ending its requests and releasing rank 1
-    assert [rc for rc, _, _ in done] == [130, 0], [err[-2000:] for _, _, err in done]
-    assert "Traceback" not in done[0][2] + done[1][2]
-
-
-def test_the_server_on_two_ranks_decodes_four_requests_together_each_as_alone(store_for, tmp_path):
-    """Continuous batching across ranks: four concurrent requests share decode steps (each rank
-    runs the batch's rows for its layers) and each gets the reply it gets alone in one process."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    store = store_for("qwen3_moe")
-    prompts = [PROMPT, "the sea " * 9, PROMPT + " and a dragon", "why " * 3]
-    alone = edge0.load(store, prerouter=False)
-    alone.prefiller.layerwise = False
-    want = [alone.generate(p, max_tokens=TOKENS, ignore_eos=True).text for p in prompts]
-    port = free_ports(1)[0]
-    argv = [sys.executable, "-m", "edge0.serve", "--model", str(store), "--port", str(port), "--no-prerouter"]
-    argv += ["--max-batch", "4"]
-    procs = start(tmp_path, [argv + ["--log-level", "warning"]] * 2)
-    url = f"http://127.0.0.1:{port}/v1"
-
-    def complete(prompt):
-        body = {"prompt": prompt, "max_tokens": TOKENS, "temperature": 0, "ignore_eos": True}
-        req = urllib.request.Request(
-            f"{url}/completions", json.dumps(body).encode(), {"content-type": "application/json"}
-        )
-        return json.load(urllib.request.urlopen(req, timeout=60))["choices"][0]["text"]
-
-    try:
-        wait_for_server(url, procs)
-        with ThreadPoolExecutor(4) as pool:
-            got = list(pool.map(complete, prompts))
-        stats = json.load(urllib.request.urlopen(f"{url}/stats", timeout=10))
-        procs[0].send_signal(signal.SIGINT)
-    finally:
-        done = finish(procs, 20)
-    assert got == want
-    batching = stats["server"]["batching"]
-    assert batching["max_batch"] == 4 and batching["most_rows"] == 4, batching
-    assert [rc for rc, _, _ in done] == [130, 0], [err[-2000:] for _, _, err in done]
-
-
-def _agent_session(url: str) -> list[tuple[str, int]]:
-    """An agent's chat requests (its main thread, a side request, a subagent with the same system
-    prompt, the main thread's next turn, the subagent's next turn): (reply, cached prompt tokens)."""
-    system = {"role": "system", "content": PROMPT * 8}
-    main = [system, {"role": "user", "content": "count the stars"}]
-    sub = [system, {"role": "user", "content": "count the moons"}]
-    out = []
-
-    def chat(messages):
-        body = {"messages": messages, "max_tokens": TOKENS, "temperature": 0}
-        req = urllib.request.Request(
-            f"{url}/chat/completions", json.dumps(body).encode(), {"content-type": "application/json"}
-        )
-        r = json.load(urllib.request.urlopen(req, timeout=60))
-        reply = r["choices"][0]["message"]["content"]
-        out.append((reply, r["usage"]["prompt_tokens_details"]["cached_tokens"]))
-        return {"role": "assistant", "content": reply}
-
-    main.append(chat(main))
-    chat([{"role": "user", "content": "a title for this chat"}])
-    sub.append(chat(sub))
-    chat(main + [{"role": "user", "content": "and the planets"}])
-    chat(sub + [{"role": "user", "content": "and the suns"}])
-    return out
-
-
-def test_an_agent_session_on_a_hybrid_family_reuses_its_prefixes_on_two_ranks_as_in_one_process(store_for, tmp_path):
-    """Linear attention beside KV caches (qwen3_next): each conversation's next turn finds its
-    earlier turn in the pool of prompt caches, which rank 1 mirrors for its layers."""
-    store = store_for("qwen3_next")
-    argv = [sys.executable, "-m", "edge0.serve", "--model", str(store), "--no-prerouter", "--log-level", "warning"]
-    sessions = []
-    for ranks in (1, 2):
-        port = free_ports(1)[0]
-        cmd = argv + ["--port", str(port), "--prompt-cache-dir", str(tmp_path / f"pc-{ranks}")]
-        if ranks == 1:
-            env = {k: v for k, v in os.environ.items() if not k.startswith("MLX_")} | {"PYTHONPATH": str(ROOT)}
-            procs = [subprocess.Popen(cmd, env=env, cwd=ROOT, text=True, stderr=subprocess.PIPE)]
-        else:
-            procs = start(tmp_path, [cmd] * 2)
-        url = f"http://127.0.0.1:{port}/v1"
-        try:
-            wait_for_server(url, procs)
-            sessions.append(_agent_session(url))
-            procs[0].send_signal(signal.SIGINT)
-        finally:
-            finish(procs, 20)
-    one, two = sessions
-    assert two == one
-    assert all(cached > 0 for _, cached in one[3:])  # the later turns reuse their first turns' prefixes
-
-
-@pytest.mark.slow  # suite time: test_killing_either_rank_mid_request stays
-def test_the_server_exits_with_one_line_when_the_other_rank_is_killed_mid_request(store_for, tmp_path):
-    port = free_ports(1)[0]
-    argv = [sys.executable, "-m", "edge0.serve", "--model", str(store_for("qwen3_moe")), "--port", str(port)]
-    procs = start(tmp_path, [argv + ["--log-level", "warning"]] * 2)
-    url = f"http://127.0.0.1:{port}/v1"
-    try:
-        wait_for_server(url, procs)
-        body = json.dumps({"prompt": PROMPT, "max_tokens": 100000, "temperature": 0, "stream": True}).encode()
-        req = urllib.request.Request(f"{url}/completions", body, {"content-type": "application/json"})
-        stream = urllib.request.urlopen(req, timeout=30)
-        for _ in range(5):  # tokens are coming: the request runs on both ranks
-            assert stream.readline().startswith(b"data: {") and stream.readline() == b"\n"
-        os.killpg(procs[1].pid, signal.SIGKILL)
-        t0 = time.monotonic()
-        rest = stream.read().decode()
-        _, err = procs[0].communicate(timeout=30)
-        waited = time.monotonic() - t0
-    finally:
-        finish(procs, 5)
-    assert procs[0].returncode == 2 and waited < 20, err[-2000:]
-    assert '"error"' in rest  # the open stream ends with an error event
-    ours = [line for line in err.splitlines() if not line.startswith("[ring]")]  # MLX's own lines aside
-    assert ours[-1].startswith("edge0: error: rank 0 of 2: lost a peer rank")
-    assert "Traceback" not in err and sum("error" in line.lower() for line in ours) == 1, err[-2000:]
 
 
 @pytest.mark.slow  # in the default suite's time budget: a rank's one-line stop stays covered by the kill test

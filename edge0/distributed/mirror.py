@@ -131,3 +131,14 @@ class Replica:
                 self.caches.pop(args[0], None)
             else:
                 raise Edge0Error(f"unknown prompt-cache op {op!r} from rank 0; restart every rank")
+
+
+def held_tokens(cache) -> int:
+    """Tokens a one-row prompt cache holds (cache_offset), or -1 where it does not say (a batch's
+    rows each hold their own count; a stage of only linear-attention or SSM layers counts none)."""
+    if not bkv.counts_tokens(cache):
+        return -1
+    try:
+        return bkv.cache_offset(cache)
+    except (TypeError, ValueError):
+        return -1

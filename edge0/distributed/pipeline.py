@@ -41,8 +41,8 @@ from edge0.backend import core as B
 from edge0.backend import distributed as bdist
 from edge0.backend import kvcache as bkv
 from edge0.backend import stages as bstages
-from edge0.distributed.mirror import Journal, Replica
-from edge0.engine.hooks import StepHooks
+from edge0.distributed.leader import LeaderHooks
+from edge0.distributed.mirror import Journal, Replica, held_tokens
 from edge0.engine.parts import Parts
 from edge0.errors import Edge0Error, PeerLost
 from edge0.streaming.stats import COUNTERS
@@ -198,7 +198,7 @@ class Pipeline:
             self._send_header(
                 FORWARD,
                 tokens=t,
-                offset=_held(self.cache),
+                offset=held_tokens(self.cache),
                 step=self.step,
                 rows=rows,
                 cache=name,
@@ -392,7 +392,7 @@ class Pipeline:
         self.wait_s += received - t0
         self.forwards += 1
         cache = self.replica.get(h[CACHE])
-        held = _held(cache)
+        held = held_tokens(cache)
         if h[OFFSET] >= 0 and held >= 0 and held != h[OFFSET]:
             raise Edge0Error(
                 f"this stage's KV cache holds {held} tokens, rank 0's {h[OFFSET]}: the ranks are out of step; "
@@ -448,73 +448,3 @@ class Pipeline:
             out = forward()
         B.eval(out, [c.state for c in cache])
         send(out)
-
-
-def _held(cache) -> int:
-    """Tokens a one-row prompt cache holds (cache_offset), or -1 where it does not say (a batch's
-    rows each hold their own count; a stage of only linear-attention or SSM layers counts none)."""
-    if not bkv.counts_tokens(cache):
-        return -1
-    try:
-        return bkv.cache_offset(cache)
-    except (TypeError, ValueError):
-        return -1
-
-
-class LeaderHooks(StepHooks):
-    """Rank 0's hooks: the engine's own (the pre-router's stager, or none), plus telling the other
-    ranks where a generation is."""
-
-    sees_first_forward = True
-
-    def __init__(self, inner: StepHooks, pipeline: Pipeline):
-        self.inner, self.pipeline = inner, pipeline
-
-    def start(self) -> None:
-        self.pipeline.start()
-        self.inner.start()
-
-    def before_step(self, step: int) -> None:
-        self.inner.before_step(step)
-
-    def multi_token(self, step: int, n_tokens: int) -> None:
-        self.inner.multi_token(step, n_tokens)
-
-    def rows(self, step: int, previous: list) -> None:
-        self.pipeline.previous = [None if p is None else int(p) for p in previous]
-        self.inner.rows(step, previous)
-
-    def last_step(self, step: int, rows: list[int] | None = None) -> None:
-        if rows is None:
-            self.pipeline.last = True
-            self.inner.last_step(step)
-        else:
-            self.pipeline.ending = [int(r) for r in rows]
-            self.inner.last_step(step, rows)
-
-    def kept(self, step: int, position: int) -> None:
-        self.inner.kept(step, position)
-
-    def before_forward(self, step: int) -> None:
-        self.pipeline.step = step
-        self.inner.before_forward(step)
-
-    def after_forward(self, step: int, outputs) -> None:
-        p = self.pipeline
-        p.step, p.previous, p.last, p.ending = -1, None, False, None
-        self.inner.after_forward(step, outputs)
-
-    def step_done(self, step: int) -> None:
-        self.pipeline.compute_s += time.perf_counter() - self.pipeline.received_at
-        self.inner.step_done(step)
-
-    def finish(self) -> None:
-        self.inner.finish()
-        if self.pipeline.generating:
-            self.pipeline.finish()
-
-    def teacher_forcing(self):
-        return self.inner.teacher_forcing()
-
-    def stats(self) -> dict:
-        return self.inner.stats()

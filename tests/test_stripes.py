@@ -252,3 +252,23 @@ def test_the_bench_limits_and_measures_every_directory_of_a_striped_store(stripe
     r = measure_read_rate(striped, queue_depth=2, seconds=1.0, warm=True)
     assert r["bytes"] == sum(p["row_bytes"] * e["num_experts"] for e in m["expert_layers"] for p in layer_parts(e))
     assert r["read_size"] == 4096 and r["queue_depth"] == 2 * 3
+
+
+def test_a_stripe_directory_made_by_someone_else_meanwhile_fails_the_run_and_keeps_theirs(tmp_path, monkeypatch):
+    """The second stripe directory appears while converting: the run fails in one line, removes
+    the first one it had renamed, and leaves the other's directory and file alone."""
+    from edge0.store import stripes
+    from tests.fixtures.make import fixture_dir
+
+    real = stripes.StripeDirs.commit
+
+    def commit(self):
+        self.final[1].mkdir()
+        (self.final[1] / "theirs.txt").write_text("keep")
+        real(self)
+
+    monkeypatch.setattr(stripes.StripeDirs, "commit", commit)
+    with pytest.raises(Edge0Error, match="created by another process"):
+        convert(str(fixture_dir("qwen3_moe")), tmp_path / "s", quiet=True, stripes=[tmp_path / "d1", tmp_path / "d2"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d2"]
+    assert (tmp_path / "d2" / "theirs.txt").read_text() == "keep"

@@ -37,7 +37,6 @@ class Journal:
     def __init__(self):
         self.ops: deque = deque()
         self.last = 0  # the last name given
-        self.live = 0  # caches named and not dropped yet
 
     def __call__(self, op: str, out, *args) -> None:
         if op in _NOT_ACROSS_RANKS:
@@ -61,13 +60,11 @@ class Journal:
 
     def _name(self, cache) -> int:
         self.last += 1
-        self.live += 1
         cache.mirror = self.last
         weakref.finalize(cache, self._dropped, self.last)
         return self.last
 
     def _dropped(self, name: int) -> None:  # may run in any thread, when the GC frees the cache
-        self.live -= 1
         self.ops.append(("drop", name))
 
     @staticmethod

@@ -155,7 +155,7 @@ def _convert(
     tmp = partial_dir(out, os.getpid())
     total = sum(weights[k].nbytes for k in weights) + sum(w.nbytes for w in tower.values())
     bar = tqdm(total=total, unit="B", unit_scale=True, desc="convert", disable=quiet)
-    files, committed = {}, False
+    files = {}
     try:
         shutil.rmtree(tmp, ignore_errors=True)
         (tmp / "experts").mkdir(parents=True)
@@ -206,12 +206,11 @@ def _convert(
             manifest["stripes"] = dirs.manifest()
         (tmp / MANIFEST).write_text(json.dumps(seal(manifest), indent=1))
         dirs.commit()
-        committed = True
         os.rename(tmp, out)
     except BaseException:
         bar.close()
         shutil.rmtree(tmp, ignore_errors=True)
-        dirs.discard(committed)
+        dirs.discard()
         raise
     if not quiet:
         print(

@@ -51,7 +51,7 @@ def relayout_store(src, out, stripes: list | None = None, quiet: bool = True) ->
 
 def _relayout(src: Path, out: Path, manifest: dict, tmp: Path, dirs: StripeDirs) -> Path:
     layer_rels = {f for l in manifest["expert_layers"] for f in layer_files(l)}
-    committed, store = False, None
+    store = None
     try:
         shutil.copytree(
             src,
@@ -96,11 +96,10 @@ def _relayout(src: Path, out: Path, manifest: dict, tmp: Path, dirs: StripeDirs)
             relaid["stripes"] = dirs.manifest()
         (tmp / MANIFEST).write_text(json.dumps(seal(relaid), indent=1))
         dirs.commit()
-        committed = True
         os.rename(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
-        dirs.discard(committed)
+        dirs.discard()
         raise
     finally:
         if store is not None:

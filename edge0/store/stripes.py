@@ -142,6 +142,7 @@ class StripeDirs:
                 ) from None
             remove_stale_partials(d, quiet)
         self.tmp = [partial_dir(d, os.getpid()) for d in self.final]
+        self.renamed: list[Path] = []  # renamed by commit(), this run's own
 
     @property
     def count(self) -> int:
@@ -167,10 +168,12 @@ class StripeDirs:
             if d.exists():
                 raise Edge0Error(f"--stripe {d}: created by another process while converting; choose a new directory")
             os.rename(t, d)
+            self.renamed.append(d)
 
-    def discard(self, committed: bool = False) -> None:
-        """Remove what this run wrote: the partial directories, and with `committed` the renamed ones."""
-        for t, d in zip(self.tmp, self.final):
+    def discard(self) -> None:
+        """Remove what this run wrote: the partial directories, and those it renamed already (the
+        store itself was not renamed, so nothing names them)."""
+        for t in self.tmp:
             shutil.rmtree(t, ignore_errors=True)
-            if committed:
-                shutil.rmtree(d, ignore_errors=True)
+        for d in self.renamed:
+            shutil.rmtree(d, ignore_errors=True)

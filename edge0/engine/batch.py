@@ -175,7 +175,7 @@ class Batch:
         """A second sequence joins: the lone one goes on as any other (its cache a row of the
         batch's, once it decodes)."""
         seq, self.lone = self.lone, None
-        seq.lone, self.parts.kv.in_use = False, None
+        seq.lone = False
         if seq.first is not None:  # never stepped: as a row it feeds the prompt's last token again
             if not bkv.trim_to(seq.cache, len(seq.prompt) - 1):
                 raise RuntimeError("a lone sequence that fed its whole prompt joined a batch before its first step")
@@ -196,7 +196,7 @@ class Batch:
         """Drop `seq` (its client is gone) wherever it is. With reuse, what it fed goes back to the
         prompt caches, so a retry of the request resumes there (as a single generation's does)."""
         if seq.lone:
-            self.lone, self.parts.kv.in_use = None, None
+            self.lone = None
             if seq.lane is not None:
                 seq.lane.close()
             if seq in self.waiting:
@@ -256,7 +256,7 @@ class Batch:
 
     def _fail_waiting(self, seq: Sequence) -> None:
         if seq.lone:
-            self.lone, self.parts.kv.in_use = None, None
+            self.lone = None
         self.waiting.remove(seq)
         seq.cache, seq.finish = None, "error"
         self.counts["failed"] += 1
@@ -383,14 +383,14 @@ class Batch:
             raise
         except Exception as error:  # noqa: BLE001 - its own step, the only one: it ends with the error
             seq.cache, seq.finish = None, "error"  # the step may have fed part of it
-            self.lone, self.rows, self.inputs, self.parts.kv.in_use = None, [], [], None
+            self.lone, self.rows, self.inputs = None, [], []
             self.counts["failed"] += 1
             return [(seq, error)]
         self._count_step(1)
         made: list = []
         if self._add_tokens(seq, ys, made):
             seq.lane.close()
-            self.lone, self.rows, self.inputs, self.parts.kv.in_use = None, [], [], None
+            self.lone, self.rows, self.inputs = None, [], []
             if seq.reuse:
                 fed = seq.prompt + seq.tokens[:-1]
                 if not bkv.trim_to(seq.cache, len(fed)):  # recurrent state holds what its steps fed

@@ -33,14 +33,13 @@ def decode_logits(parts: Parts, tokens: list[int]):
         return B.argmax(logprobs, axis=-1)
 
     kv, stepper = parts.kv, parts.stepper
-    cache = kv.in_use = kv.make()  # nothing reuses it
+    cache = kv.make()  # nothing reuses it
     stepper.hooks.start()
     try:
         for i, t in enumerate(tokens):
             stepper.decode([t], i, keep, cache)
     finally:
         stepper.hooks.finish()
-        kv.in_use = None
     out = B.to_numpy(B.concatenate(kept, axis=0).astype(B.float32))
     return out.reshape(len(tokens), -1)
 

@@ -30,7 +30,6 @@ class PromptCache:
         # one sequence's KV at the context the memory budget was sized for (set at load); each
         # sequence of a batch beyond the first takes this much from the pool's bound while it runs
         self.context_bytes = 0
-        self.in_use = None  # a lone sequence's cache while it runs (a pipeline's rank 0 sends its offset)
         self._ceiling = 0  # the pool's bound: as configured, or lower under memory pressure (evict)
         self._lent = 0  # bytes of the bound a running batch holds (lend)
 

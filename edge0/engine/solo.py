@@ -32,7 +32,7 @@ class Solo:
         r: Request = seq.request
         kv = self.parts.kv
         seq.cache, seq.held, seq.receipt = kv.checkout(seq.key(seq.prompt), r.namespace, r.reuse)
-        seq.fed, seq.prepared, kv.in_use = seq.held, True, seq.cache
+        seq.fed, seq.prepared = seq.held, True
         self.parts.prefiller.place(seq.cache, r.vision)
 
     def prefill(self, seq, stop=None) -> bool:

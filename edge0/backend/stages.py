@@ -118,15 +118,17 @@ _SHARED_ACROSS_LAYERS = {
 
 
 # what the families call the embedding, the decoder layers and the final norm of their model
-_EMBED = ("embed_tokens", "word_embeddings", "wte", "embeddings", "ngram_embeddings")
-_LAYERS, _NORM = ("layers", "blocks"), ("norm", "norm_f", "final_layernorm", "embedding_norm")  # lfm2: embedding_norm
+_EMBED = ("embed_tokens", "word_embeddings", "wte", "embeddings", "ngram_embeddings", "embd")  # phixtral: embd
+_LAYERS = ("layers", "blocks", "h")  # phixtral: h
+_NORM = ("norm", "norm_f", "final_layernorm", "embedding_norm")  # lfm2: embedding_norm
 
 
-def _names(module) -> tuple[str, str, str] | None:
+def _names(module, in_head: bool = False) -> tuple[str, str, str | None] | None:
     """(embedding, layers, final norm) attribute names of `module`, or None when it lacks one (or
-    its layers are not a list)."""
+    its layers are not a list); with `in_head`, the final norm may be missing (None): it is inside
+    the model's untied head, which a stage that is not the last replaces whole."""
     found = [next((n for n in names if n in module), None) for names in (_EMBED, _LAYERS, _NORM)]
-    if None in found or not isinstance(module[found[1]], list):
+    if None in found[:2] or (found[2] is None and not in_head) or not isinstance(module[found[1]], list):
         return None
     return tuple(found)
 
@@ -134,11 +136,20 @@ def _names(module) -> tuple[str, str, str] | None:
 def _pipeline_module(model) -> tuple[str, nn.Module]:
     """The module holding the decoder layers: mlx-lm's PipelineMixin model, or, for a family mlx-lm
     does not pipeline, the one module with an embedding, a list of layers and a final norm (Edge0
-    runs a stage by standing SkipLayers in for the other stages' layers)."""
+    runs a stage by standing SkipLayers in for the other stages' layers); failing that, the one
+    with an embedding and a list of layers beside an untied head that holds the final norm
+    (phixtral's lm_head.ln)."""
     found = [(p, m) for p, m in model.named_modules() if isinstance(m, PipelineMixin)]
     if not found:
         found = [(p, m) for p, m in model.named_modules() if _names(m) is not None]
-    if len(found) != 1 or _names(found[0][1]) is None:
+    if not found:
+        modules = dict(model.named_modules())
+        found = [
+            (p, m)
+            for p, m in modules.items()
+            if _names(m, in_head=True) is not None and "lm_head" in modules.get(p.rpartition(".")[0], model)
+        ]
+    if len(found) != 1 or _names(found[0][1], in_head=True) is None:
         raise Edge0Error(
             f"model_type {getattr(model, 'model_type', '?')!r}: no module with an embedding, a list of "
             "layers and a final norm to split across ranks; run it in one process"
@@ -153,7 +164,7 @@ def num_layers(model) -> int:
     recurrent state of linear-attention or SSM layers follows from the same forwards); a family
     mlx-lm does not pipeline also needs caches a SkipLayer keeps in step."""
     inner = _pipeline_module(model)[1]
-    n = len(inner[_names(inner)[1]])
+    n = len(inner[_names(inner, in_head=True)[1]])
     _boundary(model, inner)
     leaves = [leaf for c in make_prompt_cache(model) for leaf in _leaves(c)]
     odd = sorted({type(c).__name__ for c in leaves if not isinstance(c, (*_SKIPPABLE, ArraysCache))})
@@ -196,7 +207,7 @@ def keep_stage_layers(model, rank: int, size: int, split: list[int], first: bool
     exchange replaces it. Returns the parameter-name prefixes of the ends this stage does not
     hold (embedding, final norm, head), whose weights are not loaded."""
     inner, _, pre, head_pre, tied = _ends(model)
-    embed, layers, norm = _names(inner)
+    embed, layers, norm = _names(inner, in_head=True)
     if isinstance(inner, PipelineMixin):
         inner.pipeline(_Ranks(rank, size), split)
         inner.pipeline_rank, inner.pipeline_size = 0, 1
@@ -208,7 +219,8 @@ def keep_stage_layers(model, rank: int, size: int, split: list[int], first: bool
     if not first and not (last and tied):
         skip.add(f"{pre}{embed}.")
     if not last:
-        skip.add(f"{pre}{norm}.")
+        if norm is not None:  # else it is inside the head (_pipeline_module)
+            skip.add(f"{pre}{norm}.")
         if not tied:
             skip.add(f"{head_pre}lm_head.")
     return skip
@@ -221,10 +233,11 @@ def replace_stage_ends(model, first: bool, last: bool) -> None:
     forward from `_BOUNDARIES` (the message it sends and receives stands where the hidden state
     does)."""
     inner, owner, _, _, tied = _ends(model)
-    embed, _, norm = _names(inner)
+    embed, _, norm = _names(inner, in_head=True)
     inner[embed] = StageEmbedding(inner[embed], first, last and tied, lambda h: h)
     if not last:
-        inner[norm] = PassThrough()
+        if norm is not None:  # else it is inside the head, replaced below
+            inner[norm] = PassThrough()
         if not tied:
             owner.lm_head = PassThrough()
     if not isinstance(inner, PipelineMixin):
@@ -267,7 +280,7 @@ class StageOutput:
 def _mark_stage_layers(inner, first: bool, last: bool) -> None:
     """StageInput and StageOutput mixed into the stage's first and last layers (their parameter
     names stay the same)."""
-    embed, layers, _ = _names(inner)
+    embed, layers, _ = _names(inner, in_head=True)
     held = [layer for layer in inner[layers] if not isinstance(layer, SkipLayer)]
     for layer, mixin, needed in ((held[0], StageInput, not first), (held[-1], StageOutput, not last)):
         if needed:
@@ -287,7 +300,7 @@ def set_stage_source(model, source) -> None:
     """Where a stage that does not embed gets its hidden state: `source(inputs)`, called when the
     model runs (rank 0 receives it from the previous stage there)."""
     inner = _pipeline_module(model)[1]
-    object.__setattr__(inner[_names(inner)[0]], "source", source)
+    object.__setattr__(inner[_names(inner, in_head=True)[0]], "source", source)
 
 
 @contextmanager
@@ -295,7 +308,7 @@ def probe_input(model, hidden: int, dtype):
     """While the block runs, a stage that does not embed takes zeros [B, T, hidden] for its input
     (the layer probe feeds token ids; such a stage's layers take a hidden state)."""
     inner = _pipeline_module(model)[1]
-    embedding = inner[_names(inner)[0]]
+    embedding = inner[_names(inner, in_head=True)[0]]
     if not isinstance(embedding, StageEmbedding) or embedding.embeds:
         yield
         return

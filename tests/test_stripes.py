@@ -167,6 +167,8 @@ def test_convert_with_stripes_and_its_errors(plain, tmp_path):
     assert not (tmp_path / "t").exists() and list((tmp_path / "taken").iterdir()) == []
     r = run_cli("relayout", tmp_path / "s", tmp_path / "u", "--stripe", tmp_path / "d2", "--stripe", tmp_path / "d2")
     assert r.returncode == 2 and "twice" in r.stderr and not (tmp_path / "u").exists()
+    r = run_cli("relayout", tmp_path / "s", tmp_path / "u", "--stripe", tmp_path / "u" / "parts")
+    assert r.returncode == 2 and "inside it" in r.stderr and not (tmp_path / "u").exists()
 
 
 def test_an_interrupted_conversion_leaves_no_stripe_directory(tmp_path, monkeypatch):

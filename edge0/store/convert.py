@@ -121,7 +121,7 @@ def convert(
         if out.exists():
             raise Edge0Error(f"-o {out}: already exists; choose a new output directory or delete it")
         remove_stale_partials(out, quiet)
-        dirs = StripeDirs(stripes or [], quiet)
+        dirs = StripeDirs(stripes or [], quiet, out)
         with unwind_on_termination():
             return _convert(src, str(hf_path), out, config, dtype, quiet, trust_remote_code, dirs)
 

@@ -45,7 +45,7 @@ def relayout_store(src, out, stripes: list | None = None, quiet: bool = True) ->
         if out.exists():  # written while we waited for the lock
             raise Edge0Error(f"{out}: already exists; choose a new output directory or delete it")
         remove_stale_partials(out, quiet=False)
-        dirs = StripeDirs(stripes or [], quiet)
+        dirs = StripeDirs(stripes or [], quiet, out)
         return _relayout(src, out, manifest, partial_dir(out, os.getpid()), dirs)
 
 

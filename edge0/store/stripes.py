@@ -126,11 +126,17 @@ class StripeDirs:
     written as `.NAME.partial-PID` and renamed by `commit()` (before the store itself, so a store
     never names a directory that is not there); `discard()` removes the partial ones."""
 
-    def __init__(self, dirs, quiet: bool):
+    def __init__(self, dirs, quiet: bool, out: Path):
         self.final = [Path(d).expanduser().resolve() for d in dirs]
         self.id = uuid.uuid4().hex
         if len(set(self.final)) != len(self.final):
             raise Edge0Error("--stripe: the same directory given twice; give one directory per disk")
+        store = Path(out).expanduser().resolve()
+        for d in self.final:
+            if d == store or store in d.parents or d in store.parents:
+                raise Edge0Error(
+                    f"--stripe {d}: the store's own directory or beside it in one tree; give another disk's"
+                )
         for d in self.final:
             if d.exists():
                 raise Edge0Error(f"--stripe {d}: already exists; choose a new directory on that disk")

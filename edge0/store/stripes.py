@@ -135,7 +135,7 @@ class StripeDirs:
         for d in self.final:
             if d == store or store in d.parents or d in store.parents:
                 raise Edge0Error(
-                    f"--stripe {d}: the store's own directory or beside it in one tree; give another disk's"
+                    f"--stripe {d}: is the output directory, inside it or above it; give a directory on another disk"
                 )
         for d in self.final:
             if d.exists():

@@ -399,3 +399,16 @@ def test_balanced_split_evens_out_bytes_rank_0_first():
     assert balanced_split([4, 1, 1, 1, 1], 2) == (4, 1)
     with pytest.raises(Edge0Error, match="at most 2"):
         balanced_split([1, 1], 3)
+
+
+def test_layers_that_share_kv_stay_on_one_stage():
+    """hunyuan's cross-layer attention: each pair's second layer reuses the first's KV, so a stage
+    holds whole pairs; the balanced split counts in pairs and a given split that cuts one is refused."""
+    assert balanced_split([1] * 8, 2, group=2) == (4, 4)
+    assert balanced_split([1] * 8, 2, last_extra=3, group=2) == (2, 6)  # (3, 5) would cut a pair
+    assert balanced_split([1] * 6, 3, group=2) == (2, 2, 2)
+    with pytest.raises(Edge0Error, match="at most 2 ranks"):
+        balanced_split([1] * 4, 3, group=2)
+    check_split((2, 2), 4, 2, group=2)
+    with pytest.raises(Edge0Error, match="multiple of 2 layers"):
+        check_split((3, 1), 4, 2, group=2)

@@ -14,7 +14,7 @@ from tests.test_distributed import PROMPT, ROOT, TOKENS, launch, single
 # families refused across ranks, each with its one-line reason (every other family of the fixtures
 # must give the single process's tokens on 2 ranks)
 _SHARED = "which a stage boundary would cut"  # layers that hand each other KV or residual blocks
-REFUSED: dict[str, str] = dict.fromkeys(("gemma4", "gemma4_text", "hunyuan", "kimi_k3"), _SHARED)
+REFUSED: dict[str, str] = dict.fromkeys(("gemma4", "gemma4_text", "kimi_k3"), _SHARED)
 # the hybrid families (linear attention or SSM state beside KV caches) and those with several caches
 # in one layer (CacheList): each stage keeps its own layers' state, the exchange counts the tokens
 HYBRID = (

@@ -81,11 +81,14 @@ class SkipLayer(nn.Module):
     (which kind of attention, for its caches) come from the layer it stands for, whose weights are
     never loaded."""
 
-    def __init__(self, layer: nn.Module):
+    def __init__(self, layer: nn.Module, pair: bool = False):
         super().__init__()
         names = [n for n in inspect.signature(type(layer).__call__).parameters if n != "self"]
         object.__setattr__(self, "stands_for", layer)
         object.__setattr__(self, "cache_at", names.index("cache") - 1 if "cache" in names else None)
+        # hunyuan's layers return (hidden, the KV the next layer of their group reuses): whole
+        # groups sit on one stage (layer_group), so a skipped layer's next one is skipped too
+        object.__setattr__(self, "pair", pair)
 
     def __getattr__(self, name):
         try:
@@ -102,7 +105,7 @@ class SkipLayer(nn.Module):
                 width = c.group_size if isinstance(c, (QuantizedKVCache, BatchQuantizedKVCache)) else 1
                 z = mx.zeros((x.shape[0], 1, x.shape[1], width), dtype=x.dtype)
                 c.update_and_fetch(z, z)
-        return x
+        return (x, None) if self.pair else x
 
 
 # the caches a SkipLayer keeps in step (each keeps its offset from the keys it is fed), one
@@ -112,9 +115,17 @@ _SKIPPABLE = (KVCache, RotatingKVCache, ChunkedKVCache, QuantizedKVCache, BatchK
 _SHARED_ACROSS_LAYERS = {
     "gemma4": "its later layers attend with the KV an earlier layer computed (KV sharing)",
     "gemma4_text": "its later layers attend with the KV an earlier layer computed (KV sharing)",
-    "hunyuan": "its layers share KV with the layer before them (cross-layer attention)",
     "kimi_k3": "its layers hand each other attention-residual blocks beside the hidden state",
 }
+
+
+def layer_group(model) -> int:
+    """Layers that must stay on one stage together: hunyuan's cross-layer attention shares each
+    group's first layer's KV with the rest of the group (`cla_share_factor`); 1 for the others."""
+    args = getattr(model, "args", None)
+    if getattr(model, "model_type", None) == "hunyuan" and getattr(args, "use_cla", False):
+        return int(args.cla_share_factor)
+    return 1
 
 
 # what the families call the embedding, the decoder layers and the final norm of their model
@@ -213,8 +224,9 @@ def keep_stage_layers(model, rank: int, size: int, split: list[int], first: bool
         inner.pipeline_rank, inner.pipeline_size = 0, 1
     else:  # mlx-lm's order: rank r runs the layers after those of ranks r + 1 ... size - 1
         start, held = sum(split[rank + 1 :]), inner[layers]
+        pair = layer_group(model) > 1
         for i in [i for i in range(len(held)) if not start <= i < start + split[rank]]:
-            held[i] = SkipLayer(held[i])
+            held[i] = SkipLayer(held[i], pair)
     skip = set()
     if not first and not (last and tied):
         skip.add(f"{pre}{embed}.")
@@ -293,7 +305,9 @@ def stage_output(model, out):
     """What a stage that is not the last sends on after `model(...)` returned `out`: its last
     layer's output (a family mlx-lm does not pipeline), else `out`."""
     layer = getattr(_pipeline_module(model)[1], "stage_output", None)
-    return layer.sent if layer is not None else out
+    if layer is None:
+        return out
+    return layer.sent[0] if isinstance(layer.sent, tuple) else layer.sent  # hunyuan's (hidden, shared KV)
 
 
 def set_stage_source(model, source) -> None:

@@ -55,9 +55,12 @@ def plan_stage(group, root, resident_file: str, manifest: dict, config: dict, op
             "every rank must load the same store: copy one store to every machine, or convert the same checkpoint on "
             "each",
         )
-    num_layers = bstages.num_layers(bio.build_model(config, root))
+    model = bio.build_model(config, root)
+    num_layers = bstages.num_layers(model)
     ranks = group.size() if group is not None else 1
-    split = plan_split(root, resident_file, manifest, num_layers, ranks, options.pipeline_split)
+    split = plan_split(
+        root, resident_file, manifest, num_layers, ranks, options.pipeline_split, bstages.layer_group(model)
+    )
     if group is None:
         return None
     agree(group, "the layer split", ",".join(map(str, split)), "start every rank with the same --pipeline-split")

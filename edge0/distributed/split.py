@@ -63,8 +63,9 @@ class Stage:
         )
 
 
-def check_split(split: tuple[int, ...], num_layers: int, ranks: int) -> None:
-    """A split must give every rank layers and cover every layer once."""
+def check_split(split: tuple[int, ...], num_layers: int, ranks: int, group: int = 1) -> None:
+    """A split must give every rank layers and cover every layer once, in whole groups of `group`
+    layers (layers that share KV stay on one stage)."""
     given = ",".join(map(str, split))
     if len(split) != ranks:
         run = "this process runs alone" if ranks == 1 else f"{ranks} ranks were launched"
@@ -79,12 +80,27 @@ def check_split(split: tuple[int, ...], num_layers: int, ranks: int) -> None:
             f"(layers 0-{num_layers - 1}); the counts (rank 0 first, rank 0 runs the last layers) "
             f"must sum to {num_layers}"
         )
+    if any(n % group for n in split):
+        raise Edge0Error(
+            f"--pipeline-split {given}: its layers share KV in groups of {group} (cross-layer attention), which "
+            f"a stage boundary must not cut; give each rank a multiple of {group} layers"
+        )
 
 
-def balanced_split(costs: list[int], ranks: int, first_extra: int = 0, last_extra: int = 0) -> tuple[int, ...]:
+def balanced_split(
+    costs: list[int], ranks: int, first_extra: int = 0, last_extra: int = 0, group: int = 1
+) -> tuple[int, ...]:
     """Contiguous stages minimising the largest stage's cost (per-layer `costs`, plus
     `first_extra` on the first stage and `last_extra` on the last), as layers per rank, rank 0
-    (the last stage) first."""
+    (the last stage) first; each stage a whole number of `group`-layer groups."""
+    if group > 1:  # plan over the groups, then count their layers
+        groups = [sum(costs[i : i + group]) for i in range(0, len(costs), group)]
+        if ranks > len(groups):
+            raise Edge0Error(
+                f"{ranks} ranks for a model of {len(costs)} layers that share KV in groups of {group} (cross-layer "
+                f"attention): every rank needs a whole group; launch at most {len(groups)} ranks"
+            )
+        return tuple(group * n for n in balanced_split(groups, ranks, first_extra, last_extra))
     n = len(costs)
     if ranks > n:
         raise Edge0Error(
@@ -142,13 +158,13 @@ def layer_costs(root: Path, resident_file: str, manifest: dict, num_layers: int)
 
 
 def plan_split(
-    root: Path, resident_file: str, manifest: dict, num_layers: int, ranks: int, explicit
+    root: Path, resident_file: str, manifest: dict, num_layers: int, ranks: int, explicit, group: int = 1
 ) -> tuple[int, ...]:
     """The split to run: `explicit` (validated LoadOptions.pipeline_split, checked against the
-    model here), or the byte-balanced one."""
+    model here), or the byte-balanced one; in whole groups of `group` layers."""
     if explicit is not None:
         split = tuple(explicit)
-        check_split(split, num_layers, ranks)
+        check_split(split, num_layers, ranks, group)
         return split
     costs, embed, head = layer_costs(root, resident_file, manifest, num_layers)
-    return balanced_split(costs, ranks, embed, head)
+    return balanced_split(costs, ranks, embed, head, group)

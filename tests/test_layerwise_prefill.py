@@ -254,3 +254,22 @@ def test_the_prompt_s_last_token_goes_into_its_span_and_its_logits_give_the_firs
     merged.reset_cache()
     assert merged.generate(PROMPT, max_tokens=3).tokens == want.tokens
     assert m == {"decode": 7, "first": 2}
+
+
+def test_a_stage_span_longer_than_its_layers_take_goes_in_pieces_with_the_same_output(store_for):
+    """A pipeline stage feeds the span rank 0 sized for its own layers: where this stage's layers
+    take fewer tokens at once, the span goes in pieces, each layer by layer, and its output and
+    cache are the whole span's."""
+    engine = edge0.load(store_for("qwen3_moe"), prerouter=False)
+    ids = mx.array([PROMPT[:40]])
+    p = engine.prefiller
+    whole_cache = engine.kv.make()
+    whole = np.array(p.stage_span(ids, whole_cache).astype(mx.float32))
+    spans = p.spans
+    p.span_tokens = 16  # pieces of 16, 16 and 8 tokens
+    cache = engine.kv.make()
+    pieces = np.array(p.stage_span(ids, cache).astype(mx.float32))
+    assert p.spans - spans == 3 and pieces.shape == whole.shape == (1, 40, whole.shape[-1])
+    np.testing.assert_allclose(pieces, whole, atol=1e-4, rtol=1e-4)
+    for a, b in zip(state(cache), state(whole_cache)):
+        np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4)

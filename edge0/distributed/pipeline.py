@@ -443,7 +443,7 @@ class Pipeline:
         prefiller = self.parts.prefiller
         if prefiller.layerwise:
             routed.update(self._route_predictions(preds))
-            out = bstages.stage_output(model, prefiller.stage_span(x, cache))
+            out = prefiller.stage_span(x, cache)
         else:
             out = forward()
         B.eval(out, [c.state for c in cache])

@@ -88,11 +88,17 @@ class Prefiller:
     def stage_span(self, hidden, cache):
         """A pipeline stage's share of a span rank 0 feeds layer by layer: its input `hidden` [1, T,
         D] through its own layers, one at a time, into `cache`; returns what it sends on (its last
-        layer's output, computed, unlike one process's last layer)."""
+        layer's output, computed, unlike one process's last layer; stages.stage_output)."""
         plan = blw.SpanPlan(self.moe_chunk, self.heads, None, self.score_bytes, skip_last=False)
-        out = blw.prefill_layerwise(self.model, hidden, cache, plan, self.probe, output=True)
-        self.spans += 1
-        return out
+        # rank 0 sizes spans by its own layers: one longer than this stage's layers take at once
+        # (a layer whose attention runs over the span in one call) goes in pieces here
+        piece, t = self.span_for(cache), int(hidden.shape[1])
+        outs = []
+        for i in range(0, t, piece):
+            out = blw.prefill_layerwise(self.model, hidden[:, i : i + piece], cache, plan, self.probe, output=True)
+            outs.append(bstages.stage_output(self.model, out))
+            self.spans += 1
+        return outs[0] if len(outs) == 1 else B.concatenate(outs, axis=1)
 
     def takes_last(self, cache) -> bool:
         """Whether `feed` can give the log-probs after the prompt's last token into `cache`: layer

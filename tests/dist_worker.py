@@ -45,7 +45,12 @@ for run in runs:
         "why_not_layerwise": engine.prefiller.probe.why_not,
     }
     if engine.follower:
+        if run.get("follower_memory_low"):  # a memory watcher reading no memory left: shrink to the floor
+            from edge0.server.memory import MemoryWatcher
+
+            MemoryWatcher(engine, 10**15, 0.01, read=lambda: (0, "test")).start(engine.pipeline.run_between)
         engine.follow()
+        out["expert_cache"] = engine.expert_cache()
     else:
         res = engine.generate(run["prompt"], max_tokens=run["max_tokens"], ignore_eos=run["ignore_eos"])
         stats = engine.stats()

@@ -154,3 +154,22 @@ def test_the_server_exits_with_one_line_when_the_other_rank_is_killed_mid_reques
     ours = [line for line in err.splitlines() if not line.startswith("[ring]")]  # MLX's own lines aside
     assert ours[-1].startswith("edge0: error: rank 0 of 2: lost a peer rank")
     assert "Traceback" not in err and sum("error" in line.lower() for line in ours) == 1, err[-2000:]
+
+
+def test_a_rank_low_on_memory_shrinks_its_own_expert_cache_between_generations(store_for, tmp_path):
+    """Rank 1's memory watcher (as `edge0 serve --memory-low` starts on every rank) reads no memory
+    left: between generations its expert cache shrinks to one route's slots; the tokens stay one
+    process's."""
+    from tests.test_distributed import launch, single
+
+    store = store_for("qwen3_moe")
+    runs = [{"store": str(store), "options": {"prerouter": False}, "follower_memory_low": True}]
+    runs[0].update(prompt=PROMPT, max_tokens=TOKENS, ignore_eos=True, turns=[PROMPT + " again"])
+    (tmp_path / "runs.json").write_text(json.dumps(runs))
+    argv = [sys.executable, str(ROOT / "tests" / "dist_worker.py"), str(tmp_path / "runs.json")]
+    done = launch(tmp_path, [argv + [str(tmp_path / f"out-{r}.json")] for r in range(2)])
+    assert [rc for rc, _, _ in done] == [0, 0], [err[-2000:] for _, _, err in done]
+    rank0, rank1 = (json.loads((tmp_path / f"out-{r}.json").read_text())[0] for r in range(2))
+    assert rank0["tokens"] == single(store, rank0["layerwise"], prerouter=False)[0]
+    cache = rank1["expert_cache"]
+    assert cache["slots_per_layer"] == cache["min_slots"] < cache["configured_slots"]

@@ -114,14 +114,17 @@ def load_options(args, **overrides) -> dict:
     return {**values, **overrides}
 
 
-def load_or_follow(args):
+def load_or_follow(args, before_follow=None):
     """Load the model of a verb's --model and flags and print its describe line. Under
-    mlx.launch a rank other than 0 runs its layers of rank 0's work here and gets None back."""
+    mlx.launch a rank other than 0 runs its layers of rank 0's work here and gets None back
+    (`before_follow(engine)` first, if given)."""
     import edge0
 
     engine = edge0.load(args.model, **load_options(args))
     print(engine.describe(), file=sys.stderr)
     if engine.follower:
+        if before_follow is not None:
+            before_follow(engine)
         engine.follow()
         return None
     return engine

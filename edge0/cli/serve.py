@@ -11,7 +11,7 @@ import os
 from edge0.backend.memory import available as memory_available
 from edge0.cli.common import OneLineParser, add_model_options, load_or_follow, run_main
 from edge0.errors import Edge0Error
-from edge0.server.memory import DEFAULT_POLL_S, default_memory_low
+from edge0.server.memory import DEFAULT_POLL_S, MemoryWatcher, default_memory_low
 from edge0.units import format_size, parse_size
 
 log = logging.getLogger("edge0.server")
@@ -229,6 +229,18 @@ def add_connection_options(p: argparse.ArgumentParser) -> None:
         p.add_argument(flag, type=_seconds, default=default, help=f"seconds {what} (default {default:g})")
 
 
+def _watch_memory(memory_low: int, poll_s: float):
+    """For a rank other than 0: its own expert cache shrinks under memory pressure (and grows back),
+    between generations, as one process's does (server/memory.py)."""
+    if not memory_low:
+        return None
+
+    def watch(engine):
+        MemoryWatcher(engine, memory_low, poll_s).start(engine.pipeline.run_between)
+
+    return watch
+
+
 def main(argv=None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
@@ -258,7 +270,7 @@ def main(argv=None) -> int:
     memory_low = args.memory_low
     if memory_low is None:  # before loading: the model's own memory is not "pressure"
         memory_low = default_memory_low(memory_available()[0])
-    engine = load_or_follow(args)
+    engine = load_or_follow(args, before_follow=_watch_memory(memory_low, args.memory_poll_s))
     if engine is None:  # under mlx.launch: this rank ran its layers of rank 0's work
         return 0
     context = model_context_length(engine.root)

@@ -33,6 +33,7 @@ import json
 import os
 import threading
 import time
+from collections import deque
 from contextlib import contextmanager
 
 import numpy as np
@@ -82,6 +83,7 @@ class Pipeline:
         self.cache = None  # rank 0: the prompt cache of the forward running now (watch_forwards)
         # rank 0: this step's rows and which of them end (StepHooks.rows, last_step), for the others' hooks
         self.previous, self.last, self.ending = None, False, None
+        self.between: deque = deque()  # the others: work for their own thread between generations (run_between)
         # where a rank waits for the next message without spinning (see bdist.ring_sockets); none
         # found means MLX's spinning receive, reported in the stats
         self.sockets = bdist.ring_sockets()
@@ -345,6 +347,11 @@ class Pipeline:
         return out
 
     # -- the other ranks -------------------------------------------------------------------------
+    def run_between(self, fn) -> None:
+        """A rank other than 0: run `fn()` on the thread that follows, when a generation starts or
+        ends (a memory watcher's resize of this rank's own expert cache; server/memory.py)."""
+        self.between.append(fn)
+
     def follow(self) -> None:
         """Run the ops rank 0 sends until it closes the pipeline."""
         hooks = self.parts.stepper.hooks
@@ -357,6 +364,8 @@ class Pipeline:
             detail = json.loads(blob) if blob else {}
             self.replica.apply(detail.get("ops", []))
             on = blob if self.to != 0 else b""  # the next rank needs them too, unless it is rank 0
+            while op in (START, FINISH) and self.between:  # nothing of a generation in flight here
+                self.between.popleft()()
             if op == FORWARD:
                 self.wait_s += time.perf_counter() - t0
                 self._forward(h, detail.get("step"), on)

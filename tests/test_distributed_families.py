@@ -13,8 +13,12 @@ from tests.test_distributed import PROMPT, ROOT, TOKENS, launch, single
 
 # families refused across ranks, each with its one-line reason (every other family of the fixtures
 # must give the single process's tokens on 2 ranks)
-_SHARED = "which a stage boundary would cut"  # layers that hand each other KV or residual blocks
-REFUSED: dict[str, str] = dict.fromkeys(("gemma4", "gemma4_text", "kimi_k3"), _SHARED)
+REFUSED: dict[str, str] = {}
+# fixtures across ranks where a family's own has nothing to cut: gemma4's 3 layers all share KV
+# (layer 2 reuses layer 0's), so 5 here: layer 4 reuses layer 2's, layers 2-4 stay on one stage;
+# kimi_k3 with attention residuals, whose blocks of earlier layers' sums cross each boundary
+_GEMMA4 = {"num_hidden_layers": 5, "layer_types": ("sliding_attention", "full_attention") * 2 + ("sliding_attention",)}
+ACROSS_RANKS = {"gemma4": _GEMMA4, "gemma4_text": _GEMMA4, "kimi_k3": {"attn_res_block_size": 2}}
 # the hybrid families (linear attention or SSM state beside KV caches) and those with several caches
 # in one layer (CacheList): each stage keeps its own layers' state, the exchange counts the tokens
 HYBRID = (
@@ -36,7 +40,11 @@ def _families_across_ranks(
     alone; `session`, prompts of interleaved conversations reusing what the prompt caches kept,
     each with the tokens and the cached prompt tokens of one process running the same session."""
     runs = [
-        {"store": str(store_for(f, **(fixture or {}))), "options": {"prerouter": False, **options}} for f in families
+        {
+            "store": str(store_for(f, **{**ACROSS_RANKS.get(f, {}), **(fixture or {})})),
+            "options": {"prerouter": False, **options},
+        }
+        for f in families
     ]
     for run in runs:
         run.update(prompt=PROMPT, max_tokens=TOKENS, ignore_eos=True, turns=list(turns))
@@ -197,3 +205,21 @@ def test_rank_0_with_only_recurrent_state_is_refused_naming_the_split():
         lead([ArraysCache(2)])
     with pytest.raises(AttributeError):  # past the check: a real pipeline's parts go on from here
         lead([ArraysCache(2), KVCache()])
+
+
+def test_families_whose_layers_share_kv_or_residual_blocks_give_the_single_process_tokens_on_two_ranks(
+    store_for, tmp_path
+):
+    """gemma4's KV-shared layers stay on the stage of the layer whose KV they reuse; kimi_k3's
+    stages hand on its attention-residual blocks with the hidden state."""
+    _families_across_ranks(("gemma4", "gemma4_text", "kimi_k3"), store_for, tmp_path)
+
+
+@pytest.mark.slow  # one launch of three ranks
+def test_families_whose_layers_share_kv_or_residual_blocks_give_the_single_process_tokens_on_three_ranks(
+    store_for, tmp_path
+):
+    # gemma4: stages of one layer each before the run of three that shares KV
+    _families_across_ranks(("gemma4_text",), store_for, tmp_path, ranks=3)
+    # kimi_k3 with a block at every layer: the middle stage receives one block and sends two
+    _families_across_ranks(("kimi_k3",), store_for, tmp_path, ranks=3, fixture={"attn_res_block_size": 1})

@@ -81,14 +81,13 @@ class SkipLayer(nn.Module):
     (which kind of attention, for its caches) come from the layer it stands for, whose weights are
     never loaded."""
 
-    def __init__(self, layer: nn.Module, pair: bool = False):
+    def __init__(self, layer: nn.Module, extras=None):
         super().__init__()
         names = [n for n in inspect.signature(type(layer).__call__).parameters if n != "self"]
         object.__setattr__(self, "stands_for", layer)
         object.__setattr__(self, "cache_at", names.index("cache") - 1 if "cache" in names else None)
-        # hunyuan's layers return (hidden, the KV the next layer of their group reuses): whole
-        # groups sit on one stage (layer_group), so a skipped layer's next one is skipped too
-        object.__setattr__(self, "pair", pair)
+        # what the family's layers return beside the hidden state (_SKIPPED_RETURNS), or None
+        object.__setattr__(self, "extras", extras)
 
     def __getattr__(self, name):
         try:
@@ -105,27 +104,43 @@ class SkipLayer(nn.Module):
                 width = c.group_size if isinstance(c, (QuantizedKVCache, BatchQuantizedKVCache)) else 1
                 z = mx.zeros((x.shape[0], 1, x.shape[1], width), dtype=x.dtype)
                 c.update_and_fetch(z, z)
-        return (x, None) if self.pair else x
+        return x if self.extras is None else (x, *self.extras(kwargs))
 
 
 # the caches a SkipLayer keeps in step (each keeps its offset from the keys it is fed), one
 # sequence's or a batch's rows
 _SKIPPABLE = (KVCache, RotatingKVCache, ChunkedKVCache, QuantizedKVCache, BatchKVCache, BatchRotatingKVCache)
-# families mlx-lm does not pipeline whose layers hand each other more than the hidden state
-_SHARED_ACROSS_LAYERS = {
-    "gemma4": "its later layers attend with the KV an earlier layer computed (KV sharing)",
-    "gemma4_text": "its later layers attend with the KV an earlier layer computed (KV sharing)",
-    "kimi_k3": "its layers hand each other attention-residual blocks beside the hidden state",
+# what a SkipLayer returns beside the hidden state, for families whose layers return more:
+# hunyuan's (hidden, the KV its group's next layer reuses) and gemma4's (hidden, KV, offset), None
+# here since the layers that read them sit on the same stage (layer_groups); kimi_k3's (hidden,
+# attention-residual blocks), whose blocks pass on to the stage's next layer
+_SKIPPED_RETURNS = {
+    "hunyuan": lambda kwargs: (None,),
+    "gemma4": lambda kwargs: (None, None),
+    "gemma4_text": lambda kwargs: (None, None),
+    "kimi_k3": lambda kwargs: (kwargs.get("blocks"),),
 }
 
 
-def layer_group(model) -> int:
-    """Layers that must stay on one stage together: hunyuan's cross-layer attention shares each
-    group's first layer's KV with the rest of the group (`cla_share_factor`); 1 for the others."""
+def layer_groups(model) -> tuple[int, ...] | None:
+    """Sizes, in layer order, of the runs of layers that must stay on one stage together (None:
+    every cut is allowed). A layer that attends with the KV an earlier layer computed must sit
+    with it, and with every layer between: hunyuan's cross-layer attention shares each group's
+    first layer's KV with the rest of the group (`cla_share_factor`); gemma4's KV-shared layers
+    reuse the KV of the last earlier layer of their kind (mlx-lm's `previous_kvs`)."""
+    inner = _pipeline_module(model)[1]
+    n = len(inner[_names(inner, in_head=True)[1]])
     args = getattr(model, "args", None)
+    together = []  # (first, last) layers of a run that must not be cut
     if getattr(model, "model_type", None) == "hunyuan" and getattr(args, "use_cla", False):
-        return int(args.cla_share_factor)
-    return 1
+        g = int(args.cla_share_factor)
+        together += [(i, min(i + g, n) - 1) for i in range(0, n, g)]
+    together += [(p, j) for j, p in enumerate(getattr(inner, "previous_kvs", None) or []) if p != j]
+    if not together:
+        return None
+    uncut = {b for first, last in together for b in range(first + 1, last + 1)}  # b: the cut before layer b
+    cuts = [0, *(b for b in range(1, n) if b not in uncut), n]
+    return tuple(b - a for a, b in zip(cuts, cuts[1:]))
 
 
 # what the families call the embedding, the decoder layers and the final norm of their model
@@ -189,11 +204,11 @@ def num_layers(model) -> int:
             f"model_type {getattr(model, 'model_type', '?')!r}: no layer keeps a KV cache that counts its tokens "
             "(only recurrent state), which the stage exchange needs to keep the ranks in step; run it in one process"
         )
-    model_type = getattr(model, "model_type", "?")
-    if not isinstance(inner, PipelineMixin) and model_type in _SHARED_ACROSS_LAYERS:
+    if getattr(inner, "hidden_size_per_layer_input", None):  # gemma4's 2B/4B models
         raise Edge0Error(
-            f"model_type {model_type!r}: {_SHARED_ACROSS_LAYERS[model_type]}, which a stage boundary would cut; "
-            "run it in one process"
+            f"model_type {getattr(model, 'model_type', '?')!r}: its layers read per-layer inputs computed from the "
+            "token ids and their embedding, which only the first stage holds (hidden_size_per_layer_input "
+            f"{inner.hidden_size_per_layer_input}); run it in one process"
         )
     return n
 
@@ -224,9 +239,9 @@ def keep_stage_layers(model, rank: int, size: int, split: list[int], first: bool
         inner.pipeline_rank, inner.pipeline_size = 0, 1
     else:  # mlx-lm's order: rank r runs the layers after those of ranks r + 1 ... size - 1
         start, held = sum(split[rank + 1 :]), inner[layers]
-        pair = layer_group(model) > 1
+        extras = _SKIPPED_RETURNS.get(getattr(model, "model_type", None))
         for i in [i for i in range(len(held)) if not start <= i < start + split[rank]]:
-            held[i] = SkipLayer(held[i], pair)
+            held[i] = SkipLayer(held[i], extras)
     skip = set()
     if not first and not (last and tied):
         skip.add(f"{pre}{embed}.")
@@ -253,7 +268,7 @@ def replace_stage_ends(model, first: bool, last: bool) -> None:
         if not tied:
             owner.lm_head = PassThrough()
     if not isinstance(inner, PipelineMixin):
-        _mark_stage_layers(inner, first, last)
+        _mark_stage_layers(inner, first, last, _message(model, inner))
     staged = _boundary(model, inner)
     if staged is not None:
         module = importlib.import_module(type(inner).__module__)
@@ -266,15 +281,59 @@ def replace_stage_ends(model, first: bool, last: bool) -> None:
         object.__setattr__(inner, "crossing", crossing)
 
 
+class ResidualBlocksMessage:
+    """kimi_k3 with attention residuals (`attn_res_block_size`): each layer mixes its input with
+    the blocks of earlier layers' partial sums (mlx-lm's ResidualBlocks, one per block start,
+    each `[B, T, D]` for this forward's tokens), so a stage hands on the blocks with the hidden
+    state, as mlx-lm's own pipeline does (KimiK3TextModel sends `[k + 1, B, T, D]`). Here the
+    message is `[B, T, (k + 1) * D]` in the hidden state's dtype: the k blocks, then the hidden
+    state; a stage that passed on the hidden state alone would compute other tokens."""
+
+    def __init__(self, hidden: int):
+        self.hidden = hidden
+
+    def receive(self, message, kwargs):
+        """The hidden state in `message`; its blocks go into the forward's ResidualBlocks (as
+        mlx-lm's KimiK3TextModel receives them)."""
+        b, t = message.shape[:2]
+        parts = message.reshape(b, t, -1, self.hidden)
+        blocks = kwargs["blocks"]
+        if parts.shape[2] > 1:
+            raw = parts[:, :, :-1].transpose(2, 0, 1, 3)
+            xf = raw.astype(mx.float32)
+            blocks.raw, blocks.inv_rms = raw, mx.rsqrt((xf * xf).mean(axis=-1) + blocks.eps)
+        return parts[:, :, -1]
+
+    def send(self, out):
+        """The message from a stage's last layer's output `(hidden, blocks)`."""
+        h, blocks = out
+        b, t = h.shape[:2]
+        raw = blocks.raw.astype(h.dtype).transpose(1, 2, 0, 3)  # [B, T, k, D]
+        return mx.concatenate([raw, h[:, :, None]], axis=2).reshape(b, t, -1)
+
+
+def _message(model, inner):
+    """How a family mlx-lm does not pipeline packs what its stages hand on beside the hidden
+    state (None: the hidden state alone)."""
+    args = getattr(inner, "args", None)
+    if getattr(model, "model_type", None) == "kimi_k3" and getattr(args, "attn_res_block_size", None):
+        return ResidualBlocksMessage(int(args.hidden_size))
+    return None
+
+
 class StageInput:
     """Mixed into a stage's first layer (a family mlx-lm does not pipeline, not the first stage):
     its input is the hidden state the previous stage sent, as received, whatever the family's
-    forward did to its embedding's output (granitemoe multiplies it, afmoe scales it)."""
+    forward did to its embedding's output (granitemoe multiplies it, afmoe scales it); where the
+    family's stages hand on more (`stage_message`), that is unpacked here."""
 
     takes_received = True  # a layer-major span (backend/layerwise.py) hands it each chunk there
 
     def __call__(self, x, *args, **kwargs):
-        return super().__call__(self.stage_embedding.received, *args, **kwargs)
+        x = self.stage_embedding.received
+        if self.stage_message is not None:
+            x = self.stage_message.receive(x, kwargs)
+        return super().__call__(x, *args, **kwargs)
 
 
 class StageOutput:
@@ -289,25 +348,30 @@ class StageOutput:
         return out
 
 
-def _mark_stage_layers(inner, first: bool, last: bool) -> None:
+def _mark_stage_layers(inner, first: bool, last: bool, message) -> None:
     """StageInput and StageOutput mixed into the stage's first and last layers (their parameter
-    names stay the same)."""
+    names stay the same); `message`: how the family packs what its stages hand on (_message)."""
     embed, layers, _ = _names(inner, in_head=True)
     held = [layer for layer in inner[layers] if not isinstance(layer, SkipLayer)]
     for layer, mixin, needed in ((held[0], StageInput, not first), (held[-1], StageOutput, not last)):
         if needed:
             layer.__class__ = type(f"{mixin.__name__}{type(layer).__name__}", (mixin, type(layer)), {})
     object.__setattr__(held[0], "stage_embedding", inner[embed])
+    object.__setattr__(held[0], "stage_message", message)
     object.__setattr__(inner, "stage_output", held[-1] if not last else None)
+    object.__setattr__(inner, "stage_message", message)
 
 
 def stage_output(model, out):
     """What a stage that is not the last sends on after `model(...)` returned `out`: its last
     layer's output (a family mlx-lm does not pipeline), else `out`."""
-    layer = getattr(_pipeline_module(model)[1], "stage_output", None)
+    inner = _pipeline_module(model)[1]
+    layer = getattr(inner, "stage_output", None)
     if layer is None:
         return out
-    return layer.sent[0] if isinstance(layer.sent, tuple) else layer.sent  # hunyuan's (hidden, shared KV)
+    if inner.stage_message is not None:
+        return inner.stage_message.send(layer.sent)
+    return layer.sent[0] if isinstance(layer.sent, tuple) else layer.sent  # hunyuan's (hidden, shared KV), ...
 
 
 def set_stage_source(model, source) -> None:

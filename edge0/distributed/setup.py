@@ -59,7 +59,7 @@ def plan_stage(group, root, resident_file: str, manifest: dict, config: dict, op
     num_layers = bstages.num_layers(model)
     ranks = group.size() if group is not None else 1
     split = plan_split(
-        root, resident_file, manifest, num_layers, ranks, options.pipeline_split, bstages.layer_group(model)
+        root, resident_file, manifest, num_layers, ranks, options.pipeline_split, bstages.layer_groups(model)
     )
     if group is None:
         return None

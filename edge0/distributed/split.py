@@ -63,9 +63,30 @@ class Stage:
         )
 
 
-def check_split(split: tuple[int, ...], num_layers: int, ranks: int, group: int = 1) -> None:
-    """A split must give every rank layers and cover every layer once, in whole groups of `group`
-    layers (layers that share KV stay on one stage)."""
+def _starts(groups: tuple[int, ...] | None, num_layers: int) -> set[int]:
+    """The layers a stage may start at: the first of each group (every layer without groups)."""
+    if groups is None:
+        return set(range(num_layers + 1))
+    starts, at = {0}, 0
+    for g in groups:
+        at += g
+        starts.add(at)
+    return starts
+
+
+def _runs(groups: tuple[int, ...]) -> str:
+    """The groups of more than one layer, as 'a-b' ranges."""
+    out, at = [], 0
+    for g in groups:
+        if g > 1:
+            out.append(f"{at}-{at + g - 1}")
+        at += g
+    return ", ".join(out)
+
+
+def check_split(split: tuple[int, ...], num_layers: int, ranks: int, groups: tuple[int, ...] | None = None) -> None:
+    """A split must give every rank layers and cover every layer once, each of `groups` (runs of
+    layers, in order, that share KV) whole on one stage."""
     given = ",".join(map(str, split))
     if len(split) != ranks:
         run = "this process runs alone" if ranks == 1 else f"{ranks} ranks were launched"
@@ -80,27 +101,43 @@ def check_split(split: tuple[int, ...], num_layers: int, ranks: int, group: int 
             f"(layers 0-{num_layers - 1}); the counts (rank 0 first, rank 0 runs the last layers) "
             f"must sum to {num_layers}"
         )
-    if any(n % group for n in split):
+    starts = _starts(groups, num_layers)
+    at, cut = 0, []
+    for n in reversed(split):  # the last rank runs the first stage
+        at += n
+        cut.append(at)
+    bad = [c for c in cut if c not in starts]
+    if bad:
         raise Edge0Error(
-            f"--pipeline-split {given}: its layers share KV in groups of {group} (cross-layer attention), which "
-            f"a stage boundary must not cut; give each rank a multiple of {group} layers"
+            f"--pipeline-split {given}: starts a stage at layer {bad[0]}, inside layers that share KV "
+            f"({_runs(groups)}: a later layer attends with an earlier one's KV), which one stage must hold whole; "
+            f"start stages only at layers {', '.join(map(str, sorted(starts - {0, num_layers})))}"
         )
 
 
 def balanced_split(
-    costs: list[int], ranks: int, first_extra: int = 0, last_extra: int = 0, group: int = 1
+    costs: list[int], ranks: int, first_extra: int = 0, last_extra: int = 0, groups: tuple[int, ...] | None = None
 ) -> tuple[int, ...]:
     """Contiguous stages minimising the largest stage's cost (per-layer `costs`, plus
     `first_extra` on the first stage and `last_extra` on the last), as layers per rank, rank 0
-    (the last stage) first; each stage a whole number of `group`-layer groups."""
-    if group > 1:  # plan over the groups, then count their layers
-        groups = [sum(costs[i : i + group]) for i in range(0, len(costs), group)]
+    (the last stage) first; each of `groups` (runs of layers, in order) whole on one stage."""
+    if groups is not None:  # plan over the groups, then count their layers
+        bounds = [0]
+        for g in groups:
+            bounds.append(bounds[-1] + g)
         if ranks > len(groups):
             raise Edge0Error(
-                f"{ranks} ranks for a model of {len(costs)} layers that share KV in groups of {group} (cross-layer "
-                f"attention): every rank needs a whole group; launch at most {len(groups)} ranks"
+                f"{ranks} ranks for a model of {len(costs)} layers where layers {_runs(groups)} share KV (a later "
+                f"layer attends with an earlier one's KV) and stay on one stage: {len(groups)} runs of layers to "
+                f"give out; launch at most {len(groups)} ranks"
             )
-        return tuple(group * n for n in balanced_split(groups, ranks, first_extra, last_extra))
+        summed = [sum(costs[a:b]) for a, b in zip(bounds, bounds[1:])]
+        per = balanced_split(summed, ranks, first_extra, last_extra)
+        out, at = [], len(groups)
+        for n in per:  # rank 0 (the last groups) first
+            out.append(sum(groups[at - n : at]))
+            at -= n
+        return tuple(out)
     n = len(costs)
     if ranks > n:
         raise Edge0Error(
@@ -158,13 +195,19 @@ def layer_costs(root: Path, resident_file: str, manifest: dict, num_layers: int)
 
 
 def plan_split(
-    root: Path, resident_file: str, manifest: dict, num_layers: int, ranks: int, explicit, group: int = 1
+    root: Path,
+    resident_file: str,
+    manifest: dict,
+    num_layers: int,
+    ranks: int,
+    explicit,
+    groups: tuple[int, ...] | None = None,
 ) -> tuple[int, ...]:
     """The split to run: `explicit` (validated LoadOptions.pipeline_split, checked against the
-    model here), or the byte-balanced one; in whole groups of `group` layers."""
+    model here), or the byte-balanced one; each of `groups` (layers that share KV) on one stage."""
     if explicit is not None:
         split = tuple(explicit)
-        check_split(split, num_layers, ranks, group)
+        check_split(split, num_layers, ranks, groups)
         return split
     costs, embed, head = layer_costs(root, resident_file, manifest, num_layers)
-    return balanced_split(costs, ranks, embed, head, group)
+    return balanced_split(costs, ranks, embed, head, groups)

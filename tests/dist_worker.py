@@ -10,8 +10,11 @@ import os
 import sys
 from pathlib import Path
 
+import numpy as np
+
 import edge0
 from edge0.backend import lora as blora
+from edge0.engine.drafters import Draft, Drafter
 from edge0.errors import Edge0Error
 
 opened: list[str] = []
@@ -26,6 +29,25 @@ def counting_open(path, flags, *args, **kwargs):
 
 
 os.open = counting_open
+
+
+class Known(Drafter):
+    """Drafts the known greedy continuation of each prompt in `known` ({prompt ids: tokens}), each
+    token right with probability `p` (else another token): verifies that keep and reject drafts."""
+
+    def __init__(self, known: dict, p: float, seed: int = 0):
+        self.known, self.p, self.seed = known, p, seed
+        self.rng = np.random.default_rng(seed)
+
+    def draft(self, context, k, temp=0.0, top_p=1.0, key=None):
+        prompt = max((ids for ids in self.known if tuple(context[: len(ids)]) == ids), key=len)
+        i = len(context) - len(prompt)
+        return Draft([t if self.rng.random() < self.p else (t + 1) % 200 for t in self.known[prompt][i : i + k]])
+
+    def fork(self):
+        self.seed += 1
+        return Known(self.known, self.p, self.seed)
+
 
 runs = json.loads(Path(sys.argv[1]).read_text())
 results = []
@@ -52,7 +74,14 @@ for run in runs:
         engine.follow()
         out["expert_cache"] = engine.expert_cache()
     else:
+        if run.get("controlled"):  # speculative decoding, each drafted token right with probability p
+            from edge0.engine.speculative import Speculator
+
+            wants, p = run["controlled"]
+            known = {tuple(engine.encode(prompt)): want for prompt, want in wants.items()}
+            engine.use_speculation(Speculator(Known(known, p), num_draft=4, adaptive=False))
         res = engine.generate(run["prompt"], max_tokens=run["max_tokens"], ignore_eos=run["ignore_eos"])
+        out["speculation"] = res.stats.get("speculation")
         stats = engine.stats()
         # requests that reuse the KV cache one after another (a conversation, another, the first again)
         out["turns"] = [
@@ -64,6 +93,8 @@ for run in runs:
             got = engine.generate_batch(run["batch"], max_tokens=run["max_tokens"], ignore_eos=True)
             out["batch"] = [r.tokens for r in got]
             out["batch_stats"] = got[0].stats["batch"]
+            if engine.batch_speculation is not None:
+                out["batch_speculation"] = engine.batch_speculation.counts
         # an agent's session: conversations interleaved, each turn reusing what the pool kept of it
         out["session"] = []
         for p in run.get("session", []):

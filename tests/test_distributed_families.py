@@ -30,15 +30,23 @@ HYBRID = (
 SAMPLE = ("mixtral", "olmoe", "gpt_oss", "minimax", "dbrx")  # dbrx: its ends are wte, blocks, norm_f
 
 
+def _alone(run: dict) -> dict:
+    """A run's load options for one process (a layer split is for ranks)."""
+    return {k: v for k, v in run["options"].items() if k != "pipeline_split"}
+
+
 def _families_across_ranks(
-    families, store_for, tmp_path, ranks=2, fixture=None, turns=(), batch=(), session=(), **options
+    families, store_for, tmp_path, ranks=2, fixture=None, turns=(), batch=(), session=(), controlled=None, **options
 ):
     """Each of `families` (fixtures with `fixture` keywords) on `ranks` ranks in one launch: the
     single process's greedy tokens, each rank running its own contiguous layers, or refused on
     every rank with its REFUSED reason; then `turns`, prompts one after another reusing the KV
     cache, each as one process gives it; `batch`, prompts decoded together, each as it decodes
     alone; `session`, prompts of interleaved conversations reusing what the prompt caches kept,
-    each with the tokens and the cached prompt tokens of one process running the same session."""
+    each with the tokens and the cached prompt tokens of one process running the same session;
+    returns what each rank wrote, per family;
+    `controlled` p: rank 0 decodes speculatively, each drafted token right with probability p
+    (the verifies keep and reject drafts, and rewind every rank's caches)."""
     runs = [
         {
             "store": str(store_for(f, **{**ACROSS_RANKS.get(f, {}), **(fixture or {})})),
@@ -49,6 +57,10 @@ def _families_across_ranks(
     for run in runs:
         run.update(prompt=PROMPT, max_tokens=TOKENS, ignore_eos=True, turns=list(turns))
         run.update(batch=list(batch), session=list(session))
+        if controlled is not None:  # each prompt's plain greedy tokens in one process, to draft from
+            one = edge0.load(run["store"], **_alone(run))
+            wants = {p: one.generate(p, max_tokens=TOKENS, ignore_eos=True).tokens for p in [PROMPT, *batch]}
+            run["controlled"] = [wants, controlled]
     (tmp_path / "runs.json").write_text(json.dumps(runs))
     argv = [sys.executable, str(ROOT / "tests" / "dist_worker.py"), str(tmp_path / "runs.json")]
     argvs = [argv + [str(tmp_path / f"out-{r}.json")] for r in range(ranks)]
@@ -69,26 +81,28 @@ def _families_across_ranks(
         if not all(g["layers"] for g in got) or layers != list(range(len(layers))):
             wrong[family] = ("layers", layers)
             continue
-        want, stats = single(runs[i]["store"], got[0]["layerwise"], **runs[i]["options"])
+        want, stats = single(runs[i]["store"], got[0]["layerwise"], **_alone(runs[i]))
         if got[0]["tokens"] != want:
             wrong[family] = (got[0]["tokens"], want)
+        elif controlled is not None and not 0 < got[0]["speculation"]["accepted"] < got[0]["speculation"]["drafted"]:
+            wrong[family] = ("speculation: drafts both kept and rejected", got[0]["speculation"])
         elif [g["layerwise"] for g in got] != [stats["alone_layerwise"]] * ranks:
             # every stage feeds its layers a span at a time wherever one process would
             wrong[family] = ("layer by layer", [g["layerwise"] for g in got], stats["alone_layerwise"])
         elif turns:
-            cold = edge0.load(runs[i]["store"], **runs[i]["options"])
+            cold = edge0.load(runs[i]["store"], **_alone(runs[i]))
             cold.prefiller.layerwise = False
             want = [cold.generate(t, max_tokens=TOKENS, ignore_eos=True).tokens for t in turns]
             if got[0]["turns"] != want:
                 wrong[family] = ("turns", got[0]["turns"], want)
         if batch:
-            cold = edge0.load(runs[i]["store"], **runs[i]["options"])
+            cold = edge0.load(runs[i]["store"], **_alone(runs[i]))
             cold.prefiller.layerwise = False
             want = [cold.generate(p, max_tokens=TOKENS, ignore_eos=True).tokens for p in batch]
             if got[0]["batch"] != want or got[0]["batch_stats"]["batch_steps"] > TOKENS + 1:  # together, not in turn
                 wrong[family] = ("batch", got[0]["batch"], want, got[0]["batch_stats"])
         if session:
-            one = edge0.load(runs[i]["store"], **runs[i]["options"])
+            one = edge0.load(runs[i]["store"], **_alone(runs[i]))
             one.prefiller.layerwise = False
             want = []
             for p in session:
@@ -98,6 +112,7 @@ def _families_across_ranks(
             if got[0]["session"] != want or not all(t["cached"] > 0 for t in got[0]["session"][3:]):
                 wrong[family] = ("session", got[0]["session"], want)
     assert not wrong, wrong
+    return out
 
 
 def agent_session() -> list[str]:
@@ -223,3 +238,45 @@ def test_families_whose_layers_share_kv_or_residual_blocks_give_the_single_proce
     _families_across_ranks(("gemma4_text",), store_for, tmp_path, ranks=3)
     # kimi_k3 with a block at every layer: the middle stage receives one block and sends two
     _families_across_ranks(("kimi_k3",), store_for, tmp_path, ranks=3, fixture={"attn_res_block_size": 1})
+
+
+def test_speculative_decoding_on_two_ranks_gives_the_plain_greedy_tokens(store_for, tmp_path):
+    """Rank 0 drafts and verifies; every rank runs the verify's forward on its layers and takes
+    its caches back as rank 0 does: cut back (qwen3_moe, mixtral), or back to before the verify
+    and the kept tokens fed again where some rank's layers hold recurrent state (qwen3_next: its
+    linear-attention layers sit on both ranks). A batch's rows draft too, and each row drops its
+    own rejected drafts on every rank."""
+    families = ("qwen3_moe", "mixtral", "qwen3_next")
+    out = _families_across_ranks(families, store_for, tmp_path, batch=[PROMPT, "the sea " * 9], controlled=0.6)
+    assert out[0][2]["speculation"]["replays"] > 0  # qwen3_next: rejected drafts fed again on both ranks
+    for i in (0, 1):  # qwen3_next's rows cannot drop their tails, in one process either: its batch does not draft
+        assert 0 < out[0][i]["batch_speculation"]["accepted"] < out[0][i]["batch_speculation"]["drafted"]
+    # rank 0 holds only qwen3_next's attention layer, which could be cut back, rank 1 its
+    # linear-attention layers: every rank replays, as one process of the whole model does
+    out = _families_across_ranks(("qwen3_next",), store_for, tmp_path, controlled=0.6, pipeline_split="1,3")
+    assert out[0][0]["layers"] == [3] and out[0][0]["speculation"]["replays"] > 0
+
+
+def test_speculative_decoding_with_pre_router_heads_on_two_ranks_gives_one_process_s_tokens(store_for, tmp_path):
+    """The heads route the next token on both ranks (3 layers, rank 1 holding layers 0 and 1, so
+    head 0 stages rank 1's layer 1 and head 1 sends rank 0 its prediction for layer 2). After a
+    verify, rank 0 tells rank 1 which of its positions was kept (StepHooks.kept): the head's
+    prediction there is what rank 1 stages for its next step."""
+    from edge0.prerouter.train import train, write
+
+    store = store_for("qwen3_moe", num_hidden_layers=3)
+    text = "Once upon a time there was a tiny model that read its experts from disk. " * 40
+    engine = edge0.load(store, prerouter=False)
+    tensors, meta, _ = train(engine, text, data_name="test", window=64, steps=40, progress=False)
+    heads = write(tmp_path / "heads.safetensors", tensors, meta)
+    out = _families_across_ranks(
+        ("qwen3_moe",),
+        store_for,
+        tmp_path,
+        fixture={"num_hidden_layers": 3},
+        controlled=0.6,
+        prerouter=str(heads),
+        pipeline_split="1,2",
+    )
+    assert out[1][0]["layers"] == [0, 1] and out[0][0]["speculation"]["verifies"] > 0
+    assert sum(out[0][0]["prerouter"]["routed_by_head"].values()) > 0

@@ -41,6 +41,7 @@ __all__ = [
     "rewind_problem",
     "rewind_point",
     "rewind",
+    "replays",
     "trim_to",
     "trim_floor",
     "copy_cache",
@@ -287,12 +288,24 @@ def drop_row_tails(merged: list, drops: list[int]) -> None:
         c.finalize()
 
 
-def rewind_point(cache):
-    """What `rewind` needs to take `cache` back to now: None when every layer is trimmable, else
-    the recurrent layers' states (ArraysCache replaces its entries, so a copy of the list keeps them)."""
-    if can_trim_prompt_cache(cache):
-        return None
-    return [list(c.cache) if isinstance(c, ArraysCache) else None for c in cache]
+def replays(cache) -> bool:
+    """Whether a verify's rewind of `cache` goes back to before the forward and feeds the kept
+    tokens again (some layer cannot be cut back: recurrent state) rather than cutting."""
+    return not can_trim_prompt_cache(cache)
+
+
+def rewind_point(cache, replay: bool = False):
+    """What `rewind` needs to take `cache` back to now: None when every layer is trimmable (and
+    not `replay`), else the recurrent layers' states (ArraysCache replaces its entries, so a copy
+    of the list keeps them). `replay`: a point even so, so that a rewind goes back to before the
+    forward and the kept tokens are fed again (a pipeline's rank 0 whose own layers all trim, when
+    another rank's hold recurrent state)."""
+    if can_trim_prompt_cache(cache) and not replay:
+        point = None
+    else:
+        point = [list(c.cache) if isinstance(c, ArraysCache) else None for c in cache]
+    _note("point", cache, point is not None)
+    return point
 
 
 def rewind(cache, drop: int, fed: int, point) -> bool:
@@ -300,7 +313,7 @@ def rewind(cache, drop: int, fed: int, point) -> bool:
     layer is trimmed. With one (recurrent layers), every layer goes back to before the forward
     (trimmed by `fed`, states put back), and the caller feeds the kept tokens again. Returns
     whether it did (a replay is due)."""
-    _note("rewind", cache, drop, fed)
+    _note("rewind", cache, drop, fed, point is not None)
     if point is None:
         trim_prompt_cache(cache, drop)
         return False

@@ -40,6 +40,7 @@ class LeaderHooks(StepHooks):
             self.inner.last_step(step, rows)
 
     def kept(self, step: int, position: int) -> None:
+        self.pipeline.kept = [int(step), int(position)]
         self.inner.kept(step, position)
 
     def before_forward(self, step: int) -> None:

@@ -11,8 +11,14 @@ own cache of that number, in the same order, before it acts on the message. A fo
 cache it runs on. So batching, a pool of many conversations and end-of-prompt snapshots of
 recurrent state work across ranks as in one process, with no rule of thumb about token counts.
 
+A speculative verify's rewind is mirrored too: rank 0 notes the rewind point it takes before
+the verify's forward (each other rank takes its own then, of its own layers' states) and the
+rewind after it; where some rank's layers cannot be cut back (recurrent state), every rank goes
+back to before the forward and the kept tokens are fed again, as one process of the whole model
+does (`Pipeline.replays`).
+
 What has no mirror is refused where rank 0 does it: caches read from disk (the disk tier is off
-across ranks), a speculative verify's rewinds (speculation runs in one process).
+across ranks).
 """
 
 from __future__ import annotations
@@ -25,8 +31,6 @@ from edge0.errors import Edge0Error
 
 _NOT_ACROSS_RANKS = {
     "read": "a prompt cache read from disk (the disk tier is off across ranks)",
-    "drop_tails": "a batched verify's rejected drafts (speculative decoding runs in one process)",
-    "rewind": "a verify's rewind (speculative decoding runs in one process)",
 }
 
 
@@ -55,6 +59,12 @@ class Journal:
             self.ops.append(("filter", self.name(out), [int(r) for r in args[0]]))
         elif op == "extract":
             self.ops.append(("extract", self._name(out), self.name(args[0]), int(args[1])))
+        elif op == "point":
+            self.ops.append(("point", self.name(out), bool(args[0])))
+        elif op == "rewind":
+            self.ops.append(("rewind", self.name(out), int(args[0]), int(args[1]), bool(args[2])))
+        elif op == "drop_tails":
+            self.ops.append(("drop_tails", self.name(out), [int(d) for d in args[0]]))
         else:
             raise Edge0Error(f"across ranks: prompt-cache op {op!r} has no mirror")
 
@@ -92,6 +102,7 @@ class Replica:
     def __init__(self, make):
         self.make = make  # () -> a new prompt cache of this stage's model
         self.caches: dict[int, list] = {}
+        self.points: dict[int, list | None] = {}  # a verify's rewind point, by cache, until its rewind
 
     def get(self, name: int) -> list:
         try:
@@ -124,8 +135,25 @@ class Replica:
                 bkv.filter_cache(self.get(args[0]), args[1])
             elif op == "extract":
                 self.caches[args[0]] = bkv.extract_row(self.get(args[1]), args[2])
+            elif op == "point":  # before a verify's forward: this rank's own point (rank 0's says whether)
+                name, replay = args
+                self.points[name] = bkv.rewind_point(self.get(name), replay=replay)
+                if self.points[name] is not None and not replay:
+                    raise Edge0Error(
+                        f"prompt cache {name} cannot be cut back on this rank, but rank 0 rewinds it by cutting: the "
+                        "ranks are out of step; restart every rank"
+                    )
+            elif op == "rewind":
+                name, drop, fed, replay = args
+                point = self.points.pop(name, None)
+                if replay and point is None:
+                    raise Edge0Error(f"prompt cache {name}: a rewind without its point; restart every rank")
+                bkv.rewind(self.get(name), drop, fed, point)
+            elif op == "drop_tails":
+                bkv.drop_row_tails(self.get(args[0]), args[1])
             elif op == "drop":
                 self.caches.pop(args[0], None)
+                self.points.pop(args[0], None)
             else:
                 raise Edge0Error(f"unknown prompt-cache op {op!r} from rank 0; restart every rank")
 

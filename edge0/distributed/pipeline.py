@@ -83,7 +83,11 @@ class Pipeline:
         self.cache = None  # rank 0: the prompt cache of the forward running now (watch_forwards)
         # rank 0: this step's rows and which of them end (StepHooks.rows, last_step), for the others' hooks
         self.previous, self.last, self.ending = None, False, None
+        # rank 0: a verify's kept position (StepHooks.kept), for the others' hooks with the next message
+        self.kept: list[int] | None = None
         self.between: deque = deque()  # the others: work for their own thread between generations (run_between)
+        # what every rank's share of a prompt cache allows together (setup.cache_traits, at join)
+        self.traits = {"rewind_problem": None, "replays": False, "drop_tails": True}
         # where a rank waits for the next message without spinning (see bdist.ring_sockets); none
         # found means MLX's spinning receive, reported in the stats
         self.sockets = bdist.ring_sockets()
@@ -125,10 +129,10 @@ class Pipeline:
 
     def _blob(self, step: dict | None = None) -> bytes:
         """Rank 0: the prompt-cache ops since the last message, and `step`'s details, as JSON."""
-        ops = self.journal.take()
-        if not ops and step is None:
+        ops, kept, self.kept = self.journal.take(), self.kept, None
+        if not ops and step is None and kept is None:
             return b""
-        return json.dumps({"ops": ops, "step": step}).encode()
+        return json.dumps({"ops": ops, "step": step, "kept": kept}).encode()
 
     def _recv_blob(self, h: list[int]) -> bytes:
         if not h[OPS_BYTES]:
@@ -155,17 +159,18 @@ class Pipeline:
         return B.to_numpy(self._recv((HEADER,), "int32")).tolist()
 
     def _send_predictions(self, preds: dict) -> None:
+        """Head logits by consumer layer, each [rows, T, E] as the forward's tokens are."""
         if preds:
             layers = sorted(preds)
             self._send(bdist.int_array(layers))
-            self._send(B.concatenate([preds[l].reshape(1, -1).astype(B.float32) for l in layers], axis=0))
+            self._send(B.stack([preds[l].astype(B.float32) for l in layers]))
 
     def _recv_predictions(self, h: list[int]) -> dict:
         if not h[N_PRED]:
             return {}
         layers = B.to_numpy(self._recv((h[N_PRED],), "int32")).tolist()
-        logits = self._recv((h[N_PRED], h[EXPERTS]), "float32")
-        return {l: logits[i].reshape(1, 1, -1) for i, l in enumerate(layers)}
+        logits = self._recv((h[N_PRED], h[ROWS], h[TOKENS], h[EXPERTS]), "float32")
+        return {l: logits[i] for i, l in enumerate(layers)}
 
     def _route_predictions(self, preds: dict) -> dict:
         """Hand this stage's consumers their predictions; the rest travel on."""
@@ -274,6 +279,7 @@ class Pipeline:
             )
         stepper = self.parts.stepper
         stepper.hooks = LeaderHooks(stepper.hooks, self)
+        stepper.replays = self.traits["replays"]  # as one process of every rank's layers would
         bstages.set_stage_source(self.parts.model, self.source)
         bstages.watch_forwards(self.parts.model, self._seen)
         bkv.watch(self.journal)
@@ -363,6 +369,8 @@ class Pipeline:
             blob = self._recv_blob(h)
             detail = json.loads(blob) if blob else {}
             self.replica.apply(detail.get("ops", []))
+            if detail.get("kept") is not None:  # the verify before this message kept its inputs up to there
+                hooks.kept(*detail["kept"])
             on = blob if self.to != 0 else b""  # the next rank needs them too, unless it is rank 0
             while op in (START, FINISH) and self.between:  # nothing of a generation in flight here
                 self.between.popleft()()

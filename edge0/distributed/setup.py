@@ -8,6 +8,7 @@ import json
 
 from edge0.backend import distributed as bdist
 from edge0.backend import io as bio
+from edge0.backend import kvcache as bkv
 from edge0.backend import stages as bstages
 from edge0.distributed.pipeline import Pipeline
 from edge0.distributed.split import Stage, plan_split
@@ -15,6 +16,7 @@ from edge0.errors import Edge0Error
 from edge0.store.format import RESIDENT_FILE, manifest_hash, sha256_file
 
 _WIDTH = 64  # bytes each rank contributes to an agreement check
+_TRAITS = 256  # bytes each rank contributes to cache_traits
 
 
 def connect(options):
@@ -70,8 +72,26 @@ def plan_stage(group, root, resident_file: str, manifest: dict, config: dict, op
 
 def join(engine, group) -> None:
     """Give a staged engine its end of the stage exchange (before the features attach: the
-    pre-router connects its cross-stage predictions to it)."""
+    pre-router connects its cross-stage predictions to it), with what every rank's share of a
+    prompt cache allows (`cache_traits`)."""
     engine.pipeline = Pipeline(group, engine.stage, engine.parts(), engine.stats)
+    engine.pipeline.traits = cache_traits(group, engine.kv.make())
+
+
+def cache_traits(group, cache) -> dict:
+    """What the ranks' shares of a prompt cache (this rank's: `cache`) allow together: a
+    speculative verify's rewind (`rewind_problem`: the first rank's reason it cannot, None if
+    every rank can), whether it feeds the kept tokens again (`replays`: some rank's layers cannot
+    be cut back), and a batched verify (`drop_tails`: every rank's rows can drop their tails)."""
+    problem = bkv.rewind_problem(cache)
+    mine = json.dumps([problem[:200] if problem else None, bkv.replays(cache), bkv.rows_can_drop_tails(cache)])
+    every = [json.loads(v.rstrip(b"\0")) for v in bdist.all_gather_bytes(group, mine.encode().ljust(_TRAITS, b"\0"))]
+    problems = [f"rank {r}: {p}" for r, (p, _, _) in enumerate(every) if p]
+    return {
+        "rewind_problem": problems[0] if problems else None,
+        "replays": any(r for _, r, _ in every),
+        "drop_tails": all(t for _, _, t in every),
+    }
 
 
 def ready(engine) -> None:

@@ -347,10 +347,11 @@ def accept(sampler, draft: Draft, logprobs) -> tuple[int, int]:
 
 
 def check_speculation(engine) -> None:
-    """Speculative decoding needs a KV cache that can be taken back and one process."""
+    """Speculative decoding needs a KV cache that can be taken back, on every rank."""
     if engine.pipeline is not None:
-        raise Edge0Error("--draft: speculative decoding runs in one process, not across ranks under mlx.launch")
-    problem = bkv.rewind_problem(engine.kv.make())
+        problem = engine.pipeline.traits["rewind_problem"]
+    else:
+        problem = bkv.rewind_problem(engine.kv.make())
     if problem:
         raise Edge0Error(
             f"--draft: {engine.model_id}: {problem}, so rejected drafts cannot be dropped; use --draft none"

@@ -26,6 +26,9 @@ class Stepper:
 
     def __init__(self, model, streaming, hooks):
         self.model, self.streaming, self.hooks = model, streaming, hooks
+        # a verify's rewind feeds the kept tokens again even where this process's layers all cut
+        # back: a pipeline's rank 0 when another rank's layers hold recurrent state (Pipeline.lead)
+        self.replays = False
 
     def run(
         self,
@@ -131,7 +134,7 @@ class Stepper:
         `decide(logprobs [T, V])` returns (n, next) where the first n draft tokens are kept; the
         cache is taken back to `inputs[: n + 1]`. Returns (n, next, whether the kept tokens were
         fed again: recurrent layers cannot be trimmed, so they went back to before the step)."""
-        point = bkv.rewind_point(cache)
+        point = bkv.rewind_point(cache, replay=self.replays)
         replayed = False
 
         def finish(logprobs):

@@ -204,7 +204,11 @@ class LoadOptions:
         metavar="N,N,...",
     )
     peer_timeout: float = _opt(
-        60.0, "under mlx.launch: seconds a rank waits for its peers to connect (default 60)", "float", metavar="S"
+        60.0,
+        "under mlx.launch: seconds a rank waits for its peers to connect, and about how long a peer machine "
+        "may go silent (asleep, off the network) before the others stop (default 60)",
+        "float",
+        metavar="S",
     )
 
     def validate(self) -> "LoadOptions":

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 import edge0
+from edge0.backend import distributed as bdist
 from edge0.backend import lora as blora
 from edge0.engine.drafters import Draft, Drafter
 from edge0.errors import Edge0Error
@@ -65,6 +66,7 @@ for run in runs:
         "lora": sorted(blora.lora_modules(engine.model)),
         "layerwise": engine.prefiller.layerwise,  # prefill spans layer by layer (else chunk by chunk)
         "why_not_layerwise": engine.prefiller.probe.why_not,
+        "keepalive": bdist.keep_alive_settings(engine.pipeline.sockets),
     }
     if engine.follower:
         if run.get("follower_memory_low"):  # a memory watcher reading no memory left: shrink to the floor

@@ -182,6 +182,11 @@ def test_two_ranks_give_the_single_process_tokens_reading_only_their_layers(fami
     done = launch(tmp_path, [argv + [str(tmp_path / f"out-{r}.json")] for r in range(2)])
     assert [rc for rc, _, _ in done] == [0, 0], [err[-2000:] for _, _, err in done]
     out = [json.loads((tmp_path / f"out-{r}.json").read_text()) for r in range(2)]
+    # a peer machine gone silent (asleep, off the network) is found by the kernel's keepalive
+    # probes in about --peer-timeout (60 s): first after 30 s of silence, every 10 s, 3 unanswered
+    want_alive = {"keepalive": 1, "TCP_KEEPIDLE": 30, "TCP_KEEPINTVL": 10, "TCP_KEEPCNT": 3, "TCP_USER_TIMEOUT": 60000}
+    for o in out:
+        assert o[0]["keepalive"] and all(k == want_alive for k in o[0]["keepalive"]), o[0]["keepalive"]
 
     for i, run in enumerate(runs):
         alone = {k: v for k, v in run["options"].items() if k != "pipeline_split"}  # one process has no split

@@ -96,6 +96,40 @@ def ring_sockets() -> list[int]:
     return fds
 
 
+def keep_alive(fds: list[int], timeout: float) -> None:
+    """Let the kernel find a peer machine that is gone without closing its connections (asleep,
+    off the network, powered off): TCP keepalive probes on the ring's idle connections, the first
+    after half of `timeout` seconds of silence and the connection dropped once three go unanswered
+    (about `timeout` in all), and data sent but not acknowledged for `timeout` seconds drops it
+    too (Linux). The rank waiting on such a connection then fails like one whose peer exited. A
+    peer process that is alive but stuck still answers at the kernel level: not found this way."""
+    idle, interval = max(1, int(timeout / 2)), max(1, int(timeout / 6))
+    for fd in fds:
+        with socket.socket(fileno=os.dup(fd)) as s:  # the same connection as MLX's descriptor
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+            idle_option = getattr(socket, "TCP_KEEPIDLE", getattr(socket, "TCP_KEEPALIVE", None))  # macOS: KEEPALIVE
+            if idle_option is not None:
+                s.setsockopt(socket.IPPROTO_TCP, idle_option, idle)
+            for name, value in (("TCP_KEEPINTVL", interval), ("TCP_KEEPCNT", 3)):
+                if hasattr(socket, name):
+                    s.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+            if hasattr(socket, "TCP_USER_TIMEOUT"):
+                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(timeout * 1000))
+
+
+def keep_alive_settings(fds: list[int]) -> list[dict]:
+    """What `keep_alive` set on each connection, as the kernel reports it."""
+    out = []
+    for fd in fds:
+        with socket.socket(fileno=os.dup(fd)) as s:
+            got = {"keepalive": s.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE)}
+            for name in ("TCP_KEEPIDLE", "TCP_KEEPALIVE", "TCP_KEEPINTVL", "TCP_KEEPCNT", "TCP_USER_TIMEOUT"):
+                if hasattr(socket, name):
+                    got[name] = s.getsockopt(socket.IPPROTO_TCP, getattr(socket, name))
+            out.append(got)
+    return out
+
+
 def wait_for_message(fds: list[int]) -> None:
     """Block (without using the CPU) until one of the ring's connections has data."""
     select.select(fds, [], [])

@@ -59,7 +59,7 @@ class Pipeline:
     """One rank's end of the stage exchange (`engine.pipeline`): it runs the engine's `parts`;
     `layer_stats()` is the engine's stats (a follower reports its layers' rows to rank 0)."""
 
-    def __init__(self, group, stage, parts: Parts, layer_stats):
+    def __init__(self, group, stage, parts: Parts, layer_stats, peer_timeout: float = 60.0):
         self.group, self.stage, self.parts, self.layer_stats = group, stage, parts, layer_stats
         self.to = (stage.rank - 1) % stage.size  # where this rank's messages go
         self.frm = (stage.rank + 1) % stage.size  # where they come from
@@ -91,6 +91,7 @@ class Pipeline:
         # where a rank waits for the next message without spinning (see bdist.ring_sockets); none
         # found means MLX's spinning receive, reported in the stats
         self.sockets = bdist.ring_sockets()
+        bdist.keep_alive(self.sockets, peer_timeout)  # a peer machine gone silent fails the wait
 
     @property
     def leads(self) -> bool:

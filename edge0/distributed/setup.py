@@ -70,11 +70,11 @@ def plan_stage(group, root, resident_file: str, manifest: dict, config: dict, op
     return Stage(group.rank(), ranks, split, moe)
 
 
-def join(engine, group) -> None:
+def join(engine, group, peer_timeout: float = 60.0) -> None:
     """Give a staged engine its end of the stage exchange (before the features attach: the
     pre-router connects its cross-stage predictions to it), with what every rank's share of a
     prompt cache allows (`cache_traits`)."""
-    engine.pipeline = Pipeline(group, engine.stage, engine.parts(), engine.stats)
+    engine.pipeline = Pipeline(group, engine.stage, engine.parts(), engine.stats, peer_timeout)
     engine.pipeline.traits = cache_traits(group, engine.kv.make())
 
 

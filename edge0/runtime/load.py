@@ -27,7 +27,7 @@ def load_engine(path, options: LoadOptions) -> Engine:
     root = resolve_model(path)
     engine = open_engine(root, options, stage_planner(group, options))
     if engine.stage is not None:
-        join(engine, group)
+        join(engine, group, options.peer_timeout)
         if engine.pipeline is not None and not engine.pipeline.leads:
             # the other ranks keep their share of rank 0's prompt caches, as rank 0 says
             # (distributed/mirror.py): a pool of their own would keep nothing

@@ -371,7 +371,7 @@ class Pipeline:
             detail = json.loads(blob) if blob else {}
             self.replica.apply(detail.get("ops", []))
             if detail.get("kept") is not None:  # the verify before this message kept its inputs up to there
-                hooks.kept(*detail["kept"])
+                self.parts.stepper.kept_after(*detail["kept"])
             on = blob if self.to != 0 else b""  # the next rank needs them too, unless it is rank 0
             while op in (START, FINISH) and self.between:  # nothing of a generation in flight here
                 self.between.popleft()()

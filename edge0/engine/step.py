@@ -150,6 +150,12 @@ class Stepper:
         n, nxt = self.run(step, len(inputs), lambda: bfw.forward_all(self.model, inputs, cache), finish)
         return n, nxt, replayed
 
+    def kept_after(self, step: int, position: int) -> None:
+        """A pipeline follower: rank 0's verify of step `step` kept its inputs up to `position`,
+        which rank 0's next message says (after this rank's step ended); the hooks hear it then,
+        before the next step, as one process's hear it before that step."""
+        self.hooks.kept(step, position)
+
     def follow(self, step: int, n_tokens: int, forward: Callable, send: Callable, cache, **rows):
         """A pipeline follower's step of `n_tokens` tokens: this stage's forward (`forward()`,
         evaluated here with its `cache`) and `send(out)` to the next rank between after_forward

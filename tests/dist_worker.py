@@ -103,6 +103,7 @@ for run in runs:
             r = engine.generate(p, max_tokens=run["max_tokens"], ignore_eos=True, reuse_cache=True)
             out["session"].append({"tokens": r.tokens, "cached": r.stats["prompt_tokens"] - r.stats["prefill_tokens"]})
     engine.close()
+    out["prompt_cache"] = engine.kv.stats()  # after close: rank 0 flushed the disk tier, every rank saved its share
     out["opened"] = list(opened)
     results.append(out)
 Path(sys.argv[2]).write_text(json.dumps(results))

@@ -280,3 +280,26 @@ def test_speculative_decoding_with_pre_router_heads_on_two_ranks_gives_one_proce
     )
     assert out[1][0]["layers"] == [0, 1] and out[0][0]["speculation"]["verifies"] > 0
     assert sum(out[0][0]["prerouter"]["routed_by_head"].values()) > 0
+
+
+def test_the_disk_tier_on_two_ranks_keeps_each_rank_s_share_across_a_restart(store_for, tmp_path):
+    """Each rank saves its layers' share of a conversation in its own folder of the prompt-cache
+    dir; after both ranks restart, the next turn restores every share (qwen3_moe: the cached tokens
+    of one process that restarted the same way; qwen3_next's caches cannot be cut back to the new
+    prompt's prefix, so it prefills, as one process does). A share missing on rank 1 makes rank 0
+    drop its file and prefill, with the tokens unchanged."""
+    import shutil
+
+    first = PROMPT * 12
+    tier = {"prompt_cache_dir": str(tmp_path / "prompt-caches")}
+    families = ("qwen3_moe", "qwen3_next")
+    out = _families_across_ranks(families, store_for, tmp_path, session=[first], **tier)
+    assert all(o[i]["prompt_cache"]["saved"] == 1 for o in out for i in range(2))  # every rank saved its share
+    out = _families_across_ranks(families, store_for, tmp_path, session=[first + " and then"], **tier)
+    assert out[0][0]["session"][0]["cached"] > 0  # restored from disk, on both ranks
+    assert [o[0]["prompt_cache"]["restored"] for o in out] == [1, 1]
+    for folder in (tmp_path / "prompt-caches").iterdir():  # all but rank 0's shares go
+        if folder.is_dir() and folder.name not in {out[0][i]["prompt_cache"]["identity"] for i in range(2)}:
+            shutil.rmtree(folder)
+    out = _families_across_ranks(families, store_for, tmp_path, session=[first + " and then"], **tier)
+    assert out[0][0]["session"][0]["cached"] == 0 and out[0][0]["prompt_cache"]["incomplete"] == 1

@@ -17,8 +17,13 @@ rewind after it; where some rank's layers cannot be cut back (recurrent state), 
 back to before the forward and the kept tokens are fed again, as one process of the whole model
 does (`Pipeline.replays`).
 
-What has no mirror is refused where rank 0 does it: caches read from disk (the disk tier is off
-across ranks).
+The disk tier (`--prompt-cache-dir`) is mirrored by request: each rank keeps its own layers' share
+of every saved conversation in its own directory (its identity names its stage). When rank 0
+saves one, every other rank saves its share of that cache too ("save", each deciding as its own
+tier does); when rank 0 restores one, it asks the others to restore their share of the same file
+at the same length in one round trip (`Pipeline.restore_shares`), and uses it only if every rank
+did. A rank that lacks its share makes rank 0 drop its file (counted `incomplete`); one that
+could not read or cut it back now makes rank 0 prefill instead.
 """
 
 from __future__ import annotations
@@ -28,10 +33,6 @@ from collections import deque
 
 from edge0.backend import kvcache as bkv
 from edge0.errors import Edge0Error
-
-_NOT_ACROSS_RANKS = {
-    "read": "a prompt cache read from disk (the disk tier is off across ranks)",
-}
 
 
 class Journal:
@@ -43,10 +44,10 @@ class Journal:
         self.last = 0  # the last name given
 
     def __call__(self, op: str, out, *args) -> None:
-        if op in _NOT_ACROSS_RANKS:
-            raise Edge0Error(f"across ranks: {_NOT_ACROSS_RANKS[op]} is not mirrored on the other ranks")
         if op == "make":
             self.ops.append(("make", self._name(out)))
+        elif op == "read":  # a cache restored from disk: the others restore theirs (restore_shares)
+            self._name(out)
         elif op == "copy":
             self.ops.append(("copy", self._name(out), self.name(args[0])))
         elif op == "trim":
@@ -88,6 +89,10 @@ class Journal:
             )
         return name
 
+    def saved(self, cache, tokens: list[int], namespace: str, prompt_end: int) -> None:
+        """Rank 0 saves `cache` to its disk tier: the others save their share of it."""
+        self.ops.append(("save", self.name(cache), list(tokens), namespace, int(prompt_end)))
+
     def take(self) -> list:
         """The ops queued so far, oldest first (each taken once)."""
         out = []
@@ -99,8 +104,8 @@ class Journal:
 class Replica:
     """Another rank: its caches by rank 0's names, changed as rank 0's ops say (`apply`)."""
 
-    def __init__(self, make):
-        self.make = make  # () -> a new prompt cache of this stage's model
+    def __init__(self, kv, rank: int):
+        self.kv, self.rank = kv, rank  # this stage's PromptCache: its `make` and its disk tier
         self.caches: dict[int, list] = {}
         self.points: dict[int, list | None] = {}  # a verify's rewind point, by cache, until its rewind
 
@@ -116,7 +121,7 @@ class Replica:
         """Make rank 0's changes to this rank's caches, in order."""
         for op, *args in ops:
             if op == "make":
-                self.caches[args[0]] = self.make()
+                self.caches[args[0]] = self.kv.make()
             elif op == "copy":
                 self.caches[args[0]] = bkv.copy_cache(self.get(args[1]))
             elif op == "trim":
@@ -151,11 +156,24 @@ class Replica:
                 bkv.rewind(self.get(name), drop, fed, point)
             elif op == "drop_tails":
                 bkv.drop_row_tails(self.get(args[0]), args[1])
+            elif op == "save":  # this rank's tier decides as rank 0's did: redundant, too large, failed
+                name, tokens, namespace, prompt_end = args
+                if self.kv.disk is not None:
+                    self.kv.disk.save(tokens, self.get(name), namespace, prompt_end)
             elif op == "drop":
                 self.caches.pop(args[0], None)
                 self.points.pop(args[0], None)
             else:
                 raise Edge0Error(f"unknown prompt-cache op {op!r} from rank 0; restart every rank")
+
+    def restore(self, name: int, namespace: str, tokens: list[int], n: int) -> str:
+        """Rank 0 restored the file of `tokens` in `namespace`, cut to `n` tokens, as cache `name`:
+        this rank's share of it as the same cache; returns "rank R: ok", "... missing" or
+        "... declined" (DiskPromptCaches.restore_entry)."""
+        cache, status = (None, "missing") if self.kv.disk is None else self.kv.disk.restore_entry(namespace, tokens, n)
+        if cache is not None:
+            self.caches[name] = cache
+        return f"rank {self.rank}: {status}"
 
 
 def held_tokens(cache) -> int:

@@ -18,6 +18,8 @@ Each op is one trip around the ring, started by rank 0 and ending back at it:
   state; the consumer's stage routes them (with its own router bias) before its layers run.
 - START / FINISH: a generation begins / ends (hooks.start / hooks.finish on every stage); FINISH
   collects every rank's statistics.
+- RESTORE: rank 0 restored a prompt cache from its disk tier; each other rank restores its share
+  of the same file (mirror.py) and the answers come back.
 - STOP: rank 0 is closing; the others return from `follow`.
 
 Any message may carry the prompt-cache ops rank 0 did since its last one (mirror.py), which every
@@ -48,8 +50,8 @@ from edge0.engine.parts import Parts
 from edge0.errors import Edge0Error, PeerLost
 from edge0.streaming.stats import COUNTERS
 
-FORWARD, START, FINISH, STOP = 1, 2, 3, 4
-OPS = {FORWARD: "forward", START: "start", FINISH: "finish", STOP: "stop"}
+FORWARD, START, FINISH, STOP, RESTORE = 1, 2, 3, 4, 5
+OPS = {FORWARD: "forward", START: "start", FINISH: "finish", STOP: "stop", RESTORE: "restore"}
 # header fields (int32)
 OP, TOKENS, HIDDEN, OFFSET, STEP, N_PRED, EXPERTS, PAYLOAD, SEQ, ROWS, CACHE, OPS_BYTES = range(12)
 HEADER = 12
@@ -79,7 +81,7 @@ class Pipeline:
         self.forwards = 0
         self.ranks: list[dict] = []  # rank 0: the other ranks' statistics, from the last FINISH
         self.journal = Journal() if self.leads else None  # rank 0: its prompt caches' ops, for the others
-        self.replica = None if self.leads else Replica(parts.kv.make)  # the others: their share of them
+        self.replica = None if self.leads else Replica(parts.kv, stage.rank)  # the others: their share of them
         self.cache = None  # rank 0: the prompt cache of the forward running now (watch_forwards)
         # rank 0: this step's rows and which of them end (StepHooks.rows, last_step), for the others' hooks
         self.previous, self.last, self.ending = None, False, None
@@ -128,12 +130,13 @@ class Pipeline:
         if blob:
             self._send(B.array(np.frombuffer(blob, dtype=np.uint8)))
 
-    def _blob(self, step: dict | None = None) -> bytes:
-        """Rank 0: the prompt-cache ops since the last message, and `step`'s details, as JSON."""
+    def _blob(self, step: dict | None = None, restore: dict | None = None) -> bytes:
+        """Rank 0: the prompt-cache ops since the last message, `step`'s details and a RESTORE's
+        request, as JSON."""
         ops, kept, self.kept = self.journal.take(), self.kept, None
-        if not ops and step is None and kept is None:
+        if not ops and step is None and kept is None and restore is None:
             return b""
-        return json.dumps({"ops": ops, "step": step, "kept": kept}).encode()
+        return json.dumps({"ops": ops, "step": step, "kept": kept, "restore": restore}).encode()
 
     def _recv_blob(self, h: list[int]) -> bytes:
         if not h[OPS_BYTES]:
@@ -239,11 +242,11 @@ class Pipeline:
             self.seq += 1
             yield
 
-    def _round_trip(self, op: int) -> list[dict]:
+    def _round_trip(self, op: int, restore: dict | None = None) -> list:
         """Send `op` around the ring and wait for it to come back (with the ranks' statistics
-        for FINISH)."""
+        for FINISH, their answers for RESTORE)."""
         with self._op():
-            self._send_header(op, blob=self._blob())
+            self._send_header(op, blob=self._blob(restore=restore))
             h = self._recv_header()
             self._expect(h, op)
             if not h[PAYLOAD]:
@@ -253,6 +256,13 @@ class Pipeline:
     def start(self) -> None:
         self._round_trip(START)
         self.generating = True
+
+    def restore_shares(self, cache, namespace: str, tokens: list[int], n: int) -> list[str]:
+        """Rank 0 restored `cache` from the file of `tokens` in `namespace`, cut to `n` tokens: each
+        other rank restores its share of that file as the same cache; their answers ("rank R: ok",
+        "... missing", "... declined": mirror.Replica.restore)."""
+        request = {"name": self.journal.name(cache), "namespace": namespace, "tokens": list(tokens), "n": int(n)}
+        return self._round_trip(RESTORE, restore=request)
 
     def finish(self) -> None:
         self.generating = False
@@ -281,6 +291,7 @@ class Pipeline:
         stepper = self.parts.stepper
         stepper.hooks = LeaderHooks(stepper.hooks, self)
         stepper.replays = self.traits["replays"]  # as one process of every rank's layers would
+        self.parts.kv.ranks = self  # the disk tier's saves and restores reach the other ranks
         bstages.set_stage_source(self.parts.model, self.source)
         bstages.watch_forwards(self.parts.model, self._seen)
         bkv.watch(self.journal)
@@ -388,6 +399,11 @@ class Pipeline:
                 stats = json.dumps(ranks + [self.own_stats()]).encode()
                 self._send_header(FINISH, payload=len(stats), blob=on)
                 self._send(B.array(np.frombuffer(stats, dtype=np.uint8)))
+            elif op == RESTORE:
+                answers = json.loads(bytes(B.to_numpy(self._recv((h[PAYLOAD],), "uint8")))) if h[PAYLOAD] else []
+                payload = json.dumps(answers + [self.replica.restore(**detail["restore"])]).encode()
+                self._send_header(RESTORE, payload=len(payload), blob=on)
+                self._send(B.array(np.frombuffer(payload, dtype=np.uint8)))
             elif op == STOP:
                 self._send_header(STOP, blob=on)
                 self.closed = True

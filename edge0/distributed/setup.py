@@ -104,10 +104,11 @@ def ready(engine) -> None:
         "substitute_alpha": engine.streaming.options.substitute_alpha,
         "heads": sha256_file(engine.heads_path) if engine.heads_path else None,
         "lora": sha256_file(engine.lora_path) if engine.lora_path else None,
+        "prompt_cache_dir": engine.kv.disk is not None,  # every rank keeps its share of the tier, or none does
     }
     agree(
         pipe.group,
-        "the serving options (top-k, dtype, pre-router heads, LoRA adapter, substitution)",
+        "the serving options (top-k, dtype, pre-router heads, LoRA adapter, substitution, prompt-cache dir)",
         json.dumps(serving, sort_keys=True),
         "start every rank with the same flags and the same sidecar files",
     )

@@ -234,6 +234,8 @@ class Engine:
         }
         if self.kv.kv_bits:  # only then, so float caches saved before keep their identity
             ident["kv_cache"] = {"bits": self.kv.kv_bits, "group_size": self.kv.kv_group_size}
+        if self.stage is not None:  # a pipeline rank's share of a conversation (rank 0's: placeholders too)
+            ident["stage"] = [self.stage.rank, self.stage.size, self.stage.start, self.stage.end]
         return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
 
     def use_prompt_cache_dir(self, path, max_bytes: int) -> None:

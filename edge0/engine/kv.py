@@ -30,6 +30,9 @@ class PromptCache:
         # one sequence's KV at the context the memory budget was sized for (set at load); each
         # sequence of a batch beyond the first takes this much from the pool's bound while it runs
         self.context_bytes = 0
+        # a pipeline's rank 0: the other ranks' end of the disk tier (their shares of each file,
+        # distributed/pipeline.py); None in one process
+        self.ranks = None
         self._ceiling = 0  # the pool's bound: as configured, or lower under memory pressure (evict)
         self._lent = 0  # bytes of the bound a running batch holds (lend)
 
@@ -70,12 +73,31 @@ class PromptCache:
         entry, n = self.pool.best(q, namespace)
         if self.disk is not None and n < len(q):
             restored, r = self.disk.restore(tokens, longer_than=n, namespace=namespace)
-            if restored is not None:
+            if restored is not None and self._shared(restored, namespace, r):
                 return restored, r, self.disk.last_restore
         if entry is None:
             self.pool.count("misses")
             return self.make(), 0, None
         return self.pool.take(entry, n), n, None
+
+    def _shared(self, restored, namespace: str, n: int) -> bool:
+        """Across ranks: whether every other rank restored its share of the file just restored
+        (a rank without one makes this file useless: it is removed, counted `incomplete`)."""
+        if self.ranks is None:
+            return True
+        answers = self.ranks.restore_shares(restored, namespace, self.disk.last_tokens, n)
+        missing = [a for a in answers if a.endswith("missing")]
+        if missing:
+            self.disk.discard(
+                self.disk.last_restore, f"{missing[0].rsplit(':', 1)[0]} has no share of it", "incomplete"
+            )
+        return all(a.endswith("ok") for a in answers)
+
+    def _save(self, entry) -> bool:
+        """`entry` to the disk tier (across ranks, every rank saves its share)."""
+        if self.ranks is not None:
+            self.ranks.journal.saved(entry.cache, entry.tokens, entry.namespace, entry.prompt_end)
+        return self.disk.save(entry.tokens, entry.cache, namespace=entry.namespace, prompt_end=entry.prompt_end)
 
     def checkin(self, tokens: list[int], cache: list, prompt_end: int, namespace: str = "") -> None:
         """A sequence's `cache` (holding exactly `tokens`, a prompt of `prompt_end` tokens and what
@@ -143,11 +165,11 @@ class PromptCache:
         evicted, self.evicted = self.evicted, []
         for entry in evicted if self.disk is not None else ():
             if not entry.on_disk:
-                self.disk.save(entry.tokens, entry.cache, namespace=entry.namespace, prompt_end=entry.prompt_end)
+                self._save(entry)
         e = self.pool.newest
         if self.disk is None or e is None or e.on_disk:
             return False
-        if not self.disk.save(e.tokens, e.cache, namespace=e.namespace, prompt_end=e.prompt_end):
+        if not self._save(e):
             return False
         e.on_disk = True
         return True
@@ -159,7 +181,7 @@ class PromptCache:
             return 0
         saved = int(self.persist())
         for entry in sorted(self.pool.entries(), key=lambda e: e.used):
-            if not entry.on_disk and self.disk.save(entry.tokens, entry.cache, entry.namespace, entry.prompt_end):
+            if not entry.on_disk and self._save(entry):
                 entry.on_disk, saved = True, saved + 1
         return saved
 

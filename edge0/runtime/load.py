@@ -46,7 +46,7 @@ def load_engine(path, options: LoadOptions) -> Engine:
     drafter = make_drafter(options.draft, options.draft_ngram, engine.tokenizer, engine.model_id, options.dtype)
     if drafter is not None and leads:  # speculation does not change outputs: not part of the prompt cache's identity
         engine.use_speculation(Speculator(drafter, options.num_draft or DEFAULT_NUM_DRAFT, options.draft_adaptive))
-    if options.prompt_cache_dir and engine.pipeline is None:  # last: its identity includes the heads and the adapter
+    if options.prompt_cache_dir:  # last: its identity includes the heads and the adapter (and a rank's stage)
         engine.use_prompt_cache_dir(options.prompt_cache_dir, options.prompt_cache_bytes())
     if engine.pipeline is not None:
         ready(engine)

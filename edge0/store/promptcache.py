@@ -73,6 +73,7 @@ class DiskPromptCaches:
             "index_rebuilt": 0,
             "untrimmable": 0,
             "failed": 0,
+            "incomplete": 0,  # across ranks: another rank had no share of the file restored here
             "skipped": 0,  # entries of DIR that are not the cache's, at the last look (a gauge)
         }
         self.note = ""  # the last refusal or failure
@@ -80,6 +81,7 @@ class DiskPromptCaches:
         self.bytes = self.entries = 0
         # what the last restore() read, (name, file_version), for discard() if a forward on it fails
         self.last_restore: tuple | None = None
+        self.last_tokens: list[int] | None = None  # the tokens of the file the last restore() read
         try:
             self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
             self._check_own()
@@ -300,7 +302,7 @@ class DiskPromptCaches:
         n > `longer_than`, and at least MIN_TOKENS, with `tokens` (all but the last token, which
         must be fed), trimmed to n; or (None, 0)."""
         _check_namespace(namespace)
-        self.last_restore = None
+        self.last_restore = self.last_tokens = None
         try:
             found = self._restore(tokens, longer_than, namespace)
         except OSError as e:  # DIR removed or unreadable while serving: prefill instead
@@ -322,41 +324,73 @@ class DiskPromptCaches:
                         best, n = name, k
             if best is None:
                 return None, 0
-            entry, path = index[best], self.root / best
-            st = os.lstat(path)
-            try:
-                cache, meta = bkv.read_prompt_cache(str(path))
-                if (meta.get("identity"), meta.get("namespace")) != (self.identity, namespace) or json.loads(
-                    meta.get("tokens", "null")
-                ) != entry["tokens"]:
-                    raise ValueError("its metadata does not match the index")
-                if meta.get("checksum") != bkv.prompt_cache_digest(cache):  # before trimming: the file's arrays
-                    raise ValueError("its KV data does not match its checksum")
-            except (OSError, MemoryError) as e:  # reading failed, not the file: it stays for a later request
-                self.counts["failed"] += 1
-                self.note = f"reading {path} failed: {e}; prefilled instead"
-                return None, 0
-            except Exception as e:  # noqa: BLE001 - whatever a damaged file raises, it is refused
-                index.pop(best)
-                self._refuse(best, e)
-                self._write(index)
-                return None, 0
-            held = len(entry["tokens"])
-            if n < held and not (
-                bkv.can_trim_prompt_cache(cache) and bkv.trim_prompt_cache(cache, held - n) == held - n
-            ):
-                self.counts["untrimmable"] += 1
-                self.note = f"{path}: its cache cannot be trimmed to the {n} tokens shared; prefilled instead"
-                return None, 0
-            entry["used"] = time.time()
+            return self._load(index, best, n)
+
+    def restore_entry(self, namespace: str, tokens: list[int], n: int) -> tuple[list | None, str]:
+        """(the stored cache of this identity and `namespace` holding exactly `tokens`, trimmed to
+        its first `n` tokens, "ok"), or (None, "missing": no such file, or a damaged one now
+        removed; "declined": it could not be read or trimmed now): a pipeline rank's share of the
+        file rank 0 restored."""
+        _check_namespace(namespace)
+        digest = hashlib.sha256(json.dumps([namespace, tokens]).encode()).hexdigest()[:32]
+        name = f"{self.dir.name}/{digest}.safetensors"
+        try:
+            with self._locked() as index:
+                entry = index.get(name)
+                if entry is None or (entry["identity"], entry["namespace"], entry["tokens"]) != (
+                    self.identity,
+                    namespace,
+                    tokens,
+                ):
+                    return None, "missing"
+                damaged = self.counts["damaged"]
+                cache, got = self._load(index, name, n)
+        except OSError as e:
+            self.counts["failed"] += 1
+            self.note = f"reading {self.root} failed: {e}"
+            return None, "declined"
+        if cache is None:
+            return None, "missing" if self.counts["damaged"] > damaged else "declined"
+        self.counts["restored"] += 1
+        self.counts["restored_tokens"] += got
+        return cache, "ok"
+
+    def _load(self, index: dict, best: str, n: int):
+        """(the cache of file `best`, trimmed to `n` tokens, n), or (None, 0) (under the lock)."""
+        entry, path = index[best], self.root / best
+        st = os.lstat(path)
+        try:
+            cache, meta = bkv.read_prompt_cache(str(path))
+            if (meta.get("identity"), meta.get("namespace")) != (self.identity, entry["namespace"]) or json.loads(
+                meta.get("tokens", "null")
+            ) != entry["tokens"]:
+                raise ValueError("its metadata does not match the index")
+            if meta.get("checksum") != bkv.prompt_cache_digest(cache):  # before trimming: the file's arrays
+                raise ValueError("its KV data does not match its checksum")
+        except (OSError, MemoryError) as e:  # reading failed, not the file: it stays for a later request
+            self.counts["failed"] += 1
+            self.note = f"reading {path} failed: {e}; prefilled instead"
+            return None, 0
+        except Exception as e:  # noqa: BLE001 - whatever a damaged file raises, it is refused
+            index.pop(best)
+            self._refuse(best, e)
             self._write(index)
-        self.last_restore = (best, file_version(st))
+            return None, 0
+        held = len(entry["tokens"])
+        if n < held and not (bkv.can_trim_prompt_cache(cache) and bkv.trim_prompt_cache(cache, held - n) == held - n):
+            self.counts["untrimmable"] += 1
+            self.note = f"{path}: its cache cannot be trimmed to the {n} tokens shared; prefilled instead"
+            return None, 0
+        entry["used"] = time.time()
+        self._write(index)
+        self.last_restore, self.last_tokens = (best, file_version(st)), entry["tokens"]
         return cache, n
 
-    def discard(self, receipt, error) -> bool:
+    def discard(self, receipt, error, why: str = "damaged") -> bool:
         """A forward on a restored cache raised `error`: its file (`receipt`, the restore's
-        `last_restore`), if still the one read, is removed and counted damaged, so no later request
-        restores it. Returns whether a file was removed."""
+        `last_restore`), if still the one read, is removed and counted damaged (or `why`: across
+        ranks, `incomplete` when another rank had no share of it), so no later request restores
+        it. Returns whether a file was removed."""
         if receipt is None:
             return False
         name, read = receipt
@@ -366,7 +400,12 @@ class DiskPromptCaches:
                 if st is None or file_version(st) != read:  # removed, or written again, since
                     return False
                 index.pop(name, None)
-                self._refuse(name, f"a forward on its restored cache failed: {error}")
+                if why == "damaged":
+                    self._refuse(name, f"a forward on its restored cache failed: {error}")
+                else:
+                    self._unlink(name)
+                    self.counts[why] += 1
+                    self.note = f"{self.root / name}: {error}; removed"
                 self._write(index)
         except OSError as e:
             self.counts["failed"] += 1

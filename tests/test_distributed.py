@@ -414,6 +414,40 @@ def test_the_runs_of_layers_that_share_kv_come_from_the_model():
         num_layers(build_model(per_layer))
 
 
+def test_keepalive_stays_within_the_kernel_s_bounds_and_says_when_it_cannot():
+    from edge0.backend import distributed as bdist
+
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        with socket.create_connection(server.getsockname()) as conn:
+            assert bdist.keep_alive([conn.fileno()], 10**6) is None  # a long --peer-timeout: clamped
+            got = bdist.keep_alive_settings([conn.fileno()])[0]
+            assert got["keepalive"] == 1 and got["TCP_KEEPIDLE"] == got["TCP_KEEPINTVL"] == 32767
+            assert bdist.keep_alive([conn.fileno()], 6) is None
+            assert bdist.keep_alive_settings([conn.fileno()])[0]["TCP_KEEPIDLE"] == 3
+    with open(os.devnull) as f:  # not a socket: the reason, for the stats, not an error
+        assert "not set" in bdist.keep_alive([f.fileno()], 60)
+
+
+def test_speculation_across_ranks_is_refused_where_a_rank_cannot_rewind_or_heads_would_replay():
+    from types import SimpleNamespace
+
+    from edge0.engine.speculative import check_speculation
+
+    def engine(problem=None, replays=False, heads=False):
+        traits = {"rewind_problem": problem, "replays": replays, "drop_tails": True}
+        return SimpleNamespace(
+            pipeline=SimpleNamespace(traits=traits), prerouting=object() if heads else None, model_id="m"
+        )
+
+    check_speculation(engine())
+    check_speculation(engine(replays=True))  # every rank goes back and feeds the kept tokens again
+    check_speculation(engine(heads=True))
+    with pytest.raises(Edge0Error, match="rank 1: its ChunkedKVCache layers cannot be rewound"):
+        check_speculation(engine(problem="rank 1: its ChunkedKVCache layers cannot be rewound"))
+    with pytest.raises(Edge0Error, match="pre-router heads, rejected drafts fed again .* --no-prerouter"):
+        check_speculation(engine(replays=True, heads=True))
+
+
 def test_balanced_split_evens_out_bytes_rank_0_first():
     assert balanced_split([1] * 8, 2) == (4, 4)
     # the embedding (first stage, the last rank) and the head (last stage, rank 0) count too

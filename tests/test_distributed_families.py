@@ -255,6 +255,10 @@ def test_speculative_decoding_on_two_ranks_gives_the_plain_greedy_tokens(store_f
     # linear-attention layers: every rank replays, as one process of the whole model does
     out = _families_across_ranks(("qwen3_next",), store_for, tmp_path, controlled=0.6, pipeline_split="1,3")
     assert out[0][0]["layers"] == [3] and out[0][0]["speculation"]["replays"] > 0
+    # gpt_oss: rank 0 holds its full-attention layer, rank 1 its sliding window, which stops
+    # cutting back once full (the prompt is longer than the fixture's window of 8): every rank replays
+    out = _families_across_ranks(("gpt_oss",), store_for, tmp_path, controlled=0.6, pipeline_split="1,1")
+    assert out[0][0]["speculation"]["replays"] > 0
 
 
 def test_speculative_decoding_with_pre_router_heads_on_two_ranks_gives_one_process_s_tokens(store_for, tmp_path):

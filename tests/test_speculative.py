@@ -95,6 +95,22 @@ def test_greedy_tokens_identical_for_every_executor_and_drafter(family, executor
         assert engine.stats()["totals"]["fallbacks"] > 0  # the staged layers met unions wider than their slots
 
 
+@pytest.mark.parametrize("family", ["gpt_oss", "gemma4_text"])
+def test_a_full_sliding_window_goes_back_to_before_a_rejected_verify(family, store_for):
+    """A sliding window past its size drops its oldest keys when a verify's tokens come in, which
+    cutting back cannot restore: a rejection puts the window as it was and feeds the kept tokens
+    again. Before, the window was cut back, its order broken, and greedy tokens differed from
+    plain decoding's with no error (gpt_oss from the third token, window 8)."""
+    engine = edge0.load(store_for(family))
+    prompt = engine.encode(PROMPT * 3)  # longer than the fixtures' window of 8
+    want = engine.generate(prompt, max_tokens=12, ignore_eos=True).tokens
+    engine.use_speculation(Speculator(Controlled(want, 0.6), num_draft=4, adaptive=False))
+    res = engine.generate(prompt, max_tokens=12, ignore_eos=True)
+    assert res.tokens == want
+    sp = res.stats["speculation"]
+    assert 0 < sp["accepted"] < sp["drafted"] and sp["replays"] > 0
+
+
 class VerifyReads(StepHooks):
     """Per multi-token step: expert loads and bytes read by each layer during it."""
 

@@ -11,6 +11,7 @@ import select
 import signal
 import socket
 import stat
+import sys
 import threading
 import time
 
@@ -96,25 +97,37 @@ def ring_sockets() -> list[int]:
     return fds
 
 
-def keep_alive(fds: list[int], timeout: float) -> None:
+_TCP_MAX_S = 32767  # Linux's bound on the keepalive idle time and interval
+_TCP_RXT_CONNDROPTIME = 0x80  # macOS (netinet/tcp.h): seconds of retransmission before a connection drops
+
+
+def keep_alive(fds: list[int], timeout: float) -> str | None:
     """Let the kernel find a peer machine that is gone without closing its connections (asleep,
     off the network, powered off): TCP keepalive probes on the ring's idle connections, the first
     after half of `timeout` seconds of silence and the connection dropped once three go unanswered
     (about `timeout` in all), and data sent but not acknowledged for `timeout` seconds drops it
-    too (Linux). The rank waiting on such a connection then fails like one whose peer exited. A
-    peer process that is alive but stuck still answers at the kernel level: not found this way."""
-    idle, interval = max(1, int(timeout / 2)), max(1, int(timeout / 6))
-    for fd in fds:
-        with socket.socket(fileno=os.dup(fd)) as s:  # the same connection as MLX's descriptor
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-            idle_option = getattr(socket, "TCP_KEEPIDLE", getattr(socket, "TCP_KEEPALIVE", None))  # macOS: KEEPALIVE
-            if idle_option is not None:
-                s.setsockopt(socket.IPPROTO_TCP, idle_option, idle)
-            for name, value in (("TCP_KEEPINTVL", interval), ("TCP_KEEPCNT", 3)):
-                if hasattr(socket, name):
-                    s.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
-            if hasattr(socket, "TCP_USER_TIMEOUT"):
-                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(timeout * 1000))
+    too (Linux's TCP_USER_TIMEOUT, macOS's TCP_RXT_CONNDROPTIME). The rank waiting on such a
+    connection then fails like one whose peer exited. A peer process that is alive but stuck still
+    answers at the kernel level: not found this way. Best effort: returns why it could not (None
+    when it did), which the pipeline's stats show."""
+    idle, interval = min(_TCP_MAX_S, max(1, int(timeout / 2))), min(_TCP_MAX_S, max(1, int(timeout / 6)))
+    try:
+        for fd in fds:
+            with socket.socket(fileno=os.dup(fd)) as s:  # the same connection as MLX's descriptor
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+                idle_option = getattr(socket, "TCP_KEEPIDLE", getattr(socket, "TCP_KEEPALIVE", None))  # macOS
+                if idle_option is not None:
+                    s.setsockopt(socket.IPPROTO_TCP, idle_option, idle)
+                for name, value in (("TCP_KEEPINTVL", interval), ("TCP_KEEPCNT", 3)):
+                    if hasattr(socket, name):
+                        s.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+                if hasattr(socket, "TCP_USER_TIMEOUT"):
+                    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, min(2**31 - 1, int(timeout * 1000)))
+                elif sys.platform == "darwin":
+                    s.setsockopt(socket.IPPROTO_TCP, _TCP_RXT_CONNDROPTIME, min(2**31 - 1, int(timeout)))
+    except OSError as e:
+        return f"TCP keepalive not set on the ring's connections ({e}): a silent peer machine is not detected"
+    return None
 
 
 def keep_alive_settings(fds: list[int]) -> list[dict]:

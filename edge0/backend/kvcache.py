@@ -12,6 +12,7 @@ from mlx_lm.models.cache import (
     ArraysCache,
     KVCache,
     QuantizedKVCache,
+    RotatingKVCache,
     can_trim_prompt_cache,
     load_prompt_cache,
     make_prompt_cache,
@@ -289,39 +290,54 @@ def drop_row_tails(merged: list, drops: list[int]) -> None:
 
 
 def replays(cache) -> bool:
-    """Whether a verify's rewind of `cache` goes back to before the forward and feeds the kept
-    tokens again (some layer cannot be cut back: recurrent state) rather than cutting."""
-    return not can_trim_prompt_cache(cache)
+    """Whether a verify's rewind of a cache like `cache` (a pipeline rank's share) may have to go
+    back to before the forward and feed the kept tokens again rather than cut: some layer cannot
+    be cut back (recurrent state), or will not once its sliding window is full."""
+    leaves = [leaf for layer in cache for leaf in _leaves(layer)]
+    return not can_trim_prompt_cache(cache) or any(isinstance(c, RotatingKVCache) for c in leaves)
 
 
 def rewind_point(cache, replay: bool = False):
     """What `rewind` needs to take `cache` back to now: None when every layer is trimmable (and
-    not `replay`), else the recurrent layers' states (ArraysCache replaces its entries, so a copy
-    of the list keeps them). `replay`: a point even so, so that a rewind goes back to before the
-    forward and the kept tokens are fed again (a pipeline's rank 0 whose own layers all trim, when
-    another rank's hold recurrent state)."""
+    not `replay`), else per layer what cutting back cannot restore: a recurrent layer's states
+    (ArraysCache replaces its entries, so a copy of the list keeps them), and a sliding window
+    past its size, whose next multi-token update drops its oldest keys (mlx-lm's RotatingKVCache
+    concatenates new arrays then, so its current ones stay as they are). `replay`: a point even
+    so, so that a rewind goes back to before the forward and the kept tokens are fed again (a
+    pipeline's rank 0 whose own layers all trim, when another rank's cannot)."""
     if can_trim_prompt_cache(cache) and not replay:
         point = None
     else:
-        point = [list(c.cache) if isinstance(c, ArraysCache) else None for c in cache]
+        point = [_layer_point(c) for c in cache]
     _note("point", cache, point is not None)
     return point
 
 
+def _layer_point(c):
+    if isinstance(c, ArraysCache):
+        return ("states", list(c.cache))
+    if isinstance(c, RotatingKVCache) and not c.is_trimmable():
+        return ("window", c.keys, c.values, c.offset, c._idx)
+    return None
+
+
 def rewind(cache, drop: int, fed: int, point) -> bool:
     """Drop the last `drop` of the `fed` tokens the last forward added. Without a `point`, every
-    layer is trimmed. With one (recurrent layers), every layer goes back to before the forward
-    (trimmed by `fed`, states put back), and the caller feeds the kept tokens again. Returns
+    layer is trimmed. With one (recurrent layers, full sliding windows), every layer goes back to
+    before the forward (trimmed by `fed`, states and windows put back), and the caller feeds the
+    kept tokens again. Returns
     whether it did (a replay is due)."""
     _note("rewind", cache, drop, fed, point is not None)
     if point is None:
         trim_prompt_cache(cache, drop)
         return False
     for c, saved in zip(cache, point):
-        if saved is not None:
-            c.cache = list(saved)
-        else:
+        if saved is None:
             c.trim(fed)
+        elif saved[0] == "states":
+            c.cache = list(saved[1])
+        else:  # a full sliding window: as it was before the forward
+            c.keys, c.values, c.offset, c._idx = saved[1:]
     return True
 
 

@@ -15,7 +15,7 @@ A speculative verify's rewind is mirrored too: rank 0 notes the rewind point it 
 the verify's forward (each other rank takes its own then, of its own layers' states) and the
 rewind after it; where some rank's layers cannot be cut back (recurrent state), every rank goes
 back to before the forward and the kept tokens are fed again, as one process of the whole model
-does (`Pipeline.replays`).
+does (`Pipeline.traits["replays"]`, `Stepper.replays`).
 
 The disk tier (`--prompt-cache-dir`) is mirrored by request: each rank keeps its own layers' share
 of every saved conversation in its own directory (its identity names its stage). When rank 0
@@ -107,7 +107,8 @@ class Replica:
     def __init__(self, kv, rank: int):
         self.kv, self.rank = kv, rank  # this stage's PromptCache: its `make` and its disk tier
         self.caches: dict[int, list] = {}
-        self.points: dict[int, list | None] = {}  # a verify's rewind point, by cache, until its rewind
+        # the rewind point of the verify in flight (one at a time): (cache name, point)
+        self.point: tuple[int, list | None] | None = None
 
     def get(self, name: int) -> list:
         try:
@@ -142,15 +143,16 @@ class Replica:
                 self.caches[args[0]] = bkv.extract_row(self.get(args[1]), args[2])
             elif op == "point":  # before a verify's forward: this rank's own point (rank 0's says whether)
                 name, replay = args
-                self.points[name] = bkv.rewind_point(self.get(name), replay=replay)
-                if self.points[name] is not None and not replay:
+                self.point = (name, bkv.rewind_point(self.get(name), replay=replay))
+                if self.point[1] is not None and not replay:
                     raise Edge0Error(
                         f"prompt cache {name} cannot be cut back on this rank, but rank 0 rewinds it by cutting: the "
                         "ranks are out of step; restart every rank"
                     )
             elif op == "rewind":
                 name, drop, fed, replay = args
-                point = self.points.pop(name, None)
+                point = self.point[1] if self.point is not None and self.point[0] == name else None
+                self.point = None
                 if replay and point is None:
                     raise Edge0Error(f"prompt cache {name}: a rewind without its point; restart every rank")
                 bkv.rewind(self.get(name), drop, fed, point)
@@ -162,7 +164,8 @@ class Replica:
                     self.kv.disk.save(tokens, self.get(name), namespace, prompt_end)
             elif op == "drop":
                 self.caches.pop(args[0], None)
-                self.points.pop(args[0], None)
+                if self.point is not None and self.point[0] == args[0]:
+                    self.point = None
             else:
                 raise Edge0Error(f"unknown prompt-cache op {op!r} from rank 0; restart every rank")
 

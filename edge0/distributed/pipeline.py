@@ -93,7 +93,7 @@ class Pipeline:
         # where a rank waits for the next message without spinning (see bdist.ring_sockets); none
         # found means MLX's spinning receive, reported in the stats
         self.sockets = bdist.ring_sockets()
-        bdist.keep_alive(self.sockets, peer_timeout)  # a peer machine gone silent fails the wait
+        self.keepalive = bdist.keep_alive(self.sockets, peer_timeout)  # a silent peer machine fails the wait
 
     @property
     def leads(self) -> bool:
@@ -327,6 +327,7 @@ class Pipeline:
             "bytes_sent": self.bytes_sent,
             "cpu_s": sum(os.times()[:2]),  # user + system
             "waits": "blocking" if self.sockets else "spinning (ring sockets not found)",
+            "keepalive": self.keepalive or "on",  # else why not: a silent peer machine is then not found
             "layer_stats": None if full is None else full["layers"],
             "prerouter": None if full is None else full["prerouter"],
         }

@@ -350,6 +350,14 @@ def check_speculation(engine) -> None:
     """Speculative decoding needs a KV cache that can be taken back, on every rank."""
     if engine.pipeline is not None:
         problem = engine.pipeline.traits["rewind_problem"]
+        if problem is None and engine.prerouting is not None and engine.pipeline.traits["replays"]:
+            # a replay runs inside the verify's step on rank 0, but reaches the others as a prompt
+            # span after theirs ended: the heads' routes would not be one process's
+            raise Edge0Error(
+                f"--draft: {engine.model_id} across ranks: with pre-router heads, rejected drafts fed again "
+                "(recurrent or sliding-window layers) would route differently on the other ranks; use --draft "
+                "none or --no-prerouter"
+            )
     else:
         problem = bkv.rewind_problem(engine.kv.make())
     if problem:

@@ -43,8 +43,12 @@ def load_engine(path, options: LoadOptions) -> Engine:
             engine.no_lora(why)
     # rank 0 drafts and verifies; the other ranks run the verify's forwards and mirror its rewinds
     leads = engine.pipeline is None or engine.pipeline.leads
-    drafter = make_drafter(options.draft, options.draft_ngram, engine.tokenizer, engine.model_id, options.dtype)
-    if drafter is not None and leads:  # speculation does not change outputs: not part of the prompt cache's identity
+    drafter = (
+        make_drafter(options.draft, options.draft_ngram, engine.tokenizer, engine.model_id, options.dtype)
+        if leads
+        else None
+    )
+    if drafter is not None:  # speculation does not change outputs: not part of the prompt cache's identity
         engine.use_speculation(Speculator(drafter, options.num_draft or DEFAULT_NUM_DRAFT, options.draft_adaptive))
     if options.prompt_cache_dir:  # last: its identity includes the heads and the adapter (and a rank's stage)
         engine.use_prompt_cache_dir(options.prompt_cache_dir, options.prompt_cache_bytes())

@@ -87,6 +87,12 @@ def test_requests_sent_together_decode_together_and_get_what_they_get_alone(engi
             client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=120)
             batched = together(lambda r: client.chat.completions.create(model="m", **r), requests)
             s = stats(base)
+            # a request counts as completed once its handler returns, just after its response reached
+            # the client: under load the last one may still be on its way
+            deadline = time.monotonic() + 10
+            while s["completed"] < len(requests) and time.monotonic() < deadline:
+                time.sleep(0.05)
+                s = stats(base)
             spec = engine.stats()["batch_speculation"] if drafts else None
     finally:
         engine.hooks = StepHooks()

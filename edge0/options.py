@@ -205,8 +205,9 @@ class LoadOptions:
     )
     peer_timeout: float = _opt(
         60.0,
-        "under mlx.launch: seconds a rank waits for its peers to connect, and about how long a peer machine "
-        "may go silent (asleep, off the network) before the others stop (default 60)",
+        "under mlx.launch: seconds a rank waits for its peers to connect, and about how long a peer may go "
+        "silent (its machine asleep or off the network, or its process stopped) before the others stop "
+        "(default 60)",
         "float",
         metavar="S",
     )

@@ -370,6 +370,42 @@ def test_killing_either_rank_mid_request_stops_the_other_with_one_line(killed, s
     assert other.poll() is not None and procs[killed].poll() is not None  # nothing left running
 
 
+@pytest.mark.parametrize("stopped", [pytest.param(0, marks=pytest.mark.slow), 1])  # rank 0 stopped: -m slow
+def test_a_rank_stopped_mid_request_stops_the_other_with_one_line_within_the_peer_timeout(stopped, store_for, tmp_path):
+    """SIGSTOP: the process is stuck but its machine answers (TCP keepalives are no help); its
+    heartbeat stops, and the rank waiting for it gives up after --peer-timeout seconds."""
+    argv = [sys.executable, "-m", "edge0", "generate", "--model", str(store_for("qwen3_moe")), "--peer-timeout", "3"]
+    argv += ["--prompt", PROMPT, "--no-chat-template", "--max-tokens", "100000"]
+    procs = start(tmp_path, [argv, argv])
+    try:
+        fd = procs[0].stdout.fileno()
+        os.set_blocking(fd, False)
+        deadline, text = time.monotonic() + 90, b""
+        while len(text) < 40:  # rank 0 streams the reply: the request is under way on both ranks
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "no tokens came"
+            try:
+                text += os.read(fd, 4096)
+            except BlockingIOError:
+                time.sleep(0.05)
+        os.set_blocking(fd, True)
+        os.killpg(procs[stopped].pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        other = procs[1 - stopped]
+        _, err = other.communicate(timeout=30)
+        waited = time.monotonic() - t0
+    finally:
+        os.killpg(procs[stopped].pid, signal.SIGKILL)  # a stopped process takes SIGKILL
+        finish(procs, 5)
+    errors = [line for line in err.splitlines() if "error" in line.lower() and not line.startswith("[ring]")]
+    assert other.returncode == 2, err[-2000:]
+    assert 2.5 < waited < 15 and "Traceback" not in err
+    assert errors == [
+        f"edge0: error: rank {1 - stopped} of 2: rank {stopped} sent no heartbeat for 3 s (--peer-timeout): "
+        "it is stopped or stuck while its machine still answers; stop it (its own output may say why) "
+        "and start every rank again"
+    ], errors
+
+
 @pytest.mark.slow  # in the default suite's time budget: a rank's one-line stop stays covered by the kill test
 def test_ranks_with_different_stores_stop_with_one_line(store_for, tmp_path):
     argvs = [

@@ -4,6 +4,7 @@ backend), point-to-point messages between pipeline stages and an all-gather of s
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import resource
@@ -143,9 +144,78 @@ def keep_alive_settings(fds: list[int]) -> list[dict]:
     return out
 
 
-def wait_for_message(fds: list[int]) -> None:
-    """Block (without using the CPU) until one of the ring's connections has data."""
-    select.select(fds, [], [])
+class Heartbeat:
+    """Each rank tells the others it is alive several times a second: UDP datagrams to their
+    ring addresses (UDP ports are apart from the ring's TCP ones), tagged with the launch's
+    hostfile. A rank waiting for a message asks `silent()` which peer it has not heard from for
+    `timeout` seconds: a process stopped or stuck while its machine, whose kernel still answers
+    TCP keepalives, is up. MLX releases the GIL while it computes, so a rank busy with a long
+    prompt still beats."""
+
+    def __init__(self, timeout: float):
+        hosts, self.rank = _hosts(), int(os.environ["MLX_RANK"])
+        self.timeout, self.interval = timeout, max(0.05, min(0.5, timeout / 10))
+        self.peers = {r: _address(h[0]) for r, h in enumerate(hosts) if r != self.rank}
+        self.tag = hashlib.sha256(json.dumps(hosts).encode()).hexdigest()[:16].encode()
+        now = time.monotonic()
+        self.heard = dict.fromkeys(self.peers, now)
+        self.stopped = threading.Event()
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        try:
+            self.sock.bind(_address(hosts[self.rank][0]))
+        except OSError:
+            self.sock.close()
+            raise
+        self.sock.settimeout(self.interval)
+        self.thread = threading.Thread(target=self._run, name="edge0-heartbeat", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        beat = self.tag + b" %d" % self.rank
+        due = 0.0
+        while not self.stopped.is_set():
+            now = time.monotonic()
+            if now >= due:
+                for addr in self.peers.values():
+                    try:
+                        self.sock.sendto(beat, addr)
+                    except OSError:  # the peer's machine unreachable now: its silence will tell
+                        pass
+                due = now + self.interval
+            try:
+                data = self.sock.recv(64)
+            except OSError:  # the timeout, or the socket closed by stop()
+                continue
+            tag, _, rank = data.partition(b" ")
+            if tag == self.tag and rank.isdigit() and int(rank) in self.heard:
+                self.heard[int(rank)] = time.monotonic()
+
+    def silent(self) -> int | None:
+        """A peer rank not heard from for `timeout` seconds, or None."""
+        now = time.monotonic()
+        return next((r for r, t in sorted(self.heard.items()) if now - t > self.timeout), None)
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.thread.join(timeout=2 * self.interval + 1)
+        self.sock.close()
+
+
+def _address(text: str) -> tuple[str, int]:
+    ip, _, port = text.rpartition(":")
+    return ip, int(port)
+
+
+def wait_for_message(fds: list[int], heartbeat: Heartbeat | None = None) -> None:
+    """Block (without using the CPU) until one of the ring's connections has data; an Edge0Error
+    when a peer's heartbeat stops meanwhile."""
+    while not select.select(fds, [], [], 0.5 if heartbeat else None)[0]:
+        silent = heartbeat.silent()
+        if silent is not None:
+            raise Edge0Error(
+                f"rank {silent} sent no heartbeat for {heartbeat.timeout:g} s (--peer-timeout): it is stopped or "
+                "stuck while its machine still answers; stop it (its own output may say why) and start every rank again"
+            )
 
 
 def all_gather_bytes(group, data: bytes) -> list[bytes]:

@@ -94,6 +94,13 @@ class Pipeline:
         # found means MLX's spinning receive, reported in the stats
         self.sockets = bdist.ring_sockets()
         self.keepalive = bdist.keep_alive(self.sockets, peer_timeout)  # a silent peer machine fails the wait
+        # a peer process stopped or stuck (its machine still up) fails the wait too
+        self.heartbeat, self.heartbeat_note = None, "off: no ring connections found to wait on"
+        if self.sockets:
+            try:
+                self.heartbeat, self.heartbeat_note = bdist.Heartbeat(peer_timeout), "on"
+            except OSError as e:
+                self.heartbeat_note = f"off ({e}): a stopped or stuck peer is not detected"
 
     @property
     def leads(self) -> bool:
@@ -159,7 +166,10 @@ class Pipeline:
         """The next op's header; its payload follows at once, but the header itself may be a
         token's whole trip (or an idle server's pause) away."""
         if self.sockets:
-            bdist.wait_for_message(self.sockets)
+            try:
+                bdist.wait_for_message(self.sockets, self.heartbeat)
+            except Edge0Error as e:
+                raise self._lost(e) from None
         return B.to_numpy(self._recv((HEADER,), "int32")).tolist()
 
     def _send_predictions(self, preds: dict) -> None:
@@ -272,12 +282,16 @@ class Pipeline:
         """Rank 0: release the other ranks (they return from `follow`). A rank that is gone needs
         no release (it reported why itself, and the others stop on the lost peer), so losing one
         here is not an error: close runs while a Ctrl-C or another error unwinds."""
-        if self.leads and not self.closed and self.lost is None:
-            try:
+        try:
+            if self.leads and not self.closed and self.lost is None:
                 self._round_trip(STOP)
-            except Edge0Error:
-                return
-            self.closed = True
+                self.closed = True
+        except Edge0Error:
+            pass
+        finally:
+            if self.heartbeat is not None:  # its port is free for the next engine of this process
+                self.heartbeat.stop()
+                self.heartbeat = None
 
     def lead(self) -> None:
         """Rank 0: wrap the stepper's hooks so that generations start, step and end on every rank,
@@ -328,6 +342,7 @@ class Pipeline:
             "cpu_s": sum(os.times()[:2]),  # user + system
             "waits": "blocking" if self.sockets else "spinning (ring sockets not found)",
             "keepalive": self.keepalive or "on",  # else why not: a silent peer machine is then not found
+            "heartbeat": self.heartbeat_note,
             "layer_stats": None if full is None else full["layers"],
             "prerouter": None if full is None else full["prerouter"],
         }

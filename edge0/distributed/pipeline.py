@@ -152,6 +152,8 @@ class Pipeline:
 
     def _recv(self, shape, dtype: str):
         try:
+            if self.sockets:  # every piece: a peer stopped between a header and its payload is found too
+                bdist.wait_for_message(self.sockets, self.heartbeat)
             return bdist.recv(shape, dtype, self.frm, self.group)
         except Edge0Error as e:
             raise self._lost(e) from None
@@ -164,12 +166,7 @@ class Pipeline:
 
     def _recv_header(self) -> list[int]:
         """The next op's header; its payload follows at once, but the header itself may be a
-        token's whole trip (or an idle server's pause) away."""
-        if self.sockets:
-            try:
-                bdist.wait_for_message(self.sockets, self.heartbeat)
-            except Edge0Error as e:
-                raise self._lost(e) from None
+        token's whole trip (or an idle server's pause) away: `_recv` waits for it without spinning."""
         return B.to_numpy(self._recv((HEADER,), "int32")).tolist()
 
     def _send_predictions(self, preds: dict) -> None:

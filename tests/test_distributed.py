@@ -339,22 +339,28 @@ def test_a_missing_peer_is_a_one_line_error(store_for, tmp_path):
     assert err.count("\n") == 1 and "edge0: error: rank 0 of 2: could not reach its peers at 127.0.0.1:" in err
 
 
+def under_way(procs: list[subprocess.Popen]) -> None:
+    """Until rank 0 of `edge0 generate` has streamed some of its reply: the request is under way
+    on both ranks."""
+    fd = procs[0].stdout.fileno()
+    os.set_blocking(fd, False)
+    deadline, text = time.monotonic() + 90, b""
+    while len(text) < 40:
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "no tokens came"
+        try:
+            text += os.read(fd, 4096)
+        except BlockingIOError:
+            time.sleep(0.05)
+    os.set_blocking(fd, True)
+
+
 @pytest.mark.parametrize("killed", [pytest.param(0, marks=pytest.mark.slow), 1])  # rank 0 killed: -m slow (suite time)
 def test_killing_either_rank_mid_request_stops_the_other_with_one_line(killed, store_for, tmp_path):
     argv = [sys.executable, "-m", "edge0", "generate", "--model", str(store_for("qwen3_moe"))]
     argv += ["--prompt", PROMPT, "--no-chat-template", "--max-tokens", "100000"]
     procs = start(tmp_path, [argv, argv])
     try:
-        fd = procs[0].stdout.fileno()
-        os.set_blocking(fd, False)
-        deadline, text = time.monotonic() + 90, b""
-        while len(text) < 40:  # rank 0 streams the reply: the request is under way on both ranks
-            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "no tokens came"
-            try:
-                text += os.read(fd, 4096)
-            except BlockingIOError:
-                time.sleep(0.05)
-        os.set_blocking(fd, True)
+        under_way(procs)
         os.killpg(procs[killed].pid, signal.SIGKILL)
         t0 = time.monotonic()
         other = procs[1 - killed]
@@ -377,16 +383,7 @@ def test_a_rank_stopped_mid_request_stops_the_other_with_one_line_within_the_pee
     argv += ["--prompt", PROMPT, "--no-chat-template", "--max-tokens", "100000"]
     procs = start(tmp_path, [argv, argv])
     try:
-        fd = procs[0].stdout.fileno()
-        os.set_blocking(fd, False)
-        deadline, text = time.monotonic() + 90, b""
-        while len(text) < 40:  # rank 0 streams the reply: the request is under way on both ranks
-            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "no tokens came"
-            try:
-                text += os.read(fd, 4096)
-            except BlockingIOError:
-                time.sleep(0.05)
-        os.set_blocking(fd, True)
+        under_way(procs)
         os.killpg(procs[stopped].pid, signal.SIGSTOP)
         t0 = time.monotonic()
         other = procs[1 - stopped]

@@ -264,6 +264,11 @@ class Pipeline:
         self._round_trip(START)
         self.generating = True
 
+    def saved(self, cache, tokens: list[int], namespace: str, prompt_end: int) -> None:
+        """Rank 0 saves `cache` to its disk tier: the others save their share of it (with the next
+        message, before they act on it)."""
+        self.journal.saved(cache, tokens, namespace, prompt_end)
+
     def restore_shares(self, cache, namespace: str, tokens: list[int], n: int) -> list[str]:
         """Rank 0 restored `cache` from the file of `tokens` in `namespace`, cut to `n` tokens: each
         other rank restores its share of that file as the same cache; their answers ("rank R: ok",

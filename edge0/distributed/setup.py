@@ -81,8 +81,9 @@ def join(engine, group, peer_timeout: float = 60.0) -> None:
 def cache_traits(group, cache) -> dict:
     """What the ranks' shares of a prompt cache (this rank's: `cache`) allow together: a
     speculative verify's rewind (`rewind_problem`: the first rank's reason it cannot, None if
-    every rank can), whether it feeds the kept tokens again (`replays`: some rank's layers cannot
-    be cut back), and a batched verify (`drop_tails`: every rank's rows can drop their tails)."""
+    every rank can), whether it feeds the kept tokens again (`replays`: some rank's layers may not
+    be cut back: recurrent state, a sliding window), and a batched verify (`drop_tails`: every
+    rank's rows can drop their tails)."""
     problem = bkv.rewind_problem(cache)
     mine = json.dumps([problem[:200] if problem else None, bkv.replays(cache), bkv.rows_can_drop_tails(cache)])
     every = [json.loads(v.rstrip(b"\0")) for v in bdist.all_gather_bytes(group, mine.encode().ljust(_TRAITS, b"\0"))]

@@ -92,8 +92,11 @@ class Batch:
         # can drop its rejected drafts on its own; not under a pre-router, whose verify routes
         # one sequence's tokens
         spec = parts.batch_speculation
-        rows_draft = parts.prerouting is None and bkv.rows_can_drop_tails(parts.kv.make())
-        rows_draft = rows_draft and (parts.pipeline is None or parts.pipeline.traits["drop_tails"])
+        rows_draft = (
+            parts.prerouting is None
+            and bkv.rows_can_drop_tails(parts.kv.make())
+            and (parts.pipeline is None or parts.pipeline.traits["drop_tails"])  # on every rank
+        )
         self.spec = spec if spec is not None and rows_draft else None
         self.stepping = False  # an advance is in flight (an exception out of it leaves caches half fed)
 

@@ -30,8 +30,8 @@ class PromptCache:
         # one sequence's KV at the context the memory budget was sized for (set at load); each
         # sequence of a batch beyond the first takes this much from the pool's bound while it runs
         self.context_bytes = 0
-        # a pipeline's rank 0: the other ranks' end of the disk tier (their shares of each file,
-        # distributed/pipeline.py); None in one process
+        # a pipeline's rank 0: its Pipeline, which has the other ranks save and restore their shares
+        # of each file of the disk tier (restore_shares, saved); None in one process
         self.ranks = None
         self._ceiling = 0  # the pool's bound: as configured, or lower under memory pressure (evict)
         self._lent = 0  # bytes of the bound a running batch holds (lend)
@@ -96,7 +96,7 @@ class PromptCache:
     def _save(self, entry) -> bool:
         """`entry` to the disk tier (across ranks, every rank saves its share)."""
         if self.ranks is not None:
-            self.ranks.journal.saved(entry.cache, entry.tokens, entry.namespace, entry.prompt_end)
+            self.ranks.saved(entry.cache, entry.tokens, entry.namespace, entry.prompt_end)
         return self.disk.save(entry.tokens, entry.cache, namespace=entry.namespace, prompt_end=entry.prompt_end)
 
     def checkin(self, tokens: list[int], cache: list, prompt_end: int, namespace: str = "") -> None:

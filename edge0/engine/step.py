@@ -27,7 +27,8 @@ class Stepper:
     def __init__(self, model, streaming, hooks):
         self.model, self.streaming, self.hooks = model, streaming, hooks
         # a verify's rewind feeds the kept tokens again even where this process's layers all cut
-        # back: a pipeline's rank 0 when another rank's layers hold recurrent state (Pipeline.lead)
+        # back: a pipeline's rank 0 when another rank's layers may not (recurrent state, a sliding
+        # window; Pipeline.lead)
         self.replays = False
 
     def run(

@@ -102,6 +102,8 @@ for run in runs:
         for p in run.get("session", []):
             r = engine.generate(p, max_tokens=run["max_tokens"], ignore_eos=True, reuse_cache=True)
             out["session"].append({"tokens": r.tokens, "cached": r.stats["prompt_tokens"] - r.stats["prefill_tokens"]})
+        if run.get("session"):  # what the ranks hold of the pool, and what rank 0 freed for the others
+            out["after_session"] = {"ranks": engine.stats()["ranks"], "pool": engine.kv.stats()["memory"]}
     engine.close()
     out["prompt_cache"] = engine.kv.stats()  # after close: rank 0 flushed the disk tier, every rank saved its share
     out["opened"] = list(opened)

@@ -350,6 +350,9 @@ class FakeEngine:
     def free_prompt_caches(self, nbytes: int) -> int:
         return 0  # no other conversations' caches in memory
 
+    def prompt_caches_held(self) -> int:
+        return 0
+
     def restore_prompt_caches(self) -> None:
         pass
 

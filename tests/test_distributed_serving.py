@@ -158,13 +158,17 @@ def test_the_server_exits_with_one_line_when_the_other_rank_is_killed_mid_reques
 
 def test_a_rank_low_on_memory_shrinks_its_own_expert_cache_between_generations(store_for, tmp_path):
     """Rank 1's memory watcher (as `edge0 serve --memory-low` starts on every rank) reads no memory
-    left: between generations its expert cache shrinks to one route's slots; the tokens stay one
-    process's."""
+    left: between generations its expert cache shrinks to one route's slots, and rank 0 frees the
+    other conversations' KV caches of its pool, which rank 1 holds its share of; the tokens stay
+    one process's."""
     from tests.test_distributed import launch, single
+    from tests.test_distributed_families import agent_session
 
     store = store_for("qwen3_moe")
-    runs = [{"store": str(store), "options": {"prerouter": False}, "follower_memory_low": True}]
+    options = {"prerouter": False, "prompt_cache_memory": "64MB"}
+    runs = [{"store": str(store), "options": options, "follower_memory_low": True}]
     runs[0].update(prompt=PROMPT, max_tokens=TOKENS, ignore_eos=True, turns=[PROMPT + " again"])
+    runs[0]["session"] = agent_session()
     (tmp_path / "runs.json").write_text(json.dumps(runs))
     argv = [sys.executable, str(ROOT / "tests" / "dist_worker.py"), str(tmp_path / "runs.json")]
     done = launch(tmp_path, [argv + [str(tmp_path / f"out-{r}.json")] for r in range(2)])
@@ -173,3 +177,7 @@ def test_a_rank_low_on_memory_shrinks_its_own_expert_cache_between_generations(s
     assert rank0["tokens"] == single(store, rank0["layerwise"], prerouter=False)[0]
     cache = rank1["expert_cache"]
     assert cache["slots_per_layer"] == cache["min_slots"] < cache["configured_slots"]
+    # rank 1 asked, rank 0 freed: its pool's bound came down and conversations left every rank
+    ranks, pool = rank0["after_session"]["ranks"], rank0["after_session"]["pool"]
+    assert ranks[1]["kv_free_wanted"] > 0 and ranks[0]["kv_freed_for_others"] > 0
+    assert pool["evicted"] > 0 and pool["max_bytes"] == 0  # no memory left on rank 1: the bound went to 0

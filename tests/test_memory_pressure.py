@@ -94,6 +94,9 @@ class StubEngine:
     def free_prompt_caches(self, nbytes):
         return 0  # no other conversations' caches held
 
+    def prompt_caches_held(self):
+        return 0
+
     def restore_prompt_caches(self):
         pass
 

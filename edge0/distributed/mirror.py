@@ -169,6 +169,10 @@ class Replica:
             else:
                 raise Edge0Error(f"unknown prompt-cache op {op!r} from rank 0; restart every rank")
 
+    def nbytes(self) -> int:
+        """Bytes of the KV this rank holds for rank 0's prompt caches (its share of each)."""
+        return sum(bkv.prompt_cache_nbytes(c) for c in self.caches.values())
+
     def restore(self, name: int, namespace: str, tokens: list[int], n: int) -> str:
         """Rank 0 restored the file of `tokens` in `namespace`, cut to `n` tokens, as cache `name`:
         this rank's share of it as the same cache; returns "rank R: ok", "... missing" or

@@ -87,6 +87,10 @@ class Pipeline:
         self.previous, self.last, self.ending = None, False, None
         # rank 0: a verify's kept position (StepHooks.kept), for the others' hooks with the next message
         self.kept: list[int] | None = None
+        # the others: bytes of their share of rank 0's prompt caches they want freed (their memory
+        # watcher), told with the next FINISH; rank 0: what it will free before the next generation
+        self.free_wanted = 0
+        self.freed_for_others = 0  # rank 0: bytes of its pool freed at the other ranks' request
         self.between: deque = deque()  # the others: work for their own thread between generations (run_between)
         # what every rank's share of a prompt cache allows together (setup.cache_traits, at join)
         self.traits = {"rewind_problem": None, "replays": False, "drop_tails": True}
@@ -261,8 +265,25 @@ class Pipeline:
             return json.loads(bytes(B.to_numpy(self._recv((h[PAYLOAD],), "uint8"))))
 
     def start(self) -> None:
+        if self.free_wanted:  # between generations: the pool gives way for another rank's memory
+            self.freed_for_others += self.parts.kv.evict(self.free_wanted)
+            self.free_wanted = 0
         self._round_trip(START)
         self.generating = True
+
+    def ask_to_free(self, nbytes: int) -> None:
+        """A rank other than 0, low on memory: rank 0 is to free `nbytes` of this rank's share of
+        its prompt caches (the least recently used conversations leave every rank)."""
+        self.free_wanted = max(self.free_wanted, int(nbytes))
+
+    def _free_for(self, ranks: list[dict]) -> None:
+        """Rank 0, after FINISH: the bytes of its own pool that free what the other ranks asked
+        for, each rank's share scaled to rank 0's by their sizes."""
+        mine = self.parts.kv.pool.bytes
+        for r in ranks:
+            want, share = r.get("kv_free_wanted", 0), r.get("kv_share_bytes", 0)
+            if want and share:
+                self.free_wanted = max(self.free_wanted, -(-want * mine // share))
 
     def saved(self, cache, tokens: list[int], namespace: str, prompt_end: int) -> None:
         """Rank 0 saves `cache` to its disk tier: the others save their share of it (with the next
@@ -279,6 +300,7 @@ class Pipeline:
     def finish(self) -> None:
         self.generating = False
         self.ranks = self._round_trip(FINISH)
+        self._free_for(self.ranks)
 
     def close(self) -> None:
         """Rank 0: release the other ranks (they return from `follow`). A rank that is gone needs
@@ -345,6 +367,10 @@ class Pipeline:
             "waits": "blocking" if self.sockets else "spinning (ring sockets not found)",
             "keepalive": self.keepalive or "on",  # else why not: a silent peer machine is then not found
             "heartbeat": self.heartbeat_note,
+            # the others: their share of rank 0's prompt caches, and how much of it they asked to free
+            "kv_share_bytes": self.replica.nbytes() if self.replica is not None else None,
+            "kv_free_wanted": self.free_wanted if self.replica is not None else None,
+            "kv_freed_for_others": self.freed_for_others if self.replica is None else None,
             "layer_stats": None if full is None else full["layers"],
             "prerouter": None if full is None else full["prerouter"],
         }
@@ -415,6 +441,7 @@ class Pipeline:
                 hooks.finish()
                 ranks = json.loads(bytes(B.to_numpy(self._recv((h[PAYLOAD],), "uint8")))) if h[PAYLOAD] else []
                 stats = json.dumps(ranks + [self.own_stats()]).encode()
+                self.free_wanted = 0  # told rank 0
                 self._send_header(FINISH, payload=len(stats), blob=on)
                 self._send(B.array(np.frombuffer(stats, dtype=np.uint8)))
             elif op == RESTORE:

@@ -408,11 +408,23 @@ class Engine:
     def free_prompt_caches(self, nbytes: int) -> int:
         """Memory pressure, between generations: the least recently used conversations' KV caches
         leave memory (to the disk tier, if any) until `nbytes` are freed or none is left, and the
-        bound stays that much lower until `restore_prompt_caches()`. Returns bytes freed."""
+        bound stays that much lower until `restore_prompt_caches()`. Returns bytes freed. On a
+        pipeline rank other than 0, whose share of each conversation rank 0's pool holds, rank 0
+        is asked to free as much of this rank's share (at the next generation's end; 0 now)."""
+        if self.pipeline is not None and not self.pipeline.leads:
+            self.pipeline.ask_to_free(nbytes)
+            return 0
         freed = self.kv.evict(nbytes)
         if freed:
             B.release_cached_memory()
         return freed
+
+    def prompt_caches_held(self) -> int:
+        """Bytes of other conversations' KV caches held in memory (the pool's, beside the newest;
+        on a pipeline rank other than 0, its share of rank 0's prompt caches)."""
+        if self.pipeline is not None and not self.pipeline.leads:
+            return self.pipeline.replica.nbytes()
+        return self.kv.pool.bytes  # the bounded entries: the newest is outside the bound
 
     def restore_prompt_caches(self) -> None:
         """Memory is back: the prompt caches' bound as configured again."""

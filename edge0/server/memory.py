@@ -57,9 +57,12 @@ class MemoryWatcher:
         return n
 
     def check(self) -> bool:
-        """Read memory now; True when the expert cache should be resized."""
+        """Read memory now; True when the expert cache should be resized, or memory is low while
+        other conversations' KV caches are held (they go first)."""
         available, source = self.read()
         self.reading = {"available_bytes": available, "source": source, "at": time.time()}
+        if available < self.low and self.engine.prompt_caches_held() > 0:
+            return True
         return self.target(available) != self.engine.expert_cache()["slots_per_layer"]
 
     def apply(self) -> None:

@@ -110,3 +110,34 @@ def test_layers_that_share_kv_stay_on_one_stage():
     check_split((4, 2), 6, 2, groups=shared)
     with pytest.raises(Edge0Error, match="starts a stage at layer 3.*start stages only at layers 1, 2"):
         check_split((3, 3), 6, 2, groups=shared)
+
+
+def test_a_heartbeat_judges_only_a_peer_it_has_heard(tmp_path, monkeypatch):
+    """Two ranks' heartbeats in one process: a peer never heard (its UDP blocked) is not called
+    silent; one heard and then quiet for the timeout is."""
+    import json
+    import time
+
+    from edge0.backend import distributed as bdist
+
+    ports = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    (tmp_path / "hosts.json").write_text(json.dumps([[f"127.0.0.1:{p}"] for p in ports]))
+    monkeypatch.setenv("MLX_HOSTFILE", str(tmp_path / "hosts.json"))
+    monkeypatch.setenv("MLX_RANK", "0")
+    rank0 = bdist.Heartbeat(0.6)
+    try:
+        time.sleep(0.8)
+        assert rank0.silent() is None and rank0.unheard() == [1]  # never heard: not judged
+        monkeypatch.setenv("MLX_RANK", "1")
+        rank1 = bdist.Heartbeat(0.6)
+        time.sleep(0.3)
+        assert rank0.unheard() == [] and rank0.silent() is None
+        rank1.stop()
+        time.sleep(1.0)
+        assert rank0.silent() == 1
+    finally:
+        rank0.stop()

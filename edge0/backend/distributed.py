@@ -150,15 +150,15 @@ class Heartbeat:
     hostfile. A rank waiting for a message asks `silent()` which peer it has not heard from for
     `timeout` seconds: a process stopped or stuck while its machine, whose kernel still answers
     TCP keepalives, is up. MLX releases the GIL while it computes, so a rank busy with a long
-    prompt still beats."""
+    prompt still beats. A peer never heard from (a firewall that passes the ring's TCP but not
+    UDP) is not judged: its silence says nothing (`unheard` names it for the stats)."""
 
     def __init__(self, timeout: float):
         hosts, self.rank = _hosts(), int(os.environ["MLX_RANK"])
         self.timeout, self.interval = timeout, max(0.05, min(0.5, timeout / 10))
         self.peers = {r: _address(h[0]) for r, h in enumerate(hosts) if r != self.rank}
         self.tag = hashlib.sha256(json.dumps(hosts).encode()).hexdigest()[:16].encode()
-        now = time.monotonic()
-        self.heard = dict.fromkeys(self.peers, now)
+        self.heard: dict[int, float | None] = dict.fromkeys(self.peers)  # None: never heard
         self.stopped = threading.Event()
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         try:
@@ -191,9 +191,13 @@ class Heartbeat:
                 self.heard[int(rank)] = time.monotonic()
 
     def silent(self) -> int | None:
-        """A peer rank not heard from for `timeout` seconds, or None."""
+        """A peer rank heard from before but not for `timeout` seconds now, or None."""
         now = time.monotonic()
-        return next((r for r, t in sorted(self.heard.items()) if now - t > self.timeout), None)
+        return next((r for r, t in sorted(self.heard.items()) if t is not None and now - t > self.timeout), None)
+
+    def unheard(self) -> list[int]:
+        """The peer ranks never heard from."""
+        return sorted(r for r, t in self.heard.items() if t is None)
 
     def stop(self) -> None:
         self.stopped.set()

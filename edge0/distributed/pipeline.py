@@ -366,7 +366,7 @@ class Pipeline:
             "cpu_s": sum(os.times()[:2]),  # user + system
             "waits": "blocking" if self.sockets else "spinning (ring sockets not found)",
             "keepalive": self.keepalive or "on",  # else why not: a silent peer machine is then not found
-            "heartbeat": self.heartbeat_note,
+            "heartbeat": self._heartbeat_state(),
             # the others: their share of rank 0's prompt caches, and how much of it they asked to free
             "kv_share_bytes": self.replica.nbytes() if self.replica is not None else None,
             "kv_free_wanted": self.free_wanted if self.replica is not None else None,
@@ -374,6 +374,13 @@ class Pipeline:
             "layer_stats": None if full is None else full["layers"],
             "prerouter": None if full is None else full["prerouter"],
         }
+
+    def _heartbeat_state(self) -> str:
+        """Whether a stopped or stuck peer is found (its heartbeat), for the stats."""
+        unheard = self.heartbeat.unheard() if self.heartbeat is not None else []
+        if unheard:
+            return f"no heartbeat heard from rank {unheard[0]} (UDP blocked?): a stopped or stuck peer is not detected"
+        return self.heartbeat_note
 
     def merge_stats(self, out: dict) -> dict:
         """Rank 0's Engine.stats() with every rank: per-layer rows of all ranks, totals summed,

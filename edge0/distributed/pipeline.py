@@ -32,7 +32,6 @@ which is the only place it is needed.
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 from collections import deque
@@ -46,9 +45,9 @@ from edge0.backend import kvcache as bkv
 from edge0.backend import stages as bstages
 from edge0.distributed.leader import LeaderHooks
 from edge0.distributed.mirror import Journal, Replica, held_tokens
+from edge0.distributed.stats import merged_stats, rank_stats
 from edge0.engine.parts import Parts
 from edge0.errors import Edge0Error, PeerLost
-from edge0.streaming.stats import COUNTERS
 
 FORWARD, START, FINISH, STOP, RESTORE = 1, 2, 3, 4, 5
 OPS = {FORWARD: "forward", START: "start", FINISH: "finish", STOP: "stop", RESTORE: "restore"}
@@ -337,83 +336,11 @@ class Pipeline:
     # -- every rank ------------------------------------------------------------------------------
     def own_stats(self) -> dict:
         """This rank's summary (rank 0's FINISH gathers everyone's)."""
-        p, st = self.parts, self.parts.streaming
-        totals = st.stats.totals()
-        steps = max(1, st.stats.decode_steps)
-        full = self.layer_stats() if not self.leads else None
-        return {
-            "rank": self.stage.rank,
-            "stage": self.stage.describe(),
-            "layers": [self.stage.start, self.stage.end - 1],
-            "moe_layers": sorted(p.store.layers),
-            "resident_bytes": p.resident_bytes,
-            "expert_bytes": st.total_expert_bytes,
-            "expert_cache_bytes": st.budget,
-            "peak_memory_bytes": B.peak_memory(),
-            "peak_rss_bytes": B.peak_rss(),
-            "hit_rate": totals["hit_rate"],
-            "hits": totals["hits"],
-            "misses": totals["misses"],
-            "expert_bytes_read": totals["bytes_read"],
-            "stall_ms": totals["stall_ms"],
-            "stall_ms_per_step": totals["stall_ms"] / steps,
-            "decode_steps": st.stats.decode_steps,
-            "forwards": self.forwards,
-            "send_ms": 1000 * self.send_s,
-            "wait_ms": 1000 * self.wait_s,
-            "step_compute_ms": 1000 * self.compute_s,
-            "bytes_sent": self.bytes_sent,
-            "cpu_s": sum(os.times()[:2]),  # user + system
-            "waits": "blocking" if self.sockets else "spinning (ring sockets not found)",
-            "keepalive": self.keepalive or "on",  # else why not: a silent peer machine is then not found
-            "heartbeat": self._heartbeat_state(),
-            # the others: their share of rank 0's prompt caches, and how much of it they asked to free
-            "kv_share_bytes": self.replica.nbytes() if self.replica is not None else None,
-            "kv_free_wanted": self.free_wanted if self.replica is not None else None,
-            "kv_freed_for_others": self.freed_for_others if self.replica is None else None,
-            "layer_stats": None if full is None else full["layers"],
-            "prerouter": None if full is None else full["prerouter"],
-        }
-
-    def _heartbeat_state(self) -> str:
-        """Whether a stopped or stuck peer is found (its heartbeat), for the stats."""
-        unheard = self.heartbeat.unheard() if self.heartbeat is not None else []
-        if unheard:
-            return f"no heartbeat heard from rank {unheard[0]} (UDP blocked?): a stopped or stuck peer is not detected"
-        return self.heartbeat_note
+        return rank_stats(self)
 
     def merge_stats(self, out: dict) -> dict:
-        """Rank 0's Engine.stats() with every rank: per-layer rows of all ranks, totals summed,
-        and a per-rank summary under "ranks"."""
-        mine = self.own_stats()
-        layers = dict(out["layers"])
-        for r in self.ranks:
-            layers.update({int(k): v for k, v in (r["layer_stats"] or {}).items()})
-        totals = {k: sum(s[k] for s in layers.values()) for k in COUNTERS}
-        totals["stall_ms"] = sum(s["stall_ms"] for s in layers.values())
-        totals["distinct_experts"] = sum(s["distinct_experts"] for s in layers.values())
-        lookups = totals["hits"] + totals["misses"]
-        totals["hit_rate"] = totals["hits"] / lookups if lookups else None
-        totals["read_amplification"] = totals["bytes_read"] / totals["bytes_used"] if totals["bytes_used"] else None
-        out = dict(
-            out,
-            layers=dict(sorted(layers.items())),
-            totals=totals,
-            stall_ms_per_step=totals["stall_ms"] / max(1, out["decode_steps"]),
-        )
-        pr = out["prerouter"]
-        if pr is not None:  # per-layer counts of the pre-routed layers on every rank
-            pr = dict(pr)
-            for key in ("routed_by_head", "routed_by_gate", "recall"):
-                parts = [pr[key]] + [r["prerouter"][key] for r in self.ranks if r["prerouter"]]
-                pr[key] = (
-                    None if pr[key] is None else dict(sorted({int(l): v for p in parts for l, v in p.items()}.items()))
-                )
-            out["prerouter"] = pr
-        out["ranks"] = [
-            {k: v for k, v in r.items() if k not in ("layer_stats", "prerouter")} for r in [mine, *self.ranks]
-        ]
-        return out
+        """Rank 0's Engine.stats() with every rank (distributed/stats.py)."""
+        return merged_stats(self, out)
 
     # -- the other ranks -------------------------------------------------------------------------
     def run_between(self, fn) -> None:

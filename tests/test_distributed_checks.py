@@ -134,10 +134,14 @@ def test_a_heartbeat_judges_only_a_peer_it_has_heard(tmp_path, monkeypatch):
         assert rank0.silent() is None and rank0.unheard() == [1]  # never heard: not judged
         monkeypatch.setenv("MLX_RANK", "1")
         rank1 = bdist.Heartbeat(0.6)
-        time.sleep(0.3)
+        deadline = time.monotonic() + 5  # its first beats, within a few intervals (0.06 s) on a busy machine
+        while rank0.unheard() and time.monotonic() < deadline:
+            time.sleep(0.02)
         assert rank0.unheard() == [] and rank0.silent() is None
         rank1.stop()
-        time.sleep(1.0)
+        deadline = time.monotonic() + 5
+        while rank0.silent() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert rank0.silent() == 1
     finally:
         rank0.stop()

@@ -361,7 +361,7 @@ def test_an_engine_decodes_on_another_thread_than_the_one_that_loaded_it(family,
 def test_a_calls_hits_compute_while_its_misses_are_read_and_match_exact(store_for, monkeypatch):
     """A staged call (two slots) with cached and missing experts returns its hits' pairs as a part over the
     slots and the misses as a deferred part whose read is already in flight (here held until the
-    hits part is evaluated); the two parts' pairs reassemble to exactly what one exact call
+    hits part is evaluated), computed from the slots they are written to; the two parts' pairs reassemble to exactly what one exact call
     computes, for one token and for a batch of rows (the rows' pairs split across the parts)."""
     engine = edge0.load(store_for("qwen3_moe"), expert_cache="40KB", decode_executor="staged")
     layer = sorted(engine.streaming.layers)[0]
@@ -383,8 +383,10 @@ def test_a_calls_hits_compute_while_its_misses_are_read_and_match_exact(store_fo
     assert started.wait(10) and callable(deferred)
     mx.eval(hits[0], hits[1])  # computable while the read is held
     gate.set()
-    _, rows, pairs = deferred()
-    assert hits[2].tolist() == [0] and pairs.tolist() == [1] and np.array(rows).tolist() == [0]
+    params, rows, pairs = deferred()
+    assert hits[2].tolist() == [0] and pairs.tolist() == [1]
+    # the miss took a slot: its pairs compute from there, not from a second copy of its bytes
+    assert params is ex.slots.params and np.array(rows).tolist() == [ex.slots.slot_of[5]]
     # 1 and 5 are cached, then 5 and 2; the batch's union of six outgrows the two slots
     for routes in ([[[5, 2]]], [[[5, 3]], [[6, 2]], [[4, 7]]]):
         inds = mx.array(np.array(routes, np.uint32))

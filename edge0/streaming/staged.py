@@ -296,13 +296,16 @@ class StagedExecutor(ExactExecutor):
         this call only): their read starts on a reader thread and the call returns the hits' pairs
         as a part over the slots, then a deferred part (`_deferred`), so the hits compute while the
         misses are in flight (a read and the compute it waits for no longer add up). The deferred
-        part computes the misses' pairs from the bytes read (the launched hits part reads only the
-        hits' slots, which this call does not rewrite). With no hits it is the only part."""
+        part computes the misses' pairs from their slots once written there (the launched hits part
+        reads only the hits' slots, which this call does not rewrite), or, when some misses are read
+        for this call only, from the bytes read. With no hits it is the only part."""
         flat = ids.reshape(-1)
         missed = np.isin(flat, misses)
         pairs = np.flatnonzero(missed)
 
         def pairs_part(raw):
+            if len(misses) == len(loaded):  # every miss took a slot (now written): no second copy
+                return self.slots.params, B.array(self.slots.table_host[flat[pairs]]), pairs
             at = {e: i for i, e in enumerate(misses)}
             rows = B.array(np.array([at[int(e)] for e in flat[pairs]], dtype=np.uint32))
             return to_device(raw, len(misses), self.dtype), rows, pairs

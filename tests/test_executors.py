@@ -361,8 +361,9 @@ def test_an_engine_decodes_on_another_thread_than_the_one_that_loaded_it(family,
 def test_a_calls_hits_compute_while_its_misses_are_read_and_match_exact(store_for, monkeypatch):
     """A staged call (two slots) with cached and missing experts returns its hits' pairs as a part over the
     slots and the misses as a deferred part whose read is already in flight (here held until the
-    hits part is evaluated), computed from the slots they are written to; the two parts' pairs reassemble to exactly what one exact call
-    computes, for one token and for a batch of rows (the rows' pairs split across the parts)."""
+    hits part is evaluated), computed from the slots they are written to; the two parts' pairs
+    reassemble to exactly what one exact call computes, for one token and for a batch of rows
+    (the rows' pairs split across the parts)."""
     engine = edge0.load(store_for("qwen3_moe"), expert_cache="40KB", decode_executor="staged")
     layer = sorted(engine.streaming.layers)[0]
     ex = engine.streaming.layers[layer].decode

@@ -177,10 +177,7 @@ class Heartbeat:
             now = time.monotonic()
             if now >= due:
                 for addr in self.peers.values():
-                    try:
-                        self.sock.sendto(beat, addr)
-                    except OSError:  # the peer's machine unreachable now: its silence will tell
-                        pass
+                    self._send(beat, addr)
                 due = now + self.interval
             try:
                 data = self.sock.recv(64)
@@ -188,7 +185,16 @@ class Heartbeat:
                 continue
             tag, _, rank = data.partition(b" ")
             if tag == self.tag and rank.isdigit() and int(rank) in self.heard:
+                first = self.heard[int(rank)] is None
                 self.heard[int(rank)] = time.monotonic()
+                if first:  # our beats so far may have come before it listened: one now, or it may
+                    self._send(beat, self.peers[int(rank)])  # be stopped before our next and never hear us
+
+    def _send(self, beat: bytes, addr) -> None:
+        try:
+            self.sock.sendto(beat, addr)
+        except OSError:  # the peer's machine unreachable now: its silence will tell
+            pass
 
     def silent(self) -> int | None:
         """A peer rank heard from before but not for `timeout` seconds now, or None."""

@@ -91,8 +91,8 @@ def test_a_batch_overflow_keeps_the_experts_its_rows_routed_lately(store_for):
 
 
 def test_a_calls_read_takes_the_read_aheads_rows_and_reads_only_the_rest():
-    """A read ahead of 7 and 3 (a prediction), a call of 3 and 5: 5 alone is read now, the bytes
-    come back in the call's order, and 7 counts as a prediction read for nothing."""
+    """A read ahead of 7 and 3 (a batch's union beyond the slots), a call of 3 and 5: 5 alone is
+    read now, the bytes come back in the call's order, and 3 counts as used."""
     from concurrent.futures import Future
 
     from edge0.streaming.parts import ReadAhead, read_call
@@ -105,10 +105,10 @@ def test_a_calls_read_takes_the_read_aheads_rows_and_reads_only_the_rest():
 
     store, ahead = Store(), Future()
     ahead.set_result({"w": (np.array([[7, 7], [3, 3]], dtype=np.uint8), "U8", (2,))})
-    got = read_call(store, 0, [3, 5], ReadAhead(np.array([7, 3]), ahead, "lookahead"))
+    got = read_call(store, 0, [3, 5], ReadAhead(np.array([7, 3]), ahead))
     assert store.asked == [5]
     assert got.bytes_of([3, 5])["w"][0].tolist() == [[3, 3], [5, 5]]
     stats = LayerStats()
-    got.count(stats, [3, 5], 100)
-    assert (stats.loads, stats.bytes_read, stats.lookahead_used, stats.lookahead_wasted_bytes) == (3, 6, 1, 100)
-    assert stats.beyond_ahead_used == 0
+    got.count(stats, [3, 5])
+    assert (stats.loads, stats.bytes_read, stats.beyond_ahead_used) == (3, 6, 1)
+    assert (stats.lookahead_used, stats.lookahead_wasted_bytes) == (0, 0)

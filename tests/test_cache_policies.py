@@ -49,6 +49,27 @@ def test_route_wider_than_cache_is_held_then_trimmed():
     assert hits == [[], [1]]
 
 
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_experts_admitted_ahead_of_their_route_are_its_hits_and_evict_no_one_of_them(name):
+    """A prediction admitted before its step (ExpertCache.admit): inserted as misses would be,
+    never evicting one another, uncounted; the route that follows finds them as hits."""
+    rng = np.random.default_rng(0)
+    seq = random_seq(rng, 40, 8, 2)
+    kw = {"belady": {"future": seq}, "flashmoe": {"weights": lru_like_model(), "layer": 3}}.get(name, {})
+    cache = ExpertCache(make_policy(name, 3, 8, **kw))
+    for t, route in enumerate(seq):
+        predicted = [int(e) for e in rng.choice(8, size=2, replace=False)]
+        before, counted = set(cache.cached), (cache.hits, cache.misses)
+        loaded, evicted = cache.admit(predicted)
+        assert loaded == [e for e in predicted if e not in before] and set(predicted) <= cache.cached
+        assert not set(evicted) & set(predicted) and set(evicted) <= before and len(cache.cached) <= 3
+        assert (cache.hits, cache.misses) == counted
+        hits, _, _ = cache.access(t, route, rng.random(8))
+        assert set(hits) >= set(route) & set(predicted)
+    full = ExpertCache(make_policy("lru", 2, 8))
+    assert full.admit([4, 5, 6]) == ([4, 5], [])  # no room beyond the prediction itself: 6 waits for its call
+
+
 def test_lfu_frequency_then_recency():
     # 0 is used twice; at step 3 the once-used 1 goes. Counts survive eviction: when 1 returns
     # at step 4 it has 2 uses, ties with 0, and the tie goes to the least recently used (0).

@@ -2,6 +2,8 @@
 route predicted from this layer's input starts its misses reading early; tokens never change,
 and every byte read ahead is either taken by the route or counted as wasted."""
 
+import threading
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -9,9 +11,10 @@ import pytest
 
 import edge0
 from edge0.backend.lookahead import predictor, router_of
-from edge0.store.pacing import thread_storage_bytes
-from edge0.streaming.lookahead import RECALL_FLOOR, STORAGE_FLOOR, Lookahead, updated_recall, updated_storage_share
+from edge0.streaming.exact import ExactExecutor
+from edge0.streaming.lookahead import RECALL_FLOOR, Lookahead, updated_recall
 from tests.fixtures import ALL_FAMILIES
+from tests.test_executors import run
 
 PROMPT = "the layer ahead reads while this one computes"
 TOKENS = 24
@@ -21,7 +24,7 @@ class _Target:
     """A staged layer as the lookahead sees it."""
 
     def __init__(self):
-        self.recall, self.storage_share, self.reads = 1.0, None, []
+        self.recall, self.reads = 1.0, []
 
     def takes_predictions(self):
         return True
@@ -41,30 +44,9 @@ def test_recall_is_a_decayed_average_and_auto_stops_reading_below_the_floor():
     assert target.recall < RECALL_FLOOR
     auto.issue(np.array([0]))
     on.issue(np.array([0]))
-    assert target.reads == [True, False, True]
-    # a layer whose on-demand reads come from the page cache: copies, not worth reading ahead
-    target.recall, target.storage_share = 1.0, STORAGE_FLOOR - 0.1
+    target.recall = RECALL_FLOOR  # agreeing again: auto reads ahead again
     auto.issue(np.array([0]))
-    target.storage_share = STORAGE_FLOOR
-    auto.issue(np.array([0]))
-    on.issue(np.array([0]))
-    assert target.reads[3:] == [False, True, True]
-
-
-def test_the_storage_share_starts_at_the_first_read_then_decays_like_the_recall():
-    assert updated_storage_share(None, 300, 1000) == pytest.approx(0.3)
-    assert updated_storage_share(0.5, 2000, 1000) == pytest.approx(0.8 * 0.5 + 0.2 * 1.0)  # at most all of it
-    assert updated_storage_share(0.5, 0, 0) == pytest.approx(0.4)  # nothing read: no share from storage
-
-
-def test_a_layer_measures_how_much_of_its_on_demand_reads_came_from_storage(store_for):
-    e = edge0.load(store_for("qwen3_moe"), prerouter=False, lora=False, expert_cache="40KB")
-    e.generate(e.encode(PROMPT), max_tokens=4, ignore_eos=True)
-    shares = [d.decode.storage_share for d in e.streaming.layers.values()]
-    if thread_storage_bytes() is None:  # the kernel does not say (macOS): every read is worth reading ahead
-        assert shares == [None] * len(shares)
-    else:  # the fixture's store was just written: its bytes are in the page cache
-        assert all(s is not None and 0 <= s < STORAGE_FLOOR for s in shares), shares
+    assert target.reads == [True, False, True, True]
 
 
 class _Block(nn.Module):
@@ -120,9 +102,15 @@ def test_tokens_do_not_change_and_every_byte_read_ahead_is_used_or_counted(famil
         for l, s in on.stats()["layers"].items()
     )
     assert t["lookahead_wasted_bytes"] == wasted
-    # the cache admits the same experts either way: the only extra bytes are the wasted ones
-    assert (t["hits"], t["misses"]) == (base["hits"], base["misses"])
-    assert t["bytes_read"] == base["bytes_read"] + wasted
+    # every routed expert is counted once either way, one read ahead as a miss (its bytes were
+    # read); every byte read beyond the misses' (and the prefill's, as without) was wasted
+    assert t["hits"] + t["misses"] == base["hits"] + base["misses"]
+    for l, s in on.stats()["layers"].items():
+        b, nbytes = off.stats()["layers"][l], on.store.expert_nbytes(l)
+        assert (
+            s["bytes_read"] - s["misses"] * nbytes - s["lookahead_wasted_bytes"]
+            == b["bytes_read"] - b["misses"] * nbytes
+        )
     # a prediction for every layer but the first in each decode step but the first (the prompt's
     # last token went in its prefill span), each scored over the K experts its layer routes
     assert t["lookahead_predicted"] == (TOKENS - 1) * k * (len(on.streaming.layers) - 1)
@@ -147,3 +135,41 @@ def test_every_family_predicts_each_next_layer_and_keeps_its_tokens(family, stor
     assert got.tokens == want.tokens
     layers = len(on.streaming.layers)
     assert on.streaming.lookahead_layers() == (0 if family in NO_LOOKAHEAD else layers - 1)
+
+
+def test_a_prediction_is_written_into_the_slots_on_a_reader_and_its_call_finds_it_cached(store_for, monkeypatch):
+    """read_ahead admits the predicted misses and a reader thread, not the caller, writes their
+    rows into the slots; the call that routes one of them finds it cached, counts it as a miss
+    read ahead and computes what exact computes; the other counts as wasted. A read ahead whose
+    read fails is forgotten by the cache and its error reaches that call."""
+    engine = edge0.load(store_for("qwen3_moe"), expert_cache="40KB", decode_executor="staged", lora=False)
+    layer = sorted(engine.streaming.layers)[0]
+    ex = engine.streaming.layers[layer].decode
+    assert ex.slots.n_slots == 2
+    exact = ExactExecutor(engine.store, layer, "float32", engine.streaming.stats)
+    x = mx.array(np.random.default_rng(4).normal(size=(1, 1, engine.model.args.hidden_size)).astype(np.float32))
+    run(engine, layer, ex, x, mx.array([[[0, 1]]], dtype=mx.uint32))  # 0 and 1 cached
+    writers, write = [], ex.slots.write
+    monkeypatch.setattr(ex.slots, "write", lambda *a: writers.append(threading.current_thread().name) or write(*a))
+    s, nbytes = ex.stats, engine.store.expert_nbytes(layer)
+    before = (s.lookahead_reads, s.lookahead_used, s.lookahead_wasted_bytes, s.hits, s.misses, s.loads)
+    ex.read_ahead(np.array([[5, 6]]))
+    assert sorted(ex.slots.slot_of) == [5, 6]  # admitted at once: they took the slots of 0 and 1
+    inds = mx.array([[[5, 1]]], dtype=mx.uint32)  # 5 read ahead; 1 was evicted for it
+    got = run(engine, layer, ex, x, inds)
+    assert writers[0].startswith("edge0-read_")  # the read-ahead pool, not the caller
+    after = (s.lookahead_reads, s.lookahead_used, s.lookahead_wasted_bytes, s.hits, s.misses, s.loads)
+    assert [a - b for a, b in zip(after, before)] == [2, 1, nbytes, 0, 2, 3]  # 5 and 6 read ahead, 1 now
+    assert np.array_equal(got, run(engine, layer, exact, x, inds))
+
+    def broken(l, ids):
+        raise OSError("the disk went away")
+
+    monkeypatch.setattr(engine.store, "read", broken)
+    ex.read_ahead(np.array([[2, 3]]))
+    with pytest.raises(OSError, match="went away"):
+        run(engine, layer, ex, x, mx.array([[[2, 3]]], dtype=mx.uint32))
+    monkeypatch.undo()
+    assert not {2, 3} & set(ex.slots.slot_of)
+    inds = mx.array([[[2, 5]]], dtype=mx.uint32)
+    assert np.array_equal(run(engine, layer, ex, x, inds), run(engine, layer, exact, x, inds))

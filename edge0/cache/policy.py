@@ -117,6 +117,26 @@ class ExpertCache:
         self.misses += len(loaded)
         return hits, loaded, evicted
 
+    def admit(self, experts: Sequence[int]) -> tuple[list[int], list[int]]:
+        """Insert `experts` read ahead of the route that may use them (a prediction), as misses
+        would be, without observing a route or counting hits and misses: the route that follows
+        counts them. Returns (loaded, evicted): those not cached yet, and the experts they replace
+        (never one of `experts`)."""
+        experts = list(dict.fromkeys(int(e) for e in experts))
+        protected, loaded, evicted = set(experts), [], []
+        for e in experts:
+            if e in self.cached:
+                continue
+            if len(self.cached) >= self.policy.capacity and not self.cached - protected:
+                break  # every slot holds an expert of this prediction: the rest are read by their call
+            self.policy.on_miss(e)
+            if len(self.cached) >= self.policy.capacity:
+                evicted.append(self._evict(protected))
+            self.cached.add(e)
+            self.policy.on_insert(e)
+            loaded.append(e)
+        return loaded, evicted
+
     def resize(self, capacity: int) -> list[int]:
         """Hold `capacity` experts from now on; when shrinking, the policy picks the experts to
         drop, as it would on a miss. Returns the evicted experts."""

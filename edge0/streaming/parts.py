@@ -6,11 +6,10 @@ from __future__ import annotations
 
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
-from typing import Callable, Literal
+from typing import Callable
 
 import numpy as np
 
-from edge0.store.pacing import thread_storage_bytes
 from edge0.streaming.exact import raw_nbytes
 
 
@@ -29,28 +28,57 @@ class Staged:
 
 @dataclass(frozen=True)
 class ReadAhead:
-    """Experts read before the call that may route them: a batch's staged union beyond the slots
-    ("batch") or the layer before's prediction ("lookahead"). That call takes those it routes;
-    the others were read for nothing."""
+    """A batch's staged union beyond the slots, read before the step's call, which takes those it
+    routes; the others were read for nothing."""
 
     ids: np.ndarray
     read: Future
-    kind: Literal["batch", "lookahead"]
 
     @classmethod
-    def start(cls, reader: Executor, store, layer: int, ids: list[int], kind) -> ReadAhead:
+    def start(cls, reader: Executor, store, layer: int, ids: list[int]) -> ReadAhead:
         """Start reading experts `ids` of `layer` on `reader`."""
-        return cls(np.array(ids), reader.submit(store.read, layer, ids), kind)
+        return cls(np.array(ids), reader.submit(store.read, layer, ids))
 
-    def count_use(self, stats, want, expert_nbytes: int) -> None:
-        """Count how many of these experts the call that took them routes (`want`), and for a
-        prediction the bytes of the others (wasted)."""
-        used = int(np.isin(self.ids, want).sum())
-        if self.kind == "lookahead":
-            stats.lookahead_used += used
-            stats.lookahead_wasted_bytes += (len(self.ids) - used) * expert_nbytes
-        else:
-            stats.beyond_ahead_used += used
+    def count_use(self, stats, want) -> None:
+        """Count how many of these experts the call that took them routes (`want`)."""
+        stats.beyond_ahead_used += int(np.isin(self.ids, want).sum())
+
+
+@dataclass(frozen=True)
+class SlottedAhead:
+    """The layer before's prediction of a call's experts, admitted into the slots and written
+    there by a reader thread while the layer before computes (`read_into_slots`): the call finds
+    them cached. What it routes of them is used; the rest were read for nothing."""
+
+    loaded: list[int]  # they take `slots`
+    evicted: list[int]
+    slots: list[int]
+    read: Future  # of (the store bytes read, whether the reader wrote them into the slots)
+
+    @classmethod
+    def start(cls, reader: Executor, store, slotset, layer: int, ids: list[int]) -> SlottedAhead | None:
+        """Admit experts `ids` of `layer` into `slotset` and start reading them into their slots
+        (the host views made here, on the caller's thread); None if none could be admitted."""
+        loaded, evicted, slots = slotset.admit(ids)
+        if not loaded:
+            return None
+        slotset.ensure_views()
+        return cls(loaded, evicted, slots, reader.submit(read_into_slots, store, slotset, layer, loaded, slots))
+
+    def count_use(self, stats, want, expert_nbytes: int) -> int:
+        """Count how many of these experts the call routes (`want`, its experts), and the bytes of
+        the others (wasted); returns the number used."""
+        used = int(np.isin(self.loaded, want).sum())
+        stats.lookahead_used += used
+        stats.lookahead_wasted_bytes += (len(self.loaded) - used) * expert_nbytes
+        return used
+
+
+def read_into_slots(store, slotset, layer: int, ids: list[int], slots: list[int]) -> tuple[dict, bool]:
+    """Read experts `ids` of `layer` and write them into `slots` of `slotset` (SlotSet.write); no
+    bookkeeping, so it runs on a reader thread. Returns (the bytes, whether they were written)."""
+    raw = store.read(layer, ids)
+    return raw, slotset.write(slots, raw)
 
 
 @dataclass(frozen=True)
@@ -62,14 +90,13 @@ class CallRead:
     ahead_raw: dict | None  # the read ahead's bytes
     missing: np.ndarray  # the experts the read ahead lacked
     more: dict | None  # their bytes, read now (None if none)
-    from_storage: int | None  # bytes of `more` that came from storage, not the page cache (None: unknown)
 
-    def count(self, stats, want, expert_nbytes: int) -> None:
+    def count(self, stats, want) -> None:
         """Count the experts and bytes read, and the read ahead's use by the call's `want`."""
         if self.ahead is not None:
             stats.loads += len(self.ahead.ids)
             stats.bytes_read += raw_nbytes(self.ahead_raw)
-            self.ahead.count_use(stats, want, expert_nbytes)
+            self.ahead.count_use(stats, want)
         if self.more is not None:
             stats.loads += len(self.missing)
             stats.bytes_read += raw_nbytes(self.more)
@@ -97,11 +124,8 @@ def read_call(store, layer: int, want, ahead: ReadAhead | None) -> CallRead:
     if ahead is not None:
         missing = missing[~np.isin(missing, ahead.ids)]
     if not len(missing):
-        return CallRead(ahead, raw, missing, None, None)
-    before = thread_storage_bytes()
-    more = store.read(layer, missing)
-    after = thread_storage_bytes()
-    return CallRead(ahead, raw, missing, more, None if before is None or after is None else after - before)
+        return CallRead(ahead, raw, missing, None)
+    return CallRead(ahead, raw, missing, store.read(layer, missing))
 
 
 @dataclass(eq=False)

@@ -93,6 +93,29 @@ class SlotSet:
         hits, loaded, evicted = self.cache.access(step, experts, scores)
         return hits, loaded, evicted, self.assign(loaded, evicted)
 
+    def admit(self, experts) -> tuple[list[int], list[int], list[int]]:
+        """Bookkeeping only: admit `experts` read ahead of their route (ExpertCache.admit).
+        Returns (loaded, evicted, slots for loaded)."""
+        loaded, evicted = self.cache.admit(experts)
+        return loaded, evicted, self.assign(loaded, evicted)
+
+    def write(self, slots: list[int], raw: dict) -> bool:
+        """Copy the store's bytes `raw` of len(slots) experts into their `slots` of the slot tensors'
+        host views (ensure_views first), on any thread: the rows must be read by no launched
+        computation. False, writing nothing, when a tensor has no exact host view (the caller
+        then scatters with `apply`)."""
+        rows = []
+        for name, (buf, st_dtype, shape) in raw.items():
+            proj, part = name.rsplit(".", 1)
+            view = self.views[proj][part]
+            got = host_rows(buf, st_dtype, view.dtype) if view is not None else None
+            if got is None:
+                return False
+            rows.append((view, got.reshape(len(slots), *shape)))
+        for view, got in rows:
+            view[slots] = got
+        return True
+
     def apply(
         self,
         evicted: list[int],
@@ -103,24 +126,21 @@ class SlotSet:
         in_place: bool = False,
     ) -> int:
         """Device update: rewrite only the changed slots (from `raw`, the store's bytes of
-        `loaded`) and the expert -> slot table. `alias` {routed: substitute} points routed experts
-        at their substitutes' slots for this step only (the next apply drops it). `in_place`: the
+        `loaded`; None: already written by `write`) and the expert -> slot table. `alias` {routed:
+        substitute} points routed experts at their substitutes' slots for this step only (the
+        next apply drops it). `in_place`: the
         caller guarantees that no launched computation reads these slots, so rows are copied
         straight into the slot tensors' memory; otherwise (or where a tensor has no host view)
         a device scatter makes new slot tensors. Returns the number of tensors scattered."""
         scattered = 0
-        if loaded and in_place:
+        if loaded and raw is not None and in_place:
             self.ensure_views()
-        if loaded:
-            idx = None
+            if self.write(slots, raw):
+                raw = None
+        if loaded and raw is not None:
+            idx = B.array(np.array(slots, dtype=np.uint32))
             for name, (buf, st_dtype, shape) in raw.items():
                 proj, part = name.rsplit(".", 1)
-                view = self.views[proj][part] if in_place else None
-                rows = host_rows(buf, st_dtype, view.dtype) if view is not None else None
-                if rows is not None:
-                    view[slots] = rows.reshape(len(loaded), *shape)
-                    continue
-                idx = B.array(np.array(slots, dtype=np.uint32)) if idx is None else idx
                 self.params[proj][part][idx] = to_device({name: (buf, st_dtype, shape)}, len(loaded), self.dtype)[proj][
                     part
                 ]

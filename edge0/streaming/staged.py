@@ -32,9 +32,9 @@ import numpy as np
 from edge0.backend import core as B
 from edge0.cache import substitute
 from edge0.streaming.exact import ExactExecutor, raw_nbytes, to_device
-from edge0.streaming.lookahead import updated_recall, updated_storage_share
+from edge0.streaming.lookahead import updated_recall
 from edge0.streaming.overflow import call_split, decayed_use, stage_split
-from edge0.streaming.parts import CallRead, DeferredPart, ReadAhead, Staged, read_call
+from edge0.streaming.parts import CallRead, DeferredPart, ReadAhead, SlottedAhead, Staged, read_call
 from edge0.streaming.pool import SlotSet
 
 
@@ -63,14 +63,14 @@ class StagedExecutor(ExactExecutor):
         self.step = 0
         self._trusted = False  # this step's route was staged ahead: no host sync
         self._pending: Staged | None = None  # the next step's stage, until its swap
-        # experts read ahead of their call (a batch's staged union beyond the slots, or the layer
-        # before's prediction: streaming/lookahead.py), until a call takes them
+        # a batch's staged union beyond the slots, read ahead of the call that takes it
         self._ahead: ReadAhead | None = None
+        # the layer before's prediction (streaming/lookahead.py), being written into the slots
+        # until the next call lands it, then landed until that call counts its use
+        self._slotted: SlottedAhead | None = None
+        self._landed: SlottedAhead | None = None
         self.predicted: np.ndarray | None = None  # the layer before's prediction of the next host route
         self.recall = 1.0  # how well those predictions agreed lately (lookahead.updated_recall)
-        # the share of this layer's on-demand read bytes that came from storage lately, not the
-        # page cache (None: not measured, or the kernel does not say)
-        self.storage_share: float | None = None
         self._dropped = []  # device scalars, read after the step by collect_dropped
         self._inflight: DeferredPart | None = None  # a call's deferred misses part (see _split), until it runs
         # fn(layer), a stager's (on_route): called after a call that routed on the host, when this
@@ -106,7 +106,7 @@ class StagedExecutor(ExactExecutor):
             alias = {}
             if beyond:  # read ahead too, for the step's overflow
                 self._read([])  # a read ahead not taken yet: counted, then replaced
-                self._ahead = ReadAhead.start(self.reader, self.store, self.layer, beyond, "batch")
+                self._ahead = ReadAhead.start(self.reader, self.store, self.layer, beyond)
                 self.stats.beyond_ahead += len(beyond)
         hits, loaded, evicted, slots = self.slots.plan(self.step + 1, experts, scores)
         if ids.ndim == 1:
@@ -136,16 +136,48 @@ class StagedExecutor(ExactExecutor):
 
     def read_ahead(self, ids, read: bool = True) -> None:
         """The layer before's prediction of this layer's next route (host ids [.., K]), scored when
-        that call routes; with `read`, the predicted experts not in the slots start reading now
-        (that call takes those it routes; the rest are counted as wasted)."""
+        that call routes; with `read`, the predicted experts not in the slots are admitted now and
+        a reader thread writes them into their slots while the layer before computes (nothing
+        launched reads this layer's slots until its call, which waits for them). The call finds
+        those it routes cached; the rest are counted as wasted."""
         ids = np.unique(ids)
         self.predicted = ids[ids < self.slots.num_experts]  # a router may also score zero experts (LongCat)
-        if not read or self._ahead is not None or not self.takes_predictions():
+        if not read or self._ahead is not None or self._slotted is not None or not self.takes_predictions():
             return
         want = [e for e in self.predicted.tolist() if e not in self.slots.slot_of]
         if want:
-            self._ahead = ReadAhead.start(self.reader, self.store, self.layer, want, "lookahead")
-            self.stats.lookahead_reads += len(want)
+            self._slotted = SlottedAhead.start(self.reader, self.store, self.slots, self.layer, want)
+            self.stats.lookahead_reads += 0 if self._slotted is None else len(self._slotted.loaded)
+
+    def _land_ahead(self) -> None:
+        """The read ahead's rows are in their slots (written by the reader, or scattered here when a
+        tensor has no host view): point the table at them. If its read failed, the cache forgets
+        the experts it admitted."""
+        ahead, self._slotted = self._slotted, None
+        if ahead is None:
+            return
+        t0 = time.perf_counter()
+        try:
+            raw, written = ahead.read.result()
+        except BaseException:
+            self.slots.forget(ahead.evicted, ahead.loaded)
+            raise
+        finally:
+            self.stats.stall_s += time.perf_counter() - t0
+        s = self.stats
+        s.loads += len(ahead.loaded)
+        s.bytes_read += raw_nbytes(raw)
+        s.slot_rewrites += len(ahead.loaded)
+        s.slot_scatters += self.slots.apply(
+            ahead.evicted, ahead.loaded, ahead.slots, None if written else raw, in_place=True
+        )
+        self._landed = ahead
+
+    def _took_ahead(self, experts) -> int:
+        """Count the landed read ahead's use by the call routing `experts`; returns how many of them
+        it read ahead (the plan finds them cached, but they were misses)."""
+        landed, self._landed = self._landed, None
+        return 0 if landed is None else landed.count_use(self.stats, experts, self.expert_nbytes)
 
     def _score_prediction(self, ids: np.ndarray) -> None:
         if self.predicted is None:
@@ -185,6 +217,7 @@ class StagedExecutor(ExactExecutor):
         if self._pending is not None:
             self.swap()
         self._read([])  # a read ahead beyond the slots its step never took: counted as read
+        self._took_ahead([])  # a prediction no call routed: wasted
         self._trusted = False
 
     def _read(self, want) -> dict | None:
@@ -202,9 +235,7 @@ class StagedExecutor(ExactExecutor):
 
     def _counted(self, want, got: CallRead) -> dict | None:
         """A call's read as the store bytes of `want` (in that order; None if none), counted."""
-        if got.from_storage is not None:  # lookahead.py: copies out of the page cache are not worth reading ahead
-            self.storage_share = updated_storage_share(self.storage_share, got.from_storage, raw_nbytes(got.more))
-        got.count(self.stats, want, self.expert_nbytes)
+        got.count(self.stats, want)
         return got.bytes_of(want)
 
     def resize(self, n_slots: int) -> None:
@@ -252,9 +283,10 @@ class StagedExecutor(ExactExecutor):
             return self._overflow(ids, *split, scores)
         experts, alias = self.route_experts(ids, scores)
         hits, loaded, evicted, slots = self.slots.plan(self.step, experts, scores)
+        early = self._took_ahead(experts)
         s = self.stats
-        s.hits += len(hits)
-        s.misses += len(loaded)
+        s.hits += len(hits) - early
+        s.misses += len(loaded) + early
         s.bytes_used += len(experts) * self.expert_nbytes
         s.distinct_experts.update(experts)
         if hits and loaded and not alias:
@@ -283,10 +315,11 @@ class StagedExecutor(ExactExecutor):
         a slot and `rest` are read for this call only (`call_split`); all are read once and every
         (token, k) pair is computed once, in the part of its expert's source (`_split`)."""
         _, loaded, evicted, slots = self.slots.plan(self.step, hits + admit, scores)
+        early = self._took_ahead(hits + admit + rest)
         s = self.stats
         s.fallbacks += 1
-        s.hits += len(hits)
-        s.misses += len(admit) + len(rest)
+        s.hits += len(hits) - early
+        s.misses += len(admit) + len(rest) + early
         s.bytes_used += (len(hits) + len(admit) + len(rest)) * self.expert_nbytes
         s.distinct_experts.update(hits + admit + rest)
         return self._split(ids, hits, list(loaded) + rest, evicted, loaded, slots)
@@ -359,9 +392,11 @@ class StagedExecutor(ExactExecutor):
         return made
 
     def _finish_inflight(self) -> None:
-        """A call's deferred misses part its caller never took (an error while building the layer):
-        read and write them, so the slots hold what the cache says they hold (the next step is not
-        staged from here: it routes on the host)."""
+        """Before anything touches the slots: the read ahead landed (`_land_ahead`), and a call's
+        deferred misses part its caller never took (an error while building the layer) read and
+        written, so the slots hold what the cache says they hold (the next step is not staged
+        from here: it routes on the host)."""
+        self._land_ahead()
         if self._inflight is not None:
             self._inflight(route=False)
 

@@ -140,7 +140,7 @@ def test_every_family_predicts_each_next_layer_and_keeps_its_tokens(family, stor
 def test_a_prediction_is_written_into_the_slots_on_a_reader_and_its_call_finds_it_cached(store_for, monkeypatch):
     """read_ahead admits the predicted misses and a reader thread, not the caller, writes their
     rows into the slots; the call that routes one of them finds it cached, counts it as a miss
-    read ahead and computes what exact computes; the other counts as wasted. A read ahead whose
+    read ahead and computes what exact computes; the other counts as wasted and leaves the cache. A read ahead whose
     read fails is forgotten by the cache and its error reaches that call."""
     engine = edge0.load(store_for("qwen3_moe"), expert_cache="40KB", decode_executor="staged", lora=False)
     layer = sorted(engine.streaming.layers)[0]
@@ -160,6 +160,7 @@ def test_a_prediction_is_written_into_the_slots_on_a_reader_and_its_call_finds_i
     assert writers[0].startswith("edge0-read_")  # the read-ahead pool, not the caller
     after = (s.lookahead_reads, s.lookahead_used, s.lookahead_wasted_bytes, s.hits, s.misses, s.loads)
     assert [a - b for a, b in zip(after, before)] == [2, 1, nbytes, 0, 2, 3]  # 5 and 6 read ahead, 1 now
+    assert sorted(ex.slots.slot_of) == [1, 5]  # 6, never routed, left before the call planned: 1 took its slot
     assert np.array_equal(got, run(engine, layer, exact, x, inds))
 
     def broken(l, ids):

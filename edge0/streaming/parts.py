@@ -57,8 +57,8 @@ class SlottedAhead:
 
     @classmethod
     def start(cls, reader: Executor, store, slotset, layer: int, ids: list[int]) -> SlottedAhead | None:
-        """Admit experts `ids` of `layer` into `slotset` and start reading them into their slots
-        (the host views made here, on the caller's thread); None if none could be admitted."""
+        """Admit experts `ids` of `layer` into `slotset` and start reading those it lacked into their
+        slots (the host views made here, on the caller's thread); None if it lacked none."""
         loaded, evicted, slots = slotset.admit(ids)
         if not loaded:
             return None

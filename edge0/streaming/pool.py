@@ -175,6 +175,11 @@ class SlotSet:
         self.assign([], gone)
         self.apply(list(evicted), [], [], None)
 
+    def drop(self, experts: list[int]) -> None:
+        """`experts` leave the cache (those in it): their slots are freed and the table points them
+        at the zero row."""
+        self.forget(experts, experts)
+
     def resize(self, n_slots: int, keep: list[int] | None = None) -> None:
         """Hold `n_slots` slots from now on, keeping the experts `keep` (default: those the cache
         policy keeps; at most `n_slots`). Their rows are gathered into new slot tensors and the old

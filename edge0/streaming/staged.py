@@ -144,10 +144,9 @@ class StagedExecutor(ExactExecutor):
         self.predicted = ids[ids < self.slots.num_experts]  # a router may also score zero experts (LongCat)
         if not read or self._ahead is not None or self._slotted is not None or not self.takes_predictions():
             return
-        want = [e for e in self.predicted.tolist() if e not in self.slots.slot_of]
-        if want:
-            self._slotted = SlottedAhead.start(self.reader, self.store, self.slots, self.layer, want)
-            self.stats.lookahead_reads += 0 if self._slotted is None else len(self._slotted.loaded)
+        # the whole prediction is admitted: those already cached are not evicted for the others
+        self._slotted = SlottedAhead.start(self.reader, self.store, self.slots, self.layer, self.predicted.tolist())
+        self.stats.lookahead_reads += 0 if self._slotted is None else len(self._slotted.loaded)
 
     def _land_ahead(self) -> None:
         """The read ahead's rows are in their slots (written by the reader, or scattered here when a
@@ -173,11 +172,17 @@ class StagedExecutor(ExactExecutor):
         )
         self._landed = ahead
 
-    def _took_ahead(self, experts) -> int:
-        """Count the landed read ahead's use by the call routing `experts`; returns how many of them
-        it read ahead (the plan finds them cached, but they were misses)."""
+    def _took_ahead(self, routed) -> int:
+        """Count the landed read ahead's use by the call routing `routed` (host ids), and drop the
+        experts it does not route from the cache, before the call plans: a wrong prediction frees
+        its slot for the call's misses instead of keeping a cached expert out. Returns how many
+        of the routed it read ahead (the plan finds them cached, but they were misses)."""
         landed, self._landed = self._landed, None
-        return 0 if landed is None else landed.count_use(self.stats, experts, self.expert_nbytes)
+        if landed is None:
+            return 0
+        routed_set = set(np.reshape(routed, -1).tolist())
+        self.slots.drop([e for e in landed.loaded if e not in routed_set])
+        return landed.count_use(self.stats, routed, self.expert_nbytes)
 
     def _score_prediction(self, ids: np.ndarray) -> None:
         if self.predicted is None:
@@ -274,16 +279,16 @@ class StagedExecutor(ExactExecutor):
         self._trusted = False
         ids, scores = self.host_route(indices, scores) if self.wants_scores else (self.host_ids(indices), None)
         self._score_prediction(ids)
+        early = self._took_ahead(ids)
         self.use = decayed_use(self.use, ids)
         if multi and scores is not None:  # the cache policy sees one score row per call: the tokens' mean
             scores = np.reshape(scores, (-1, scores.shape[-1])).mean(axis=0)
         self.step += 1
         split = call_split(ids, self.slots.slot_of, self.use, self.slots.n_slots)
         if split is not None:  # e.g. a verify's union of experts wider than the cache
-            return self._overflow(ids, *split, scores)
+            return self._overflow(ids, *split, scores, early)
         experts, alias = self.route_experts(ids, scores)
         hits, loaded, evicted, slots = self.slots.plan(self.step, experts, scores)
-        early = self._took_ahead(experts)
         s = self.stats
         s.hits += len(hits) - early
         s.misses += len(loaded) + early
@@ -310,12 +315,12 @@ class StagedExecutor(ExactExecutor):
         if self._after_route is not None:
             self._after_route(self.layer)
 
-    def _overflow(self, ids: np.ndarray, hits: list, admit: list, rest: list, scores):
-        """More distinct experts than slots: the cached ones (`hits`) stay, the misses `admit` take
-        a slot and `rest` are read for this call only (`call_split`); all are read once and every
-        (token, k) pair is computed once, in the part of its expert's source (`_split`)."""
+    def _overflow(self, ids: np.ndarray, hits: list, admit: list, rest: list, scores, early: int):
+        """More distinct experts than slots: the cached ones (`hits`, `early` of them read ahead)
+        stay, the misses `admit` take a slot and `rest` are read for this call only (`call_split`);
+        all are read once and every (token, k) pair is computed once, in the part of its expert's
+        source (`_split`)."""
         _, loaded, evicted, slots = self.slots.plan(self.step, hits + admit, scores)
-        early = self._took_ahead(hits + admit + rest)
         s = self.stats
         s.fallbacks += 1
         s.hits += len(hits) - early

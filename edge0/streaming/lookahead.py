@@ -8,9 +8,11 @@ wasted). Tokens never change: every layer still routes with its own gate.
 `auto` (the default) reads ahead only for a layer whose predictions lately agreed with its
 routes (at least RECALL_FLOOR of its routed experts, averaged over the last few steps): mostly
 wrong predictions would take the disk from the reads a step needs, and their experts would take
-slots from cached ones. Predictions are still scored while it does not read, so a layer whose
-recall comes back reads ahead again. Reads out of the page cache are read ahead too: the copy
-into the slots runs on the reader thread, off the layer's critical path (docs/benchmarks.md)."""
+slots from cached ones. A layer's average starts at the floor, so its first prediction is read
+ahead and one step in which most of it is wrong stops the next. Predictions are still scored
+while it does not read, so a layer whose recall comes back reads ahead again. Reads out of the
+page cache are read ahead too: the copy into the slots runs on the reader thread, off the
+layer's critical path (docs/benchmarks.md)."""
 
 from __future__ import annotations
 

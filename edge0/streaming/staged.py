@@ -32,7 +32,7 @@ import numpy as np
 from edge0.backend import core as B
 from edge0.cache import substitute
 from edge0.streaming.exact import ExactExecutor, raw_nbytes, to_device
-from edge0.streaming.lookahead import updated_recall
+from edge0.streaming.lookahead import RECALL_FLOOR, updated_recall
 from edge0.streaming.overflow import call_split, decayed_use, stage_split
 from edge0.streaming.parts import CallRead, DeferredPart, ReadAhead, SlottedAhead, Staged, read_call
 from edge0.streaming.pool import SlotSet
@@ -70,7 +70,9 @@ class StagedExecutor(ExactExecutor):
         self._slotted: SlottedAhead | None = None
         self._landed: SlottedAhead | None = None
         self.predicted: np.ndarray | None = None  # the layer before's prediction of the next host route
-        self.recall = 1.0  # how well those predictions agreed lately (lookahead.updated_recall)
+        # how well those predictions agreed lately (lookahead.updated_recall); at the floor to start
+        # with, so one step of wrong predictions stops `auto` reading ahead (each costs a slot)
+        self.recall = RECALL_FLOOR
         self._dropped = []  # device scalars, read after the step by collect_dropped
         self._inflight: DeferredPart | None = None  # a call's deferred misses part (see _split), until it runs
         # fn(layer), a stager's (on_route): called after a call that routed on the host, when this

@@ -428,3 +428,30 @@ def test_a_failed_read_leaves_the_cache_as_the_slots_are(store_for, monkeypatch)
         assert not set(np.reshape(route, -1)) - {1} & set(ex.slots.slot_of)
         inds = mx.array([[[5, 0]]], dtype=mx.uint32)
         assert np.array_equal(run(engine, layer, ex, x, inds), run(engine, layer, exact, x, inds))
+
+
+def test_a_host_routed_token_starts_its_experts_before_the_next_layer_is_built(store_for, monkeypatch):
+    """After one token's host-routed call (staged or exact) the layer's output is handed to
+    async_eval at once, so the experts compute while the host builds the next layer up to its
+    route; a call whose route was staged ahead (no sync) and a several-token call are left lazy."""
+    engine = edge0.load(store_for("qwen3_moe"), expert_cache="40KB", decode_executor="staged", lora=False)
+    layer = sorted(engine.streaming.layers)[0]
+    ex = engine.streaming.layers[layer].decode
+    exact = ExactExecutor(engine.store, layer, "float32", engine.streaming.stats)
+    started = []
+    monkeypatch.setattr(B, "async_eval", lambda *a: started.append(a))
+    x = mx.array(np.random.default_rng(5).normal(size=(1, 1, engine.model.args.hidden_size)).astype(np.float32))
+    one, two = mx.array([[[0, 1]]], dtype=mx.uint32), mx.array([[[0, 1], [2, 3]]], dtype=mx.uint32)
+    for executor in (ex, exact):
+        started.clear()
+        run(engine, layer, executor, x, one)
+        assert len(started) == 1
+        started.clear()
+        run(engine, layer, executor, mx.concatenate([x, x], axis=1), two)
+        assert started == []
+    ex.stage(np.array([0, 1]))
+    ex.swap()  # the next call trusts the staged route: no sync
+    started.clear()
+    syncs = ex.stats.host_syncs
+    run(engine, layer, ex, x, one)
+    assert started == [] and ex.stats.host_syncs == syncs

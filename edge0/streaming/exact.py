@@ -47,6 +47,7 @@ class ExactExecutor:
         self.store, self.layer, self.dtype = store, layer, compute_dtype
         self.stats = stats.layer(layer)
         self.expert_nbytes = store.expert_nbytes(layer)
+        self._start_early = False  # this call synced one token's route: start its output at `done`
 
     def routes_on_host(self) -> bool:
         """Whether the next call copies its route to the host (every call does here)."""
@@ -54,6 +55,7 @@ class ExactExecutor:
 
     def host_ids(self, indices) -> np.ndarray:
         self.stats.host_syncs += 1
+        self._start_early = indices.size <= indices.shape[-1]
         return B.to_numpy(indices)
 
     def read(self, ids) -> dict:
@@ -90,4 +92,9 @@ class ExactExecutor:
         return self.run(self.host_ids(indices))
 
     def done(self, y) -> None:
-        """Called with the layer's output once its graph is built; only whole-layer acts on it."""
+        """Called with the layer's output once its graph is built. After one token's host-routed
+        call the layer's experts start computing now, while the host builds the next layer's graph
+        up to its route (the next sync): otherwise the compute would wait for that graph."""
+        if self._start_early:
+            self._start_early = False
+            B.async_eval(y)

@@ -128,10 +128,10 @@ class SlotSet:
         """Device update: rewrite only the changed slots (from `raw`, the store's bytes of
         `loaded`; None: already written by `write`) and the expert -> slot table. `alias` {routed:
         substitute} points routed experts at their substitutes' slots for this step only (the
-        next apply drops it). `in_place`: the
-        caller guarantees that no launched computation reads these slots, so rows are copied
-        straight into the slot tensors' memory; otherwise (or where a tensor has no host view)
-        a device scatter makes new slot tensors. Returns the number of tensors scattered."""
+        next apply drops it). `in_place`: the caller guarantees that no launched computation
+        reads these slots, so rows are copied straight into the slot tensors' memory; otherwise
+        (or where a tensor has no host view) a device scatter makes new slot tensors. Returns the
+        number of tensors scattered."""
         scattered = 0
         if loaded and raw is not None and in_place:
             self.ensure_views()

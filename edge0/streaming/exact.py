@@ -54,9 +54,13 @@ class ExactExecutor:
         return True
 
     def host_ids(self, indices) -> np.ndarray:
+        self._synced(indices)
+        return B.to_numpy(indices)
+
+    def _synced(self, indices) -> None:
+        """This call copies its route to the host: one sync; one token's output starts at `done`."""
         self.stats.host_syncs += 1
         self._start_early = indices.size <= indices.shape[-1]
-        return B.to_numpy(indices)
 
     def read(self, ids) -> dict:
         """Read experts `ids` from storage (timed as stall); returns the store's bytes."""

@@ -261,8 +261,7 @@ class StagedExecutor(ExactExecutor):
     # -- the layer call ------------------------------------------------------------------------
     def host_route(self, indices, scores):
         """Route and router scores to the host in one sync."""
-        self.stats.host_syncs += 1
-        self._start_early = indices.size <= indices.shape[-1]
+        self._synced(indices)
         B.eval(indices, scores)
         return B.to_numpy(indices), B.to_numpy(scores)
 

@@ -360,10 +360,11 @@ def test_an_engine_decodes_on_another_thread_than_the_one_that_loaded_it(family,
 
 def test_a_calls_hits_compute_while_its_misses_are_read_and_match_exact(store_for, monkeypatch):
     """A staged call (two slots) with cached and missing experts returns its hits' pairs as a part over the
-    slots and the misses as a deferred part whose read is already in flight (here held until the
-    hits part is evaluated), computed from the slots they are written to; the two parts' pairs
-    reassemble to exactly what one exact call computes, for one token and for a batch of rows
-    (the rows' pairs split across the parts)."""
+    slots at once, before any read or bookkeeping (a token's plan waits too: the hits compute from
+    the slots as they are), and the misses as a deferred part that plans the call, reads them once
+    the hits part is launched and computes them from the slots they are written to; the two
+    parts' pairs reassemble to exactly what one exact call computes, for one token and for a
+    batch of rows (the rows' pairs split across the parts)."""
     engine = edge0.load(store_for("qwen3_moe"), expert_cache="40KB", decode_executor="staged")
     layer = sorted(engine.streaming.layers)[0]
     ex = engine.streaming.layers[layer].decode
@@ -371,20 +372,21 @@ def test_a_calls_hits_compute_while_its_misses_are_read_and_match_exact(store_fo
     exact = ExactExecutor(engine.store, layer, "float32", engine.streaming.stats)
     dim = engine.model.args.hidden_size
     rng = np.random.default_rng(1)
-    real, gate, started = engine.store.read, threading.Event(), threading.Event()
+    real, started = engine.store.read, threading.Event()
 
     def held_read(l, ids):
         started.set()
-        assert gate.wait(10), "the read was awaited before the hits part was handed out"
         return real(l, ids)
 
     run(engine, layer, ex, mx.zeros((1, 1, dim)), mx.array([[[0, 1]]], dtype=mx.uint32))  # 0 and 1 cached
     monkeypatch.setattr(engine.store, "read", held_read)
+    misses, step = ex.stats.misses, ex.step
     hits, deferred = ex(mx.array([[[1, 5]]], dtype=mx.uint32))
-    assert started.wait(10) and callable(deferred)
-    mx.eval(hits[0], hits[1])  # computable while the read is held
-    gate.set()
+    assert callable(deferred) and not started.is_set() and 5 not in ex.slots.slot_of
+    assert (ex.stats.misses, ex.step) == (misses, step)  # planned by the deferred part, after the hits launch
+    mx.eval(hits[0], hits[1])  # computable before the read
     params, rows, pairs = deferred()
+    assert started.is_set() and 5 in ex.slots.slot_of and (ex.stats.misses, ex.step) == (misses + 1, step + 1)
     assert hits[2].tolist() == [0] and pairs.tolist() == [1]
     # the miss took a slot: its pairs compute from there, not from a second copy of its bytes
     assert params is ex.slots.params and np.array(rows).tolist() == [ex.slots.slot_of[5]]
@@ -404,6 +406,30 @@ def test_a_calls_hits_compute_while_its_misses_are_read_and_match_exact(store_fo
     *_, deferred = ex(mx.array([[[hit, 1 if hit != 1 else 0]]], dtype=mx.uint32))
     assert ex.slots.views is not None
     deferred()
+
+
+def test_a_tokens_call_that_hits_every_expert_is_planned_once_its_compute_started(store_for):
+    """One token whose experts are all cached gets its part at once; its bookkeeping (the plan,
+    hits, the step) runs at `done`, after the layer's output was launched, or, if `done` never
+    came (an error while building the layer), before anything else touches the slots."""
+    engine = edge0.load(store_for("qwen3_moe"), expert_cache="40KB", decode_executor="staged")
+    layer = sorted(engine.streaming.layers)[0]
+    ex = engine.streaming.layers[layer].decode
+    dim = engine.model.args.hidden_size
+    run(engine, layer, ex, mx.zeros((1, 1, dim)), mx.array([[[0, 1]]], dtype=mx.uint32))  # 0 and 1 cached
+    hits, step = ex.stats.hits, ex.step
+    (part,) = ex(mx.array([[[1, 0]]], dtype=mx.uint32))
+    assert (ex.stats.hits, ex.step) == (hits, step)
+    y = mx.zeros((1, dim))
+    ex.done(y)
+    assert (ex.stats.hits, ex.step) == (hits + 2, step + 1)
+    ex(mx.array([[[0, 1]]], dtype=mx.uint32))  # its `done` never comes
+    x = mx.array(np.random.default_rng(2).normal(size=(1, 1, dim)).astype(np.float32))
+    inds = mx.array([[[5, 0]]], dtype=mx.uint32)
+    got = run(engine, layer, ex, x, inds)
+    assert (ex.stats.hits, ex.step) == (hits + 5, step + 3) and sorted(ex.slots.slot_of) == [0, 5]
+    exact = ExactExecutor(engine.store, layer, "float32", engine.streaming.stats)
+    assert np.array_equal(got, run(engine, layer, exact, x, inds))
 
 
 def test_a_failed_read_leaves_the_cache_as_the_slots_are(store_for, monkeypatch):

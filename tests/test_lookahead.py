@@ -11,8 +11,10 @@ import pytest
 
 import edge0
 from edge0.backend.lookahead import predictor, router_of
+from edge0.streaming.dispatch import LayerDispatch
 from edge0.streaming.exact import ExactExecutor
 from edge0.streaming.lookahead import RECALL_FLOOR, Lookahead, updated_recall
+from edge0.streaming.stats import LayerStats
 from tests.fixtures import ALL_FAMILIES
 from tests.test_executors import run
 
@@ -47,6 +49,42 @@ def test_recall_is_a_decayed_average_and_auto_stops_reading_below_the_floor():
     target.recall = RECALL_FLOOR  # agreeing again: auto reads ahead again
     auto.issue(np.array([0]))
     assert target.reads == [True, False, True, True]
+
+
+class _Executor:
+    """A decode executor whose call returns `parts`."""
+
+    def __init__(self, parts):
+        self.parts, self.log = parts, []
+
+    def routes_on_host(self):
+        return True
+
+    def __call__(self, indices, scores=None):
+        return self.parts
+
+    def done(self, y):
+        self.log.append("done")
+
+
+@pytest.mark.parametrize("deferred", [True, False])
+def test_the_next_layer_is_read_ahead_once_this_layers_compute_started(deferred):
+    """The next layer's prediction is issued after this call's first parts were launched: just
+    before its deferred part runs, or at `done` when it has none; never between its route's sync
+    and the launch, where the layer's compute waits for the host."""
+    target, log = _Target(), []
+    target.read_ahead = lambda ids, read=True: log.append(("read ahead", sorted(np.reshape(ids, -1).tolist())))
+    parts = [("hits",), lambda: log.append("misses") or ("misses",)] if deferred else [("all",)]
+    ex = _Executor(parts)
+    dispatch = LayerDispatch({}, ex, 32, 2, 8, LayerStats())
+    dispatch.lookahead = Lookahead(target, "on")
+    got = dispatch(mx.array([[[0, 1]]], dtype=mx.uint32), ahead=lambda: mx.array([[3, 4]], dtype=mx.uint32))
+    assert log == [] and got[0] == parts[0]
+    if deferred:
+        assert got[1]() == ("misses",)
+    dispatch.done(mx.zeros(1))
+    assert log == [("read ahead", [3, 4])] + (["misses"] if deferred else [])
+    assert ex.log == ["done"]
 
 
 class _Block(nn.Module):
@@ -150,20 +188,27 @@ def test_a_prediction_is_written_into_the_slots_on_a_reader_and_its_call_finds_i
     x = mx.array(np.random.default_rng(4).normal(size=(1, 1, engine.model.args.hidden_size)).astype(np.float32))
     run(engine, layer, ex, x, mx.array([[[0, 1]]], dtype=mx.uint32))  # 0 and 1 cached
     writers, write = [], ex.slots.write
-    monkeypatch.setattr(ex.slots, "write", lambda *a: writers.append(threading.current_thread().name) or write(*a))
+    monkeypatch.setattr(
+        ex.slots, "write", lambda *a: writers.append((threading.current_thread().name, sorted(a[1]))) or write(*a)
+    )
     s, nbytes = ex.stats, engine.store.expert_nbytes(layer)
     before = (s.lookahead_reads, s.lookahead_used, s.lookahead_wasted_bytes, s.hits, s.misses, s.loads)
     ex.read_ahead(np.array([[5, 6]]))
     assert sorted(ex.slots.slot_of) == [5, 6]  # admitted at once: they took the slots of 0 and 1
     inds = mx.array([[[5, 1]]], dtype=mx.uint32)  # 5 read ahead; 1 was evicted for it
     got = run(engine, layer, ex, x, inds)
-    assert writers[0].startswith("edge0-read_")  # the read-ahead pool, not the caller
+    thread, widened = writers[0]
+    assert thread.startswith("edge0-read_")  # the read-ahead pool, not the caller
+    # the packed weights were read straight into their slot rows; only float16 scales are widened
+    dtypes = {n: t["dtype"] for n, t in engine.store.layers[layer]["tensors"].items()}
+    assert widened == sorted(n for n, d in dtypes.items() if d != "F32" and not n.endswith(".weight"))
+    assert any(n.endswith(".weight") for n in dtypes) and not any(n.endswith(".weight") for n in widened)
     after = (s.lookahead_reads, s.lookahead_used, s.lookahead_wasted_bytes, s.hits, s.misses, s.loads)
     assert [a - b for a, b in zip(after, before)] == [2, 1, nbytes, 0, 2, 3]  # 5 and 6 read ahead, 1 now
     assert sorted(ex.slots.slot_of) == [1, 5]  # 6, never routed, left before the call planned: 1 took its slot
     assert np.array_equal(got, run(engine, layer, exact, x, inds))
 
-    def broken(l, ids):
+    def broken(l, ids, into=None):
         raise OSError("the disk went away")
 
     monkeypatch.setattr(engine.store, "read", broken)

@@ -22,7 +22,7 @@ from edge0.backend.memory import cgroup_available
 from edge0.errors import Edge0Error
 from edge0.store import VERSION, ExpertStore, open_manifest
 from edge0.store.format import ALIGN, EXPERT_MAJOR, manifest_hash, seal
-from edge0.store.readers import STRATEGIES, choose_io
+from edge0.store.readers import STRATEGIES, aligned_empty, choose_io
 from edge0.store.relayout import relayout_store
 from edge0.store.writer import SafetensorsWriter, write_expert_layer
 from edge0.streaming.exact import to_device
@@ -129,6 +129,31 @@ def test_every_strategy_reads_the_same_bytes(stores, layout, io):
         # direct on tensor-major files: unaligned ranges, read with pread and counted
         assert s["direct_fallbacks"] == (len(store.layers) if (io, layout) == ("direct", "v1") else 0)
         store.close()
+
+
+@pytest.mark.parametrize("layout", ["v1", "v2"])
+@pytest.mark.parametrize("io", STRATEGIES)
+def test_a_read_into_given_rows_fills_them_and_returns_the_rest(stores, layout, io):
+    """`into` rows (scattered, as a slot set's are; page-aligned or not) get their tensors' bytes
+    in place, checked against their crc32 like any read; the other tensors come back as usual."""
+    root = stores[0] if layout == "v1" else stores[1]
+    store = ExpertStore(root, open_manifest(root), io=io)
+    layer, info = next(iter(store.layers.items()))
+    ref, last = reference(stores[0], layer), info["num_experts"] - 1
+    name = sorted(info["tensors"])[0]
+    size = info["tensors"][name]["expert_nbytes"]
+    ids = [last, 0, 1, 2]
+    for skew in (0, 8):  # direct I/O fills aligned rows in place, others through its bounce buffer
+        slots = aligned_empty(ALIGN + 6 * -(-size // ALIGN) * ALIGN)[skew:]
+        rows = [slots[i * -(-size // ALIGN) * ALIGN :][:size] for i in (5, 0, 3, 1)]  # out of order
+        got = store.read(layer, ids, {name: rows})
+        assert name not in got
+        check(got, {n: r for n, r in ref.items() if n != name}, ids)
+        for row, e in zip(rows, ids):
+            np.testing.assert_array_equal(row, ref[name][e])
+    with pytest.raises(ValueError, match="contiguous uint8 rows"):
+        store.read(layer, ids, {name: rows[:2]})
+    store.close()
 
 
 @pytest.mark.parametrize("sizes", ["odd", "pages"])

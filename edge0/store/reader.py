@@ -108,22 +108,36 @@ class ExpertStore:
             return [self.root / info["file"]]
         return [self.dirs[p["dir"]] / p["file"] for p in layer_parts(info)]
 
-    def _fill(self, info: dict, ids: list[int] | None) -> dict[str, tuple[np.ndarray, str, tuple]]:
-        """Read experts `ids` (None: all, in large reads) of one layer into fresh arrays."""
+    def _fill(
+        self, info: dict, ids: list[int] | None, into: dict | None = None
+    ) -> dict[str, tuple[np.ndarray, str, tuple]]:
+        """Read experts `ids` (None: all, in large reads) of one layer into fresh arrays, and the
+        tensors in `into` straight into its rows (see `read`)."""
         n = int(info["num_experts"]) if ids is None else len(ids)
         runs = [(0, 0, n)] if ids is None else list(_runs(ids))
         tensors = info["tensors"]
+        into = into or {}
+        for name, rows in into.items():
+            size = int(tensors[name]["expert_nbytes"])
+            if len(rows) != n or any(
+                r.dtype != np.uint8 or r.shape != (size,) or not r.flags.c_contiguous for r in rows
+            ):
+                raise ValueError(f"read into {name}: need {n} contiguous uint8 rows of {size} bytes")
         # One contiguous, 4 KiB-aligned array per tensor (MLX copies a strided view's whole base),
         # carved from one block per call: one allocation, which the C allocator then reuses.
         starts, total = {}, 0
         for name, t in tensors.items():
-            starts[name] = total
-            total += -(-n * int(t["expert_nbytes"]) // ALIGN) * ALIGN
+            if name not in into:
+                starts[name] = total
+                total += -(-n * int(t["expert_nbytes"]) // ALIGN) * ALIGN
         block = aligned_empty(total)
-        out = {
-            name: block[starts[name] : starts[name] + n * int(t["expert_nbytes"])].reshape(n, int(t["expert_nbytes"]))
-            for name, t in tensors.items()
+        fresh = {
+            name: block[starts[name] : starts[name] + n * int(tensors[name]["expert_nbytes"])].reshape(
+                n, int(tensors[name]["expert_nbytes"])
+            )
+            for name in starts
         }
+        out = {**fresh, **into}  # each tensor's destination, one row per expert read
         aligned = False
         if info.get("layout") == EXPERT_MAJOR:
             stride = int(info["expert_stride"])
@@ -133,8 +147,10 @@ class ExpertStore:
                 pos = int(t["expert_offset"]) + int(t["expert_nbytes"])
             tail = stride - pos
             # every segment an aligned array (no padding, page-multiple tensors): direct I/O in place
-            aligned = not tail and all(
-                gap == 0 and int(tensors[name]["expert_nbytes"]) % ALIGN == 0 for gap, name in row
+            aligned = (
+                not tail
+                and all(gap == 0 and int(tensors[name]["expert_nbytes"]) % ALIGN == 0 for gap, name in row)
+                and all(r.ctypes.data % ALIGN == 0 for rows in into.values() for r in rows)
             )
             reads = [
                 (part, _part_ranges(part, row, tail, out, runs)) for part in layer_parts(info) if part["row_bytes"]
@@ -144,14 +160,18 @@ class ExpertStore:
             for name, t in tensors.items():
                 size = int(t["expert_nbytes"])
                 for i, e, k in runs:
-                    ranges += split(int(t["offset"]) + e * size, out[name][i : i + k].reshape(-1))
+                    if name in into:  # rows that need not be adjacent: one range each
+                        for j in range(k):
+                            ranges += split(int(t["offset"]) + (e + j) * size, into[name][i + j])
+                    else:
+                        ranges += split(int(t["offset"]) + e * size, out[name][i : i + k].reshape(-1))
             reads = [({"dir": 0, "file": info["file"]}, ranges)]
         self._read_parts(reads, aligned)
         if int(info["layer"]) in self._checked:
             self._check(info, list(range(n)) if ids is None else ids, out)
         with self._lock:
-            self.bytes_read += sum(b.nbytes for b in out.values())
-        return {name: (out[name], t["dtype"], tuple(t["shape"][1:])) for name, t in tensors.items()}
+            self.bytes_read += n * sum(int(t["expert_nbytes"]) for t in tensors.values())
+        return {name: (fresh[name], tensors[name]["dtype"], tuple(tensors[name]["shape"][1:])) for name in fresh}
 
     def _read_parts(self, reads: list, aligned: bool) -> None:
         """Each part's ranges from its directory's reader, the directories at once."""
@@ -191,7 +211,7 @@ class ExpertStore:
                 self.experts_checked += n
                 self.check_s += time.perf_counter() - t0
 
-    def read(self, layer: int, ids) -> dict[str, tuple[np.ndarray, str, tuple]]:
+    def read(self, layer: int, ids, into: dict | None = None) -> dict[str, tuple[np.ndarray, str, tuple]]:
         """Copy experts `ids` of `layer` out of the file: one read per run of consecutive ids
         (expert-major) or per tensor and run (tensor-major), up to `queue_depth` in flight.
 
@@ -200,8 +220,12 @@ class ExpertStore:
         (e.g. "gate_proj.scales"). The arrays are C-contiguous, disjoint parts of one block
         allocated for this call, never reused by the store. With an expert-major layer, one read
         fills all tensors of an expert (a vectored read, or a run of adjacent experts at once).
+
+        `into` {tensor name: one flat uint8 array of its expert_nbytes per id}: those tensors are
+        read straight into these arrays (a slot set's rows: no second copy) and left out of the
+        result.
         """
-        return self._fill(self.layers[layer], [int(e) for e in ids])
+        return self._fill(self.layers[layer], [int(e) for e in ids], into)
 
     def read_layer(self, layer: int) -> dict[str, tuple[np.ndarray, str, tuple]]:
         """All experts of `layer` in large sequential reads (same layout as `read`)."""

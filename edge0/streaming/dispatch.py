@@ -77,6 +77,7 @@ class LayerDispatch:
         self.last = None
         self.span = None  # the executor of a layer-major prefill span in progress
         self.lookahead: Lookahead | None = None  # reads the next MoE layer's predicted experts (decode)
+        self._at_done = None  # what a call runs once its compute started, if it has no deferred part
 
     def begin_span(self, tokens: int) -> None:
         """A prefill span of `tokens` tokens goes through this layer in one or more calls: with
@@ -114,9 +115,24 @@ class LayerDispatch:
             B.async_eval(predicted)  # computed with the route the executor copies to the host
         parts = ex(indices, scores)
         if predicted is not None:
-            la.issue(B.to_numpy(predicted))
+            parts = self._after_launch(parts, lambda: la.issue(B.to_numpy(predicted)))
         if t > 1 and self.decoding:
             self._count_multi(indices)
+        return parts
+
+    def _after_launch(self, parts: list, fn) -> list:
+        """Run `fn` once this call's compute has started: before its first deferred part (the
+        parts before it were launched), or at `done`. The next layer's read-ahead is issued there,
+        off the gap between this layer's route and its experts' compute."""
+        for i, part in enumerate(parts):
+            if callable(part):
+
+                def then(part=part):
+                    fn()
+                    return part()
+
+                return [*parts[:i], then, *parts[i + 1 :]]
+        self._at_done = fn
         return parts
 
     def _count_multi(self, indices) -> None:
@@ -132,6 +148,9 @@ class LayerDispatch:
 
     def done(self, y) -> None:
         self.last.done(y)
+        fn, self._at_done = self._at_done, None
+        if fn is not None:
+            fn()
 
 
 class Streaming:
@@ -163,7 +182,6 @@ class Streaming:
         # a pipeline stage may hold no MoE layer at all (edge0.distributed): nothing to cache
         self.max_slots = min((int(v["num_experts"]) for v in store.layers.values()), default=0)
         self.reader = ThreadPoolExecutor(max_workers=READ_THREADS, thread_name_prefix="edge0-read")
-        self.call_reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edge0-read-now")
         self.prefetcher = LayerPrefetcher(
             store, layers, ThreadPoolExecutor(max_workers=1, thread_name_prefix="edge0-layer")
         )
@@ -187,7 +205,6 @@ class Streaming:
                         slots,
                         self.reader,
                         options.substitute_alpha,
-                        call_reader=self.call_reader,
                     )
                 else:
                     decode = HotExecutor(store, l, compute_dtype, self.stats, slots)
@@ -289,4 +306,3 @@ class Streaming:
     def close(self) -> None:
         self.prefetcher.cancel()
         self.reader.shutdown(wait=False, cancel_futures=True)
-        self.call_reader.shutdown(wait=False, cancel_futures=True)

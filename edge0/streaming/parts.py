@@ -53,7 +53,7 @@ class SlottedAhead:
     loaded: list[int]  # they take `slots`
     evicted: list[int]
     slots: list[int]
-    read: Future  # of (the store bytes read, whether the reader wrote them into the slots)
+    read: Future  # of read_into_slots: (bytes read, None if written into the slots, else the bytes)
 
     @classmethod
     def start(cls, reader: Executor, store, slotset, layer: int, ids: list[int]) -> SlottedAhead | None:
@@ -74,11 +74,13 @@ class SlottedAhead:
         return used
 
 
-def read_into_slots(store, slotset, layer: int, ids: list[int], slots: list[int]) -> tuple[dict, bool]:
-    """Read experts `ids` of `layer` and write them into `slots` of `slotset` (SlotSet.write); no
-    bookkeeping, so it runs on a reader thread. Returns (the bytes, whether they were written)."""
-    raw = store.read(layer, ids)
-    return raw, slotset.write(slots, raw)
+def read_into_slots(store, slotset, layer: int, ids: list[int], slots: list[int]) -> tuple[int, dict | None]:
+    """Read experts `ids` of `layer` into `slots` of `slotset`: the tensors stored as their values
+    straight into the slot rows, the others widened there (SlotSet.write); no bookkeeping, so it
+    runs on a reader thread. Returns (bytes read, None; or the bytes where a tensor has no host
+    view, for the caller to scatter)."""
+    raw = store.read(layer, ids, slotset.direct_rows(slots))
+    return len(ids) * store.expert_nbytes(layer), None if slotset.write(slots, raw) else raw
 
 
 @dataclass(frozen=True)
@@ -133,12 +135,12 @@ class DeferredPart:
     """A call's misses part, handed to the layer after the call's other parts so their compute
     overlaps this read: called, it waits for the bytes and makes its part, once."""
 
-    misses: list[int]  # the experts `read` returns: `loaded` first, then any read for this call only
-    evicted: list[int]
-    loaded: list[int]  # they take `slots`
-    slots: list[int]
-    read: Future  # of a CallRead of `misses`
-    part_of: Callable[[dict], tuple]  # the misses' store bytes -> the part
+    misses: list[int]  # the experts `read` returns: the plan's `loaded` first, then any read for this call only
+    # () -> (evicted, loaded, slots): the call's plan, made when the part is called (a token's
+    # bookkeeping waits until its hits compute) or before
+    plan: Callable[[], tuple[list[int], list[int], list[int]]]
+    read: Callable[[], CallRead]  # reads `misses` (read_call), on the caller's thread
+    part_of: Callable[[dict, list[int]], tuple]  # (the misses' store bytes, the plan's loaded) -> the part
     # the executor's: write `loaded` into their slots and make the part (`route`: run its route hook)
     land: Callable[[DeferredPart, bool], tuple]
     made: tuple | None = field(default=None, init=False)

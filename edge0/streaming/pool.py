@@ -31,10 +31,18 @@ def slots_per_layer(store: ExpertStore, budget: int, k: int) -> int:
     return min(n, min(int(info["num_experts"]) for info in store.layers.values()))
 
 
+def host_exact(st_dtype: str, target: np.dtype) -> bool:
+    """Whether `host_rows` can make `target` values of a store dtype's bytes."""
+    name = B.ST_DTYPES[st_dtype]
+    return name == target.name or (target.name == "float32" and name in ("float16", "bfloat16"))
+
+
 def host_rows(buf: np.ndarray, st_dtype: str, target: np.dtype) -> np.ndarray | None:
     """Store bytes [n, nbytes] as `target` values on the host where that is exact (the same
     dtype, or float16/bfloat16 widened to float32, as the device's astype does); else None."""
     name = B.ST_DTYPES[st_dtype]
+    if not host_exact(st_dtype, target):
+        return None
     if name == target.name:
         return buf.view(target)
     if target.name == "float32" and name == "float16":
@@ -115,6 +123,21 @@ class SlotSet:
         for view, got in rows:
             view[slots] = got
         return True
+
+    def direct_rows(self, slots: list[int]) -> dict[str, list[np.ndarray]]:
+        """The rows `slots` of each slot tensor whose store bytes are its values (the same dtype),
+        as flat byte arrays a read fills in place (ExpertStore.read's `into`: no second copy);
+        {} unless every tensor has a host view `write` can fill (ensure_views first)."""
+        info = self.store.layers[self.layer]["tensors"]
+        rows, writable = {}, self.views is not None
+        for name, t in info.items():
+            proj, part = name.rsplit(".", 1)
+            view = self.views[proj][part] if writable else None
+            if view is None or not host_exact(t["dtype"], view.dtype):
+                return {}
+            if B.ST_DTYPES[t["dtype"]] == view.dtype.name:
+                rows[name] = [view[s].reshape(-1).view(np.uint8) for s in slots]
+        return rows
 
     def apply(
         self,

@@ -50,14 +50,10 @@ class StagedExecutor(ExactExecutor):
         slots: SlotSet,
         reader: ThreadPoolExecutor,
         alpha: float = 0.0,
-        call_reader: ThreadPoolExecutor | None = None,
     ):
         super().__init__(store, layer, compute_dtype, stats)
         self.slots = slots
-        self.reader = reader  # reads ahead (stage)
-        # reads a call's misses while its hits compute; its own thread, so that read never waits
-        # behind the read-ahead's queue
-        self.call_reader = call_reader or reader
+        self.reader = reader  # reads ahead (stage, read_ahead); a call's own misses are read on its thread
         self.alpha = alpha
         self.wants_scores = slots.cache.policy.needs_scores or alpha > 0
         self.step = 0
@@ -75,6 +71,7 @@ class StagedExecutor(ExactExecutor):
         self.recall = RECALL_FLOOR
         self._dropped = []  # device scalars, read after the step by collect_dropped
         self._inflight: DeferredPart | None = None  # a call's deferred misses part (see _split), until it runs
+        self._unplanned = None  # (ids, scores) of a token's call that hit every expert, until `done` plans it
         # fn(layer), a stager's (on_route): called after a call that routed on the host, when this
         # step's slots are planned, so the next step's reads can start before the forward ends
         self._after_route = None
@@ -142,6 +139,7 @@ class StagedExecutor(ExactExecutor):
         a reader thread writes them into their slots while the layer before computes (nothing
         launched reads this layer's slots until its call, which waits for them). The call finds
         those it routes cached; the rest are counted as wasted."""
+        self._plan_pending()  # a call whose `done` never came: its bookkeeping first
         ids = np.unique(ids)
         self.predicted = ids[ids < self.slots.num_experts]  # a router may also score zero experts (LongCat)
         if not read or self._ahead is not None or self._slotted is not None or not self.takes_predictions():
@@ -159,7 +157,7 @@ class StagedExecutor(ExactExecutor):
             return
         t0 = time.perf_counter()
         try:
-            raw, written = ahead.read.result()
+            nbytes, raw = ahead.read.result()
         except BaseException:
             self.slots.forget(ahead.evicted, ahead.loaded)
             raise
@@ -167,11 +165,9 @@ class StagedExecutor(ExactExecutor):
             self.stats.stall_s += time.perf_counter() - t0
         s = self.stats
         s.loads += len(ahead.loaded)
-        s.bytes_read += raw_nbytes(raw)
+        s.bytes_read += nbytes
         s.slot_rewrites += len(ahead.loaded)
-        s.slot_scatters += self.slots.apply(
-            ahead.evicted, ahead.loaded, ahead.slots, None if written else raw, in_place=True
-        )
+        s.slot_scatters += self.slots.apply(ahead.evicted, ahead.loaded, ahead.slots, raw, in_place=True)
         self._landed = ahead
 
     def _took_ahead(self, routed) -> int:
@@ -280,26 +276,22 @@ class StagedExecutor(ExactExecutor):
         # a multi-token step routes on the host even after a swap: what was staged is in the slots (hits)
         self._trusted = False
         ids, scores = self.host_route(indices, scores) if self.wants_scores else (self.host_ids(indices), None)
-        self._score_prediction(ids)
-        early = self._took_ahead(ids)
-        self.use = decayed_use(self.use, ids)
+        if not multi and not self.alpha:
+            return self._token_call(indices, ids, scores)
+        early = self._account(ids)
         if multi and scores is not None:  # the cache policy sees one score row per call: the tokens' mean
             scores = np.reshape(scores, (-1, scores.shape[-1])).mean(axis=0)
-        self.step += 1
         split = call_split(ids, self.slots.slot_of, self.use, self.slots.n_slots)
         if split is not None:  # e.g. a verify's union of experts wider than the cache
             return self._overflow(ids, *split, scores, early)
         experts, alias = self.route_experts(ids, scores)
         hits, loaded, evicted, slots = self.slots.plan(self.step, experts, scores)
-        s = self.stats
-        s.hits += len(hits) - early
-        s.misses += len(loaded) + early
-        s.bytes_used += len(experts) * self.expert_nbytes
-        s.distinct_experts.update(experts)
+        self._count(experts, hits, loaded, early)
         if hits and loaded and not alias:
-            return self._split(ids, hits, list(loaded), evicted, loaded, slots)
+            return self._split(ids, loaded, lambda: (evicted, loaded, slots))
         if loaded and not alias:
-            return self._read_later(indices, evicted, loaded, slots)
+            return self._read_later(indices, loaded, lambda: (evicted, loaded, slots))
+        s = self.stats
         # this layer's slots are read by no launched computation: the route's sync evaluated
         # everything before it, and the previous step was evaluated whole
         try:
@@ -312,6 +304,58 @@ class StagedExecutor(ExactExecutor):
         parts = [(self.slots.params, self.slots.local(indices))]
         self._routed()
         return parts
+
+    def _account(self, ids: np.ndarray) -> int:
+        """A host-routed call's bookkeeping before its plan: its prediction scored and taken
+        (`_took_ahead`, whose count it returns), the use counts and the step."""
+        self._score_prediction(ids)
+        early = self._took_ahead(ids)
+        self.use = decayed_use(self.use, ids)
+        self.step += 1
+        return early
+
+    def _count(self, experts: list, hits: list, loaded: list, early: int) -> None:
+        s = self.stats
+        s.hits += len(hits) - early
+        s.misses += len(loaded) + early
+        s.bytes_used += len(experts) * self.expert_nbytes
+        s.distinct_experts.update(experts)
+
+    def _token_call(self, indices, ids: np.ndarray, scores) -> list:
+        """One token's host-routed call without substitution. Its misses' read starts and its hits'
+        part is returned at once, from the slots as they are: the plan never rewrites a routed
+        expert's slot, so the layer's compute starts right after the route's sync. The bookkeeping
+        and the plan (`_plan_token`) wait until that compute runs: in the deferred misses part, or
+        at `done` when every expert hit."""
+        flat = ids.reshape(-1)
+        misses = sorted(set(flat.tolist()) - self.slots.slot_of.keys())
+        if not misses:
+            self._unplanned = (ids, scores)
+            return [(self.slots.params, self.slots.local(indices))]
+        plan = lambda: self._plan_token(ids, scores)  # noqa: E731
+        if len(misses) == len(set(flat.tolist())):
+            return self._read_later(indices, misses, plan)
+        return self._split(ids, misses, plan)
+
+    def _plan_token(self, ids: np.ndarray, scores) -> tuple[list, list, list]:
+        """A token's call's bookkeeping and plan (see `_token_call`): (evicted, loaded, slots)."""
+        early = self._account(ids)
+        experts = sorted(set(ids.reshape(-1).tolist()))
+        hits, loaded, evicted, slots = self.slots.plan(self.step, experts, scores)
+        self._count(experts, hits, loaded, early)
+        return evicted, loaded, slots
+
+    def _plan_pending(self) -> None:
+        """The plan of a token's call whose experts all hit, once its compute runs (`done`)."""
+        if self._unplanned is not None:
+            ids, scores = self._unplanned
+            self._unplanned = None
+            self._plan_token(ids, scores)
+            self._routed()
+
+    def done(self, y) -> None:
+        super().done(y)
+        self._plan_pending()
 
     def _routed(self) -> None:
         if self._after_route is not None:
@@ -329,70 +373,73 @@ class StagedExecutor(ExactExecutor):
         s.misses += len(admit) + len(rest) + early
         s.bytes_used += (len(hits) + len(admit) + len(rest)) * self.expert_nbytes
         s.distinct_experts.update(hits + admit + rest)
-        return self._split(ids, hits, list(loaded) + rest, evicted, loaded, slots)
+        return self._split(ids, list(loaded) + rest, lambda: (evicted, loaded, slots))
 
-    def _split(self, ids: np.ndarray, hits, misses: list, evicted, loaded, slots) -> list:
-        """A host-routed call with misses (`misses`: `loaded`, which take `slots`, then any read for
-        this call only): their read starts on a reader thread and the call returns the hits' pairs
-        as a part over the slots, then a deferred part (`_deferred`), so the hits compute while the
-        misses are in flight (a read and the compute it waits for no longer add up). The deferred
-        part computes the misses' pairs from their slots once written there (the launched hits part
-        reads only the hits' slots, which this call does not rewrite), or, when some misses are read
-        for this call only, from the bytes read. With no hits it is the only part."""
+    def _split(self, ids: np.ndarray, misses: list, plan) -> list:
+        """A host-routed call with misses (`misses`: the plan's `loaded`, which take its slots, then
+        any read for this call only): their read starts on a reader thread and the call returns the
+        hits' pairs as a part over the slots, then a deferred part (`_deferred`), so the hits
+        compute while the misses are in flight (a read and the compute it waits for no longer add
+        up). The deferred part computes the misses' pairs from their slots once written there (the
+        launched hits part reads only the hits' slots, which this call does not rewrite), or, when
+        some misses are read for this call only, from the bytes read."""
         flat = ids.reshape(-1)
         missed = np.isin(flat, misses)
         pairs = np.flatnonzero(missed)
 
-        def pairs_part(raw):
+        def pairs_part(raw, loaded):
             if len(misses) == len(loaded):  # every miss took a slot (now written): no second copy
                 return self.slots.params, B.array(self.slots.table_host[flat[pairs]]), pairs
             at = {e: i for i, e in enumerate(misses)}
             rows = B.array(np.array([at[int(e)] for e in flat[pairs]], dtype=np.uint32))
             return to_device(raw, len(misses), self.dtype), rows, pairs
 
-        misses_part = self._deferred(misses, evicted, loaded, slots, pairs_part)
-        if loaded:
-            self.slots.ensure_views()  # now: making a view probes its tensor, which the hits part reads
-        if not hits:
+        misses_part = self._deferred(misses, plan, pairs_part)
+        self.slots.ensure_views()  # now: making a view probes its tensor, which the hits part reads
+        kept = np.flatnonzero(~missed)
+        if not len(kept):
             return [misses_part]
         self.stats.overlapped += 1
-        kept = np.flatnonzero(~missed)
         return [(self.slots.params, B.array(self.slots.table_host[flat[kept]]), kept), misses_part]
 
-    def _read_later(self, indices, evicted, loaded, slots) -> list:
-        """A host-routed call whose experts all miss: one deferred part (`_deferred`) that runs on
-        the slots once its misses are written there; the caller meanwhile starts the next layer's
-        read-ahead (streaming/lookahead.py), queued behind this read."""
-        return [
-            self._deferred(
-                list(loaded), evicted, loaded, slots, lambda raw: (self.slots.params, self.slots.local(indices))
-            )
-        ]
+    def _read_later(self, indices, misses: list, plan) -> list:
+        """A host-routed call whose experts all miss (each takes a slot): one deferred part
+        (`_deferred`) that runs on the slots once its misses are written there; the next layer's
+        read-ahead (streaming/lookahead.py) is issued just before this read
+        (LayerDispatch._after_launch)."""
+        return [self._deferred(misses, plan, lambda raw, loaded: (self.slots.params, self.slots.local(indices)))]
 
-    def _deferred(self, misses: list, evicted, loaded, slots, part_of) -> DeferredPart:
-        """A host-routed call's misses read on the call reader, from now: returns its deferred part,
-        which waits for the bytes, writes `loaded` (the first of `misses`) into their `slots` in
-        place and returns `part_of(the bytes read)` (`_land`)."""
-        future = self.call_reader.submit(read_call, self.store, self.layer, misses, self._take_ahead())
-        self._inflight = DeferredPart(misses, evicted, loaded, slots, future, part_of, self._land)
+    def _deferred(self, misses: list, plan, part_of) -> DeferredPart:
+        """A host-routed call's misses: returns its deferred part, which makes the call's `plan`
+        (evicted, loaded, slots), reads the misses (once the parts before it were launched, so the
+        read overlaps their compute, and no other thread contends with the launch), writes `loaded`
+        (the first of `misses`) into their slots in place and returns `part_of(the bytes read,
+        loaded)` (`_land`)."""
+        ahead = self._take_ahead()
+        self._inflight = DeferredPart(
+            misses, plan, lambda: read_call(self.store, self.layer, misses, ahead), part_of, self._land
+        )
         return self._inflight
 
     def _land(self, part: DeferredPart, route: bool) -> tuple:
-        """A deferred part's first call: its bytes written and its part made; if the read failed,
-        the cache forgets the misses it admitted."""
+        """A deferred part's first call: the call planned, its bytes written and its part made; if
+        the read failed, the cache forgets the misses it admitted."""
         self._inflight = None
+        evicted, loaded, slots = part.plan()
+        n = len(loaded)
+        if part.misses[:n] != list(loaded):
+            raise RuntimeError(f"layer {self.layer}: the plan loads {loaded}, the read has {part.misses}")
         s = self.stats
         t0 = time.perf_counter()
         try:
-            raw = self._counted(part.misses, part.read.result())
+            raw = self._counted(part.misses, part.read())
         except BaseException:
-            self.slots.forget(part.evicted, part.loaded)
+            self.slots.forget(evicted, loaded)
             raise
-        n = len(part.loaded)
         slot_raw = {k: (b[:n], d, shape) for k, (b, d, shape) in raw.items()} if n else None
-        s.slot_scatters += self.slots.apply(part.evicted, part.loaded, part.slots, slot_raw, in_place=True)
+        s.slot_scatters += self.slots.apply(evicted, loaded, slots, slot_raw, in_place=True)
         s.slot_rewrites += n
-        made = part.part_of(raw)
+        made = part.part_of(raw, loaded)
         s.stall_s += time.perf_counter() - t0
         if route:
             self._routed()
@@ -403,6 +450,7 @@ class StagedExecutor(ExactExecutor):
         deferred misses part its caller never took (an error while building the layer) read and
         written, so the slots hold what the cache says they hold (the next step is not staged
         from here: it routes on the host)."""
+        self._plan_pending()
         self._land_ahead()
         if self._inflight is not None:
             self._inflight(route=False)

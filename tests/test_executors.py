@@ -398,14 +398,15 @@ def test_a_calls_hits_compute_while_its_misses_are_read_and_match_exact(store_fo
         got = run(engine, layer, ex, x, inds)
         assert ex.stats.overlapped == before + 1
         assert np.array_equal(got, run(engine, layer, exact, x, inds))
-    # a resize drops the slots' host views; making one probes its tensor, so the split makes them
-    # before it hands out the hits part, never while that part computes
+    # a resize makes new slot tensors and their host views at once (making one probes its
+    # tensor: never while a part computes); rows written through them are what the slots hold
+    old = ex.slots.views["gate_proj"]["weight"]
     ex.resize(2)
-    assert ex.slots.views is None and len(ex.slots.slot_of) == 2
-    hit = sorted(ex.slots.slot_of)[0]
-    *_, deferred = ex(mx.array([[[hit, 1 if hit != 1 else 0]]], dtype=mx.uint32))
-    assert ex.slots.views is not None
-    deferred()
+    view = ex.slots.views["gate_proj"]["weight"]
+    assert view is not None and view is not old and len(ex.slots.slot_of) == 2
+    x = mx.array(rng.normal(size=(1, 1, dim)).astype(np.float32))
+    inds = mx.array([[[sorted(ex.slots.slot_of)[0], 7]]], dtype=mx.uint32)
+    assert np.array_equal(run(engine, layer, ex, x, inds), run(engine, layer, exact, x, inds))
 
 
 def test_a_tokens_call_that_hits_every_expert_is_planned_once_its_compute_started(store_for):

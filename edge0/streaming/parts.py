@@ -58,11 +58,10 @@ class SlottedAhead:
     @classmethod
     def start(cls, reader: Executor, store, slotset, layer: int, ids: list[int]) -> SlottedAhead | None:
         """Admit experts `ids` of `layer` into `slotset` and start reading those it lacked into their
-        slots (the host views made here, on the caller's thread); None if it lacked none."""
+        slots; None if it lacked none."""
         loaded, evicted, slots = slotset.admit(ids)
         if not loaded:
             return None
-        slotset.ensure_views()
         return cls(loaded, evicted, slots, reader.submit(read_into_slots, store, slotset, layer, loaded, slots))
 
     def count_use(self, stats, want, expert_nbytes: int) -> int:

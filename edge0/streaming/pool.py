@@ -77,9 +77,9 @@ class SlotSet:
         # evaluated here: MLX runs a lazy array only on the thread that built it, and the server
         # decodes on its engine thread (a float16 scale cast to float32 was left lazy: a 500)
         B.eval(self.params)
-        # host views of the slot tensors, made at the first in-place write: materializing the
-        # slots at load would add their full size to the prefill's peak
-        self.views: dict | None = None
+        # host views of the slot tensors, for in-place writes; made here, where nothing computes:
+        # making one later waits for everything queued on the device before it (a sync a layer)
+        self.views = self._host_views()
         self.table_host = np.full(self.num_experts, self.zero, dtype=np.uint32)
         self.table = B.array(self.table_host)
         self.cache = ExpertCache(make_policy(policy, n_slots, self.num_experts, **(policy_options or {})))
@@ -109,7 +109,7 @@ class SlotSet:
 
     def write(self, slots: list[int], raw: dict) -> bool:
         """Copy the store's bytes `raw` of len(slots) experts into their `slots` of the slot tensors'
-        host views (ensure_views first), on any thread: the rows must be read by no launched
+        host views, on any thread: the rows must be read by no launched
         computation. False, writing nothing, when a tensor has no exact host view (the caller
         then scatters with `apply`)."""
         rows = []
@@ -127,7 +127,7 @@ class SlotSet:
     def direct_rows(self, slots: list[int]) -> dict[str, list[np.ndarray]]:
         """The rows `slots` of each slot tensor whose store bytes are its values (the same dtype),
         as flat byte arrays a read fills in place (ExpertStore.read's `into`: no second copy);
-        {} unless every tensor has a host view `write` can fill (ensure_views first)."""
+        {} unless every tensor has a host view `write` can fill."""
         info = self.store.layers[self.layer]["tensors"]
         rows, writable = {}, self.views is not None
         for name, t in info.items():
@@ -157,7 +157,6 @@ class SlotSet:
         number of tensors scattered."""
         scattered = 0
         if loaded and raw is not None and in_place:
-            self.ensure_views()
             if self.write(slots, raw):
                 raw = None
         if loaded and raw is not None:
@@ -181,12 +180,10 @@ class SlotSet:
         self.aliased = bool(alias)
         return scattered
 
-    def ensure_views(self) -> None:
-        """Make the host views of the slot tensors if there are none yet. Making one writes a probe
-        into its tensor's first element, so it must happen before a computation on the slots is
-        launched, not while one runs (a hits part, see StagedExecutor._split)."""
-        if self.views is None:
-            self.views = {p: {k: B.writable_view(a) for k, a in parts.items()} for p, parts in self.params.items()}
+    def _host_views(self) -> dict:
+        """A host view of each slot tensor (None where it has none, see B.writable_view). Making one
+        writes a probe into its tensor's first element: only while nothing reads the slots."""
+        return {p: {k: B.writable_view(a) for k, a in parts.items()} for p, parts in self.params.items()}
 
     def forget(self, evicted: list[int], loaded: list[int]) -> None:
         """Undo the bookkeeping of a `plan` whose read failed: `loaded` leave the cache and free
@@ -218,7 +215,7 @@ class SlotSet:
         idx = B.array(rows)
         self.params = {p: {k: B.take(a, idx, axis=0) for k, a in parts.items()} for p, parts in self.params.items()}
         B.eval(self.params)
-        self.views = None  # they pin the old tensors
+        self.views = self._host_views()  # the old ones pin the old tensors
         self.n_slots, self.zero, self.slot_of, self.free = n_slots, n_slots, slot_of, free
         self.table_host = np.full(self.num_experts, self.zero, dtype=np.uint32)
         self.table_host[list(slot_of)] = list(slot_of.values())

@@ -395,7 +395,6 @@ class StagedExecutor(ExactExecutor):
             return to_device(raw, len(misses), self.dtype), rows, pairs
 
         misses_part = self._deferred(misses, plan, pairs_part)
-        self.slots.ensure_views()  # now: making a view probes its tensor, which the hits part reads
         kept = np.flatnonzero(~missed)
         if not len(kept):
             return [misses_part]

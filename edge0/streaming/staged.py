@@ -322,10 +322,10 @@ class StagedExecutor(ExactExecutor):
         s.distinct_experts.update(experts)
 
     def _token_call(self, indices, ids: np.ndarray, scores) -> list:
-        """One token's host-routed call without substitution. Its misses' read starts and its hits'
-        part is returned at once, from the slots as they are: the plan never rewrites a routed
-        expert's slot, so the layer's compute starts right after the route's sync. The bookkeeping
-        and the plan (`_plan_token`) wait until that compute runs: in the deferred misses part, or
+        """One token's host-routed call without substitution. Its hits' part is returned at once,
+        from the slots as they are: the plan never rewrites a routed expert's slot, so the layer's
+        compute starts right after the route's sync. The bookkeeping and the plan (`_plan_token`)
+        wait until that compute runs: in the deferred misses part, which then reads the misses, or
         at `done` when every expert hit."""
         flat = ids.reshape(-1)
         misses = sorted(set(flat.tolist()) - self.slots.slot_of.keys())
@@ -377,9 +377,9 @@ class StagedExecutor(ExactExecutor):
 
     def _split(self, ids: np.ndarray, misses: list, plan) -> list:
         """A host-routed call with misses (`misses`: the plan's `loaded`, which take its slots, then
-        any read for this call only): their read starts on a reader thread and the call returns the
-        hits' pairs as a part over the slots, then a deferred part (`_deferred`), so the hits
-        compute while the misses are in flight (a read and the compute it waits for no longer add
+        any read for this call only): the call returns the hits' pairs as a part over the slots,
+        then a deferred part (`_deferred`) that reads the misses once the hits are launched, so the
+        hits compute while the misses are read (a read and the compute it waits for no longer add
         up). The deferred part computes the misses' pairs from their slots once written there (the
         launched hits part reads only the hits' slots, which this call does not rewrite), or, when
         some misses are read for this call only, from the bytes read."""

@@ -3,7 +3,10 @@ reference on random inputs, against exact tokens on every spec'd family, under a
 budget, with zero host syncs when the route is staged ahead, and under constant eviction."""
 
 import gc
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -431,6 +434,34 @@ def test_a_tokens_call_that_hits_every_expert_is_planned_once_its_compute_starte
     assert (ex.stats.hits, ex.step) == (hits + 5, step + 3) and sorted(ex.slots.slot_of) == [0, 5]
     exact = ExactExecutor(engine.store, layer, "float32", engine.streaming.stats)
     assert np.array_equal(got, run(engine, layer, exact, x, inds))
+
+
+FIRST_STEPS = """
+import sys, edge0
+e = edge0.load(sys.argv[1], expert_cache="40KB", decode_executor=sys.argv[2])
+steps = e.stream_generate(e.encode("the first decode steps"), max_tokens=4, ignore_eos=True)
+next(steps)
+before = set(sys.modules)
+for _ in steps:
+    pass
+print(sorted(set(sys.modules) - before))
+"""
+
+
+@pytest.mark.parametrize("executor", ["staged", "exact"])
+def test_decode_steps_import_nothing(store_for, executor):
+    """A module imported in a decode step costs that step tens of milliseconds once (numpy.ma,
+    which np.unique imports at its first call, cost the first step 50 ms): the load imports them.
+    In a fresh process, since this one has imported everything already."""
+    out = subprocess.run(
+        [sys.executable, "-c", FIRST_STEPS, str(store_for("qwen3_moe")), executor],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"
 
 
 def test_a_failed_read_leaves_the_cache_as_the_slots_are(store_for, monkeypatch):

@@ -10,6 +10,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
+import numpy.ma  # noqa: F401  np.unique imports it at its first call (50 ms here): at load, not in the first decode step
 
 from edge0.backend import core as B
 from edge0.cache.flashmoe import FlashMoEModel, load_model

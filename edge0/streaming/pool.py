@@ -45,11 +45,9 @@ def host_rows(buf: np.ndarray, st_dtype: str, target: np.dtype) -> np.ndarray | 
         return None
     if name == target.name:
         return buf.view(target)
-    if target.name == "float32" and name == "float16":
+    if name == "float16":
         return buf.view(np.float16).astype(np.float32)
-    if target.name == "float32" and name == "bfloat16":  # bfloat16 is the top half of a float32
-        return (buf.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
-    return None
+    return (buf.view(np.uint16).astype(np.uint32) << 16).view(np.float32)  # bfloat16: a float32's top half
 
 
 class SlotSet:
@@ -129,10 +127,10 @@ class SlotSet:
         as flat byte arrays a read fills in place (ExpertStore.read's `into`: no second copy);
         {} unless every tensor has a host view `write` can fill."""
         info = self.store.layers[self.layer]["tensors"]
-        rows, writable = {}, self.views is not None
+        rows = {}
         for name, t in info.items():
             proj, part = name.rsplit(".", 1)
-            view = self.views[proj][part] if writable else None
+            view = self.views[proj][part]
             if view is None or not host_exact(t["dtype"], view.dtype):
                 return {}
             if B.ST_DTYPES[t["dtype"]] == view.dtype.name:
@@ -166,8 +164,7 @@ class SlotSet:
                 self.params[proj][part][idx] = to_device({name: (buf, st_dtype, shape)}, len(loaded), self.dtype)[proj][
                     part
                 ]
-                if self.views is not None:
-                    self.views[proj][part] = None  # a new array now: any old view is stale
+                self.views[proj][part] = None  # a new array now: any old view is stale
                 scattered += 1
         self.table_host[evicted] = self.zero
         self.table_host[loaded] = slots

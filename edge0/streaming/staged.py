@@ -327,13 +327,13 @@ class StagedExecutor(ExactExecutor):
         compute starts right after the route's sync. The bookkeeping and the plan (`_plan_token`)
         wait until that compute runs: in the deferred misses part, which then reads the misses, or
         at `done` when every expert hit."""
-        flat = ids.reshape(-1)
-        misses = sorted(set(flat.tolist()) - self.slots.slot_of.keys())
+        experts = set(ids.reshape(-1).tolist())
+        misses = sorted(experts - self.slots.slot_of.keys())
         if not misses:
             self._unplanned = (ids, scores)
             return [(self.slots.params, self.slots.local(indices))]
         plan = lambda: self._plan_token(ids, scores)  # noqa: E731
-        if len(misses) == len(set(flat.tolist())):
+        if len(misses) == len(experts):
             return self._read_later(indices, misses, plan)
         return self._split(ids, misses, plan)
 

@@ -304,8 +304,11 @@ def test_whole_layer_prefill_releases_each_layer(store_for):
     res = e.generate(prompt, max_tokens=2, ignore_eos=True)
     assert e.stats()["totals"]["loads"] >= 7 * 32  # every layer but the last (its cache alone) was read whole
     slack = 4 * 2**20  # KV cache, activations, logits
-    assert res.stats["peak_memory_bytes"] <= e.resident_bytes + 3 * per_layer + slack
-    assert res.stats["peak_memory_bytes"] < e.resident_bytes + e.streaming.total_expert_bytes
+    # the peak counts what other tests in this process still hold too (`base`): in one -n 2 run its
+    # worker's peak was 3.46 MB against the 2.08 MB this model's experts and weights take
+    peak = res.stats["peak_memory_bytes"] - base
+    assert peak <= e.resident_bytes + 3 * per_layer + slack
+    assert peak < e.resident_bytes + e.streaming.total_expert_bytes
     assert mx.get_active_memory() - base <= e.resident_bytes + per_layer + slack
 
 

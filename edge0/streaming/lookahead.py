@@ -42,6 +42,6 @@ class Lookahead:
 
 def updated_recall(recall: float, predicted: np.ndarray, routed: np.ndarray) -> float:
     """The recall average after a route `routed` (host ids) that `predicted` foretold."""
-    routed = np.unique(routed)
-    agreed = np.isin(routed, predicted).sum() / max(1, len(routed))
+    routed = set(np.reshape(routed, -1).tolist())  # sets: np.isin costs ~0.1 ms a call here
+    agreed = len(routed & set(np.reshape(predicted, -1).tolist())) / max(1, len(routed))
     return RECALL_DECAY * recall + (1 - RECALL_DECAY) * float(agreed)

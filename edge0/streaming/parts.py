@@ -67,7 +67,8 @@ class SlottedAhead:
     def count_use(self, stats, want, expert_nbytes: int) -> int:
         """Count how many of these experts the call routes (`want`, its experts), and the bytes of
         the others (wasted); returns the number used."""
-        used = int(np.isin(self.loaded, want).sum())
+        routed = set(np.reshape(want, -1).tolist())
+        used = sum(e in routed for e in self.loaded)
         stats.lookahead_used += used
         stats.lookahead_wasted_bytes += (len(self.loaded) - used) * expert_nbytes
         return used

@@ -185,10 +185,10 @@ class StagedExecutor(ExactExecutor):
     def _score_prediction(self, ids: np.ndarray) -> None:
         if self.predicted is None:
             return
-        routed = np.unique(ids)
+        routed = set(np.reshape(ids, -1).tolist())
         self.stats.lookahead_predicted += len(routed)
-        self.stats.lookahead_agreed += int(np.isin(routed, self.predicted).sum())
-        self.recall, self.predicted = updated_recall(self.recall, self.predicted, routed), None
+        self.stats.lookahead_agreed += len(routed & set(self.predicted.tolist()))
+        self.recall, self.predicted = updated_recall(self.recall, self.predicted, ids), None
 
     def swap(self) -> None:
         """Step boundary (the previous step is evaluated, so nothing in flight reads the slots):
@@ -383,9 +383,9 @@ class StagedExecutor(ExactExecutor):
         up). The deferred part computes the misses' pairs from their slots once written there (the
         launched hits part reads only the hits' slots, which this call does not rewrite), or, when
         some misses are read for this call only, from the bytes read."""
-        flat = ids.reshape(-1)
-        missed = np.isin(flat, misses)
-        pairs = np.flatnonzero(missed)
+        # sets, not np.isin: K pairs, and this runs between the route's sync and the hits' launch
+        flat, missing = ids.reshape(-1), set(misses)
+        pairs = np.array([i for i, e in enumerate(flat.tolist()) if e in missing], dtype=np.int64)
 
         def pairs_part(raw, loaded):
             if len(misses) == len(loaded):  # every miss took a slot (now written): no second copy
@@ -395,7 +395,7 @@ class StagedExecutor(ExactExecutor):
             return to_device(raw, len(misses), self.dtype), rows, pairs
 
         misses_part = self._deferred(misses, plan, pairs_part)
-        kept = np.flatnonzero(~missed)
+        kept = np.array([i for i, e in enumerate(flat.tolist()) if e not in missing], dtype=np.int64)
         if not len(kept):
             return [misses_part]
         self.stats.overlapped += 1

@@ -13,7 +13,7 @@ import edge0
 from edge0.backend.lookahead import predictor, router_of
 from edge0.streaming.dispatch import LayerDispatch
 from edge0.streaming.exact import ExactExecutor
-from edge0.streaming.lookahead import RECALL_FLOOR, Lookahead, updated_recall
+from edge0.streaming.lookahead import PROBE_EVERY, RECALL_FLOOR, Lookahead, updated_recall
 from edge0.streaming.stats import LayerStats
 from tests.fixtures import ALL_FAMILIES
 from tests.test_executors import run
@@ -49,6 +49,21 @@ def test_recall_is_a_decayed_average_and_auto_stops_reading_below_the_floor():
     target.recall = RECALL_FLOOR  # agreeing again: auto reads ahead again
     auto.issue(np.array([0]))
     assert target.reads == [True, False, True, True]
+
+
+def test_below_the_floor_auto_predicts_one_call_in_probe_every():
+    """A prediction costs each call a matmul and a host copy: below the floor `auto` predicts
+    (and scores) only one call in PROBE_EVERY, `on` every call; back at the floor, every call."""
+    target, host = _Target(), _Executor([])
+    auto, on = Lookahead(target, "auto"), Lookahead(target, "on")
+    assert [auto.wanted(host) for _ in range(3)] == [True] * 3
+    target.recall = RECALL_FLOOR / 2
+    calls = 3 * PROBE_EVERY
+    assert [auto.wanted(host) for _ in range(calls)] == ([False] * (PROBE_EVERY - 1) + [True]) * 3
+    assert all(on.wanted(host) for _ in range(calls))
+    auto.wanted(host)  # one call skipped since the probe
+    target.recall = RECALL_FLOOR
+    assert all(auto.wanted(host) for _ in range(calls)) and auto.skipped == 0
 
 
 class _Executor:

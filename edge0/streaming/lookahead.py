@@ -9,8 +9,10 @@ wasted). Tokens never change: every layer still routes with its own gate.
 routes (at least RECALL_FLOOR of its routed experts, averaged over the last few steps): mostly
 wrong predictions would take the disk from the reads a step needs, and their experts would take
 slots from cached ones. A layer's average starts at the floor, so its first prediction is read
-ahead and one step in which most of it is wrong stops the next. Predictions are still scored
-while it does not read, so a layer whose recall comes back reads ahead again. Reads out of the
+ahead and one step in which most of it is wrong stops the next. While a layer does not read, one
+call in PROBE_EVERY still predicts and is scored, so a layer whose recall comes back reads ahead
+again: a prediction costs a small matmul and a host copy each call, 2% of decode where
+predictions never agree (docs/benchmarks.md). Reads out of the
 page cache are read ahead too: the copy into the slots runs on the reader thread, off the
 layer's critical path (docs/benchmarks.md)."""
 
@@ -21,6 +23,7 @@ import numpy as np
 MODES = ("auto", "on", "off")
 RECALL_FLOOR = 0.5
 RECALL_DECAY = 0.8  # a step's weight in the recall halves in about 3 steps
+PROBE_EVERY = 8  # below the floor, `auto` predicts one call in this many (to score it)
 
 
 class Lookahead:
@@ -28,11 +31,19 @@ class Lookahead:
 
     def __init__(self, target, mode: str):
         self.target, self.mode = target, mode
+        self.skipped = 0  # calls not predicted since the last prediction (auto, below the floor)
 
     def wanted(self, executor) -> bool:
         """Whether this call should predict: `executor` routes it on the host (one sync, which the
-        prediction joins) and the next layer will too (a staged route needs no read-ahead)."""
-        return executor.routes_on_host() and self.target.takes_predictions()
+        prediction joins) and the next layer will too (a staged route needs no read-ahead), and
+        the prediction would be read ahead, or it is `auto`'s probe below the floor."""
+        if not (executor.routes_on_host() and self.target.takes_predictions()):
+            return False
+        if self.mode == "on" or self.target.recall >= RECALL_FLOOR or self.skipped >= PROBE_EVERY - 1:
+            self.skipped = 0
+            return True
+        self.skipped += 1
+        return False
 
     def issue(self, ids: np.ndarray) -> None:
         """The next layer's predicted route (host ids [.., K]): scored there, and read ahead unless

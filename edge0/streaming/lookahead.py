@@ -51,8 +51,17 @@ class Lookahead:
         self.target.read_ahead(ids, read=self.mode == "on" or self.target.recall >= RECALL_FLOOR)
 
 
+def agreement(predicted: np.ndarray, routed: np.ndarray) -> tuple[int, int]:
+    """(distinct experts of a route `routed`, how many of them `predicted` foretold); host ids."""
+    routed = set(np.reshape(routed, -1).tolist())  # sets: np.isin costs ~0.1 ms a call here
+    return len(routed), len(routed & set(np.reshape(predicted, -1).tolist()))
+
+
+def recall_after(recall: float, routed: int, agreed: int) -> float:
+    """The recall average after a route of `routed` distinct experts, `agreed` of them predicted."""
+    return RECALL_DECAY * recall + (1 - RECALL_DECAY) * agreed / max(1, routed)
+
+
 def updated_recall(recall: float, predicted: np.ndarray, routed: np.ndarray) -> float:
     """The recall average after a route `routed` (host ids) that `predicted` foretold."""
-    routed = set(np.reshape(routed, -1).tolist())  # sets: np.isin costs ~0.1 ms a call here
-    agreed = len(routed & set(np.reshape(predicted, -1).tolist())) / max(1, len(routed))
-    return RECALL_DECAY * recall + (1 - RECALL_DECAY) * float(agreed)
+    return recall_after(recall, *agreement(predicted, routed))

@@ -32,7 +32,7 @@ import numpy as np
 from edge0.backend import core as B
 from edge0.cache import substitute
 from edge0.streaming.exact import ExactExecutor, raw_nbytes, to_device
-from edge0.streaming.lookahead import RECALL_FLOOR, updated_recall
+from edge0.streaming.lookahead import RECALL_FLOOR, agreement, recall_after
 from edge0.streaming.overflow import call_split, decayed_use, stage_split
 from edge0.streaming.parts import CallRead, DeferredPart, ReadAhead, SlottedAhead, Staged, read_call
 from edge0.streaming.pool import SlotSet
@@ -66,7 +66,7 @@ class StagedExecutor(ExactExecutor):
         self._slotted: SlottedAhead | None = None
         self._landed: SlottedAhead | None = None
         self.predicted: np.ndarray | None = None  # the layer before's prediction of the next host route
-        # how well those predictions agreed lately (lookahead.updated_recall); at the floor to start
+        # how well those predictions agreed lately (lookahead.recall_after); at the floor to start
         # with, so one step of wrong predictions stops `auto` reading ahead (each costs a slot)
         self.recall = RECALL_FLOOR
         self._dropped = []  # device scalars, read after the step by collect_dropped
@@ -185,10 +185,10 @@ class StagedExecutor(ExactExecutor):
     def _score_prediction(self, ids: np.ndarray) -> None:
         if self.predicted is None:
             return
-        routed = set(np.reshape(ids, -1).tolist())
-        self.stats.lookahead_predicted += len(routed)
-        self.stats.lookahead_agreed += len(routed & set(self.predicted.tolist()))
-        self.recall, self.predicted = updated_recall(self.recall, self.predicted, ids), None
+        routed, agreed = agreement(self.predicted, ids)
+        self.stats.lookahead_predicted += routed
+        self.stats.lookahead_agreed += agreed
+        self.recall, self.predicted = recall_after(self.recall, routed, agreed), None
 
     def swap(self) -> None:
         """Step boundary (the previous step is evaluated, so nothing in flight reads the slots):
@@ -385,7 +385,8 @@ class StagedExecutor(ExactExecutor):
         some misses are read for this call only, from the bytes read."""
         # sets, not np.isin: K pairs, and this runs between the route's sync and the hits' launch
         flat, missing = ids.reshape(-1), set(misses)
-        pairs = np.array([i for i, e in enumerate(flat.tolist()) if e in missing], dtype=np.int64)
+        order = flat.tolist()
+        pairs = np.array([i for i, e in enumerate(order) if e in missing], dtype=np.int64)
 
         def pairs_part(raw, loaded):
             if len(misses) == len(loaded):  # every miss took a slot (now written): no second copy
@@ -395,7 +396,7 @@ class StagedExecutor(ExactExecutor):
             return to_device(raw, len(misses), self.dtype), rows, pairs
 
         misses_part = self._deferred(misses, plan, pairs_part)
-        kept = np.array([i for i, e in enumerate(flat.tolist()) if e not in missing], dtype=np.int64)
+        kept = np.array([i for i, e in enumerate(order) if e not in missing], dtype=np.int64)
         if not len(kept):
             return [misses_part]
         self.stats.overlapped += 1

@@ -112,8 +112,7 @@ class SlotSet:
         then scatters with `apply`)."""
         rows = []
         for name, (buf, st_dtype, shape) in raw.items():
-            proj, part = name.rsplit(".", 1)
-            view = self.views[proj][part]
+            view = self._view(name)
             got = host_rows(buf, st_dtype, view.dtype) if view is not None else None
             if got is None:
                 return False
@@ -129,8 +128,7 @@ class SlotSet:
         info = self.store.layers[self.layer]["tensors"]
         rows = {}
         for name, t in info.items():
-            proj, part = name.rsplit(".", 1)
-            view = self.views[proj][part]
+            view = self._view(name)
             if view is None or not host_exact(t["dtype"], view.dtype):
                 return {}
             if B.ST_DTYPES[t["dtype"]] == view.dtype.name:
@@ -176,6 +174,11 @@ class SlotSet:
             self.table = B.array(table)
         self.aliased = bool(alias)
         return scattered
+
+    def _view(self, name: str) -> np.ndarray | None:
+        """The host view of the slot tensor of a store tensor name ("gate_proj.scales"), or None."""
+        proj, part = name.rsplit(".", 1)
+        return self.views[proj][part]
 
     def _host_views(self) -> dict:
         """A host view of each slot tensor (None where it has none, see B.writable_view). Making one

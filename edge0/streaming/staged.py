@@ -71,7 +71,7 @@ class StagedExecutor(ExactExecutor):
         self.recall = RECALL_FLOOR
         self._dropped = []  # device scalars, read after the step by collect_dropped
         self._inflight: DeferredPart | None = None  # a call's deferred misses part (see _split), until it runs
-        self._unplanned = None  # (ids, scores) of a token's call that hit every expert, until `done` plans it
+        self._unplanned = None  # (ids, experts, scores) of a token's call that hit every expert, until `done` plans it
         # fn(layer), a stager's (on_route): called after a call that routed on the host, when this
         # step's slots are planned, so the next step's reads can start before the forward ends
         self._after_route = None
@@ -330,17 +330,17 @@ class StagedExecutor(ExactExecutor):
         experts = set(ids.reshape(-1).tolist())
         misses = sorted(experts - self.slots.slot_of.keys())
         if not misses:
-            self._unplanned = (ids, scores)
+            self._unplanned = (ids, sorted(experts), scores)
             return [(self.slots.params, self.slots.local(indices))]
-        plan = lambda: self._plan_token(ids, scores)  # noqa: E731
+        plan = lambda: self._plan_token(ids, sorted(experts), scores)  # noqa: E731
         if len(misses) == len(experts):
             return self._read_later(indices, misses, plan)
         return self._split(ids, misses, plan)
 
-    def _plan_token(self, ids: np.ndarray, scores) -> tuple[list, list, list]:
-        """A token's call's bookkeeping and plan (see `_token_call`): (evicted, loaded, slots)."""
+    def _plan_token(self, ids: np.ndarray, experts: list, scores) -> tuple[list, list, list]:
+        """A token's call's bookkeeping and plan (see `_token_call`; `experts`: its distinct
+        routed experts, sorted): (evicted, loaded, slots)."""
         early = self._account(ids)
-        experts = sorted(set(ids.reshape(-1).tolist()))
         hits, loaded, evicted, slots = self.slots.plan(self.step, experts, scores)
         self._count(experts, hits, loaded, early)
         return evicted, loaded, slots
@@ -348,9 +348,9 @@ class StagedExecutor(ExactExecutor):
     def _plan_pending(self) -> None:
         """The plan of a token's call whose experts all hit, once its compute runs (`done`)."""
         if self._unplanned is not None:
-            ids, scores = self._unplanned
+            ids, experts, scores = self._unplanned
             self._unplanned = None
-            self._plan_token(ids, scores)
+            self._plan_token(ids, experts, scores)
             self._routed()
 
     def done(self, y) -> None:

@@ -222,6 +222,35 @@ def test_staged_covered_route_does_zero_host_syncs(store_for):
     assert e.stats()["totals"]["calls"] >= 12 * n_layers
 
 
+def test_a_cache_holding_every_expert_decodes_without_host_syncs(store_for):
+    store = store_for("qwen3_moe")
+    ref = edge0.load(store, decode_executor="exact", prefill_executor="exact")
+    prompt = ref.encode("hello world, once upon a time")
+    want = ref.generate(prompt, max_tokens=12, ignore_eos=True).tokens
+    per_slot = sum(ref.store.expert_nbytes(l) for l in ref.store.layers)
+    e = edge0.load(
+        store, decode_executor="staged", prefill_executor="exact", expert_cache=ref.spec.num_experts * per_slot
+    )
+    staged = e.streaming.staged().values()
+    for ex in staged:  # every expert into its slot
+        _, loaded, evicted, slots = ex.slots.plan(0, list(range(ex.slots.num_experts)), None)
+        ex.slots.apply(evicted, loaded, slots, ex.store.read(ex.layer, loaded), in_place=True)
+        assert ex.holds_every_expert()
+    start = e.stats()["totals"]
+    one = e.generate(prompt, max_tokens=1, ignore_eos=True)  # the prefill's token alone
+    before = e.stats()["totals"]
+    res = e.generate(prompt, max_tokens=12, ignore_eos=True)
+    after = e.stats()["totals"]
+    assert res.tokens == want
+    assert res.stats["host_syncs"] == one.stats["host_syncs"] > 0  # the 11 decode steps sync nowhere
+    # beyond what the prefill's token did, every routed expert of the 11 steps hit (counted after
+    # each step from the device routes) and nothing was read
+    steps, n_layers = 11, len(e.store.layers)
+    assert after["misses"] - before["misses"] == before["misses"] - start["misses"]
+    assert (after["hits"] - before["hits"]) - (before["hits"] - start["hits"]) == steps * n_layers * ref.spec.top_k
+    assert after["lookahead_predicted"] == before["lookahead_predicted"]
+
+
 def test_unstaged_experts_are_counted_exactly_as_dropped(store_for):
     store = store_for("qwen3_moe")
     ref = edge0.load(store, decode_executor="exact", prefill_executor="exact")

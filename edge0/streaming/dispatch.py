@@ -21,7 +21,7 @@ from edge0.streaming.exact import ExactExecutor
 from edge0.streaming.hot import HotExecutor
 from edge0.streaming.lookahead import Lookahead
 from edge0.streaming.pool import SlotSet, slots_per_layer
-from edge0.streaming.staged import StagedExecutor, collect_dropped
+from edge0.streaming.staged import StagedExecutor
 from edge0.streaming.stats import ExecutorStats
 from edge0.streaming.whole import LayerPrefetcher, WholeLayerExecutor
 from edge0.units import format_size, parse_size
@@ -300,10 +300,29 @@ class Streaming:
                 d.decoding = False
 
     def end_step(self) -> None:
-        """After a decode step was evaluated: read the device-side dropped-expert counters."""
-        collect_dropped(self.staged().values())
+        """After a decode step was evaluated: read what the staged executors left on the device."""
+        collect_after_step(self.staged().values())
         self.stats.decode_steps += 1
 
     def close(self) -> None:
         self.prefetcher.cancel()
         self.reader.shutdown(wait=False, cancel_futures=True)
+
+
+def collect_after_step(executors) -> int:
+    """After a step: read what the staged `executors` left on the device in one host sync (one a
+    layer would cost a sync each): the counters of routed experts that were not staged, and the
+    routes of calls over a cache holding every expert; add them to each layer's stats. Returns the
+    dropped total."""
+    pending = [(ex, *ex.take_after_step()) for ex in executors]
+    arrays = [a for _, dropped, routes in pending for a in dropped + routes]
+    if not arrays:
+        return 0
+    B.eval(*arrays)
+    total = 0
+    for ex, dropped, routes in pending:
+        n = int(sum(B.to_numpy(d) for d in dropped))
+        ex.stats.dropped += n
+        total += n
+        ex.count_routes([B.to_numpy(r) for r in routes])
+    return total

@@ -9,6 +9,8 @@ Two ways to use it:
   are read on a background thread while the current step computes, written into the slots at the
   step boundary, and the layer then runs with no host sync at all. Routed experts that were not
   staged would hit the zero row; they are counted as `dropped` after the step.
+Once a layer's slots hold every one of its experts, a token's call runs on them the same way, with
+no host sync; its hits are counted from its route after the step (`holds_every_expert`).
 
 Slots are rewritten in place (SlotSet.apply(in_place=True)), which relies on one invariant of
 the engine: a step's graph is built only after the previous step was evaluated, so when a layer
@@ -69,7 +71,8 @@ class StagedExecutor(ExactExecutor):
         # how well those predictions agreed lately (lookahead.recall_after); at the floor to start
         # with, so one step of wrong predictions stops `auto` reading ahead (each costs a slot)
         self.recall = RECALL_FLOOR
-        self._dropped = []  # device scalars, read after the step by collect_dropped
+        self._dropped = []  # device scalars, read after the step by collect_after_step
+        self._unsynced = []  # device routes of calls over a cache holding every expert, read likewise
         self._inflight: DeferredPart | None = None  # a call's deferred misses part (see _split), until it runs
         self._unplanned = None  # (ids, experts, scores) of a token's call that hit every expert, until `done` plans it
         # fn(layer), a stager's (on_route): called after a call that routed on the host, when this
@@ -128,7 +131,7 @@ class StagedExecutor(ExactExecutor):
 
     def takes_predictions(self) -> bool:
         """Whether this layer's next call routes on the host (a staged route needs no prediction)."""
-        return not self._trusted and self._pending is None
+        return not self._trusted and self._pending is None and not self.holds_every_expert()
 
     def routes_on_host(self) -> bool:
         return self.takes_predictions()  # one token's call; a staged route (trusted) needs no sync
@@ -249,10 +252,38 @@ class StagedExecutor(ExactExecutor):
         self.slots.resize(n_slots)
         self._trusted = False
 
-    def take_dropped(self) -> list:
-        """This step's device counters of routed experts that were not staged (see collect_dropped)."""
-        out, self._dropped = self._dropped, []
+    def holds_every_expert(self) -> bool:
+        """Every expert of the layer is in its slots (as many slots as experts, all loaded): a
+        token's route maps onto them on the device, with no host sync and nothing to read.
+        Substitution and score-aware policies still route on the host."""
+        return not self.wants_scores and len(self.slots.slot_of) == self.slots.num_experts
+
+    def _on_slots(self, indices) -> list:
+        """A token's call mapped onto the slots on the device, no host sync: its route was staged
+        (a routed expert not staged hits the zero row: counted as dropped after the step), or
+        every expert is cached (all hits: counted after the step, `count_routes`)."""
+        self.step += 1
+        local = self.slots.local(indices)
+        if self._trusted:
+            self._dropped.append((local == self.slots.zero).sum())
+        else:
+            self._unsynced.append(indices)
+        self._trusted = False
+        return [(self.slots.params, local)]
+
+    def take_after_step(self) -> tuple[list, list]:
+        """This step's device counters of routed experts that were not staged, and the routes of its
+        calls over a cache holding every expert (see collect_after_step)."""
+        out = self._dropped, self._unsynced
+        self._dropped, self._unsynced = [], []
         return out
+
+    def count_routes(self, routes: list) -> None:
+        """The hits of calls that routed on the device over a cache holding every expert (host ids);
+        the cache policy's recency is not updated by them, as nothing is evicted while it holds all."""
+        for ids in routes:
+            experts = np.unique(ids).tolist()
+            self._count(experts, experts, [], 0)
 
     # -- the layer call ------------------------------------------------------------------------
     def host_route(self, indices, scores):
@@ -267,12 +298,8 @@ class StagedExecutor(ExactExecutor):
             return super().__call__(indices, scores)  # joining a batch), not a step: the slots wait for the swap
         self.stats.calls += 1
         multi = indices.size > indices.shape[-1]  # several tokens: a verify, or a batch of sequences
-        if self._trusted and not multi:
-            self._trusted = False
-            self.step += 1
-            local = self.slots.local(indices)
-            self._dropped.append((local == self.slots.zero).sum())
-            return [(self.slots.params, local)]
+        if not multi and (self._trusted or self.holds_every_expert()):
+            return self._on_slots(indices)
         # a multi-token step routes on the host even after a swap: what was staged is in the slots (hits)
         self._trusted = False
         ids, scores = self.host_route(indices, scores) if self.wants_scores else (self.host_ids(indices), None)
@@ -460,20 +487,3 @@ def follow_routes(executors, fn) -> None:
     """`on_route(fn)` on each of the staged `executors` (None stops it)."""
     for ex in executors:
         ex.on_route(fn)
-
-
-def collect_dropped(executors) -> int:
-    """After a step: read every executor's dropped-expert counters in one host sync (one per
-    layer would cost a sync each), add them to each layer's stats; returns the total."""
-    pending = [(ex, ex.take_dropped()) for ex in executors]
-    flat = [d for _, ds in pending for d in ds]
-    if not flat:
-        return 0
-    counts = B.to_numpy(B.stack(flat)).tolist()
-    total = 0
-    for ex, ds in pending:
-        n = int(sum(counts[: len(ds)]))
-        counts = counts[len(ds) :]
-        ex.stats.dropped += n
-        total += n
-    return total

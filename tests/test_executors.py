@@ -251,6 +251,31 @@ def test_a_cache_holding_every_expert_decodes_without_host_syncs(store_for):
     assert after["lookahead_predicted"] == before["lookahead_predicted"]
 
 
+def test_a_whole_layer_prefill_fills_a_cache_that_holds_every_expert(store_for):
+    store = store_for("qwen3_moe")
+    ref = edge0.load(store, decode_executor="exact", prefill_executor="exact")
+    prompt = ref.encode("hello world, once upon a time, in a land far away")
+    want = ref.generate(prompt, max_tokens=12, ignore_eos=True).tokens
+    per_slot = sum(ref.store.expert_nbytes(l) for l in ref.store.layers)
+    layers = {}
+    for fill in (True, False):
+        e = edge0.load(
+            store, decode_executor="staged", prefill_executor="whole", expert_cache=ref.spec.num_experts * per_slot
+        )
+        if not fill:
+            for d in e.streaming.layers.values():
+                d.prefill["whole"].on_read = None
+        assert e.generate(prompt, max_tokens=12, ignore_eos=True).tokens == want
+        layers[fill] = e.stats()["layers"]
+    # every layer the prefill read whole (all but the last, which computes only the last token
+    # there) filled its slots from that read: its decode steps read and synced nothing
+    *read_whole, last = sorted(layers[True])
+    for l in read_whole:
+        assert layers[True][l]["host_syncs"] == 0 < layers[False][l]["host_syncs"]
+        assert layers[True][l]["misses"] == 0 and layers[True][l]["slot_rewrites"] == ref.spec.num_experts
+    assert layers[True][last]["host_syncs"] > 0
+
+
 def test_unstaged_experts_are_counted_exactly_as_dropped(store_for):
     store = store_for("qwen3_moe")
     ref = edge0.load(store, decode_executor="exact", prefill_executor="exact")

@@ -209,6 +209,8 @@ class Streaming:
                     )
                 else:
                     decode = HotExecutor(store, l, compute_dtype, self.stats, slots)
+            if "whole" in prefill and isinstance(decode, StagedExecutor):
+                prefill["whole"].on_read = decode.fill
             num_experts = int(store.layers[l]["num_experts"])
             self.layers[l] = LayerDispatch(prefill, decode, WHOLE_LAYER_MIN_TOKENS, k, num_experts, self.stats.layer(l))
 

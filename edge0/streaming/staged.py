@@ -9,8 +9,8 @@ Two ways to use it:
   are read on a background thread while the current step computes, written into the slots at the
   step boundary, and the layer then runs with no host sync at all. Routed experts that were not
   staged would hit the zero row; they are counted as `dropped` after the step.
-Once a layer's slots hold every one of its experts, a token's call runs on them the same way, with
-no host sync; its hits are counted from its route after the step (`holds_every_expert`).
+Once a layer's slots hold every expert (`holds_every_expert`, `fill`), a token's call runs on
+them so too, its hits counted from its route after the step.
 
 Slots are rewritten in place (SlotSet.apply(in_place=True)), which relies on one invariant of
 the engine: a step's graph is built only after the previous step was evaluated, so when a layer
@@ -258,10 +258,21 @@ class StagedExecutor(ExactExecutor):
         Substitution and score-aware policies still route on the host."""
         return not self.wants_scores and len(self.slots.slot_of) == self.slots.num_experts
 
+    def fill(self, raw) -> None:
+        """A whole layer's store bytes (`raw`, experts in id order) read for a prefill: if the slots
+        hold every expert, the uncached take theirs from it, so decode needs no sync from its start."""
+        n = self.slots.num_experts
+        if self.slots.n_slots < n or self._pending is not None:
+            return
+        self._finish_inflight()  # nothing in flight writes the slots; the step before was evaluated
+        loaded, evicted, slots = self.slots.admit([e for e in range(n) if e not in self.slots.slot_of])
+        rows = {k: (b[loaded], d, shape) for k, (b, d, shape) in raw.items()}
+        self.stats.slot_scatters += self.slots.apply(evicted, loaded, slots, rows, in_place=True)
+        self.stats.slot_rewrites += len(loaded)
+
     def _on_slots(self, indices) -> list:
-        """A token's call mapped onto the slots on the device, no host sync: its route was staged
-        (a routed expert not staged hits the zero row: counted as dropped after the step), or
-        every expert is cached (all hits: counted after the step, `count_routes`)."""
+        """A token's call mapped onto the slots on the device, no host sync: its route was staged (a
+        routed expert not staged hits the zero row, counted as dropped), or every expert is cached."""
         self.step += 1
         local = self.slots.local(indices)
         if self._trusted:

@@ -47,6 +47,7 @@ class WholeLayerExecutor(ExactExecutor):
         self._used = None  # device mask of the experts the call (or the held span) used
         self.holding = False
         self._params = None
+        self.on_read = None  # fn(raw): also given each whole layer read (the decode slots fill from it)
 
     def hold(self) -> None:
         """Start reading the layer, and keep its experts from the first call until `release` (a
@@ -68,6 +69,8 @@ class WholeLayerExecutor(ExactExecutor):
         s.calls += 1
         s.loads += self.num_experts
         s.bytes_read += raw_nbytes(raw)
+        if self.on_read is not None:
+            self.on_read(raw)
         return to_device(raw, self.num_experts, self.dtype)
 
     def __call__(self, indices, scores=None):

@@ -261,11 +261,11 @@ class StagedExecutor(ExactExecutor):
     def fill(self, raw) -> None:
         """A whole layer's store bytes (`raw`, experts in id order) read for a prefill: if the slots
         hold every expert, the uncached take theirs from it, so decode needs no sync from its start."""
-        n = self.slots.num_experts
-        if self.slots.n_slots < n or self._pending is not None:
+        missing = [e for e in range(self.slots.num_experts) if e not in self.slots.slot_of]
+        if self.slots.n_slots < self.slots.num_experts or not missing or self._pending is not None:
             return
         self._finish_inflight()  # nothing in flight writes the slots; the step before was evaluated
-        loaded, evicted, slots = self.slots.admit([e for e in range(n) if e not in self.slots.slot_of])
+        loaded, evicted, slots = self.slots.admit(missing)
         rows = {k: (b[loaded], d, shape) for k, (b, d, shape) in raw.items()}
         self.stats.slot_scatters += self.slots.apply(evicted, loaded, slots, rows, in_place=True)
         self.stats.slot_rewrites += len(loaded)

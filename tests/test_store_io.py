@@ -3,6 +3,7 @@ strategy and layout, O_DIRECT fallback counted, concurrent reads, older stores s
 
 import errno
 import json
+import mmap
 import os
 import shutil
 import subprocess
@@ -154,6 +155,14 @@ def test_a_read_into_given_rows_fills_them_and_returns_the_rest(stores, layout, 
     with pytest.raises(ValueError, match="contiguous uint8 rows"):
         store.read(layer, ids, {name: rows[:2]})
     store.close()
+
+
+def test_a_whole_layer_buffer_is_its_own_mapping():
+    a = aligned_empty(3 * ALIGN + 5, mapped=True)
+    assert a.nbytes == 3 * ALIGN + 5 and a.ctypes.data % ALIGN == 0 and a.flags.writeable
+    assert isinstance(a.base.obj, mmap.mmap)  # unmapped with the array, not kept in the C heap
+    a[:] = 7
+    assert int(a.sum()) == 7 * a.nbytes
 
 
 @pytest.mark.parametrize("sizes", ["odd", "pages"])

@@ -130,7 +130,7 @@ class ExpertStore:
             if name not in into:
                 starts[name] = total
                 total += -(-n * int(t["expert_nbytes"]) // ALIGN) * ALIGN
-        block = aligned_empty(total)
+        block = aligned_empty(total, mapped=ids is None)  # a whole layer: returned to the OS once freed
         fresh = {
             name: block[starts[name] : starts[name] + n * int(tensors[name]["expert_nbytes"])].reshape(
                 n, int(tensors[name]["expert_nbytes"])

@@ -42,8 +42,12 @@ _PAGE = mmap.PAGESIZE
 _F_NOCACHE = 48 if sys.platform == "darwin" else None  # fcntl.h; the fcntl module may lack it
 
 
-def aligned_empty(nbytes: int) -> np.ndarray:
-    """An uninitialised uint8 array of `nbytes` whose data starts 4 KiB-aligned (O_DIRECT needs it)."""
+def aligned_empty(nbytes: int, mapped: bool = False) -> np.ndarray:
+    """An uninitialised uint8 array of `nbytes` whose data starts 4 KiB-aligned (O_DIRECT needs it).
+    `mapped`: in its own anonymous mapping, returned to the OS when the array goes (a whole layer's
+    buffer: glibc would otherwise keep it in its heap, where the next, larger one does not fit)."""
+    if mapped:
+        return np.frombuffer(mmap.mmap(-1, max(nbytes, 1)), dtype=np.uint8, count=nbytes)
     raw = np.empty(nbytes + ALIGN, dtype=np.uint8)
     skip = -raw.ctypes.data % ALIGN
     return raw[skip : skip + nbytes]

@@ -11,6 +11,7 @@ import pytest
 
 import edge0
 from edge0.backend.lookahead import predictor, router_of
+from edge0.streaming import early
 from edge0.streaming.dispatch import LayerDispatch
 from edge0.streaming.exact import ExactExecutor
 from edge0.streaming.lookahead import PROBE_EVERY, RECALL_FLOOR, Lookahead, updated_recall
@@ -126,7 +127,7 @@ def test_the_router_of_an_mlx_lm_block_predicts_its_top_k(moe_gate):
     x = mx.random.normal((1, 1, 16))
     got = predictor(block, "switch_mlp", 8, 3)(x)
     logits = np.array(x[0, 0]) @ np.array(block.gate.weight).T
-    assert sorted(np.array(got).reshape(-1).tolist()) == sorted(np.argsort(-logits)[:3].tolist())
+    assert np.array(got).reshape(-1).tolist() == np.argsort(-logits)[:3].tolist()  # best score first
     assert predictor(block, "switch_mlp", 8, 3)(mx.zeros((1, 1, 12))) is None  # another width predicts nothing
 
 
@@ -234,3 +235,77 @@ def test_a_prediction_is_written_into_the_slots_on_a_reader_and_its_call_finds_i
     assert not {2, 3} & set(ex.slots.slot_of)
     inds = mx.array([[[2, 5]]], dtype=mx.uint32)
     assert np.array_equal(run(engine, layer, ex, x, inds), run(engine, layer, exact, x, inds))
+
+
+def test_a_tokens_best_predicted_experts_compute_before_its_route_reaches_the_host(store_for):
+    """A token's call computes the best-scored experts of its prediction that are in its slots
+    (an Early part) before its route's sync; the route's pairs to them take those outputs, the
+    other hits and the misses compute as usual, and the output is exact's. An early expert the
+    route did not take is counted as unused and keeps its slot through the call's plan (its
+    compute may still read it), even as the least recently used. A layer whose predictions
+    disagree computes nothing early."""
+    store = store_for("qwen3_moe")
+    probe = edge0.load(store, lora=False)
+    per_slot = sum(probe.store.expert_nbytes(l) for l in probe.store.layers)
+    engine = edge0.load(store, expert_cache=4 * per_slot, decode_executor="staged", lora=False)
+    layer = sorted(engine.streaming.layers)[0]
+    ex = engine.streaming.layers[layer].decode
+    assert ex.slots.n_slots == 2 * engine.streaming.layers[layer].k == 4
+    exact = ExactExecutor(engine.store, layer, "float32", engine.streaming.stats)
+    x = mx.array(np.random.default_rng(5).normal(size=(1, 1, engine.model.args.hidden_size)).astype(np.float32))
+    for route in ([0, 1], [2, 3]):  # least recently used first: 0, 1, 2, 3
+        run(engine, layer, ex, x, mx.array([[route]], dtype=mx.uint32))
+    s = ex.stats
+    cases = [  # prediction (best first), route, experts computed early, of them unused, cached after
+        ([0, 3], [3, 5], 2, 1, {0, 2, 3, 5}),  # 3 early, 5 a miss that evicts 1, not the unused 0
+        ([2, 0], [0, 1], 2, 1, {0, 1, 2, 5}),  # 0 early, 1 a miss that evicts 3, not the unused 2
+        ([5, 0], [0, 5], 2, 0, {0, 1, 2, 5}),  # every pair early
+    ]
+    for predicted, route, computed, unused, cached in cases:
+        ex.recall = 1.0
+        ex.read_ahead(np.array([predicted]), read=False)
+        before = (s.early_experts, s.early_unused, s.host_syncs)
+        inds = mx.array([[route]], dtype=mx.uint32)
+        got = run(engine, layer, ex, x, inds)
+        assert [a - b for a, b in zip((s.early_experts, s.early_unused, s.host_syncs), before)] == [computed, unused, 1]
+        assert set(ex.slots.slot_of) == cached
+        assert np.array_equal(got, run(engine, layer, exact, x, inds))
+    ex.recall = 0.5  # below EARLY_RECALL
+    ex.read_ahead(np.array([[3, 5]]), read=False)
+    before = s.early_experts
+    inds = mx.array([[[3, 5]]], dtype=mx.uint32)
+    assert np.array_equal(run(engine, layer, ex, x, inds), run(engine, layer, exact, x, inds))
+    assert s.early_experts == before
+
+
+@pytest.mark.parametrize(
+    "family", [pytest.param(f, marks=[] if f == "qwen3_moe" else pytest.mark.slow) for f in ALL_FAMILIES]
+)
+def test_every_family_keeps_its_tokens_with_experts_computed_before_their_route(family, store_for, monkeypatch):
+    """Each family's decode with early experts on every call (EARLY_RECALL 0, a cache of 2 x K
+    slots) gives the tokens of a decode without reading ahead."""
+    monkeypatch.setattr(early, "EARLY_RECALL", 0.0)
+    store = store_for(family)
+    kw = {"trust_remote_code": True} if family.startswith("kimi") else {}
+    probe = edge0.load(store, prerouter=False, lora=False, **kw)
+    per_slot = sum(probe.store.expert_nbytes(l) for l in probe.store.layers)
+    num_experts = min(int(v["num_experts"]) for v in probe.store.layers.values())
+    k = max(d.k for d in probe.streaming.layers.values())
+    cache = 2 * k * per_slot
+    off, want = _run(store, "off", cache, **kw)
+    on, got = _run(store, "on", cache, **kw)
+    assert got.tokens == want.tokens
+    computed = on.stats()["totals"]["early_experts"]
+    assert computed > 0 if family not in NO_LOOKAHEAD and num_experts > 2 * k else computed == 0
+
+
+def test_only_the_best_scored_cached_predictions_compute_early():
+    cached = {1: 0, 3: 1, 7: 2}
+    best_first = np.array([3, 5, 1, 2, 7])
+    assert early.early_experts(best_first, cached, 1.0, n_slots=4, k=2, n=4) == [3, 1]  # 7 is 5th
+    assert early.early_experts(best_first, cached, 1.0, n_slots=3, k=2, n=4) == []  # no room beside a route
+    assert early.early_experts(best_first, cached, early.EARLY_RECALL - 0.01, n_slots=4, k=2, n=4) == []
+    assert early.early_experts(None, cached, 1.0, n_slots=4, k=2) == []
+    # route 3, 4, 1, 3 against early [3, 1]: pairs 0, 2, 3 served by rows 0, 1, 0; 4 a miss
+    assert early.after_route([3, 4, 1, 3], [3, 1], cached) == ([0, 2, 3], [0, 1, 0], [], [4])
+    assert early.after_route([7, 1], [3], cached) == ([], [], [0, 1], [])

@@ -47,10 +47,15 @@ def router_of(block: nn.Module, experts_path: str, num_experts: int) -> tuple[st
 
 def predictor(block: nn.Module, experts_path: str, num_experts: int, k: int) -> Callable | None:
     """x [.., D] (the MoE input of the layer before) -> predicted expert ids [.., k] (lazy) of
-    `block`'s route, or None when no router is found. Inputs of another width predict nothing;
-    ids past the stored experts (zero experts) are dropped by the reader."""
+    `block`'s route, highest score first, or None when no router is found. Inputs of another
+    width predict nothing; ids past the stored experts (zero experts) are dropped by the reader."""
     if isinstance(block, SpecMoEBlock):
-        return lambda x: block.gate_route(x)[0]
+
+        def ranked(x):
+            inds, scores, _ = block.gate_route(x)
+            return mx.take_along_axis(inds, mx.argsort(-scores, axis=-1), axis=-1)
+
+        return ranked
     found = router_of(block, experts_path, num_experts)
     if found is None:
         return None
@@ -62,7 +67,7 @@ def predictor(block: nn.Module, experts_path: str, num_experts: int, k: int) -> 
         if x.shape[-1] != width:
             return None
         logits = call(x)
-        return mx.stop_gradient(mx.argpartition(-logits, kth=k - 1, axis=-1)[..., :k])
+        return mx.stop_gradient(mx.argsort(-logits, axis=-1)[..., :k])
 
     return predict
 

@@ -3,6 +3,8 @@ store) and SpecMoEBlock (a spec'd family's block with Edge0's routing)."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -10,6 +12,23 @@ from mlx.utils import tree_map
 
 from edge0.backend.modules import get_module
 from edge0.backend.routing import expert_scores, route
+
+
+class Early(NamedTuple):
+    """Experts of a one-token call computed before its route is known (predicted, already in the
+    slots), so the device computes them while the host waits for the route: outputs [n, D], of
+    which a later `Served` takes the rows the route chose."""
+
+    params: dict
+    rows: object  # [n] rows of `params` (device)
+
+
+class Served(NamedTuple):
+    """The (token, k) pairs at flat positions `pairs` (host ints) take rows `at` of the call's
+    `Early` outputs."""
+
+    pairs: np.ndarray
+    at: np.ndarray
 
 
 class _Streamed(nn.Module):
@@ -40,8 +59,10 @@ class StreamingExperts(_Streamed):
       computed, pairs another part owns pointing at a zero expert; such parts are summed;
     - (tensors, rows [N], pairs [N]): only the N (token, k) pairs at flat positions `pairs` (host
       ints) are computed, with expert rows `rows`; such parts together cover every pair once;
-    - a callable returning one of those: its experts are still being read, so the parts before it
-      start computing first (hits compute while misses are in flight).
+    - `Early` and `Served` (one token): experts computed before the route is known, and the pairs
+      that then take their outputs; they count as pair parts;
+    - a callable returning one of those, or a list of them: its experts are still being read, or
+      its route is not on the host yet, so the parts before it start computing first.
     The original mlx-lm module runs its own math on each; then `executor.done(output)`. `scores`
     (router scores over all experts, lazy) come from a SpecMoEBlock's gate; mlx-lm's own blocks
     pass none. With a lookahead (backend/lookahead.py), the executor may ask for the next MoE
@@ -56,17 +77,29 @@ class StreamingExperts(_Streamed):
     def __call__(self, x, indices, scores=None):
         # T tokens (any leading shape), K routed each, D hidden, N pairs of a part
         summed, picked = None, []  # the summed parts' total; (pairs, outputs [N, D]) of pair parts
+        early = None  # an Early part's outputs [n, D]
         fn = self.lookahead
         try:
-            parts = (
+            parts = list(
                 self.executor(indices, scores) if fn is None else self.executor(indices, scores, ahead=lambda: fn(x))
             )
-            for part in parts:
+            while parts:
+                part = parts.pop(0)
                 if callable(part):
-                    mx.async_eval([y for _, y in picked] + ([summed] if summed is not None else []))
+                    launched = [y for _, y in picked] + [a for a in (summed, early) if a is not None]
+                    mx.async_eval(launched)
                     part = part()
+                    parts[:0] = part if isinstance(part, list) else [part]
+                    continue
+                if isinstance(part, Served):
+                    picked.append((part.pairs, early[mx.array(part.at)]))
+                    continue
                 self.inner.update(part[0])
-                if len(part) == 2:
+                if isinstance(part, Early):
+                    n = part.rows.shape[0]
+                    xs = mx.broadcast_to(x.reshape(1, x.shape[-1]), (n, x.shape[-1]))
+                    early = self.inner(xs, part.rows.reshape(-1, 1)).reshape(n, -1)  # [n, D]
+                elif len(part) == 2:
                     y = self.inner(x, part[1])
                     summed = y if summed is None else summed + y
                 else:

@@ -86,14 +86,15 @@ class ExpertCache:
         self.cached: set[int] = set()
         self.hits = self.misses = 0
 
-    def access(self, step: int, routed: Sequence[int], scores: np.ndarray | None = None):
+    def access(self, step: int, routed: Sequence[int], scores: np.ndarray | None = None, keep=()):
         """Route one step through the cache. Returns (hits, loaded, evicted) expert lists;
         `loaded` must be read from storage, `evicted` may be dropped. With a route larger than
-        the capacity, `evicted` may include experts of this route (drop them after the step)."""
+        the capacity, `evicted` may include experts of this route (drop them after the step).
+        `keep`: cached experts not to evict either (a computation still reads their slots)."""
         routed = list(dict.fromkeys(int(e) for e in routed))
         policy, cached, cap = self.policy, self.cached, self.policy.capacity
         policy.observe(step, routed, scores)
-        protected = set(routed)
+        protected = set(routed) | set(keep)
         hits, loaded, evicted = [], [], []
         for e in routed:
             if e in cached:

@@ -94,9 +94,10 @@ class SlotSet:
         self.slot_of.update(zip(loaded, slots))
         return slots
 
-    def plan(self, step: int, experts, scores=None):
-        """Admit `experts` into the cache. Returns (hits, loaded, evicted, slots for loaded)."""
-        hits, loaded, evicted = self.cache.access(step, experts, scores)
+    def plan(self, step: int, experts, scores=None, keep=()):
+        """Admit `experts` into the cache, evicting none of `keep`. Returns (hits, loaded, evicted,
+        slots for loaded)."""
+        hits, loaded, evicted = self.cache.access(step, experts, scores, keep)
         return hits, loaded, evicted, self.assign(loaded, evicted)
 
     def admit(self, experts) -> tuple[list[int], list[int], list[int]]:

@@ -32,7 +32,9 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from edge0.backend import core as B
+from edge0.backend.moe import Early, Served
 from edge0.cache import substitute
+from edge0.streaming.early import EARLY_EXPERTS, after_route, early_experts
 from edge0.streaming.exact import ExactExecutor, raw_nbytes, to_device
 from edge0.streaming.lookahead import RECALL_FLOOR, agreement, recall_after
 from edge0.streaming.overflow import call_split, decayed_use, stage_split
@@ -81,6 +83,7 @@ class StagedExecutor(ExactExecutor):
         # how often each expert was routed lately (rows of host-routed calls, decayed a call): who
         # keeps a slot when a call's union is wider than the slots (streaming/overflow.py)
         self.use = np.zeros(self.slots.num_experts)
+        self.early = EARLY_EXPERTS  # predicted experts in the slots a token's call computes before its route
 
     def route_experts(self, ids: np.ndarray, scores) -> tuple[list[int], dict[int, int]]:
         """One token's route (host ids [K], scores [E]) -> (the experts to use, {routed:
@@ -143,7 +146,9 @@ class StagedExecutor(ExactExecutor):
         launched reads this layer's slots until its call, which waits for them). The call finds
         those it routes cached; the rest are counted as wasted."""
         self._plan_pending()  # a call whose `done` never came: its bookkeeping first
-        ids = np.unique(ids)
+        ids = np.asarray(ids)
+        # one token's prediction keeps its order (best score first); a batch's is a set
+        ids = ids.reshape(-1) if ids.size == ids.shape[-1] else np.unique(ids)
         self.predicted = ids[ids < self.slots.num_experts]  # a router may also score zero experts (LongCat)
         if not read or self._ahead is not None or self._slotted is not None or not self.takes_predictions():
             return
@@ -173,15 +178,16 @@ class StagedExecutor(ExactExecutor):
         s.slot_scatters += self.slots.apply(ahead.evicted, ahead.loaded, ahead.slots, raw, in_place=True)
         self._landed = ahead
 
-    def _took_ahead(self, routed) -> int:
+    def _took_ahead(self, routed, keep=()) -> int:
         """Count the landed read ahead's use by the call routing `routed` (host ids), and drop the
-        experts it does not route from the cache, before the call plans: a wrong prediction frees
-        its slot for the call's misses instead of keeping a cached expert out. Returns how many
-        of the routed it read ahead (the plan finds them cached, but they were misses)."""
+        experts it does not route from the cache (but `keep`), before the call plans: a wrong
+        prediction frees its slot for the call's misses instead of keeping a cached expert out.
+        Returns how many of the routed it read ahead (the plan finds them cached, but they were
+        misses)."""
         landed, self._landed = self._landed, None
         if landed is None:
             return 0
-        routed_set = set(np.reshape(routed, -1).tolist())
+        routed_set = set(np.reshape(routed, -1).tolist()) | set(keep)
         self.slots.drop([e for e in landed.loaded if e not in routed_set])
         return landed.count_use(self.stats, routed, self.expert_nbytes)
 
@@ -313,6 +319,15 @@ class StagedExecutor(ExactExecutor):
             return self._on_slots(indices)
         # a multi-token step routes on the host even after a swap: what was staged is in the slots (hits)
         self._trusted = False
+        early = (
+            []
+            if multi or self.wants_scores or self.alpha
+            else early_experts(
+                self.predicted, self.slots.slot_of, self.recall, self.slots.n_slots, indices.shape[-1], self.early
+            )
+        )
+        if early:
+            return self._early_call(indices, early)
         ids, scores = self.host_route(indices, scores) if self.wants_scores else (self.host_ids(indices), None)
         if not multi and not self.alpha:
             return self._token_call(indices, ids, scores)
@@ -343,11 +358,11 @@ class StagedExecutor(ExactExecutor):
         self._routed()
         return parts
 
-    def _account(self, ids: np.ndarray) -> int:
+    def _account(self, ids: np.ndarray, keep=()) -> int:
         """A host-routed call's bookkeeping before its plan: its prediction scored and taken
-        (`_took_ahead`, whose count it returns), the use counts and the step."""
+        (`_took_ahead`, whose count it returns; `keep` stay cached), the use counts and the step."""
         self._score_prediction(ids)
-        early = self._took_ahead(ids)
+        early = self._took_ahead(ids, keep)
         self.use = decayed_use(self.use, ids)
         self.step += 1
         return early
@@ -368,27 +383,56 @@ class StagedExecutor(ExactExecutor):
         experts = set(ids.reshape(-1).tolist())
         misses = sorted(experts - self.slots.slot_of.keys())
         if not misses:
-            self._unplanned = (ids, sorted(experts), scores)
+            self._unplanned = (ids, sorted(experts), scores, ())
             return [(self.slots.params, self.slots.local(indices))]
         plan = lambda: self._plan_token(ids, sorted(experts), scores)  # noqa: E731
         if len(misses) == len(experts):
             return self._read_later(indices, misses, plan)
         return self._split(ids, misses, plan)
 
-    def _plan_token(self, ids: np.ndarray, experts: list, scores) -> tuple[list, list, list]:
+    def _early_call(self, indices, early: list[int]) -> list:
+        """A token's call whose predicted experts `early` compute while its route is copied to the
+        host: an `Early` part over their slots, then the route's sync and the rest (`_after_early`).
+        The route gets its own evaluation first, so its sync waits for it alone."""
+        B.async_eval(indices)
+        rows = B.array(self.slots.table_host[early])
+        return [Early(self.slots.params, rows), lambda: self._after_early(indices, early)]
+
+    def _after_early(self, indices, early: list[int]) -> list:
+        """After an `Early` part: the pairs routed to its experts take their outputs (`Served`), the
+        other hits compute from their slots, and the misses are read as in `_split`. The early
+        experts keep their slots through this call's plan (their compute may still read them)."""
+        ids = self.host_ids(indices)
+        flat = ids.reshape(-1)
+        order = flat.tolist()
+        served, at, hits, misses = after_route(order, early, self.slots.slot_of)
+        experts = sorted(set(order))
+        s = self.stats
+        s.early_experts += len(early)
+        s.early_unused += len(set(early) - set(order))
+        parts = [Served(np.array(served), np.array(at))] if served else []
+        if hits:
+            parts.append((self.slots.params, B.array(self.slots.table_host[flat[hits]]), np.array(hits)))
+        if not misses:
+            self._unplanned = (ids, experts, None, early)
+            return parts
+        s.overlapped += bool(parts)
+        return [*parts, self._misses_part(ids, misses, lambda: self._plan_token(ids, experts, None, early))]
+
+    def _plan_token(self, ids: np.ndarray, experts: list, scores, keep=()) -> tuple[list, list, list]:
         """A token's call's bookkeeping and plan (see `_token_call`; `experts`: its distinct
-        routed experts, sorted): (evicted, loaded, slots)."""
-        early = self._account(ids)
-        hits, loaded, evicted, slots = self.slots.plan(self.step, experts, scores)
+        routed experts, sorted; `keep`: experts whose slots stay): (evicted, loaded, slots)."""
+        early = self._account(ids, keep)
+        hits, loaded, evicted, slots = self.slots.plan(self.step, experts, scores, keep)
         self._count(experts, hits, loaded, early)
         return evicted, loaded, slots
 
     def _plan_pending(self) -> None:
         """The plan of a token's call whose experts all hit, once its compute runs (`done`)."""
         if self._unplanned is not None:
-            ids, experts, scores = self._unplanned
+            ids, experts, scores, keep = self._unplanned
             self._unplanned = None
-            self._plan_token(ids, experts, scores)
+            self._plan_token(ids, experts, scores, keep)
             self._routed()
 
     def done(self, y) -> None:
@@ -416,15 +460,24 @@ class StagedExecutor(ExactExecutor):
     def _split(self, ids: np.ndarray, misses: list, plan) -> list:
         """A host-routed call with misses (`misses`: the plan's `loaded`, which take its slots, then
         any read for this call only): the call returns the hits' pairs as a part over the slots,
-        then a deferred part (`_deferred`) that reads the misses once the hits are launched, so the
-        hits compute while the misses are read (a read and the compute it waits for no longer add
-        up). The deferred part computes the misses' pairs from their slots once written there (the
-        launched hits part reads only the hits' slots, which this call does not rewrite), or, when
-        some misses are read for this call only, from the bytes read."""
+        then the deferred misses part (`_misses_part`), so the hits compute while the misses are
+        read (a read and the compute it waits for no longer add up). The launched hits part reads
+        only the hits' slots, which this call does not rewrite."""
         # sets, not np.isin: K pairs, and this runs between the route's sync and the hits' launch
         flat, missing = ids.reshape(-1), set(misses)
-        order = flat.tolist()
-        pairs = np.array([i for i, e in enumerate(order) if e in missing], dtype=np.int64)
+        misses_part = self._misses_part(ids, misses, plan)
+        kept = np.array([i for i, e in enumerate(flat.tolist()) if e not in missing], dtype=np.int64)
+        if not len(kept):
+            return [misses_part]
+        self.stats.overlapped += 1
+        return [(self.slots.params, B.array(self.slots.table_host[flat[kept]]), kept), misses_part]
+
+    def _misses_part(self, ids: np.ndarray, misses: list, plan) -> DeferredPart:
+        """The deferred part (`_deferred`) of a call's pairs routed to `misses`: computed from their
+        slots once written there, or, when some misses are read for this call only, from the bytes
+        read."""
+        flat, missing = ids.reshape(-1), set(misses)
+        pairs = np.array([i for i, e in enumerate(flat.tolist()) if e in missing], dtype=np.int64)
 
         def pairs_part(raw, loaded):
             if len(misses) == len(loaded):  # every miss took a slot (now written): no second copy
@@ -433,12 +486,7 @@ class StagedExecutor(ExactExecutor):
             rows = B.array(np.array([at[int(e)] for e in flat[pairs]], dtype=np.uint32))
             return to_device(raw, len(misses), self.dtype), rows, pairs
 
-        misses_part = self._deferred(misses, plan, pairs_part)
-        kept = np.array([i for i, e in enumerate(order) if e not in missing], dtype=np.int64)
-        if not len(kept):
-            return [misses_part]
-        self.stats.overlapped += 1
-        return [(self.slots.params, B.array(self.slots.table_host[flat[kept]]), kept), misses_part]
+        return self._deferred(misses, plan, pairs_part)
 
     def _read_later(self, indices, misses: list, plan) -> list:
         """A host-routed call whose experts all miss (each takes a slot): one deferred part

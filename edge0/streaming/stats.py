@@ -32,6 +32,8 @@ COUNTERS = (
     "lookahead_reads",
     "lookahead_used",
     "lookahead_wasted_bytes",
+    "early_experts",
+    "early_unused",
 )
 
 
@@ -68,6 +70,10 @@ class LayerStats:
     lookahead_reads: int = 0
     lookahead_used: int = 0
     lookahead_wasted_bytes: int = 0
+    # predicted experts a token's call computed before its route reached the host, and those of
+    # them it did not route (computed for nothing)
+    early_experts: int = 0
+    early_unused: int = 0
     stall_s: float = 0.0  # time blocked waiting for expert data
     distinct_experts: set = field(default_factory=set)
 

@@ -26,7 +26,15 @@ from edge0.errors import Edge0Error
 
 ROOT = Path(__file__).resolve().parents[1]
 # Rates and stalls can be exactly 0 on a tiny model (e.g. no hit in a few steps); all else > 0.
-MAY_BE_ZERO = {"hit_rate", "stall_ms_per_step", "host_syncs_per_step", "prefill_stall_ms", "lookahead_wasted_bytes"}
+MAY_BE_ZERO = {
+    "hit_rate",
+    "stall_ms_per_step",
+    "host_syncs_per_step",
+    "prefill_stall_ms",
+    "lookahead_wasted_bytes",
+    "early_experts_per_step",  # a tiny model's predictions may agree too rarely to compute early
+    "early_unused_per_step",
+}
 
 
 def _maker():
@@ -312,6 +320,12 @@ def test_the_roofline_is_the_slower_of_compute_and_reads():
     assert r["wasted_per_token"] == 0 and r["lookahead_recall"] is None  # no lookahead figures: nothing read ahead
     ahead = {**arm, "metrics": {**arm["metrics"], "lookahead_recall": 0.9, "lookahead_wasted_bytes": 4e6}}
     assert arm_roofline(ahead, 25.0, 100e6)["wasted_per_token"] == 1e6  # 4 MB over 4 decode steps
+    assert r["early_per_step"] is None
+    early = {**arm, "metrics": {**arm["metrics"], "early_experts_per_step": 90.5, "early_unused_per_step": 0.25}}
+    assert (
+        arm_roofline(early, 25.0, 100e6)["early_per_step"],
+        arm_roofline(early, 25.0, 100e6)["early_unused_per_step"],
+    ) == (90.5, 0.25)
 
 
 def test_warm_arms_are_judged_at_the_page_cache_rate_cold_ones_at_the_disk_capped_ones_at_the_limit():

@@ -94,6 +94,8 @@ METRICS = (
     "prefill_stall_ms",
     "lookahead_recall",  # how often the next layer's predicted experts were routed (--lookahead)
     "lookahead_wasted_bytes",  # bytes read ahead on a prediction the route did not take
+    "early_experts_per_step",  # predicted experts computed before their route reached the host (streaming/early.py)
+    "early_unused_per_step",  # ... that the route did not take (computed for nothing)
 )
 COUNTERS = ("fallbacks", "dropped_experts")
 

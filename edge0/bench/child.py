@@ -160,7 +160,19 @@ def run_edge0(spec: dict) -> dict:
     def snapshot():
         t = stats.totals()
         s = {
-            k: t[k] for k in ("bytes_read", "loads", "hits", "misses", "host_syncs", "stall_ms", "fallbacks", "dropped")
+            k: t[k]
+            for k in (
+                "bytes_read",
+                "loads",
+                "hits",
+                "misses",
+                "host_syncs",
+                "stall_ms",
+                "fallbacks",
+                "dropped",
+                "early_experts",
+                "early_unused",
+            )
         }
         s["reads"] = engine.store.io_stats()["reads"]
         s["layer_stall_ms"] = [1000 * stats.layer(l).stall_s for l in layers]
@@ -207,6 +219,8 @@ def run_edge0(spec: dict) -> dict:
             "hit_rate": dec["hits"] / lookups if lookups and engine.streaming.n_slots else None,  # exact: no cache
             "stall_ms_per_step": dec["stall_ms"] / n_dec,
             "host_syncs_per_step": dec["host_syncs"] / n_dec,
+            "early_experts_per_step": dec["early_experts"] / n_dec,
+            "early_unused_per_step": dec["early_unused"] / n_dec,
             "expert_reads_per_step": dec["reads"] / n_dec,
             "io_max_queue_depth": engine.store.io_stats()["max_queue_depth"],
             "io": engine.store.io_stats(),

@@ -162,7 +162,7 @@ def _roofline_lines(result: dict) -> list[str]:
         "",
         *table_head(
             "arm | expert bytes / token | read rate achieved | read rate | roofline tok/s | bound | efficiency "
-            "| lookahead recall | read ahead for nothing / token"
+            "| lookahead recall | read ahead for nothing / token | computed early / step (unused)"
         ),
     ]
     for a in rows:
@@ -171,9 +171,16 @@ def _roofline_lines(result: dict) -> list[str]:
             f"| {a['name']} | {_gb(r['bytes_per_token'])} | {_f(r['achieved_read_rate'] / 1e6, '{:.0f}')} MB/s "
             f"| {_f(r['read_rate'] and r['read_rate'] / 1e6, '{:.0f}')} MB/s | {_f(r['roofline_tps'])} "
             f"| {r['bound'] or '-'} | {_f(r['efficiency'])} | {_f(r['lookahead_recall'], '{:.0%}')} "
-            f"| {_gb(r['wasted_per_token'])} |"
+            f"| {_gb(r['wasted_per_token'])} | {_early(r)} |"
         )
     return out
+
+
+def _early(r: dict) -> str:
+    """Experts computed before their route a decode step, and of them unused (streaming/early.py)."""
+    if r.get("early_per_step") is None:
+        return "-"
+    return f"{r['early_per_step']:.1f} ({r['early_unused_per_step']:.2f})"
 
 
 def _reads(arm: dict) -> str:

@@ -110,6 +110,8 @@ def arm_roofline(arm: dict, resident_tps: float | None, rate: float | None) -> d
         "bound": None if roof is None else ("compute" if roof == resident_tps else "reads"),
         "lookahead_recall": m.get("lookahead_recall"),
         "wasted_per_token": (m.get("lookahead_wasted_bytes") or 0) / (n - 1),  # of bytes_per_token
+        "early_per_step": m.get("early_experts_per_step"),
+        "early_unused_per_step": m.get("early_unused_per_step"),
     }
 
 

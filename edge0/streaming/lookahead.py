@@ -18,7 +18,11 @@ layer's critical path (docs/benchmarks.md)."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
+
+from edge0.streaming.parts import SlottedAhead
 
 MODES = ("auto", "on", "off")
 RECALL_FLOOR = 0.5
@@ -49,6 +53,80 @@ class Lookahead:
         """The next layer's predicted route (host ids [.., K]): scored there, and read ahead unless
         `auto` finds its recall below the floor."""
         self.target.read_ahead(ids, read=self.mode == "on" or self.target.recall >= RECALL_FLOOR)
+
+
+class Prediction:
+    """The layer before's prediction of a staged layer's next call (host ids, best first): scored
+    when that call routes (`recall`), and its experts, admitted into the layer's slots and written
+    there by a reader thread (`read`), until the call lands them (`land`) and counts their use
+    (`took`)."""
+
+    def __init__(self, slots, stats, expert_nbytes: int):
+        self.slots, self.stats, self.expert_nbytes = slots, stats, expert_nbytes
+        self.ids: np.ndarray | None = None
+        # how well predictions agreed lately (recall_after); at the floor to start with, so one
+        # step of wrong predictions stops `auto` reading ahead (each costs a slot)
+        self.recall = RECALL_FLOOR
+        self.slotted: SlottedAhead | None = None  # being written into the slots until `land`
+        self.landed: SlottedAhead | None = None  # landed, until the call counts its use (`took`)
+
+    def predict(self, ids: np.ndarray) -> None:
+        """The next call's predicted route (host ids [.., K]): one token's keeps its order (best
+        score first), a batch's is a set; ids past the layer's experts (a router's zero experts,
+        LongCat) are dropped."""
+        ids = np.asarray(ids)
+        ids = ids.reshape(-1) if ids.size == ids.shape[-1] else np.unique(ids)
+        self.ids = ids[ids < self.slots.num_experts]
+
+    def read(self, reader, store, layer: int) -> None:
+        """Admit the whole prediction into the slots (those already cached are not evicted for
+        the others) and start writing the experts it lacked there on `reader`."""
+        self.slotted = SlottedAhead.start(reader, store, self.slots, layer, self.ids.tolist())
+        self.stats.lookahead_reads += 0 if self.slotted is None else len(self.slotted.loaded)
+
+    def land(self) -> None:
+        """The read's rows are in their slots (written by the reader, or scattered here when a
+        tensor has no host view): point the table at them. If the read failed, the cache forgets
+        the experts it admitted."""
+        ahead, self.slotted = self.slotted, None
+        if ahead is None:
+            return
+        t0 = time.perf_counter()
+        try:
+            nbytes, raw = ahead.read.result()
+        except BaseException:
+            self.slots.forget(ahead.evicted, ahead.loaded)
+            raise
+        finally:
+            self.stats.stall_s += time.perf_counter() - t0
+        s = self.stats
+        s.loads += len(ahead.loaded)
+        s.bytes_read += nbytes
+        s.slot_rewrites += len(ahead.loaded)
+        s.slot_scatters += self.slots.apply(ahead.evicted, ahead.loaded, ahead.slots, raw, in_place=True)
+        self.landed = ahead
+
+    def took(self, routed, keep=()) -> int:
+        """Count the landed experts' use by the call routing `routed` (host ids), and drop those it
+        does not route from the cache (but `keep`), before the call plans: a wrong prediction
+        frees its slot for the call's misses instead of keeping a cached expert out. Returns how
+        many of the routed were read ahead (the plan finds them cached, but they were misses)."""
+        landed, self.landed = self.landed, None
+        if landed is None:
+            return 0
+        routed_set = set(np.reshape(routed, -1).tolist()) | set(keep)
+        self.slots.drop([e for e in landed.loaded if e not in routed_set])
+        return landed.count_use(self.stats, routed, self.expert_nbytes)
+
+    def score(self, routed: np.ndarray) -> None:
+        """The call's route (host ids) against the prediction, into the recall; the prediction is
+        spent."""
+        if self.ids is None:
+            return
+        n, agreed = agreement(self.ids, routed)
+        self.stats.lookahead_predicted += n
+        self.stats.lookahead_agreed += agreed
+        self.recall, self.ids = recall_after(self.recall, n, agreed), None
 
 
 def agreement(predicted: np.ndarray, routed: np.ndarray) -> tuple[int, int]:

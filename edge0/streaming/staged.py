@@ -36,9 +36,9 @@ from edge0.backend.moe import Early, Served
 from edge0.cache import substitute
 from edge0.streaming.early import EARLY_EXPERTS, after_route, early_experts
 from edge0.streaming.exact import ExactExecutor, raw_nbytes, to_device
-from edge0.streaming.lookahead import RECALL_FLOOR, agreement, recall_after
+from edge0.streaming.lookahead import Prediction
 from edge0.streaming.overflow import call_split, decayed_use, stage_split
-from edge0.streaming.parts import CallRead, DeferredPart, ReadAhead, SlottedAhead, Staged, read_call
+from edge0.streaming.parts import CallRead, DeferredPart, ReadAhead, Staged, read_call
 from edge0.streaming.pool import SlotSet
 
 
@@ -65,14 +65,8 @@ class StagedExecutor(ExactExecutor):
         self._pending: Staged | None = None  # the next step's stage, until its swap
         # a batch's staged union beyond the slots, read ahead of the call that takes it
         self._ahead: ReadAhead | None = None
-        # the layer before's prediction (streaming/lookahead.py), being written into the slots
-        # until the next call lands it, then landed until that call counts its use
-        self._slotted: SlottedAhead | None = None
-        self._landed: SlottedAhead | None = None
-        self.predicted: np.ndarray | None = None  # the layer before's prediction of the next host route
-        # how well those predictions agreed lately (lookahead.recall_after); at the floor to start
-        # with, so one step of wrong predictions stops `auto` reading ahead (each costs a slot)
-        self.recall = RECALL_FLOOR
+        # the layer before's prediction of the next host route (streaming/lookahead.py)
+        self.prediction = Prediction(self.slots, self.stats, self.expert_nbytes)
         self._dropped = []  # device scalars, read after the step by collect_after_step
         self._unsynced = []  # device routes of calls over a cache holding every expert, read likewise
         self._inflight: DeferredPart | None = None  # a call's deferred misses part (see _split), until it runs
@@ -139,65 +133,25 @@ class StagedExecutor(ExactExecutor):
     def routes_on_host(self) -> bool:
         return self.takes_predictions()  # one token's call; a staged route (trusted) needs no sync
 
+    @property
+    def recall(self) -> float:
+        """How well the layer before's predictions agreed lately (Lookahead reads it)."""
+        return self.prediction.recall
+
+    @recall.setter
+    def recall(self, value: float) -> None:
+        self.prediction.recall = value
+
     def read_ahead(self, ids, read: bool = True) -> None:
-        """The layer before's prediction of this layer's next route (host ids [.., K]), scored when
-        that call routes; with `read`, the predicted experts not in the slots are admitted now and
-        a reader thread writes them into their slots while the layer before computes (nothing
-        launched reads this layer's slots until its call, which waits for them). The call finds
-        those it routes cached; the rest are counted as wasted."""
+        """The layer before's prediction of this layer's next route (host ids [.., K], best first),
+        scored when that call routes; with `read`, the predicted experts not in the slots are
+        admitted now and a reader thread writes them into their slots while the layer before
+        computes (nothing launched reads this layer's slots until its call, which waits for them).
+        The call finds those it routes cached; the rest are counted as wasted."""
         self._plan_pending()  # a call whose `done` never came: its bookkeeping first
-        ids = np.asarray(ids)
-        # one token's prediction keeps its order (best score first); a batch's is a set
-        ids = ids.reshape(-1) if ids.size == ids.shape[-1] else np.unique(ids)
-        self.predicted = ids[ids < self.slots.num_experts]  # a router may also score zero experts (LongCat)
-        if not read or self._ahead is not None or self._slotted is not None or not self.takes_predictions():
-            return
-        # the whole prediction is admitted: those already cached are not evicted for the others
-        self._slotted = SlottedAhead.start(self.reader, self.store, self.slots, self.layer, self.predicted.tolist())
-        self.stats.lookahead_reads += 0 if self._slotted is None else len(self._slotted.loaded)
-
-    def _land_ahead(self) -> None:
-        """The read ahead's rows are in their slots (written by the reader, or scattered here when a
-        tensor has no host view): point the table at them. If its read failed, the cache forgets
-        the experts it admitted."""
-        ahead, self._slotted = self._slotted, None
-        if ahead is None:
-            return
-        t0 = time.perf_counter()
-        try:
-            nbytes, raw = ahead.read.result()
-        except BaseException:
-            self.slots.forget(ahead.evicted, ahead.loaded)
-            raise
-        finally:
-            self.stats.stall_s += time.perf_counter() - t0
-        s = self.stats
-        s.loads += len(ahead.loaded)
-        s.bytes_read += nbytes
-        s.slot_rewrites += len(ahead.loaded)
-        s.slot_scatters += self.slots.apply(ahead.evicted, ahead.loaded, ahead.slots, raw, in_place=True)
-        self._landed = ahead
-
-    def _took_ahead(self, routed, keep=()) -> int:
-        """Count the landed read ahead's use by the call routing `routed` (host ids), and drop the
-        experts it does not route from the cache (but `keep`), before the call plans: a wrong
-        prediction frees its slot for the call's misses instead of keeping a cached expert out.
-        Returns how many of the routed it read ahead (the plan finds them cached, but they were
-        misses)."""
-        landed, self._landed = self._landed, None
-        if landed is None:
-            return 0
-        routed_set = set(np.reshape(routed, -1).tolist()) | set(keep)
-        self.slots.drop([e for e in landed.loaded if e not in routed_set])
-        return landed.count_use(self.stats, routed, self.expert_nbytes)
-
-    def _score_prediction(self, ids: np.ndarray) -> None:
-        if self.predicted is None:
-            return
-        routed, agreed = agreement(self.predicted, ids)
-        self.stats.lookahead_predicted += routed
-        self.stats.lookahead_agreed += agreed
-        self.recall, self.predicted = recall_after(self.recall, routed, agreed), None
+        self.prediction.predict(ids)
+        if read and self._ahead is None and self.prediction.slotted is None and self.takes_predictions():
+            self.prediction.read(self.reader, self.store, self.layer)
 
     def swap(self) -> None:
         """Step boundary (the previous step is evaluated, so nothing in flight reads the slots):
@@ -229,7 +183,7 @@ class StagedExecutor(ExactExecutor):
         if self._pending is not None:
             self.swap()
         self._read([])  # a read ahead beyond the slots its step never took: counted as read
-        self._took_ahead([])  # a prediction no call routed: wasted
+        self.prediction.took([])  # a prediction no call routed: wasted
         self._trusted = False
 
     def _read(self, want) -> dict | None:
@@ -319,15 +273,13 @@ class StagedExecutor(ExactExecutor):
             return self._on_slots(indices)
         # a multi-token step routes on the host even after a swap: what was staged is in the slots (hits)
         self._trusted = False
-        early = (
-            []
-            if multi or self.wants_scores or self.alpha
-            else early_experts(
-                self.predicted, self.slots.slot_of, self.recall, self.slots.n_slots, indices.shape[-1], self.early
+        if not (multi or self.wants_scores or self.alpha):
+            p = self.prediction
+            early = early_experts(
+                p.ids, self.slots.slot_of, p.recall, self.slots.n_slots, indices.shape[-1], self.early
             )
-        )
-        if early:
-            return self._early_call(indices, early)
+            if early:
+                return self._early_call(indices, early)
         ids, scores = self.host_route(indices, scores) if self.wants_scores else (self.host_ids(indices), None)
         if not multi and not self.alpha:
             return self._token_call(indices, ids, scores)
@@ -360,9 +312,9 @@ class StagedExecutor(ExactExecutor):
 
     def _account(self, ids: np.ndarray, keep=()) -> int:
         """A host-routed call's bookkeeping before its plan: its prediction scored and taken
-        (`_took_ahead`, whose count it returns; `keep` stay cached), the use counts and the step."""
-        self._score_prediction(ids)
-        early = self._took_ahead(ids, keep)
+        (`Prediction.took`, whose count it returns; `keep` stay cached), the use counts and the step."""
+        self.prediction.score(ids)
+        early = self.prediction.took(ids, keep)
         self.use = decayed_use(self.use, ids)
         self.step += 1
         return early
@@ -532,12 +484,12 @@ class StagedExecutor(ExactExecutor):
         return made
 
     def _finish_inflight(self) -> None:
-        """Before anything touches the slots: the read ahead landed (`_land_ahead`), and a call's
+        """Before anything touches the slots: the read ahead landed (`Prediction.land`), and a call's
         deferred misses part its caller never took (an error while building the layer) read and
         written, so the slots hold what the cache says they hold (the next step is not staged
         from here: it routes on the host)."""
         self._plan_pending()
-        self._land_ahead()
+        self.prediction.land()
         if self._inflight is not None:
             self._inflight(route=False)
 

@@ -270,6 +270,31 @@ def test_a_tokens_best_predicted_experts_compute_before_its_route_reaches_the_ho
         assert [a - b for a, b in zip((s.early_experts, s.early_unused, s.host_syncs), before)] == [computed, unused, 1]
         assert set(ex.slots.slot_of) == cached
         assert np.array_equal(got, run(engine, layer, exact, x, inds))
+    # read ahead (landed in the slots before the call): 4 takes the least recently used slot, 2's;
+    # the call routes 5 (early) and 1 (a hit), so 4, computed early for nothing, stays cached too
+    ex.recall = 1.0
+    ex.read_ahead(np.array([[5, 4]]), read=True)
+    assert ex.prediction.ids.tolist() == [5, 4] and set(ex.slots.slot_of) == {0, 1, 4, 5}  # best first
+    before = (s.early_experts, s.early_unused, s.lookahead_used)
+    inds = mx.array([[[5, 1]]], dtype=mx.uint32)
+    got = run(engine, layer, ex, x, inds)
+    assert [a - b for a, b in zip((s.early_experts, s.early_unused, s.lookahead_used), before)] == [2, 1, 0]
+    assert set(ex.slots.slot_of) == {0, 1, 4, 5}
+    assert np.array_equal(got, run(engine, layer, exact, x, inds))
+    # only the best-scored: with one early expert, the prediction's first (5), not 1
+    ex.early, ex.recall = 1, 1.0
+    ex.read_ahead(np.array([[5, 1]]), read=False)
+    before = (s.early_experts, s.early_unused)
+    inds = mx.array([[[0, 5]]], dtype=mx.uint32)
+    assert np.array_equal(run(engine, layer, ex, x, inds), run(engine, layer, exact, x, inds))
+    assert (s.early_experts - before[0], s.early_unused - before[1]) == (1, 0)
+    ex.recall = 1.0
+    ex.read_ahead(np.array([[4, 0]]), read=False)  # the route takes none of what computed early
+    before = (s.early_experts, s.early_unused)
+    inds = mx.array([[[0, 1]]], dtype=mx.uint32)
+    assert np.array_equal(run(engine, layer, ex, x, inds), run(engine, layer, exact, x, inds))
+    assert (s.early_experts - before[0], s.early_unused - before[1]) == (1, 1)
+    ex.early = 4
     ex.recall = 0.5  # below EARLY_RECALL
     ex.read_ahead(np.array([[3, 5]]), read=False)
     before = s.early_experts
@@ -302,9 +327,10 @@ def test_every_family_keeps_its_tokens_with_experts_computed_before_their_route(
 def test_only_the_best_scored_cached_predictions_compute_early():
     cached = {1: 0, 3: 1, 7: 2}
     best_first = np.array([3, 5, 1, 2, 7])
-    assert early.early_experts(best_first, cached, 1.0, n_slots=4, k=2, n=4) == [3, 1]  # 7 is 5th
-    assert early.early_experts(best_first, cached, 1.0, n_slots=3, k=2, n=4) == []  # no room beside a route
-    assert early.early_experts(best_first, cached, early.EARLY_RECALL - 0.01, n_slots=4, k=2, n=4) == []
+    assert early.early_experts(best_first, cached, 1.0, n_slots=8, k=4, n=4) == [3, 1]  # 7 is 5th
+    assert early.early_experts(best_first, cached, 1.0, n_slots=4, k=2, n=4) == [3]  # at most k: 3, 5
+    assert early.early_experts(best_first, cached, 1.0, n_slots=7, k=4, n=4) == []  # no room beside a route
+    assert early.early_experts(best_first, cached, early.EARLY_RECALL - 0.01, n_slots=8, k=4, n=4) == []
     assert early.early_experts(None, cached, 1.0, n_slots=4, k=2) == []
     # route 3, 4, 1, 3 against early [3, 1]: pairs 0, 2, 3 served by rows 0, 1, 0; 4 a miss
     assert early.after_route([3, 4, 1, 3], [3, 1], cached) == ([0, 2, 3], [0, 1, 0], [], [4])

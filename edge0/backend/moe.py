@@ -138,7 +138,7 @@ class StreamingExpertList(_Streamed):
 
     def expert(self, e: int, x):
         y = None
-        for part in self.executor(mx.array([[e]]), None):
+        for part in self.executor(mx.array([[e]]), None):  # no lookahead here: never Early/Served parts
             params, local = part() if callable(part) else part  # a deferred part: its expert is being read
             row = local.reshape(-1)[0]  # where expert e sits in this part's tensors (a zero row if elsewhere)
             self.inner.update(tree_map(lambda v: v[row], params))

@@ -15,12 +15,13 @@ EARLY_RECALL = 0.8  # ... and only while the layer's predictions agree (streamin
 
 
 def early_experts(predicted, cached, recall: float, n_slots: int, k: int, n: int = EARLY_EXPERTS) -> list[int]:
-    """The experts to compute before the route: of the `n` best-scored `predicted` (host ids, best
-    first), those `cached` (in the slots), while `recall` is at least EARLY_RECALL; none if the
-    slots cannot keep them besides a route of `k` (their slots are not rewritten by the call)."""
+    """The experts to compute before the route: of the `n` (at most `k`) best-scored `predicted`
+    (one token's host ids, best first; None: no such prediction), those `cached` (in the slots),
+    while `recall` is at least EARLY_RECALL; none if the slots cannot keep them besides a route of
+    `k` (their slots are not rewritten by the call)."""
     if not n or predicted is None or recall < EARLY_RECALL or n_slots < 2 * k:
         return []
-    return [e for e in predicted[:n].tolist() if e in cached]
+    return [e for e in predicted[: min(n, k)].tolist() if e in cached]
 
 
 def after_route(order: list[int], early: list[int], cached) -> tuple[list[int], list[int], list[int], list[int]]:

@@ -22,6 +22,7 @@ import time
 
 import numpy as np
 
+from edge0.streaming.early import early_experts
 from edge0.streaming.parts import SlottedAhead
 
 MODES = ("auto", "on", "off")
@@ -56,14 +57,15 @@ class Lookahead:
 
 
 class Prediction:
-    """The layer before's prediction of a staged layer's next call (host ids, best first): scored
-    when that call routes (`recall`), and its experts, admitted into the layer's slots and written
-    there by a reader thread (`read`), until the call lands them (`land`) and counts their use
-    (`took`)."""
+    """The layer before's prediction of a staged layer's next call (host ids: one token's best
+    first, `ranked`; a batch's a sorted set): scored when that call routes (`recall`), and its
+    experts, admitted into the layer's slots and written there by a reader thread (`read`), until
+    the call lands them (`land`) and counts their use (`took`)."""
 
     def __init__(self, slots, stats, expert_nbytes: int):
         self.slots, self.stats, self.expert_nbytes = slots, stats, expert_nbytes
         self.ids: np.ndarray | None = None
+        self.ranked = False  # `ids` are one token's, best first
         # how well predictions agreed lately (recall_after); at the floor to start with, so one
         # step of wrong predictions stops `auto` reading ahead (each costs a slot)
         self.recall = RECALL_FLOOR
@@ -75,14 +77,21 @@ class Prediction:
         score first), a batch's is a set; ids past the layer's experts (a router's zero experts,
         LongCat) are dropped."""
         ids = np.asarray(ids)
-        ids = ids.reshape(-1) if ids.size == ids.shape[-1] else np.unique(ids)
+        self.ranked = ids.size == ids.shape[-1]
+        ids = ids.reshape(-1) if self.ranked else np.unique(ids)
         self.ids = ids[ids < self.slots.num_experts]
 
     def read(self, reader, store, layer: int) -> None:
         """Admit the whole prediction into the slots (those already cached are not evicted for
         the others) and start writing the experts it lacked there on `reader`."""
-        self.slotted = SlottedAhead.start(reader, store, self.slots, layer, self.ids.tolist())
+        # in id order: the store merges adjacent experts into one read
+        self.slotted = SlottedAhead.start(reader, store, self.slots, layer, sorted(self.ids.tolist()))
         self.stats.lookahead_reads += 0 if self.slotted is None else len(self.slotted.loaded)
+
+    def early(self, k: int, n: int) -> list[int]:
+        """The experts a token's call (top-`k`) computes before its route (streaming/early.py)."""
+        ids = self.ids if self.ranked else None
+        return early_experts(ids, self.slots.slot_of, self.recall, self.slots.n_slots, k, n)
 
     def land(self) -> None:
         """The read's rows are in their slots (written by the reader, or scattered here when a

@@ -15,7 +15,9 @@ them so too, its hits counted from its route after the step.
 Slots are rewritten in place (SlotSet.apply(in_place=True)), which relies on one invariant of
 the engine: a step's graph is built only after the previous step was evaluated, so when a layer
 rewrites its slots (at the boundary, or after its own route's sync) nothing launched reads them,
-except its own hits' part, which reads only the hits' slots, and those are not rewritten.
+except its own hits' part, which reads only the hits' slots, and its `Early` part, whose experts
+the call's plan keeps (`keep`); neither is rewritten. An `Early` output always enters the layer's
+output (a `Served` part, empty if the route took none), so the step's evaluation waits for it.
 
 Router scores (over all experts) reach the cache when its policy needs them (smoe) or substitution
 is on; they travel with the route, so they add no host sync: the gate path copies them in the
@@ -34,7 +36,7 @@ import numpy as np
 from edge0.backend import core as B
 from edge0.backend.moe import Early, Served
 from edge0.cache import substitute
-from edge0.streaming.early import EARLY_EXPERTS, after_route, early_experts
+from edge0.streaming.early import EARLY_EXPERTS, after_route
 from edge0.streaming.exact import ExactExecutor, raw_nbytes, to_device
 from edge0.streaming.lookahead import Prediction
 from edge0.streaming.overflow import call_split, decayed_use, stage_split
@@ -70,7 +72,9 @@ class StagedExecutor(ExactExecutor):
         self._dropped = []  # device scalars, read after the step by collect_after_step
         self._unsynced = []  # device routes of calls over a cache holding every expert, read likewise
         self._inflight: DeferredPart | None = None  # a call's deferred misses part (see _split), until it runs
-        self._unplanned = None  # (ids, experts, scores) of a token's call that hit every expert, until `done` plans it
+        self._unplanned = (
+            None  # (ids, experts, scores, keep) of a token's call that hit every expert, until `done` plans it
+        )
         # fn(layer), a stager's (on_route): called after a call that routed on the host, when this
         # step's slots are planned, so the next step's reads can start before the forward ends
         self._after_route = None
@@ -133,14 +137,8 @@ class StagedExecutor(ExactExecutor):
     def routes_on_host(self) -> bool:
         return self.takes_predictions()  # one token's call; a staged route (trusted) needs no sync
 
-    @property
-    def recall(self) -> float:
-        """How well the layer before's predictions agreed lately (Lookahead reads it)."""
-        return self.prediction.recall
-
-    @recall.setter
-    def recall(self, value: float) -> None:
-        self.prediction.recall = value
+    # how well the layer before's predictions agreed lately (Lookahead reads it)
+    recall = property(lambda self: self.prediction.recall, lambda self, v: setattr(self.prediction, "recall", v))
 
     def read_ahead(self, ids, read: bool = True) -> None:
         """The layer before's prediction of this layer's next route (host ids [.., K], best first),
@@ -184,6 +182,7 @@ class StagedExecutor(ExactExecutor):
             self.swap()
         self._read([])  # a read ahead beyond the slots its step never took: counted as read
         self.prediction.took([])  # a prediction no call routed: wasted
+        self.prediction.ids = None  # not the next generation's
         self._trusted = False
 
     def _read(self, want) -> dict | None:
@@ -274,10 +273,7 @@ class StagedExecutor(ExactExecutor):
         # a multi-token step routes on the host even after a swap: what was staged is in the slots (hits)
         self._trusted = False
         if not (multi or self.wants_scores or self.alpha):
-            p = self.prediction
-            early = early_experts(
-                p.ids, self.slots.slot_of, p.recall, self.slots.n_slots, indices.shape[-1], self.early
-            )
+            early = self.prediction.early(indices.shape[-1], self.early)
             if early:
                 return self._early_call(indices, early)
         ids, scores = self.host_route(indices, scores) if self.wants_scores else (self.host_ids(indices), None)
@@ -362,7 +358,8 @@ class StagedExecutor(ExactExecutor):
         s = self.stats
         s.early_experts += len(early)
         s.early_unused += len(set(early) - set(order))
-        parts = [Served(np.array(served), np.array(at))] if served else []
+        # always a Served part: the output then waits for the Early compute (see the module's doc)
+        parts = [Served(np.array(served, dtype=np.int64), np.array(at, dtype=np.int64))]
         if hits:
             parts.append((self.slots.params, B.array(self.slots.table_host[flat[hits]]), np.array(hits)))
         if not misses:

@@ -222,12 +222,18 @@ def test_staged_covered_route_does_zero_host_syncs(store_for):
     assert e.stats()["totals"]["calls"] >= 12 * n_layers
 
 
-def test_a_cache_holding_every_expert_decodes_without_host_syncs(store_for):
+def _exact_reference(store_for, text: str):
+    """(store, the exact engine, the prompt's ids, its 12 greedy tokens, one slot's bytes in every
+    MoE layer) for the qwen3_moe fixture."""
     store = store_for("qwen3_moe")
     ref = edge0.load(store, decode_executor="exact", prefill_executor="exact")
-    prompt = ref.encode("hello world, once upon a time")
+    prompt = ref.encode(text)
     want = ref.generate(prompt, max_tokens=12, ignore_eos=True).tokens
-    per_slot = sum(ref.store.expert_nbytes(l) for l in ref.store.layers)
+    return store, ref, prompt, want, sum(ref.store.expert_nbytes(l) for l in ref.store.layers)
+
+
+def test_a_cache_holding_every_expert_decodes_without_host_syncs(store_for):
+    store, ref, prompt, want, per_slot = _exact_reference(store_for, "hello world, once upon a time")
     e = edge0.load(
         store, decode_executor="staged", prefill_executor="exact", expert_cache=ref.spec.num_experts * per_slot
     )
@@ -252,11 +258,8 @@ def test_a_cache_holding_every_expert_decodes_without_host_syncs(store_for):
 
 
 def test_a_whole_layer_prefill_fills_a_cache_that_holds_every_expert(store_for):
-    store = store_for("qwen3_moe")
-    ref = edge0.load(store, decode_executor="exact", prefill_executor="exact")
-    prompt = ref.encode("hello world, once upon a time, in a land far away")
-    want = ref.generate(prompt, max_tokens=12, ignore_eos=True).tokens
-    per_slot = sum(ref.store.expert_nbytes(l) for l in ref.store.layers)
+    text = "hello world, once upon a time, in a land far away"
+    store, ref, prompt, want, per_slot = _exact_reference(store_for, text)
     layers = {}
     for fill in (True, False):
         e = edge0.load(

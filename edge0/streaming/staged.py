@@ -72,9 +72,7 @@ class StagedExecutor(ExactExecutor):
         self._dropped = []  # device scalars, read after the step by collect_after_step
         self._unsynced = []  # device routes of calls over a cache holding every expert, read likewise
         self._inflight: DeferredPart | None = None  # a call's deferred misses part (see _split), until it runs
-        self._unplanned = (
-            None  # (ids, experts, scores, keep) of a token's call that hit every expert, until `done` plans it
-        )
+        self._unplanned = None  # (ids, experts, scores, keep) of a call that hit every expert, until `done`
         # fn(layer), a stager's (on_route): called after a call that routed on the host, when this
         # step's slots are planned, so the next step's reads can start before the forward ends
         self._after_route = None

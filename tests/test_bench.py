@@ -366,3 +366,42 @@ def test_the_disk_rate_is_measured_over_the_stores_expert_rows(tiny_model):
     assert read["bytes"] == sum(e["num_experts"] * e["expert_stride"] for e in layers) or read["seconds"] >= 5
     warm = measure_read_rate(tiny_model / "store", queue_depth=2, seconds=5, warm=True)
     assert warm["warm"] and not warm["page_cache_dropped"] and warm["bytes"] == read["bytes"]
+
+
+def test_decode_against_resident_repeat_by_repeat():
+    """Hand-set runs: each repeat's edge0 run over the resident run of the same repeat, None where a
+    run failed; the summary's headline ratio stays that of the medians."""
+    from edge0.bench.report import _repeat_lines, by_repeat, summary
+
+    def arm(name, runtime, tps):
+        runs = [{"status": "ok", "decode_tps": t} if t else {"status": "failed"} for t in tps]
+        ok = [t for t in tps if t]
+        return {
+            "name": name,
+            "runtime": runtime,
+            "status": "ok",
+            "metrics": {"decode_tps": sorted(ok)[len(ok) // 2]},
+            "runs": runs,
+        }
+
+    result = {
+        "arms": [
+            arm("mlx-lm-resident", "mlx-lm", [3.0, 2.0, 4.0]),
+            arm("staged-warm", "edge0", [2.7, 2.0, None]),
+            arm("exact-warm", "edge0", [1.5, 1.0, 2.0]),
+        ]
+    }
+    assert by_repeat(result) == {
+        "staged-warm": [pytest.approx(0.9), 1.0, None],
+        "exact-warm": [0.5, 0.5, 0.5],
+    }
+    sm = summary(result)
+    assert sm["decode_vs_resident_by_repeat"]["exact-warm"] == [0.5, 0.5, 0.5]
+    assert sm["staged_warm_vs_resident_decode"] == pytest.approx(2.7 / 3.0)
+    assert _repeat_lines(result)[1] == (
+        "Decode against resident mlx-lm in the same repeat (the arms interleaved): "
+        "staged-warm 0.90x, 1.00x, -; exact-warm 0.50x, 0.50x, 0.50x."
+    )
+    one = {"arms": [arm("mlx-lm-resident", "mlx-lm", [3.0]), arm("staged-warm", "edge0", [2.7])]}
+    assert _repeat_lines(one) == [] and by_repeat(one) == {"staged-warm": [pytest.approx(0.9)]}
+    assert by_repeat({"arms": [arm("staged-warm", "edge0", [2.7])]}) == {}

@@ -80,6 +80,28 @@ def summary(result: dict) -> dict:
         },
     }
     out["capped"] = {n[: -len("-capped")]: arms[n]["status"] for n in arms if n.endswith("-capped")}
+    out["decode_vs_resident_by_repeat"] = by_repeat(result)
+    return out
+
+
+def by_repeat(result: dict) -> dict[str, list]:
+    """Each arm's decode tok/s over resident mlx-lm's in the same repeat, repeat by repeat (None where
+    either run failed): {arm: [ratio, ...]}, {} without resident runs. The bench interleaves the arms,
+    so the two runs of a repeat share the machine's state of the moment, which the medians of runs
+    minutes apart do not (a VM that slows for a while moves one arm's median, not a pair's ratio)."""
+    arms = {a["name"]: a for a in result["arms"]}
+    ref = [
+        r.get("decode_tps") if r.get("status") == "ok" else None
+        for r in arms.get("mlx-lm-resident", {}).get("runs", [])
+    ]
+    if not any(ref):
+        return {}
+    out = {}
+    for name, a in arms.items():
+        if name == "mlx-lm-resident" or a["runtime"] != "edge0" or a["status"] != "ok":
+            continue
+        tps = [r.get("decode_tps") if r.get("status") == "ok" else None for r in a["runs"]]
+        out[name] = [t / b if t and b else None for t, b in zip(tps, ref)]
     return out
 
 
@@ -119,6 +141,7 @@ def markdown(result: dict) -> str:
             "the generated route of step t+1 as their prediction, one step ahead, as the pre-router does "
             "by construction."
         )
+    lines += _repeat_lines(result)
     lines += _roofline_lines(result)
     cap = s["memory_cap"]
     if cap.get("cap_bytes"):
@@ -268,6 +291,15 @@ def package_versions() -> dict:
         except PackageNotFoundError:
             out[name] = None
     return out
+
+
+def _repeat_lines(result: dict) -> list[str]:
+    """With several repeats: each arm's decode against resident mlx-lm's of the same repeat."""
+    pairs = {n: r for n, r in by_repeat(result).items() if len(r) > 1}
+    if not pairs:
+        return []
+    text = "; ".join(f"{n} {', '.join(_f(x, '{:.2f}x') for x in r)}" for n, r in pairs.items())
+    return ["", f"Decode against resident mlx-lm in the same repeat (the arms interleaved): {text}."]
 
 
 def git_commit() -> dict:

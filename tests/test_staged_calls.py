@@ -34,9 +34,9 @@ def test_a_calls_hits_compute_while_its_misses_are_read_and_match_exact(store_fo
     rng = np.random.default_rng(1)
     real, started = engine.store.read, threading.Event()
 
-    def held_read(l, ids):
+    def held_read(l, ids, into=None):
         started.set()
-        return real(l, ids)
+        return real(l, ids, into)
 
     run(engine, layer, ex, mx.zeros((1, 1, dim)), mx.array([[[0, 1]]], dtype=mx.uint32))  # 0 and 1 cached
     monkeypatch.setattr(engine.store, "read", held_read)
@@ -132,7 +132,7 @@ def test_a_failed_read_leaves_the_cache_as_the_slots_are(store_for, monkeypatch)
     x = mx.array(np.random.default_rng(2).normal(size=(1, 1, engine.model.args.hidden_size)).astype(np.float32))
     run(engine, layer, ex, x, mx.array([[[0, 1]]], dtype=mx.uint32))
 
-    def broken(l, ids):
+    def broken(l, ids, into=None):
         raise OSError("the disk went away")
 
     for route in ([[[1, 5]]], [[[6, 7]]]):  # hits and a miss (the split), then misses only

@@ -140,6 +140,9 @@ class DeferredPart:
     # bookkeeping waits until its hits compute) or before
     plan: Callable[[], tuple[list[int], list[int], list[int]]]
     read: Callable[[], CallRead]  # reads `misses` (read_call), on the caller's thread
+    # no read ahead to take: when every miss takes a slot, they are read straight into their slots
+    # (read_into_slots), with no block of fresh bytes to allocate and copy from
+    direct: bool
     part_of: Callable[[dict, list[int]], tuple]  # (the misses' store bytes, the plan's loaded) -> the part
     # the executor's: write `loaded` into their slots and make the part (`route`: run its route hook)
     land: Callable[[DeferredPart, bool], tuple]

@@ -40,7 +40,7 @@ from edge0.streaming.early import EARLY_EXPERTS, after_route
 from edge0.streaming.exact import ExactExecutor, raw_nbytes, to_device
 from edge0.streaming.lookahead import Prediction
 from edge0.streaming.overflow import call_split, decayed_use, stage_split
-from edge0.streaming.parts import CallRead, DeferredPart, ReadAhead, Staged, read_call
+from edge0.streaming.parts import CallRead, DeferredPart, ReadAhead, Staged, read_call, read_into_slots
 from edge0.streaming.pool import SlotSet
 
 
@@ -450,7 +450,7 @@ class StagedExecutor(ExactExecutor):
         loaded)` (`_land`)."""
         ahead = self._take_ahead()
         self._inflight = DeferredPart(
-            misses, plan, lambda: read_call(self.store, self.layer, misses, ahead), part_of, self._land
+            misses, plan, lambda: read_call(self.store, self.layer, misses, ahead), ahead is None, part_of, self._land
         )
         return self._inflight
 
@@ -465,11 +465,17 @@ class StagedExecutor(ExactExecutor):
         s = self.stats
         t0 = time.perf_counter()
         try:
-            raw = self._counted(part.misses, part.read())
+            if part.direct and n == len(part.misses):
+                nbytes, raw = read_into_slots(self.store, self.slots, self.layer, loaded, slots)
+                s.loads += n
+                s.bytes_read += nbytes
+                slot_raw = raw  # None: written in place; else bytes without a host view, scattered by apply
+            else:
+                raw = self._counted(part.misses, part.read())
+                slot_raw = {k: (b[:n], d, shape) for k, (b, d, shape) in raw.items()} if n else None
         except BaseException:
             self.slots.forget(evicted, loaded)
             raise
-        slot_raw = {k: (b[:n], d, shape) for k, (b, d, shape) in raw.items()} if n else None
         s.slot_scatters += self.slots.apply(evicted, loaded, slots, slot_raw, in_place=True)
         s.slot_rewrites += n
         made = part.part_of(raw, loaded)

@@ -32,10 +32,11 @@ def test_a_calls_hits_compute_while_its_misses_are_read_and_match_exact(store_fo
     exact = ExactExecutor(engine.store, layer, "float32", engine.streaming.stats)
     dim = engine.model.args.hidden_size
     rng = np.random.default_rng(1)
-    real, started = engine.store.read, threading.Event()
+    real, started, intos = engine.store.read, threading.Event(), []
 
     def held_read(l, ids, into=None):
         started.set()
+        intos.append(into)
         return real(l, ids, into)
 
     run(engine, layer, ex, mx.zeros((1, 1, dim)), mx.array([[[0, 1]]], dtype=mx.uint32))  # 0 and 1 cached
@@ -48,14 +49,20 @@ def test_a_calls_hits_compute_while_its_misses_are_read_and_match_exact(store_fo
     params, rows, pairs = deferred()
     assert started.is_set() and 5 in ex.slots.slot_of and (ex.stats.misses, ex.step) == (misses + 1, step + 1)
     assert hits[2].tolist() == [0] and pairs.tolist() == [1]
-    # the miss took a slot: its pairs compute from there, not from a second copy of its bytes
+    # the miss took a slot: its pairs compute from there, not from a second copy of its bytes,
+    # and it was read straight into that slot's rows (no block of fresh bytes to copy from)
     assert params is ex.slots.params and np.array(rows).tolist() == [ex.slots.slot_of[5]]
+    assert len(intos) == 1 and intos[0] and all(len(r) == 1 for r in intos[0].values())
+    assert int(ex.slots.table_host[5]) == ex.slots.slot_of[5]
     # 1 and 5 are cached, then 5 and 2; the batch's union of six outgrows the two slots
     for routes in ([[[5, 2]]], [[[5, 3]], [[6, 2]], [[4, 7]]]):
         inds = mx.array(np.array(routes, np.uint32))
         x = mx.array(rng.normal(size=(*inds.shape[:-1], dim)).astype(np.float32))
-        before = ex.stats.overlapped
+        before, intos[:] = ex.stats.overlapped, []
         got = run(engine, layer, ex, x, inds)
+        # one token's miss is read into its slot; a batch's misses beyond the slots are read for
+        # the call only, into a fresh block
+        assert len(intos) == 1 and (not intos[0]) == (len(routes) > 1)
         assert ex.stats.overlapped == before + 1
         assert np.array_equal(got, run(engine, layer, exact, x, inds))
     # a resize makes new slot tensors and their host views at once (making one probes its

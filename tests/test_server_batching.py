@@ -16,6 +16,7 @@ import pytest
 import edge0
 from edge0.engine.hooks import StepHooks
 from edge0.server.config import ServerConfig
+from edge0.server.scheduler import Scheduler
 from tests.fake_engine import FakeEngine
 from tests.fake_server import running_server
 from tests.test_server import user
@@ -250,3 +251,21 @@ def test_a_hostile_row_never_harms_the_stream_beside_it(engine, monkeypatch):
     assert denormal_r.status_code == 200 and denormal_r.json()["choices"][0]["message"]["content"] == greedy
     assert raising_r.status_code == 500 and "a secret of the hostile client" in raising_r.text
     assert s["batching"]["most_rows"] >= 2 and s["failed"] == 1 and s["completed"] == 2
+
+
+def test_the_engine_thread_has_ended_when_the_scheduler_shuts_down():
+    """shutdown() waits for the engine thread: a thread that ran compiled MLX code frees its
+    thread-local compile cache as it exits, which takes the GIL, and one still exiting when the
+    interpreter exits aborted the process (the agent harness's flaky SIGABRT)."""
+    scheduler = Scheduler(max_queue=1)
+    started, threads = threading.Event(), []
+
+    def work():
+        threads.append(threading.current_thread())
+        started.set()
+        time.sleep(0.3)
+
+    scheduler._executor.submit(work)
+    assert started.wait(10)
+    scheduler.shutdown()
+    assert threads and not threads[0].is_alive()

@@ -325,11 +325,14 @@ class Scheduler:
             pass
 
     def shutdown(self) -> None:
-        """Cancel every job so the engine thread ends promptly when the server stops."""
+        """Cancel every job so the engine thread ends promptly when the server stops, and wait
+        for it: a thread that ran compiled MLX code frees its thread-local compile cache as it
+        exits, which takes the GIL; left to exit during the interpreter's own exit, it aborted the
+        process ("terminate called without an active exception")."""
         with self._lock:
             for job in self._jobs:
                 job.cancel()
-        self._executor.shutdown(wait=False)
+        self._executor.shutdown(wait=True)
 
 
 def engine_request(run: Run) -> Request:

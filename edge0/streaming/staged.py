@@ -465,10 +465,9 @@ class StagedExecutor(ExactExecutor):
         s = self.stats
         t0 = time.perf_counter()
         try:
-            if part.direct and n == len(part.misses):
+            if part.direct and n == len(part.misses):  # each miss takes a slot: read straight into it
                 nbytes, raw = read_into_slots(self.store, self.slots, self.layer, loaded, slots)
-                s.loads += n
-                s.bytes_read += nbytes
+                s.loads, s.bytes_read = s.loads + n, s.bytes_read + nbytes
                 slot_raw = raw  # None: written in place; else bytes without a host view, scattered by apply
             else:
                 raw = self._counted(part.misses, part.read())

@@ -27,7 +27,7 @@ class _Target:
     """A staged layer as the lookahead sees it."""
 
     def __init__(self):
-        self.recall, self.reads = 1.0, []
+        self.recall, self.scored, self.reads = 1.0, True, []
 
     def takes_predictions(self):
         return True
@@ -50,6 +50,25 @@ def test_recall_is_a_decayed_average_and_auto_stops_reading_below_the_floor():
     target.recall = RECALL_FLOOR  # agreeing again: auto reads ahead again
     auto.issue(np.array([0]))
     assert target.reads == [True, False, True, True]
+
+
+def test_a_layers_first_prediction_is_only_scored_and_reads_ahead_once_it_agreed(store_for):
+    """`auto` reads nothing ahead on faith: a layer's first prediction is scored, not read (`on`
+    reads it). An agreeing first prediction starts the reads, a wrong one keeps them off."""
+    target = _Target()
+    target.scored, target.recall = False, RECALL_FLOOR
+    auto, on = Lookahead(target, "auto"), Lookahead(target, "on")
+    auto.issue(np.array([0]))
+    on.issue(np.array([0]))
+    assert target.reads == [False, True]
+    engine = edge0.load(store_for("qwen3_moe"), decode_executor="staged", lora=False)
+    ex = engine.streaming.layers[sorted(engine.streaming.layers)[1]].decode
+    assert (ex.scored, ex.recall) == (False, RECALL_FLOOR)
+    for route, scored_recall in (([2, 3], RECALL_FLOOR * 0.8 + 0.2), ([0, 1], 0.8 * (RECALL_FLOOR * 0.8 + 0.2))):
+        ex.prediction.predict(np.array([[2, 3]]))
+        ex.prediction.score(np.array([route]))
+        assert ex.scored and ex.recall == pytest.approx(scored_recall)
+    engine.close()
 
 
 def test_below_the_floor_auto_predicts_one_call_in_probe_every():

@@ -8,8 +8,10 @@ wasted). Tokens never change: every layer still routes with its own gate.
 `auto` (the default) reads ahead only for a layer whose predictions lately agreed with its
 routes (at least RECALL_FLOOR of its routed experts, averaged over the last few steps): mostly
 wrong predictions would take the disk from the reads a step needs, and their experts would take
-slots from cached ones. A layer's average starts at the floor, so its first prediction is read
-ahead and one step in which most of it is wrong stops the next. While a layer does not read, one
+slots from cached ones. A layer's first prediction is only scored, not read: a process's first
+decode step would otherwise read a whole route per layer on faith (on a 200 MB/s disk, 0.15 s
+for routes no hidden state predicts, docs/benchmarks.md). Its average starts at the floor, so one
+agreeing first prediction starts the reads and one mostly wrong keeps them off. While a layer does not read, one
 call in PROBE_EVERY still predicts and is scored, so a layer whose recall comes back reads ahead
 again: a prediction costs a small matmul and a host copy each call, 2% of decode where
 predictions never agree (docs/benchmarks.md). Reads out of the
@@ -53,7 +55,8 @@ class Lookahead:
     def issue(self, ids: np.ndarray) -> None:
         """The next layer's predicted route (host ids [.., K]): scored there, and read ahead unless
         `auto` finds its recall below the floor."""
-        self.target.read_ahead(ids, read=self.mode == "on" or self.target.recall >= RECALL_FLOOR)
+        t = self.target
+        t.read_ahead(ids, read=self.mode == "on" or (t.scored and t.recall >= RECALL_FLOOR))
 
 
 class Prediction:
@@ -69,6 +72,7 @@ class Prediction:
         # how well predictions agreed lately (recall_after); at the floor to start with, so one
         # step of wrong predictions stops `auto` reading ahead (each costs a slot)
         self.recall = RECALL_FLOOR
+        self.scored = False  # a prediction was scored: `auto` reads none ahead before
         self.slotted: SlottedAhead | None = None  # being written into the slots until `land`
         self.landed: SlottedAhead | None = None  # landed, until the call counts its use (`took`)
 
@@ -135,7 +139,7 @@ class Prediction:
         n, agreed = agreement(self.ids, routed)
         self.stats.lookahead_predicted += n
         self.stats.lookahead_agreed += agreed
-        self.recall, self.ids = recall_after(self.recall, n, agreed), None
+        self.recall, self.ids, self.scored = recall_after(self.recall, n, agreed), None, True
 
 
 def agreement(predicted: np.ndarray, routed: np.ndarray) -> tuple[int, int]:

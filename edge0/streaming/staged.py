@@ -119,8 +119,7 @@ class StagedExecutor(ExactExecutor):
         self._pending = Staged(evicted, loaded, slots, future, alias, ids.ndim == 1)
 
     def distrust(self) -> None:
-        """The next call routes on the host even after a swap (a row joined the batch since the
-        stage: it has no prediction)."""
+        """The next call routes on the host after a swap (a row joined the batch since the stage, unpredicted)."""
         self._trusted = False
 
     def on_route(self, fn) -> None:
@@ -135,8 +134,9 @@ class StagedExecutor(ExactExecutor):
     def routes_on_host(self) -> bool:
         return self.takes_predictions()  # one token's call; a staged route (trusted) needs no sync
 
-    # how well the layer before's predictions agreed lately (Lookahead reads it)
+    # how well the layer before's predictions agreed lately, and whether one was scored yet (Lookahead reads them)
     recall = property(lambda self: self.prediction.recall, lambda self, v: setattr(self.prediction, "recall", v))
+    scored = property(lambda self: self.prediction.scored)
 
     def read_ahead(self, ids, read: bool = True) -> None:
         """The layer before's prediction of this layer's next route (host ids [.., K], best first),

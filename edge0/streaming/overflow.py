@@ -25,6 +25,17 @@ def admission_order(ids: np.ndarray) -> list[int]:
     return sorted(latest_first, key=lambda e: -counts[e])  # stable: latest first among equal counts
 
 
+def seed_order(routes: np.ndarray, n_slots: int, num_experts: int, cached) -> list[int]:
+    """The experts a prefill's whole-layer read leaves in a layer's `n_slots` decode slots, given
+    the route of its last call (host ids [.., K]): those that call routed most, then latest
+    (`admission_order`), as many as the slots hold, best last (the most recent to the cache
+    policy); every expert when the slots hold them all. The next token routed 77% of them where
+    only the last token's experts held 30% (synthetic qwen3-like routes, 25 of 128 slots,
+    docs/benchmarks.md). Those `cached` already are left out."""
+    want = range(num_experts) if n_slots >= num_experts else admission_order(routes)[:n_slots][::-1]
+    return [e for e in want if e not in cached]
+
+
 def decayed_use(use: np.ndarray, ids) -> np.ndarray:
     """Use counts [E] after a call routing `ids` (any shape): decayed once, +1 per (token, k)."""
     use = use * USE_DECAY

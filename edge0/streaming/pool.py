@@ -176,6 +176,22 @@ class SlotSet:
         self.aliased = bool(alias)
         return scattered
 
+    def copy_rows(self, slots: list[int], params: dict, rows: list[int]) -> int:
+        """Write rows `rows` of computed expert tensors `params` (to_device's layout: a prefill's
+        whole layer) into `slots`, while no launched computation reads them: through the host
+        views, or by a device scatter where a tensor has none. The table is `apply`'s. Returns the
+        number of tensors scattered."""
+        rows_at, slots_at, scattered = B.array(np.array(rows, np.uint32)), B.array(np.array(slots, np.uint32)), 0
+        for proj, parts in params.items():
+            for part, a in parts.items():
+                got = B.take(a, rows_at, axis=0)
+                if self.views[proj][part] is not None:
+                    self.views[proj][part][slots] = B.to_numpy(got)
+                else:
+                    self.params[proj][part][slots_at] = got
+                    scattered += 1
+        return scattered
+
     def _view(self, name: str) -> np.ndarray | None:
         """The host view of the slot tensor of a store tensor name ("gate_proj.scales"), or None."""
         proj, part = name.rsplit(".", 1)

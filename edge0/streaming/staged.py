@@ -39,7 +39,7 @@ from edge0.cache import substitute
 from edge0.streaming.early import EARLY_EXPERTS, after_route
 from edge0.streaming.exact import ExactExecutor, raw_nbytes, to_device
 from edge0.streaming.lookahead import Prediction
-from edge0.streaming.overflow import call_split, decayed_use, stage_split
+from edge0.streaming.overflow import call_split, decayed_use, seed_order, stage_split
 from edge0.streaming.parts import CallRead, DeferredPart, ReadAhead, Staged, read_call, read_into_slots
 from edge0.streaming.pool import SlotSet
 
@@ -215,17 +215,18 @@ class StagedExecutor(ExactExecutor):
         Substitution and score-aware policies still route on the host."""
         return not self.wants_scores and len(self.slots.slot_of) == self.slots.num_experts
 
-    def fill(self, raw) -> None:
-        """A whole layer's store bytes (`raw`, experts in id order) read for a prefill: if the slots
-        hold every expert, the uncached take theirs from it, so decode needs no sync from its start."""
-        missing = [e for e in range(self.slots.num_experts) if e not in self.slots.slot_of]
-        if self.slots.n_slots < self.slots.num_experts or not missing or self._pending is not None:
+    def fill(self, params, routes) -> None:
+        """A whole layer's experts (`params`, computed, in id order) a prefill read, and its last
+        call's route (host ids [.., K]): the experts `seed_order` picks take their slots from them."""
+        want = seed_order(routes, self.slots.n_slots, self.slots.num_experts, self.slots.slot_of)
+        if self._pending is not None or not want:
             return
         self._finish_inflight()  # nothing in flight writes the slots; the step before was evaluated
-        loaded, evicted, slots = self.slots.admit(missing)
-        rows = {k: (b[loaded], d, shape) for k, (b, d, shape) in raw.items()}
-        self.stats.slot_scatters += self.slots.apply(evicted, loaded, slots, rows, in_place=True)
-        self.stats.slot_rewrites += len(loaded)
+        loaded, evicted, slots = self.slots.admit(want)
+        s = self.stats
+        s.slot_scatters += self.slots.copy_rows(slots, params, loaded)
+        self.slots.apply(evicted, loaded, slots, None)
+        s.slot_rewrites, s.seeded = s.slot_rewrites + len(loaded), s.seeded + len(loaded)
 
     def _on_slots(self, indices) -> list:
         """A token's call mapped onto the slots on the device, no host sync: its route was staged (a
@@ -247,8 +248,7 @@ class StagedExecutor(ExactExecutor):
         return out
 
     def count_routes(self, routes: list) -> None:
-        """The hits of calls that routed on the device over a cache holding every expert (host ids);
-        the cache policy's recency is not updated by them, as nothing is evicted while it holds all."""
+        """Hits of calls routed on the device over a cache holding every expert (no recency: nothing evicts)."""
         for ids in routes:
             experts = np.unique(ids).tolist()
             self._count(experts, experts, [], 0)

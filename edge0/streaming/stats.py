@@ -15,6 +15,7 @@ COUNTERS = (
     "bytes_used",
     "slot_rewrites",
     "slot_scatters",
+    "seeded",
     "fallbacks",
     "overlapped",
     "dropped",
@@ -48,6 +49,7 @@ class LayerStats:
     bytes_used: int = 0  # bytes of the distinct experts each call actually used
     slot_rewrites: int = 0
     slot_scatters: int = 0  # slot tensors rewritten by a device scatter, not in place (see SlotSet.apply)
+    seeded: int = 0  # experts a whole-layer prefill read left in the decode slots (StagedExecutor.fill)
     fallbacks: int = 0  # staged calls whose experts outnumbered the slots: the rest read for that call only
     overlapped: int = 0  # host-routed calls whose hits computed while their misses were read
     dropped: int = 0  # routed experts that were not staged (trusted staged mode only)

@@ -47,7 +47,10 @@ class WholeLayerExecutor(ExactExecutor):
         self._used = None  # device mask of the experts the call (or the held span) used
         self.holding = False
         self._params = None
-        self.on_read = None  # fn(raw): also given each whole layer read (the decode slots fill from it)
+        # fn(params, routes): each whole layer read, once computed, with its last call's host route
+        # [.., K] (the decode slots fill from it: StagedExecutor.fill)
+        self.on_read = None
+        self._last = None  # (params, route) of the last call, until on_read takes them
 
     def hold(self) -> None:
         """Start reading the layer, and keep its experts from the first call until `release` (a
@@ -59,6 +62,7 @@ class WholeLayerExecutor(ExactExecutor):
         """Count the experts the held span used and let its tensors go."""
         if self._used is not None:
             self._count_used()
+        self._hand_read()
         self.holding, self._params = False, None
 
     def _load(self) -> dict:
@@ -69,8 +73,6 @@ class WholeLayerExecutor(ExactExecutor):
         s.calls += 1
         s.loads += self.num_experts
         s.bytes_read += raw_nbytes(raw)
-        if self.on_read is not None:
-            self.on_read(raw)
         return to_device(raw, self.num_experts, self.dtype)
 
     def __call__(self, indices, scores=None):
@@ -80,6 +82,8 @@ class WholeLayerExecutor(ExactExecutor):
             self._params = params
         used = B.zeros((self.num_experts,)).at[indices.flatten()].add(1.0) > 0
         self._used = used if self._used is None else (self._used | used)
+        if self.on_read is not None:
+            self._last = (params, indices)
         return [(params, indices)]
 
     def done(self, y) -> None:
@@ -87,6 +91,13 @@ class WholeLayerExecutor(ExactExecutor):
         B.eval(y, self._used)
         if not self.holding:
             self._count_used()
+            self._hand_read()
+
+    def _hand_read(self) -> None:
+        """The layer's experts and its last call's route (computed with its output) to `on_read`."""
+        last, self._last = self._last, None
+        if last is not None:
+            self.on_read(last[0], B.to_numpy(last[1]))
 
     def _count_used(self) -> None:
         self.stats.bytes_used += int(self._used.sum().item()) * self.expert_nbytes

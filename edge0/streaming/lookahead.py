@@ -9,7 +9,7 @@ wasted). Tokens never change: every layer still routes with its own gate.
 routes (at least RECALL_FLOOR of its routed experts, averaged over the last few steps): mostly
 wrong predictions would take the disk from the reads a step needs, and their experts would take
 slots from cached ones. A layer's first prediction is only scored, not read: a process's first
-decode step would otherwise read a whole route per layer on faith (on a 200 MB/s disk, 0.15 s
+decode step would otherwise read a whole route per layer on faith (120 MB on the full bench model
 for routes no hidden state predicts, docs/benchmarks.md). Its average starts at the floor, so one
 agreeing first prediction starts the reads and one mostly wrong keeps them off. While a layer does not read, one
 call in PROBE_EVERY still predicts and is scored, so a layer whose recall comes back reads ahead

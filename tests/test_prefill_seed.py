@@ -60,3 +60,24 @@ def test_a_whole_layer_prefill_leaves_its_most_routed_experts_in_the_decode_slot
     assert sum(s["seeded"] for s in stats[False].values()) == 0
     # the seeds were read by the prefill, not again: the decode reads no more with them
     assert sum(s["loads"] for s in stats[True].values()) <= sum(s["loads"] for s in stats[False].values())
+
+
+def test_a_held_span_hands_on_only_a_computed_call(store_for):
+    """A span's call that never reached `done` (an error, a cancel) hands nothing to the decode
+    slots at `release`, and keeps nothing: the span's last computed call is handed on once."""
+    e = edge0.load(store_for("qwen3_moe"), decode_executor="staged", prefill_executor="whole")
+    whole = next(iter(e.streaming.layers.values())).prefill["whole"]
+    got = []
+    whole.on_read = lambda params, routes: got.append((params, routes))
+    inds = B.array(np.array([[[0, 3], [5, 3]]], dtype=np.uint32))
+    whole.hold()
+    whole(inds)  # no done: the call failed
+    whole.release()
+    assert got == [] and whole._call is None and whole._last is None
+    whole.hold()
+    whole(inds)
+    whole.done(B.array(np.zeros(1)))
+    whole.release()
+    assert len(got) == 1 and np.array_equal(got[0][1], [[[0, 3], [5, 3]]])
+    assert set(got[0][0]) == {"gate_proj", "up_proj", "down_proj"} and whole._last is None
+    e.close()

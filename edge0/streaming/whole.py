@@ -50,7 +50,8 @@ class WholeLayerExecutor(ExactExecutor):
         # fn(params, routes): each whole layer read, once computed, with its last call's host route
         # [.., K] (the decode slots fill from it: StagedExecutor.fill)
         self.on_read = None
-        self._last = None  # (params, route) of the last call, until on_read takes them
+        self._call = None  # (params, route) of the call in progress, until its `done`
+        self._last = None  # ... of a held span's last computed call, until `release`
 
     def hold(self) -> None:
         """Start reading the layer, and keep its experts from the first call until `release` (a
@@ -62,7 +63,10 @@ class WholeLayerExecutor(ExactExecutor):
         """Count the experts the held span used and let its tensors go."""
         if self._used is not None:
             self._count_used()
-        self._hand_read()
+        failed = self._call is not None  # a call that never reached `done`: nothing to hand on
+        last, self._last, self._call = self._last, None, None
+        if not failed:
+            self._hand_read(last)
         self.holding, self._params = False, None
 
     def _load(self) -> dict:
@@ -77,27 +81,30 @@ class WholeLayerExecutor(ExactExecutor):
 
     def __call__(self, indices, scores=None):
         """Reads the whole layer (once per held span); router `scores` are not needed."""
+        self._call = None  # a failed call's, released before this one loads
         params = self._params if self.holding and self._params is not None else self._load()
         if self.holding:
             self._params = params
         used = B.zeros((self.num_experts,)).at[indices.flatten()].add(1.0) > 0
         self._used = used if self._used is None else (self._used | used)
         if self.on_read is not None:
-            self._last = (params, indices)
+            self._call = (params, indices)
         return [(params, indices)]
 
     def done(self, y) -> None:
         """Compute the layer now, so its experts can be released before the next layer."""
         B.eval(y, self._used)
-        if not self.holding:
+        computed, self._call = self._call, None
+        if self.holding:
+            self._last = computed
+        else:
             self._count_used()
-            self._hand_read()
+            self._hand_read(computed)
 
-    def _hand_read(self) -> None:
-        """The layer's experts and its last call's route (computed with its output) to `on_read`."""
-        last, self._last = self._last, None
-        if last is not None:
-            self.on_read(last[0], B.to_numpy(last[1]))
+    def _hand_read(self, call) -> None:
+        """A computed call's experts and route (evaluated with its output) to `on_read`."""
+        if call is not None:
+            self.on_read(call[0], B.to_numpy(call[1]))
 
     def _count_used(self) -> None:
         self.stats.bytes_used += int(self._used.sum().item()) * self.expert_nbytes

@@ -95,6 +95,7 @@ for run in runs:
             got = engine.generate_batch(run["batch"], max_tokens=run["max_tokens"], ignore_eos=True)
             out["batch"] = [r.tokens for r in got]
             out["batch_stats"] = got[0].stats["batch"]
+            out["batch_layer_stats"] = engine.stats()["layers"]  # every rank's, after the batch
             if engine.batch_speculation is not None:
                 out["batch_speculation"] = engine.batch_speculation.counts
         # an agent's session: conversations interleaved, each turn reusing what the pool kept of it

@@ -234,6 +234,40 @@ def test_two_ranks_give_the_single_process_tokens_reading_only_their_layers(fami
     assert out[0][1]["layer_stats"][boundary]["dropped"] == 0
 
 
+@pytest.mark.slow  # one launch
+def test_on_two_ranks_only_a_prompt_with_no_row_decoding_seeds_the_decode_slots(store_for, tmp_path):
+    """A prefill's whole-layer reads seed the decode slots on every rank as in one process, and
+    a prompt prefilled while another decodes seeds none on any rank: rank 0 tells the others.
+    Each rank's share of the budget gives its layers 4 slots of 8, as one process's whole budget
+    does; no lookahead, so every rank's slots hold what one process's hold."""
+    store = store_for("qwen3_moe")
+    probe = edge0.load(store, prerouter=False)
+    per_slot = sum(probe.store.expert_nbytes(l) for l in probe.store.layers)
+    assert len(probe.store.layers) % 2 == 0 and len({probe.store.expert_nbytes(l) for l in probe.store.layers}) == 1
+    batch = [PROMPT * 3, "the sea and the sky " * 6]
+    options = {"prerouter": False, "lookahead": "off", "decode_executor": "staged"}
+    run = {"store": str(store), "options": {**options, "expert_cache": 2 * per_slot}, "batch": batch}
+    run.update(prompt=PROMPT * 3, max_tokens=TOKENS, ignore_eos=True)
+    (tmp_path / "runs.json").write_text(json.dumps([run]))
+    argv = [sys.executable, str(ROOT / "tests" / "dist_worker.py"), str(tmp_path / "runs.json")]
+    done = launch(tmp_path, [argv + [str(tmp_path / f"out-{r}.json")] for r in range(2)])
+    assert [rc for rc, _, _ in done] == [0, 0], [err[-2000:] for _, _, err in done]
+    got = json.loads((tmp_path / "out-0.json").read_text())[0]
+    engine = edge0.load(store, **options, expert_cache=4 * per_slot)
+    engine.prefiller.layerwise = got["layerwise"]
+    engine.stepper.hooks.sees_first_forward = True
+    assert engine.generate(run["prompt"], max_tokens=TOKENS, ignore_eos=True).tokens == got["tokens"]
+    after_one = {int(l): s["seeded"] for l, s in engine.stats()["layers"].items()}
+    assert got["batch"] == [r.tokens for r in engine.generate_batch(batch, max_tokens=TOKENS, ignore_eos=True)]
+    want = {int(l): s["seeded"] for l, s in engine.stats()["layers"].items()}
+    assert {int(l): s["seeded"] for l, s in got["layer_stats"].items()} == after_one
+    assert {int(l): s["seeded"] for l, s in got["batch_layer_stats"].items()} == want
+    # the first MoE layer (on rank 1) seeded for the prompt and for the batch's first prompt (the
+    # last, which computes only a prompt's last token in a layer-major prefill, reads nothing whole)
+    first = min(after_one)
+    assert 0 < after_one[first] < want[first]
+
+
 @pytest.mark.slow  # 7-11 s of launches: behind -m slow to keep the suite under 5 minutes on 2 cores
 def test_deepseek_v41_three_ranks_carry_the_streams_and_compressed_state_through_a_middle_stage(store_for, tmp_path):
     # rank 1 runs layers 1-2: it receives the message of layer 0's stage and sends layer 2's on

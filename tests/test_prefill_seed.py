@@ -6,6 +6,7 @@ import numpy as np
 
 import edge0
 from edge0.backend import core as B
+from edge0.engine.request import Request
 from edge0.streaming.exact import to_device
 from edge0.streaming.overflow import seed_order
 
@@ -81,3 +82,33 @@ def test_a_held_span_hands_on_only_a_computed_call(store_for):
     assert len(got) == 1 and np.array_equal(got[0][1], [[[0, 3], [5, 3]]])
     assert set(got[0][0]) == {"gate_proj", "up_proj", "down_proj"} and whole._last is None
     e.close()
+
+
+def test_a_prompt_joining_decoding_rows_leaves_their_slots_alone(store_for):
+    """A prompt prefilled while other sequences decode does not seed the slots their experts are
+    in (Streaming.seeding): a lone prompt does; a second one, joining a decoding row, reads its
+    layers whole but seeds nothing. Tokens are each prompt's own either way."""
+    store = store_for("qwen3_moe")
+    probe = edge0.load(store, lora=False)
+    per_slot = sum(probe.store.expert_nbytes(l) for l in probe.store.layers)
+    first, second = probe.encode(TEXT), probe.encode("another prompt, " * 10)
+    alone = [probe.generate(p, max_tokens=n, ignore_eos=True).tokens for p, n in ((first, 8), (second, 3))]
+    engine = edge0.load(store, decode_executor="staged", prefill_executor="whole", expert_cache=4 * per_slot)
+
+    def totals():
+        t = engine.stats()["totals"]
+        return t["seeded"], t["span_whole"]
+
+    with engine.batching() as batch:
+        rows = [batch.join(Request(first, 8, ignore_eos=True))]
+        batch.advance()
+        seeded, whole = totals()
+        assert seeded > 0 and whole > 0 and len(batch.rows) == 1
+        rows.append(batch.join(Request(second, 3, ignore_eos=True)))
+        while batch.busy:
+            batch.advance()
+    assert totals()[0] == seeded and totals()[1] > whole
+    assert [r.tokens for r in rows] == alone
+    assert engine.streaming.seeding is False  # until the next prefill with no row decoding
+    engine.generate(first, max_tokens=2, ignore_eos=True)
+    assert engine.streaming.seeding is True and totals()[0] > seeded

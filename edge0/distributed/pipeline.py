@@ -13,7 +13,8 @@ Each op is one trip around the ring, started by rank 0 and ending back at it:
   header names the prompt cache the forward runs on (each rank holds its layers' share of every
   prompt cache of rank 0, mirror.py) and the step number, so every stage runs the same StepHooks
   at the same points (the pre-router's stager reads and swaps experts as it does in one process;
-  a batch's step also carries which row each row was, and which rows end).
+  a batch's step also carries which row each row was, and which rows end; a prefill while rows
+  decode says so, and no stage then seeds its decode slots from it).
   Pre-router heads whose consumer layer is on a later stage send their logits with the hidden
   state; the consumer's stage routes them (with its own router bias) before its layers run.
 - START / FINISH: a generation begins / ends (hooks.start / hooks.finish on every stage); FINISH
@@ -215,6 +216,8 @@ class Pipeline:
         step = None
         if self.step >= 0:
             step = {"previous": self.previous, "last": self.last, "ending": self.ending}
+        elif not self.parts.streaming.seeding:  # a prefill while rows decode: no stage seeds its slots
+            step = {"seed": False}
         with self._op():
             self._send_header(
                 FORWARD,
@@ -453,6 +456,7 @@ class Pipeline:
             )
             return
         # a prefill span or chunk: not a step, no hooks; layer by layer where this stage can
+        self.parts.streaming.seeding = (step_detail or {}).get("seed", True)  # as rank 0's (Streaming.seeding)
         prefiller = self.parts.prefiller
         if prefiller.layerwise:
             routed.update(self._route_predictions(preds))

@@ -280,6 +280,7 @@ class Batch:
         returns the tokens fed."""
         p = self.parts.prefiller
         spans, fed = p.spans + p.chunked_spans, seq.fed
+        self.parts.streaming.seeding = not self.rows
         try:
             done = self.solo.prefill(seq, self.interrupt)
         except PeerLost:  # the model lost a rank: not this sequence's failure
@@ -300,6 +301,8 @@ class Batch:
         e = self.parts
         todo = seq.prompt[seq.fed : -1]
         fed = 0
+        # its experts take the decode slots only if no row decodes from them (Streaming.seeding)
+        e.streaming.seeding = not self.rows
         if todo:
             n = min(len(todo), e.prefiller.span_for(seq.cache))
             stop = None

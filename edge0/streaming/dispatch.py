@@ -7,6 +7,7 @@ import json
 import math
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -186,6 +187,9 @@ class Streaming:
         self.prefetcher = LayerPrefetcher(
             store, layers, ThreadPoolExecutor(max_workers=1, thread_name_prefix="edge0-layer")
         )
+        # a prefill's whole-layer reads seed the decode slots (StagedExecutor.fill); a batch turns it
+        # off while other sequences decode, whose experts the seed would push out (engine/batch.py)
+        self.seeding = True
         self.layers: dict[int, LayerDispatch] = {}
         for l in layers:
             exact = ExactExecutor(store, l, compute_dtype, self.stats)
@@ -210,9 +214,15 @@ class Streaming:
                 else:
                     decode = HotExecutor(store, l, compute_dtype, self.stats, slots)
             if "whole" in prefill and isinstance(decode, StagedExecutor):
-                prefill["whole"].on_read = decode.fill
+                prefill["whole"].on_read = partial(self._fill, decode)
             num_experts = int(store.layers[l]["num_experts"])
             self.layers[l] = LayerDispatch(prefill, decode, WHOLE_LAYER_MIN_TOKENS, k, num_experts, self.stats.layer(l))
+
+    def _fill(self, decode: StagedExecutor, params, routes) -> None:
+        """A prefill's whole layer to `decode`'s slots while `seeding` (or when they hold every
+        expert: filling them then evicts nothing)."""
+        if self.seeding or decode.slots.n_slots >= decode.slots.num_experts:
+            decode.fill(params, routes)
 
     def _policy_options(self, layer: int) -> dict:
         o = self.options

@@ -110,6 +110,7 @@ class Batch:
             self.leave(self.lone)
         self.waiting, self.rows, self.last_rows, self.inputs, self.cache = [], [], [], [], None
         self.parts.kv.lend(0)
+        self.parts.streaming.seeding = True  # no row decodes now
 
     def _fit_pool(self) -> None:
         """The memory budget counts one sequence's KV at the context: what the batch holds beyond

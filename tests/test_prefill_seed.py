@@ -3,6 +3,7 @@ slots (StagedExecutor.fill, streaming/overflow.seed_order): the first decode ste
 cached instead of reading them again. Nothing more is read, and tokens never change."""
 
 import numpy as np
+import pytest
 
 import edge0
 from edge0.backend import core as B
@@ -21,7 +22,10 @@ def test_seed_order_takes_the_most_routed_then_the_latest_experts_best_last():
     assert seed_order(routes, 8, 8, {0: 0, 7: 1}) == list(range(1, 7))  # slots for every expert: all
 
 
-def test_a_whole_layer_prefill_leaves_its_most_routed_experts_in_the_decode_slots(store_for):
+@pytest.mark.parametrize("path", ["in place", "scatter"])
+def test_a_whole_layer_prefill_leaves_its_most_routed_experts_in_the_decode_slots(path, store_for):
+    """`scatter`: slot tensors without a host view (a bfloat16 compute dtype) take the seed by a
+    device scatter."""
     store = store_for("qwen3_moe")
     ref = edge0.load(store, decode_executor="exact", prefill_executor="exact")
     prompt = ref.encode(TEXT)
@@ -35,6 +39,8 @@ def test_a_whole_layer_prefill_leaves_its_most_routed_experts_in_the_decode_slot
         for layer, d in e.streaming.layers.items():
             ex = d.decode
             assert ex.slots.n_slots == 4 < ex.slots.num_experts
+            if path == "scatter":
+                ex.slots.views = {p: dict.fromkeys(parts) for p, parts in ex.slots.params.items()}
             if not seed:
                 d.prefill["whole"].on_read = None
                 continue
@@ -59,6 +65,7 @@ def test_a_whole_layer_prefill_leaves_its_most_routed_experts_in_the_decode_slot
             for layer, v in seeded.items():
                 assert stats[True][layer]["seeded"] == 4
     assert sum(s["seeded"] for s in stats[False].values()) == 0
+    assert (sum(s["slot_scatters"] for s in stats[True].values()) > 0) == (path == "scatter")
     # the seeds were read by the prefill, not again: the decode reads no more with them
     assert sum(s["loads"] for s in stats[True].values()) <= sum(s["loads"] for s in stats[False].values())
 
